@@ -1,0 +1,1 @@
+"""freetoken_patch"""

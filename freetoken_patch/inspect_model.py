@@ -1,0 +1,188 @@
+"""`ftpatch inspect`: what a GGUF holds, what it costs, and how it would sit in a VRAM budget."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict
+from typing import Any
+
+from loaders import LoadedModel, open_model
+from loaders.quants import QUANT_TYPES
+from moe_offload.placement import is_expert_tensor, plan_sketch
+
+
+def tensor_class(name: str, aside: bool = False) -> str:
+    """A coarse class for byte accounting."""
+    if aside:
+        return "mtp"
+    if name.startswith("token_embd"):
+        return "embedding"
+    if name.startswith("output."):
+        return "output head"
+    if is_expert_tensor(name):
+        return "routed experts"
+    if "shexp" in name:
+        return "shared expert"
+    if "ffn_gate_inp" in name:
+        return "router"
+    if "norm" in name:
+        return "norms"
+    if "ssm_" in name or ".attn_gate" in name or (".attn_qkv" in name):
+        return "delta-net"
+    if ".attn_" in name:
+        return "attention"
+    return "other"
+
+
+def parameter_counts(model: LoadedModel) -> tuple[int, int]:
+    """(total trunk parameters, active per token): K/E of routed experts, one embedding row."""
+    c = model.config
+    total = active = 0
+    for w in model.weights.values():
+        n = w.n_elements
+        total += n
+        if is_expert_tensor(w.name):
+            active += n // c.n_expert * c.n_expert_used
+        elif w.name == "token_embd.weight":
+            active += c.n_embd
+        else:
+            active += n
+    if c.tied_output:
+        active += model.weights["token_embd.weight"].n_elements - c.n_embd
+    return total, active
+
+
+def kernel_support() -> dict[str, dict[str, bool]]:
+    """Which types the native kernels handle on each engine (reference handles all)."""
+    try:
+        from native import ops
+        return ops.supported_types()
+    except Exception:  # the native package may be partially built; report reference only
+        return {name: {"reference": True, "cpu": False, "cuda": False} for name in QUANT_TYPES}
+
+
+def describe(model: LoadedModel, vram: int | None = None, n_ctx: int = 8192) -> dict[str, Any]:
+    """Everything `inspect` shows, as one JSON-ready object."""
+    c = model.config
+    total, active = parameter_counts(model)
+    tensors = [{"name": w.name, "type": w.qtype.name, "shape": list(w.shape), "bytes": w.nbytes}
+               for w in model.weights.values()]
+    by_class: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for w in model.weights.values():
+        by_class[tensor_class(w.name)][w.qtype.name] += w.nbytes
+    for w in model.aside.values():
+        by_class["mtp"][w.qtype.name] += w.nbytes
+    layers = []
+    for i in range(c.n_layer):
+        pre = f"blk.{i}."
+        ws = [w for n, w in model.weights.items() if n.startswith(pre)]
+        exps = {w.name[len(pre):].replace("_exps.weight", ""): w.qtype.name
+                for w in ws if is_expert_tensor(w.name)}
+        layers.append({
+            "layer": i, "kind": "delta-net" if c.recurrent[i] else "attention",
+            "mixer_bytes": sum(w.nbytes for w in ws if not is_expert_tensor(w.name)
+                               and "shexp" not in w.name and "ffn_gate_inp" not in w.name),
+            "expert_bytes": sum(w.nbytes for w in ws if is_expert_tensor(w.name)),
+            "expert_types": exps,
+            "mixer_types": sorted({w.qtype.name for w in ws if w.shape and len(w.shape) > 1
+                                   and not is_expert_tensor(w.name)}),
+        })
+    support = kernel_support()
+    used_types = sorted({w.qtype.name for w in model.weights.values()})
+    md = model.metadata
+    out: dict[str, Any] = {
+        "architecture": model.arch.name,
+        "name": md.get("general.name"),
+        "files": [str(p) for p in model.file.paths],
+        "file_bytes": model.file.file_size,
+        "gguf_version": model.file.version,
+        "synthetic": "ftpatch.synth.preset" in md,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(c).items()},
+        "parameters": total,
+        "parameters_active": active,
+        "parameters_mtp": sum(w.n_elements for w in model.aside.values()),
+        "tensor_bytes": sum(w.nbytes for w in model.weights.values()),
+        "bytes_by_class": {k: dict(v) for k, v in by_class.items()},
+        "layers": layers,
+        "types": {t: support.get(t, {}) for t in used_types},
+        "tensors": tensors,
+        "extra_tensors": [t.name for t in model.extras],
+        "problems": model.problems,
+    }
+    if vram is not None:
+        out["plan"] = plan_sketch(model, vram, n_ctx).as_dict()
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def render(d: dict[str, Any], console) -> None:
+    """The human view of `describe`."""
+    from rich.table import Table
+    c = d["config"]
+    title = f"[bold]{d['name'] or d['files'][0]}[/] — {d['architecture']}, GGUF v{d['gguf_version']}"
+    console.print(title)
+    if d["synthetic"]:
+        console.print("[yellow]synthetic model: random weights (made by ftpatch synth)[/]")
+    console.print(f"files: {', '.join(d['files'])} ({_gib(d['file_bytes'])})")
+    console.print(
+        f"parameters: [bold]{d['parameters']:,}[/] total, {d['parameters_active']:,} active per "
+        f"token" + (f", MTP block {d['parameters_mtp']:,} kept aside" if d["parameters_mtp"] else ""))
+    n_rec = sum(c["recurrent"])
+    console.print(
+        f"layers {c['n_layer']} ({n_rec} delta-net + {c['n_layer'] - n_rec} attention), "
+        f"hidden {c['n_embd']}, vocab {c['n_vocab']:,}, experts {c['n_expert']} top-{c['n_expert_used']} "
+        f"(ff {c['n_ff_exp']}, shared ff {c['n_ff_shexp']}), heads {c['n_head']}/{c['n_head_kv']} "
+        f"x {c['head_dim']} (rope {c['n_rot']} dims, base {c['rope_base']:g}), context {c['n_ctx_train']:,}")
+    t = Table(title="bytes by tensor class and type", show_lines=False)
+    t.add_column("class")
+    t.add_column("types")
+    t.add_column("bytes", justify="right")
+    for cls, types in sorted(d["bytes_by_class"].items(), key=lambda kv: -sum(kv[1].values())):
+        t.add_row(cls, ", ".join(f"{k} {_gib(v)}" for k, v in sorted(types.items())),
+                  _gib(sum(types.values())))
+    t.add_row("[bold]total[/]", "", f"[bold]{_gib(d['tensor_bytes'])}[/]")
+    console.print(t)
+    lt = Table(title="layers")
+    for col in ("layer", "kind", "mixer", "mixer types", "experts", "gate / up / down"):
+        lt.add_column(col, justify="right" if col in ("layer", "mixer", "experts") else "left")
+    for L in d["layers"]:
+        et = L["expert_types"]
+        lt.add_row(str(L["layer"]), L["kind"], _gib(L["mixer_bytes"]), ",".join(L["mixer_types"]),
+                   _gib(L["expert_bytes"]),
+                   " / ".join(et.get(k, "-") for k in ("ffn_gate", "ffn_up", "ffn_down"))
+                   if "ffn_gate_up" not in et else f"{et['ffn_gate_up']} (fused) / {et.get('ffn_down')}")
+    console.print(lt)
+    kt = Table(title="kernels for the types in this file")
+    for col in ("type", "reference", "CPU", "CUDA"):
+        kt.add_column(col)
+    yes = lambda b: "[green]yes[/]" if b else "[red]no[/]"  # noqa: E731
+    for name, s in d["types"].items():
+        kt.add_row(name, yes(s.get("reference", False)), yes(s.get("cpu", False)), yes(s.get("cuda", False)))
+    console.print(kt)
+    if d["extra_tensors"]:
+        console.print(f"extra tensors (not used): {', '.join(d['extra_tensors'][:8])}")
+    for p in d["problems"]:
+        console.print(f"[red]problem:[/] {p}")
+    if "plan" in d:
+        p = d["plan"]
+        console.print(f"[bold]plan for {_gib(p['vram_bytes'])} of VRAM[/] (context {p['n_ctx']:,}):")
+        console.print(f"  dense weights {_gib(p['dense_bytes'])}, KV {_gib(p['kv_bytes'])}, "
+                      f"delta-net state {_gib(p['state_bytes'])}, workspace {_gib(p['workspace_bytes'])}")
+        if not p["fits"]:
+            console.print("  [red]the dense part does not fit: raise --vram or keep the head on the host[/]")
+        console.print(f"  left for experts {_gib(p['expert_budget_bytes'])}: {p['experts_fit']:,} of "
+                      f"{p['experts_total']:,} experts ({100 * p['experts_fit_fraction']:.1f}%), "
+                      f"{_gib(p['expert_bytes_mean'])} each")
+
+
+def run(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:
+    model = open_model(path, strict=False)
+    d = describe(model, vram, n_ctx)
+    if as_json:
+        print(json.dumps(d))
+    else:
+        render(d, console)
+    return 0 if not model.problems else 1

@@ -1,0 +1,1 @@
+"""Architectures we run; each module registers itself with loaders.registry on import."""

@@ -1,0 +1,128 @@
+"""A validated model: GGUF file + architecture config + weight handles keyed by GGUF name."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import GGUFError
+from .gguf_file import GGUFFile, TensorInfo, open_gguf
+from .quants import QUANT_TYPES, QuantType
+from .registry import Architecture, TensorSpec, get_architecture
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A tensor's raw blocks, zero-copy from the file. The quant type travels with the handle."""
+
+    name: str
+    qtype: QuantType
+    shape: tuple[int, ...]   # torch order: [..., rows, cols]; cols (last) holds the blocks
+    data: np.ndarray         # uint8 [n_rows_total, row_bytes], memory-mapped
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def _fmt_shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+@dataclass
+class LoadedModel:
+    """What `open_model` returns: everything known about the file before any math happens."""
+
+    file: GGUFFile
+    arch: Architecture
+    config: Any
+    weights: dict[str, Weight]            # trunk tensors the architecture runs
+    aside: dict[str, Weight]              # recognised but not run (MTP block)
+    extras: list[TensorInfo]              # in the file, unknown to the schema
+    problems: list[str] = field(default_factory=list)  # why it cannot run (empty: it can)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.file.metadata
+
+    def __getitem__(self, name: str) -> Weight:
+        w = self.weights.get(name)
+        if w is None:
+            raise GGUFError(f"{self.file.path}: model has no tensor {name!r}")
+        return w
+
+    def get(self, name: str) -> Weight | None:
+        return self.weights.get(name)
+
+
+def _weight(f: GGUFFile, t: TensorInfo) -> Weight:
+    return Weight(t.name, QUANT_TYPES[t.type_name], t.shape, f.data(t.name))
+
+
+def _check(spec: TensorSpec, t: TensorInfo) -> str | None:
+    if t.shape not in spec.shapes:
+        want = " or ".join(_fmt_shape(s) for s in spec.shapes)
+        return (f"tensor {t.name!r} has shape {_fmt_shape(t.shape)}, expected {want} "
+                "from the metadata; the file's metadata and tensors disagree")
+    q = QUANT_TYPES.get(t.type_name)
+    if q is None:
+        return (f"tensor {t.name!r} has type {t.type_name}, which ftpatch does not run; "
+                f"re-quantize it to one of {', '.join(QUANT_TYPES)}")
+    if not spec.matrix and q.family != "float":
+        return f"tensor {t.name!r} is a vector stored as {t.type_name}; expected F32, F16 or BF16"
+    return None
+
+
+def open_model(path: str | os.PathLike, *, strict: bool = True) -> LoadedModel:
+    """Parse and validate a model. With strict=False, problems are listed instead of raised."""
+    f = open_gguf(path)
+    arch = get_architecture(f.get("general.architecture"))
+    shapes = {t.name: t.shape for t in f}
+    config = arch.parse_config(f.metadata, shapes)
+    problems: list[str] = []
+    weights: dict[str, Weight] = {}
+    slots: dict[str, dict[str, list[TensorSpec]]] = {}
+    for spec in arch.tensor_schema(config):
+        if spec.slot is not None:
+            slots.setdefault(spec.slot, {}).setdefault(spec.group or "", []).append(spec)
+            continue
+        t = f.tensors.get(spec.name)
+        if t is None:
+            problems.append(f"tensor {spec.name!r} is missing (expected shape "
+                            f"{_fmt_shape(spec.shape)}); the file is incomplete or not {arch.name}")
+        elif (err := _check(spec, t)) is None:
+            weights[t.name] = _weight(f, t)
+        else:
+            problems.append(err)
+    for slot, groups in slots.items():
+        present = [g for g, specs in groups.items() if all(s.name in f.tensors for s in specs)]
+        if not present:
+            names = " or ".join("+".join(s.name for s in specs) for specs in groups.values())
+            problems.append(f"tensors {names} are missing; the file is incomplete")
+            continue
+        chosen = "fused" if "fused" in present else present[0]
+        for spec in groups[chosen]:
+            t = f.tensors[spec.name]
+            if (err := _check(spec, t)) is None:
+                weights[t.name] = _weight(f, t)
+            else:
+                problems.append(err)
+    aside_prefix = arch.extra_prefixes(config)
+    aside, extras = {}, []
+    for t in f:
+        if t.name in weights:
+            continue
+        if aside_prefix and t.name.startswith(aside_prefix) and t.type_name in QUANT_TYPES:
+            aside[t.name] = _weight(f, t)
+        elif not any(t.name in (s.name for s in g) for gs in slots.values() for g in gs.values()):
+            extras.append(t)
+    if strict and problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise GGUFError(f"{f.path}: {problems[0]}{more}")
+    return LoadedModel(f, arch, config, weights, aside, extras, problems)
