@@ -37,4 +37,27 @@ struct Grids {
     const int8_t* kvalues_mxfp4;  // [16] (doubled E2M1 values)
 };
 
+// ggml type ids, as stored in GGUF.
+enum class QType : int {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+    Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+    IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
+    IQ4_XS = 23, IQ1_M = 29, BF16 = 30, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39,
+};
+
+// X(NAME, block_elems, block_bytes) for every type the kernels handle; NAME is a QType member.
+#define FT_QUANT_TYPES(X) \
+    X(F32, 1, 4) X(F16, 1, 2) X(BF16, 1, 2) \
+    X(Q4_0, 32, 18) X(Q4_1, 32, 20) X(Q5_0, 32, 22) X(Q5_1, 32, 24) X(Q8_0, 32, 34) \
+    X(Q2_K, 256, 84) X(Q3_K, 256, 110) X(Q4_K, 256, 144) X(Q5_K, 256, 176) X(Q6_K, 256, 210) \
+    X(IQ1_S, 256, 50) X(IQ1_M, 256, 56) X(IQ2_XXS, 256, 66) X(IQ2_XS, 256, 74) X(IQ2_S, 256, 82) \
+    X(IQ3_XXS, 256, 98) X(IQ3_S, 256, 110) X(IQ4_NL, 32, 18) X(IQ4_XS, 256, 136) \
+    X(TQ1_0, 256, 54) X(TQ2_0, 256, 66) X(MXFP4, 32, 17)
+
+template <QType T> struct Traits;  // id, block_elems, block_bytes, subs (32-weight groups per block)
+
+// Weights [32*sub, 32*sub + 32) of the block at `blk` -> out[0..32), bit-exact with ggml.
+// Float types (block of 1 element) decode 32 consecutive elements starting at `blk` (sub = 0).
+template <QType T> FT_HD void decode32(const uint8_t* blk, int sub, const Grids& g, float* out);
+
 }  // namespace ft
