@@ -1,0 +1,66 @@
+"""`ftpatch inspect` and `ftpatch synth` through the CLI entry point."""
+import json
+
+import pytest
+
+from freetoken_patch.cli import main
+
+
+def test_synth_then_inspect_json(tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["synth", "-o", str(out), "--type", "Q4_K", "--down-type", "Q6_K", "--mtp"]) == 0
+    assert "random weights" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--json", "--vram", "64MiB"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["architecture"] == "qwen35moe"
+    assert isinstance(d["parameters"], int) and d["parameters"] > d["parameters_active"] > 0
+    names = {t["name"]: t for t in d["tensors"]}
+    assert names["blk.0.ffn_down_exps.weight"]["type"] == "Q6_K"
+    assert names["blk.0.ffn_gate_exps.weight"]["shape"] == [16, 256, 256]
+    assert all(set(t) == {"name", "type", "shape", "bytes"} for t in d["tensors"])
+    assert d["parameters_mtp"] > 0 and d["synthetic"] is True
+    plan = d["plan"]
+    assert plan["vram_bytes"] == 64 << 20 and plan["experts_total"] == 4 * 16
+    assert 0 <= plan["experts_fit"] <= plan["experts_total"]
+
+
+def test_inspect_tables(tiny_model, capsys):
+    assert main(["inspect", str(tiny_model), "--vram", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("parameters:", "bytes by tensor class", "routed experts", "layers",
+                   "delta-net", "attention", "kernels for the types", "plan for 1.00 GiB",
+                   "64 of 64 experts"):
+        assert needle in out, needle
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["inspect", "/nonexistent/model.gguf"], "no such file"),
+    (["synth", "-o", "{tmp}/x.gguf", "--type", "Q9_K"], "unsupported ggml type"),
+    (["synth", "-o", "{tmp}/x.gguf", "--tensor-type", "nonsense"], "REGEX=TYPE"),
+])
+def test_errors_are_one_line(tmp_path, capsys, args, needle):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_not_a_gguf_one_line(tmp_path, capsys):
+    p = tmp_path / "notes.txt"
+    p.write_text("hello")
+    assert main(["inspect", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ftpatch: error:") and "not a GGUF file" in err
+
+
+def test_bad_size_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["inspect", "x.gguf", "--vram", "lots"])
+    assert "cannot read size 'lots'" in capsys.readouterr().err
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit):
+        main(["synth", "--help"])
+    out = capsys.readouterr().out
+    assert "35b-a3b" in out and "IQ3_S" in out and "example" in out
