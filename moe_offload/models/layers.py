@@ -1,0 +1,146 @@
+"""Small math helpers of the forward pass: norms, RoPE, causal conv, attention, delta rules.
+
+Plain device-agnostic torch in float32; no host syncs (no `.item()`, no data-dependent shapes),
+so a decode step built from these can be captured in a CUDA graph. Formulas follow
+shared/docs/qwen35moe.md §4. Legend: B batch, T new tokens, L attended positions, H heads,
+d head dim, C conv channels, Kc conv kernel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+EXPERT_WEIGHT_FLOOR = 6.103515625e-5  # llama.cpp clamps the top-k renormalisation denominator
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x²) + eps) * w over the last dim (w already holds the converter's +1)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dim."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Norm before gate: rms_norm(x) * w * silu(z)."""
+    return rms_norm(x, w, eps) * F.silu(z)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+# ---- rotary embedding ------------------------------------------------------------------------------
+
+def rope_neox(x: torch.Tensor, pos: torch.Tensor, n_rot: int, base: float) -> torch.Tensor:
+    """NEOX RoPE on the first n_rot dims of each head. x [B, T, H, d]; pos [T] int (device).
+
+    Pair i (< n_rot/2) rotates dims (i, i + n_rot/2) by pos * base^(-2i/n_rot). For text tokens
+    qwen35moe's interleaved M-RoPE reduces to exactly this (all section positions equal).
+    """
+    half = n_rot // 2
+    inv_freq = base ** (-torch.arange(0, n_rot, 2, device=x.device, dtype=torch.float32) / n_rot)
+    ang = pos.to(torch.float32)[:, None] * inv_freq              # [T, half]
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+# ---- attention -----------------------------------------------------------------------------------
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              k_pos: torch.Tensor) -> torch.Tensor:
+    """Causal GQA softmax attention. q [B, T, Hq, d]; k, v [B, L, Hkv, d]; q_pos [T]; k_pos [L].
+
+    Query head h reads kv head h // (Hq/Hkv); key l is visible to query t iff k_pos[l] <= q_pos[t]
+    (cache rows past the written ones are masked out). Scale 1/sqrt(d). Returns [B, T, Hq, d].
+    """
+    B, T, Hq, d = q.shape
+    Hkv = k.shape[2]
+    q = q.view(B, T, Hkv, Hq // Hkv, d).permute(0, 2, 3, 1, 4)    # [B, Hkv, G, T, d]
+    k = k.permute(0, 2, 1, 3).unsqueeze(2)                        # [B, Hkv, 1, L, d]
+    v = v.permute(0, 2, 1, 3).unsqueeze(2)
+    s = (q @ k.transpose(-1, -2)) * d ** -0.5                     # [B, Hkv, G, T, L]
+    s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v                              # [B, Hkv, G, T, d]
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, d)
+
+
+# ---- gated delta-net pieces --------------------------------------------------------------------------
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv, no bias, no activation; updates conv_state in place.
+
+    x [B, T, C] raw projections; conv_state [B, C, Kc-1] the previous raw inputs, oldest first;
+    w [C, Kc] (w[:, Kc-1] multiplies the current token). Returns [B, T, C].
+    """
+    T, Kc = x.shape[1], w.shape[1]
+    xs = torch.cat((conv_state, x.transpose(1, 2)), dim=-1)      # [B, C, Kc-1+T]
+    conv_state.copy_(xs[:, :, T:])
+    # Kc shifted multiply-adds: exact float32 everywhere (cuDNN's conv may use TF32)
+    y = sum(xs[:, :, j:j + T] * w[:, j, None] for j in range(Kc))
+    return y.transpose(1, 2)
+
+
+def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """Gated delta rule, one token at a time; updates S in place.
+
+    q, k [B, T, H, dk] (L2-normed, q pre-scaled); v [B, T, H, dv]; g (log decay), beta [B, T, H];
+    S [B, H, dk, dv] with S[i, c]: key dim i, value dim c. Returns o [B, T, H, dv].
+    """
+    s, outs = S, []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        kv = torch.einsum("bhi,bhic->bhc", k[:, t], s)           # Sᵀk
+        u = beta[:, t, :, None] * (v[:, t] - kv)
+        s = s + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhi,bhic->bhc", q[:, t], s))
+    S.copy_(s)
+    return torch.stack(outs, dim=1)
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, S: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The same recurrence evaluated chunk by chunk (doc §4.4): matmuls inside a chunk, a
+    triangular solve for the intra-chunk corrections, one state update per chunk. Same
+    arguments and result as `delta_rule_recurrent`; updates S in place.
+    """
+    B, T, H, dk = k.shape
+    dv = v.shape[-1]
+    pad = -T % chunk                                              # zero tokens change nothing
+    q, k, v = (F.pad(t.transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))   # [B, H, Tp, d]
+    g, beta = (F.pad(t.transpose(1, 2), (0, pad)) for t in (g, beta))        # [B, H, Tp]
+    n = (T + pad) // chunk
+    q, k = q.view(B, H, n, chunk, dk), k.view(B, H, n, chunk, dk)
+    v, g, beta = v.view(B, H, n, chunk, dv), g.view(B, H, n, chunk), beta.view(B, H, n, chunk)
+
+    gam = g.cumsum(-1)                                            # γ_r, [B, H, n, C]
+    ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
+    D = (gam[..., :, None] - gam[..., None, :]).masked_fill(~ones.tril(), float("-inf")).exp()
+    kb = k * beta[..., None]
+    A = ((kb @ k.transpose(-1, -2)) * D).masked_fill(~ones.tril(-1), 0.0)   # strictly lower
+    I_A = A + torch.eye(chunk, device=q.device)
+    U = torch.linalg.solve_triangular(I_A, v * beta[..., None], upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(I_A, kb * gam.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    QK = (q @ k.transpose(-1, -2)) * D                            # [B, H, n, C, C]
+    q_dec = q * gam.exp()[..., None]
+    k_dec = k * (gam[..., -1:] - gam).exp()[..., None]
+    s, outs = S, []
+    for c in range(n):
+        vp = U[:, :, c] - W[:, :, c] @ s                          # V' [B, H, C, dv]
+        outs.append(q_dec[:, :, c] @ s + QK[:, :, c] @ vp)
+        s = gam[:, :, c, -1, None, None].exp() * s + k_dec[:, :, c].transpose(-1, -2) @ vp
+    S.copy_(s)
+    o = torch.stack(outs, dim=2).view(B, H, n * chunk, dv)[:, :, :T]
+    return o.transpose(1, 2)
+
+
+def route_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts (f32), top-k, renormalise. logits [N, E] -> ids, weights [N, K]."""
+    p = torch.softmax(logits.float(), dim=-1)
+    w, ids = p.topk(k, dim=-1)
+    return ids, w / w.sum(-1, keepdim=True).clamp(min=EXPERT_WEIGHT_FLOOR)

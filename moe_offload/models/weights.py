@@ -1,0 +1,99 @@
+"""Weights on a device: QTensors for everything a matmul reads, float tensors for the vectors
+used elementwise, and the routed-expert banks behind an injectable call.
+
+The expert interface the offload runtime implements (one object per layer):
+
+    experts[layer](x, ids, weights) -> y
+        x [N, H] float32 (on the model's device), ids [N, K] int64, weights [N, K] float32
+        -> y [N, H] float32 on x's device: sum_k weights[n,k] * expert_{ids[n,k]}(x[n])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from loaders import LoadedModel
+from native import ops
+from native.ops import QTensor
+
+# Tensors used elementwise (never by a matmul): kept as float32 tensors.
+_ELEMENTWISE = ("norm.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a")
+_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight",
+            "ffn_down_exps.weight")
+
+
+class Experts(Protocol):
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ResidentExperts:
+    """All experts of one layer in one place: gate, up [E, F, H], down [E, H, F].
+
+    If the banks live on another device than x (experts left on the host), x goes there and the
+    result comes back: the plain, unscheduled offload path.
+    """
+
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        dev = self.gate.device
+        if x.device == dev:
+            return ops.moe_ffn(x, self.gate, self.up, self.down, ids, weights)
+        y = ops.moe_ffn(x.to(dev), self.gate, self.up, self.down, ids.to(dev), weights.to(dev))
+        return y.to(x.device)
+
+
+def split_gate_up(gate_up: QTensor) -> tuple[QTensor, QTensor]:
+    """A fused bank [E, 2F, H] (gate rows first, then up, per expert) -> gate, up [E, F, H].
+
+    Strided views when native.ops supports them (`QTensor.rows`), else one contiguous copy.
+    """
+    E, F2, H = gate_up.shape
+    half = F2 // 2
+    if hasattr(gate_up, "rows"):
+        return gate_up.rows(0, half), gate_up.rows(half, F2)
+    rows = gate_up.data.view(E, F2, -1)
+    name = gate_up.name.replace("gate_up", "{}")
+    return tuple(QTensor(rows[:, s:s + half].reshape(E * half, -1).contiguous(), gate_up.qtype,
+                         (E, half, H), name.format(part))
+                 for s, part in ((0, "gate"), (half, "up")))
+
+
+def upload_weights(model: LoadedModel, device: torch.device | str = "cpu",
+                   experts_device: torch.device | str | None = None
+                   ) -> tuple[dict[str, QTensor | torch.Tensor], list[ResidentExperts]]:
+    """LoadedModel -> ({GGUF name: QTensor or f32 vector}, per-layer ResidentExperts).
+
+    Dense weights go to `device` (zero-copy from the file's memory map on the CPU); expert
+    banks to `experts_device` (default: the same device; "cpu" keeps them in host RAM).
+    """
+    device = torch.device(device)
+    edev = torch.device(experts_device) if experts_device is not None else device
+    tensors: dict[str, QTensor | torch.Tensor] = {}
+    banks: dict[int, dict[str, QTensor]] = {}
+    for name, w in model.weights.items():
+        if name.endswith(_EXPERTS):
+            layer, kind = int(name.split(".")[1]), name.split(".")[2]
+            banks.setdefault(layer, {})[kind] = QTensor.from_weight(w, edev)
+        elif name.endswith(_ELEMENTWISE):
+            t = ops.dequantize(w.data, w.qtype, w.shape)
+            tensors[name] = t.to(device=device, dtype=torch.float32, copy=True)
+        elif name.endswith("ffn_gate_inp_shexp.weight"):  # [H] or [1, H]: a one-row matmul
+            q = QTensor.from_numpy(w.data, w.qtype, (1, w.shape[-1]), name)
+            tensors[name] = q if device.type == "cpu" else q.to(device)
+        else:
+            tensors[name] = QTensor.from_weight(w, device)
+    experts = []
+    for layer in range(model.config.n_layer):
+        b = banks[layer]
+        if "ffn_gate_up_exps" in b:
+            gate, up = split_gate_up(b["ffn_gate_up_exps"])
+        else:
+            gate, up = b["ffn_gate_exps"], b["ffn_up_exps"]
+        experts.append(ResidentExperts(gate, up, b["ffn_down_exps"]))
+    return tensors, experts

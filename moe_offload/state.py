@@ -1,0 +1,112 @@
+"""Per-sequence state of a qwen35moe model: KV cache for attention layers, conv + recurrent
+state for gated delta-net layers (shared/docs/qwen35moe.md §4.8).
+
+Everything is preallocated once for `n_ctx` positions and updated in place, so buffer addresses
+never change (a CUDA graph can capture a decode step). The B rows of a batch advance together:
+they share one position counter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import OffloadError
+
+DEFAULT_N_CTX = 4096
+
+
+@dataclass
+class Snapshot:
+    """What `restore` needs to rewind to `n_past` (KV rows before it are never rewritten)."""
+
+    n_past: int
+    conv: dict[int, torch.Tensor]
+    ssm: dict[int, torch.Tensor]
+
+
+class State:
+    """Caches of B sequences on one device.
+
+    k, v[layer]  [B, n_ctx, Hkv, d]       attention layers; rows >= n_past are garbage
+    conv[layer]  [B, C, Kc-1] f32         delta-net raw projections of the last Kc-1 tokens
+    ssm[layer]   [B, Hv, dk, dv] f32      delta-net state S (key dim i, value dim c)
+    n_past       host int: tokens already in the cache (no device sync to read it)
+    pos          [] int64 on the device, equal to n_past (advanced in place inside a step)
+    """
+
+    def __init__(self, config, batch: int = 1, n_ctx: int | None = None,
+                 device: torch.device | str = "cpu", kv_dtype: torch.dtype = torch.float32,
+                 attn_bucket: int = 1):
+        if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise OffloadError(f"KV cache dtype {kv_dtype} is not supported; use float32 or float16")
+        c = config
+        self.config = c
+        self.batch = int(batch)
+        self.n_ctx = int(n_ctx or min(c.n_ctx_train, DEFAULT_N_CTX))
+        if self.batch < 1 or self.n_ctx < 1:
+            raise OffloadError(f"state needs batch >= 1 and n_ctx >= 1, got {batch} and {n_ctx}")
+        self.device = torch.device(device)
+        self.kv_dtype = kv_dtype
+        self.attn_bucket = max(1, int(attn_bucket))  # round attended length up (graph capture)
+        B, f32 = self.batch, dict(dtype=torch.float32, device=self.device)
+        kv_shape = (B, self.n_ctx, c.n_head_kv, c.head_dim)
+        self.k = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for i in c.attention_layers}
+        self.v = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for i in c.attention_layers}
+        self.conv = {i: torch.zeros(B, c.ssm_conv_dim, c.ssm_d_conv - 1, **f32)
+                     for i in c.recurrent_layers}
+        self.ssm = {i: torch.zeros(B, c.ssm_n_v_heads, c.ssm_d_state, c.ssm_head_v_dim, **f32)
+                    for i in c.recurrent_layers}
+        self.n_past = 0
+        self.pos = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    @property
+    def n_free(self) -> int:
+        return self.n_ctx - self.n_past
+
+    def check_room(self, n_new: int) -> None:
+        """Fail with a clear message when n_new more tokens do not fit the context."""
+        if n_new > self.n_free:
+            raise OffloadError(
+                f"{self.n_past + n_new} tokens do not fit the context of {self.n_ctx} "
+                f"({self.n_past} already used, {n_new} new); shorten the prompt or raise the "
+                "context size (--ctx)")
+
+    def attn_len(self, n_new: int) -> int:
+        """How many cache rows the next step attends to (n_past + n_new, rounded up to the
+        bucket so a captured graph sees a fixed shape; extra rows are masked)."""
+        n = self.n_past + n_new
+        return min(self.n_ctx, -(-n // self.attn_bucket) * self.attn_bucket)
+
+    def advance(self, n: int) -> None:
+        self.n_past += n
+        self.pos.add_(n)
+
+    def reset(self) -> None:
+        """Back to an empty sequence (buffers are kept and zeroed in place)."""
+        for t in (*self.conv.values(), *self.ssm.values()):
+            t.zero_()
+        self.n_past = 0
+        self.pos.zero_()
+
+    def snapshot(self) -> Snapshot:
+        """A copy of the small recurrent part; with the KV rows below n_past it is the whole state."""
+        return Snapshot(self.n_past, {i: t.clone() for i, t in self.conv.items()},
+                        {i: t.clone() for i, t in self.ssm.items()})
+
+    def restore(self, snap: Snapshot) -> None:
+        """Rewind to a snapshot taken from this state (valid while its KV rows were not rewritten
+        by a rewind further back followed by new tokens)."""
+        for i, t in snap.conv.items():
+            self.conv[i].copy_(t)
+        for i, t in snap.ssm.items():
+            self.ssm[i].copy_(t)
+        self.n_past = snap.n_past
+        self.pos.fill_(snap.n_past)
+
+    @property
+    def nbytes(self) -> int:
+        ts = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.ssm.values())
+        return sum(t.numel() * t.element_size() for t in ts)
