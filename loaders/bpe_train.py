@@ -11,10 +11,7 @@ from collections import Counter, defaultdict
 
 import regex
 
-# The qwen35 pre-tokenizer split (shared/docs/qwen35moe.md §5.2).
-QWEN35_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-                r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+from .pretokenize import QWEN35_SPLIT  # the built-in vocabulary is a qwen35 one
 
 
 def train_byte_bpe(text: str, n_merges: int) -> list[str]:
