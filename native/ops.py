@@ -5,6 +5,10 @@ for CUDA tensors, the CPU extension for CPU tensors, and the slow reference (ggu
 bit-exact dequantizer + torch) when an extension lacks the type, or when forced with
 `FTPATCH_KERNELS=reference`. The reference is also the oracle the kernel tests compare with.
 
+Extension calls follow one rule: every kernel entry point of native._cpu and native._cuda has the
+same signature, ending in `stream: int` (0 for the CPU; the current CUDA stream's handle for CUDA),
+takes data_ptr()s and sizes, and releases the GIL (see csrc/bindings_cpu.cpp for the contract).
+
 Legend: T tokens, H hidden (input features), O output features, E experts, K top-k, F expert ff.
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from loaders.quants import QUANT_TYPES, QuantType, dequantize_reference, quant_type
+from loaders.quants import QUANT_TYPES, QuantType, dequantize_reference, iq_tables, quant_type
 
 from .errors import NativeError
 
@@ -29,7 +33,9 @@ class QTensor:
     """Raw ggml blocks of a weight on one device: uint8 `data` [rows, row_bytes] + type + shape.
 
     `shape` is torch order (last dim = input features, stored in blocks). For expert banks
-    shape is [E, O, H] and rows = E*O. `name` is the GGUF name (errors, statistics, caches).
+    shape is [E, O, H] and rows = E*O; a bank may also hold a strided view `data` [E, O, row_bytes]
+    (rows contiguous inside an expert), e.g. the gate or up half of a fused gate_up bank
+    (see `rows`). `name` is the GGUF name (errors, statistics, caches).
     """
 
     data: torch.Tensor
@@ -39,11 +45,17 @@ class QTensor:
 
     def __post_init__(self) -> None:
         rows = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
-        want = (rows, self.qtype.row_bytes(int(self.shape[-1])))
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+        rb = self.qtype.row_bytes(int(self.shape[-1]))
+        flat = tuple(self.data.shape) == (rows, rb)
+        bank = len(self.shape) == 3 and tuple(self.data.shape) == (*self.shape[:2], rb)
+        if self.data.dtype != torch.uint8 or not (flat or bank):
             raise NativeError(f"{self.name or 'weight'}: {self.qtype.name} {list(self.shape)} needs "
-                              f"uint8 data of shape {list(want)}, got {self.data.dtype} "
+                              f"uint8 data of shape {[rows, rb]}, got {self.data.dtype} "
                               f"{list(self.data.shape)}")
+        if self.data.numel() and (self.data.stride(-1) != 1 or
+                                  (self.data.shape[-2] > 1 and self.data.stride(-2) != rb)):
+            raise NativeError(f"{self.name or 'weight'}: block rows must be contiguous "
+                              f"(strides {self.data.stride()})")
 
     @property
     def device(self) -> torch.device:
@@ -53,6 +65,15 @@ class QTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def row_bytes(self) -> int:
+        return self.qtype.row_bytes(int(self.shape[-1]))
+
+    @property
+    def expert_stride(self) -> int:
+        """Bytes from one expert's rows to the next (banks [E, O, H])."""
+        return self.data.stride(0) if self.data.dim() == 3 else self.shape[1] * self.row_bytes
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "QTensor":
         return QTensor(self.data.to(device, non_blocking=non_blocking), self.qtype, self.shape,
                        self.name)
@@ -60,7 +81,16 @@ class QTensor:
     def expert(self, e: int) -> "QTensor":
         """Expert `e` of a bank [E, O, H] as a 2-D weight [O, H] (a view)."""
         o = self.shape[1]
-        return QTensor(self.data[e * o:(e + 1) * o], self.qtype, tuple(self.shape[1:]), f"{self.name}[{e}]")
+        data = self.data[e] if self.data.dim() == 3 else self.data[e * o:(e + 1) * o]
+        return QTensor(data, self.qtype, tuple(self.shape[1:]), f"{self.name}[{e}]")
+
+    def rows(self, start: int, stop: int) -> "QTensor":
+        """Output rows [start, stop) of every expert of a bank [E, O, H], as a strided view
+        (no copy): `gate, up = gu.rows(0, F), gu.rows(F, 2 * F)` for a fused gate_up bank."""
+        e, o, h = self.shape
+        view = self.data.view(e, o, self.row_bytes) if self.data.dim() == 2 else self.data
+        return QTensor(view[:, start:stop], self.qtype, (e, stop - start, h),
+                       f"{self.name}[:, {start}:{stop}]")
 
     @classmethod
     def from_numpy(cls, data: np.ndarray, qtype: str | QuantType, shape: Sequence[int],
@@ -87,9 +117,16 @@ def _load(name: str):
     if os.environ.get("FTPATCH_KERNELS", "").lower() == "reference":
         return None
     try:
-        return __import__(f"native.{name}", fromlist=["_"])
+        ext = __import__(f"native.{name}", fromlist=["_"])
     except ImportError:
         return None
+    if hasattr(ext, "set_tables"):  # IQ grids from gguf-py, once per process
+        try:
+            ext.set_tables(iq_tables())
+        except Exception as exc:  # e.g. no usable CUDA device: run the reference instead
+            warnings.warn(f"native.{name} is unusable ({exc}); using the reference path")
+            return None
+    return ext
 
 
 _cpu = _load("_cpu")
@@ -100,8 +137,15 @@ def _ext_for(device: torch.device):
     return _cuda if device.type == "cuda" else _cpu if device.type == "cpu" else None
 
 
-def _ext_supports(ext, qtype: QuantType, op: str) -> bool:
-    return ext is not None and qtype.name in getattr(ext, f"{op}_types", lambda: ())()
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _ext_supports(ext, qtype: QuantType, op: str, n_cols: int | None = None) -> bool:
+    if ext is None or qtype.name not in getattr(ext, f"{op}_types", lambda: ())():
+        return False
+    # kernels address rows in 32-weight groups: float rows need a multiple of 32 elements
+    return n_cols is None or n_cols % max(32, qtype.block_elems) == 0
 
 
 def supported_types() -> dict[str, dict[str, bool]]:
@@ -128,9 +172,12 @@ def matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 def moe_ffn_ref(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
                 ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Reference routed-expert FFN. x [T, H]; gate/up [E, F, H]; down [E, H, F]; ids/weights [T, K]."""
+    """Reference routed-expert FFN. x [T, H]; gate/up [E, F, H]; down [E, H, F]; ids/weights [T, K].
+    Slots with ids < 0 are skipped."""
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[tok].float()
         h = torch.nn.functional.silu(matmul_ref(xe, gate.expert(e))) * matmul_ref(xe, up.expert(e))
@@ -148,7 +195,7 @@ def dequantize(data, qtype: str | QuantType, shape: Sequence[int]) -> torch.Tens
     rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
     w = QTensor(data.reshape(rows, -1), q, tuple(shape))
     ext = _ext_for(w.device)
-    if _ext_supports(ext, q, "dequantize"):
+    if _ext_supports(ext, q, "dequantize", int(shape[-1])):
         return ext_dequantize(ext, w)
     return dequantize_ref(w)
 
@@ -160,34 +207,77 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     if x.shape[-1] != w.shape[-1]:
         raise NativeError(f"{w.name}: input has {x.shape[-1]} features, weight expects {w.shape[-1]}")
     ext = _ext_for(x.device)
-    if _ext_supports(ext, w.qtype, "matmul"):
+    if _ext_supports(ext, w.qtype, "matmul", int(w.shape[-1])):
         return ext_matmul(ext, x, w)
     return matmul_ref(x, w)
 
 
 def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
-            ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: sum_k weights[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k].
 
     x [T, H] float32; gate/up [E, F, H]; down [E, H, F]; ids [T, K] int; weights [T, K] -> [T, H].
+    Slots with ids < 0 contribute nothing (the offload runtime masks experts computed elsewhere).
+    `out` (float32 [T, H], contiguous) receives the result if given. On CPU tensors the call
+    releases the GIL, so a Python thread can run the CPU misses while another drives the GPU.
     """
+    (t, h), (e, f) = x.shape, gate.shape[:2]
+    if (tuple(gate.shape) != (e, f, h) or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
+            or tuple(ids.shape) != tuple(weights.shape) or ids.dim() != 2 or ids.shape[0] != t):
+        raise NativeError(f"moe_ffn: shapes x {list(x.shape)}, gate {list(gate.shape)}, up "
+                          f"{list(up.shape)}, down {list(down.shape)}, ids {list(ids.shape)}, weights "
+                          f"{list(weights.shape)} do not fit x [T, H], gate/up [E, F, H], down [E, H, F], "
+                          f"ids/weights [T, K]")
+    if len({x.device, gate.device, up.device, down.device, ids.device, weights.device}) != 1:
+        raise NativeError("moe_ffn: x, ids, weights and the three banks must be on one device")
     ext = _ext_for(x.device)
-    if all(_ext_supports(ext, q.qtype, "moe_ffn") for q in (gate, up, down)):
-        return ext_moe_ffn(ext, x, gate, up, down, ids, weights)
-    return moe_ffn_ref(x, gate, up, down, ids, weights)
+    if all(_ext_supports(ext, q.qtype, "moe_ffn", int(q.shape[-1])) for q in (gate, up, down)):
+        return ext_moe_ffn(ext, x, gate, up, down, ids, weights, out)
+    y = moe_ffn_ref(x, gate, up, down, ids, weights)
+    return y if out is None else out.copy_(y)
 
 
 # ---- extension calls (thin: check once, pass pointers) ----------------------------------------------
-# Filled in by the kernel work; until an extension reports a type in `<op>_types()`, the
-# reference path above runs.
+
+def _rows(w: QTensor) -> torch.Tensor:
+    """w.data as uniformly strided rows (a strided bank view is copied)."""
+    return w.data.contiguous() if w.data.dim() == 3 else w.data
+
 
 def ext_dequantize(ext, w: QTensor) -> torch.Tensor:
-    raise NativeError("native dequantize is not built yet")
+    data = _rows(w)
+    rows, cols = data.numel() // max(w.row_bytes, 1), int(w.shape[-1])
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    if out.numel():
+        ext.dequantize(w.qtype.type_id, data.data_ptr(), rows, cols, w.row_bytes, out.data_ptr(), 0,
+                       _stream(w.device))
+    return out
 
 
 def ext_matmul(ext, x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    raise NativeError("native matmul is not built yet")
+    if len(w.shape) != 2:
+        raise NativeError(f"{w.name}: matmul needs a 2-D weight [O, H], got {list(w.shape)}")
+    (o, h), data = w.shape, _rows(w)
+    x2 = x.reshape(-1, h).to(torch.float32).contiguous()
+    y = torch.empty(x2.shape[0], o, dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        ext.matmul(w.qtype.type_id, data.data_ptr(), o, h, w.row_bytes, x2.data_ptr(), x2.shape[0],
+                   y.data_ptr(), _stream(x.device))
+    return y.reshape(*x.shape[:-1], o)
 
 
-def ext_moe_ffn(ext, x, gate, up, down, ids, weights) -> torch.Tensor:
-    raise NativeError("native moe_ffn is not built yet")
+def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None) -> torch.Tensor:
+    (t, h), (e, f), k = x.shape, gate.shape[:2], ids.shape[1]
+    x32 = x.to(torch.float32).contiguous()
+    ids32 = ids.to(torch.int32).contiguous()
+    w32 = weights.to(torch.float32).contiguous()
+    if out is None:
+        out = torch.empty(t, h, dtype=torch.float32, device=x.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (t, h) or not out.is_contiguous():
+        raise NativeError(f"moe_ffn: out must be contiguous float32 {[t, h]}, got {out.dtype} "
+                          f"{list(out.shape)}")
+    if t:
+        banks = [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)]
+        ext.moe_ffn(x32.data_ptr(), t, h, f, e, ids32.data_ptr(), w32.data_ptr(), k, *banks,
+                    out.data_ptr(), _stream(x.device))
+    return out

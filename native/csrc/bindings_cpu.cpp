@@ -1,8 +1,130 @@
-// pybind11 definitions of native._cpu: the whole CPU API in one place (placeholder until the kernels land).
+// pybind11 definitions of native._cpu: the whole CPU API in one place. Each op lives in
+// csrc/cpu/<op>.cpp; these wrappers only convert arguments and release the GIL.
+//
+// Conventions (shared with native._cuda, whose kernel entry points have the SAME signatures):
+//   * Pointers are Python ints (tensor.data_ptr()), sizes are ints, type ids are ggml ids.
+//   * Every kernel entry point ends with `stream: int`. CPU: must be 0 (native.ops always passes
+//     it: 0 for CPU tensors, torch.cuda.current_stream().cuda_stream for CUDA tensors).
+//   * All pointers are host memory here (device memory for _cuda). The caller owns every buffer
+//     and keeps it alive for the call; nothing is retained after it returns.
+//   * Weight rows hold whole kernel blocks: quant types a whole number of ggml blocks, float
+//     types (F32/F16/BF16) a multiple of 32 elements. Raw block rows must be 2-byte aligned.
+//   * Long calls release the GIL and run on all pool threads (plus the calling thread). Calls
+//     from several Python threads are serialized by the pool. Bad arguments raise ValueError
+//     before any output is written (moe_ffn: an out-of-range expert id also raises).
+//
+// Kernel entry points (outputs fully overwritten):
+//   dequantize(type_id, src, n_rows, n_cols, src_row_stride, dst, dst_dtype, stream)
+//       src: n_rows rows of raw blocks, row r at src + r*src_row_stride (bytes).
+//       dst: contiguous [n_rows, n_cols] of dst_dtype: 0 = F32, 1 = F16, 30 = BF16.
+//       F32 output is bit-exact with gguf-py; F16/BF16 are that, rounded to nearest even.
+//   matmul(type_id, w, n_out, n_in, w_row_stride, x, n_tok, y, stream)
+//       W [n_out, n_in] raw blocks (row o at w + o*w_row_stride); x f32 [n_tok, n_in]
+//       contiguous; y f32 [n_tok, n_out] contiguous: y = x @ W^T, float32 accumulation.
+//   moe_ffn(x, n_tok, hidden, ff, n_experts, ids, weights, top_k,
+//           gate_type, gate, gate_expert_stride, up_type, up, up_expert_stride,
+//           down_type, down, down_expert_stride, y, stream)
+//       x f32 [T, H]; ids int32 [T, K]; weights f32 [T, K]; y f32 [T, H] (all contiguous).
+//       gate/up banks [E, F, H], down bank [E, H, F]: rows contiguous inside an expert, expert e
+//       at base + e*expert_stride (bytes), so a fused gate_up [E, 2F, H] is passed as two views
+//       (gate = base, up = base + F*row_bytes, both with stride 2F*row_bytes).
+//       y[t] = sum_k weights[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k];
+//       ids[t,k] < 0 skips the slot (e.g. experts computed elsewhere); ids >= E raise.
+// Table and control functions (hold the GIL, cheap):
+//   set_tables(dict name -> buffer)   IQ grids from loaders.quants.iq_tables() (copied).
+//   tables_ready() -> bool
+//   block_sizes() -> {name: (block_elems, block_bytes)}   ggml's sizes, from quants.h
+//   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   what the kernels run
+//   set_threads(n) (n <= 0: all cores), threads() -> int
+//   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2"; the env
+//       FTPATCH_CPU_ISA picks the start value, default: the best this CPU runs)
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "cpu/cpu.h"
+
 namespace py = pybind11;
+using namespace ft;
+
+namespace {
+
+template <class T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+void no_stream(uintptr_t stream) {
+    if (stream != 0) throw std::invalid_argument("native._cpu takes stream=0");
+}
+
+std::vector<std::string> type_names() {
+    std::vector<std::string> out;
+    for (int id = 0; id < cpu::kMaxTypeId; ++id)
+        if (cpu::kernels().types[id].dot_row) out.push_back(cpu::kernels().types[id].name);
+    return out;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
-    m.doc() = "ftpatch CPU kernels on raw ggml blocks";
-    m.def("version", []() { return 1; });
+    m.doc() = "ftpatch CPU kernels on raw ggml blocks (see bindings_cpu.cpp for the contract)";
+    auto release = py::call_guard<py::gil_scoped_release>();
+
+    m.def("dequantize",
+          [](int type_id, uintptr_t src, int64_t n_rows, int64_t n_cols, int64_t src_row_stride,
+             uintptr_t dst, int dst_dtype, uintptr_t stream) {
+              no_stream(stream);
+              cpu::dequantize(type_id, ptr<const uint8_t>(src), n_rows, n_cols, src_row_stride,
+                              ptr<void>(dst), dst_dtype);
+          },
+          py::arg("type_id"), py::arg("src"), py::arg("n_rows"), py::arg("n_cols"),
+          py::arg("src_row_stride"), py::arg("dst"), py::arg("dst_dtype"), py::arg("stream") = 0,
+          release);
+    m.def("matmul",
+          [](int type_id, uintptr_t w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
+             uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {
+              no_stream(stream);
+              cpu::matmul(type_id, ptr<const uint8_t>(w), n_out, n_in, w_row_stride,
+                          ptr<const float>(x), n_tok, ptr<float>(y));
+          },
+          py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
+          py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
+          py::arg("stream") = 0, release);
+    m.def("moe_ffn",
+          [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
+             uintptr_t ids, uintptr_t weights, int64_t top_k, int gate_type, uintptr_t gate,
+             int64_t gate_stride, int up_type, uintptr_t up, int64_t up_stride, int down_type,
+             uintptr_t down, int64_t down_stride, uintptr_t y, uintptr_t stream) {
+              no_stream(stream);
+              cpu::moe_ffn(ptr<const float>(x), n_tok, hidden, ff, n_experts,
+                           ptr<const int32_t>(ids), ptr<const float>(weights), top_k,
+                           {gate_type, ptr<const uint8_t>(gate), gate_stride},
+                           {up_type, ptr<const uint8_t>(up), up_stride},
+                           {down_type, ptr<const uint8_t>(down), down_stride}, ptr<float>(y));
+          },
+          py::arg("x"), py::arg("n_tok"), py::arg("hidden"), py::arg("ff"), py::arg("n_experts"),
+          py::arg("ids"), py::arg("weights"), py::arg("top_k"), py::arg("gate_type"),
+          py::arg("gate"), py::arg("gate_expert_stride"), py::arg("up_type"), py::arg("up"),
+          py::arg("up_expert_stride"), py::arg("down_type"), py::arg("down"),
+          py::arg("down_expert_stride"), py::arg("y"), py::arg("stream") = 0, release);
+
+    m.def("set_tables", [](const py::dict& tables) {
+        for (auto item : tables) {
+            const py::buffer_info info = py::reinterpret_borrow<py::buffer>(item.second).request();
+            cpu::set_table(py::str(item.first), info.ptr, size_t(info.size * info.itemsize));
+        }
+    }, py::arg("tables"));
+    m.def("tables_ready", &cpu::tables_ready);
+    m.def("block_sizes", [] {
+        py::dict out;
+#define FT_X(NAME, BE, BB) out[#NAME] = py::make_tuple(BE, BB);
+        FT_QUANT_TYPES(FT_X)
+#undef FT_X
+        return out;
+    });
+    m.def("dequantize_types", &type_names);
+    m.def("matmul_types", &type_names);
+    m.def("moe_ffn_types", &type_names);
+    m.def("set_threads", &cpu::set_num_threads, py::arg("n"));
+    m.def("threads", &cpu::num_threads);
+    m.def("isa", [] { return std::string(cpu::kernels().name); });
+    m.def("available_isas", &cpu::available_isas);
+    m.def("set_isa", &cpu::set_isa, py::arg("name"));
 }

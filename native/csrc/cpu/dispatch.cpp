@@ -1,0 +1,129 @@
+// ISA choice (CPUID at load time, FTPATCH_CPU_ISA to override) and the IQ tables of the CPU side.
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "cpu.h"
+
+namespace ft::cpu {
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+#else
+    return false;
+#endif
+}
+
+struct Tables {
+    IsaKernels generic, avx2;
+    bool has_avx2 = cpu_has_avx2();
+    std::atomic<const IsaKernels*> active{nullptr};
+    Tables() {
+        fill_generic(generic);
+        avx2 = generic;
+        avx2.name = "avx2";
+        if (has_avx2) fill_avx2(avx2);
+        const char* env = std::getenv("FTPATCH_CPU_ISA");
+        const std::string want = env ? env : "";
+        if (want == "generic" || !has_avx2) active = &generic;
+        else active = &avx2;
+    }
+};
+
+Tables& tables() {
+    static Tables t;
+    return t;
+}
+
+// IQ tables: name -> (bytes expected, storage)
+struct GridStore {
+    std::map<std::string, std::vector<uint8_t>> data;
+    Grids grids{};
+    std::atomic<bool> ready{false};
+    std::mutex mu;
+};
+GridStore& store() {
+    static GridStore s;
+    return s;
+}
+const std::map<std::string, size_t>& table_sizes() {
+    static const std::map<std::string, size_t> sizes = {
+        {"iq2xxs", 256 * 8}, {"iq2xs", 512 * 8}, {"iq2s", 1024 * 8}, {"iq3xxs", 256 * 4},
+        {"iq3s", 512 * 4},   {"iq1s", 2048 * 8}, {"ksigns", 128},    {"kvalues_iq4nl", 16},
+        {"kvalues_mxfp4", 16}};
+    return sizes;
+}
+
+}  // namespace
+
+const IsaKernels& kernels() { return *tables().active.load(); }
+
+std::vector<std::string> available_isas() {
+    std::vector<std::string> out = {"generic"};
+    if (tables().has_avx2) out.push_back("avx2");
+    return out;
+}
+
+void set_isa(const std::string& name) {
+    Tables& t = tables();
+    if (name == "generic") t.active = &t.generic;
+    else if (name == "avx2" && t.has_avx2) t.active = &t.avx2;
+    else throw std::invalid_argument("CPU ISA '" + name + "' is not available here; available: " +
+                                     (t.has_avx2 ? "generic, avx2" : "generic"));
+}
+
+const TypeKernels& type_kernels(int type_id) {
+    if (type_id < 0 || type_id >= kMaxTypeId || !kernels().types[type_id].dot_row)
+        throw std::invalid_argument("ggml type id " + std::to_string(type_id) +
+                                    " has no CPU kernel (see native._cpu.matmul_types())");
+    const TypeKernels& k = kernels().types[type_id];
+    if (k.needs_grids && !tables_ready())
+        throw std::invalid_argument(std::string(k.name) + " needs the IQ tables: call set_tables() "
+                                    "first (native.ops does at import)");
+    return k;
+}
+
+const Grids& grids() { return store().grids; }
+bool tables_ready() { return store().ready.load(); }
+
+void set_table(const std::string& name, const void* data, size_t nbytes) {
+    auto it = table_sizes().find(name);
+    if (it == table_sizes().end()) throw std::invalid_argument("unknown IQ table '" + name + "'");
+    if (it->second != nbytes)
+        throw std::invalid_argument("IQ table '" + name + "' must be " + std::to_string(it->second) +
+                                    " bytes, got " + std::to_string(nbytes));
+    GridStore& s = store();
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto& v = s.data[name];
+    v.assign(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(data) + nbytes);
+    auto p = [&](const char* key) -> const void* {
+        auto f = s.data.find(key);
+        return f == s.data.end() ? nullptr : f->second.data();
+    };
+    Grids& g = s.grids;
+    g.iq2xxs = static_cast<const uint64_t*>(p("iq2xxs"));
+    g.iq2xs = static_cast<const uint64_t*>(p("iq2xs"));
+    g.iq2s = static_cast<const uint64_t*>(p("iq2s"));
+    g.iq3xxs = static_cast<const uint32_t*>(p("iq3xxs"));
+    g.iq3s = static_cast<const uint32_t*>(p("iq3s"));
+    g.iq1s = static_cast<const uint64_t*>(p("iq1s"));
+    g.ksigns = static_cast<const uint8_t*>(p("ksigns"));
+    g.kvalues_iq4nl = static_cast<const int8_t*>(p("kvalues_iq4nl"));
+    g.kvalues_mxfp4 = static_cast<const int8_t*>(p("kvalues_mxfp4"));
+    s.ready = s.data.size() == table_sizes().size();
+}
+
+int64_t row_kblocks(const TypeKernels& k, int64_t n_cols, const char* what) {
+    if (n_cols <= 0 || n_cols % k.kb_elems)
+        throw std::invalid_argument(std::string(what) + ": a " + k.name + " row of " +
+                                    std::to_string(n_cols) + " weights is not a whole number of " +
+                                    std::to_string(k.kb_elems) + "-weight kernel blocks");
+    return n_cols / k.kb_elems;
+}
+
+}  // namespace ft::cpu

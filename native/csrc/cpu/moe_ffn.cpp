@@ -1,0 +1,116 @@
+// moe_ffn: y[T, H] = sum_k w[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k] (< 0: skip).
+//
+// Phase 1 (all cores over (expert, block of F rows)): gate and up rows of each used expert against
+// the tokens routed to it -> h = silu(g) * u, [slots, F]. Phase 2 (all cores over blocks of H
+// rows): every used expert's down rows against its h, weighted and summed into y in a fixed
+// expert order (so the result does not depend on the thread count). Even one token keeps every
+// core busy: K experts x F rows, then H rows.
+#include <cmath>
+
+#include "cpu.h"
+
+namespace ft::cpu {
+namespace {
+
+constexpr int64_t kRowsPerTask = 32;
+constexpr int64_t kTokenChunk = 256;  // bounds the gathered activations for long prefills
+
+struct Group {
+    int64_t e, off, n;  // expert, first slot, slot count
+};
+
+void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const int32_t* ids,
+               const float* weights, int64_t K, const Bank& gate, const Bank& up,
+               const Bank& down, float* y) {
+    const TypeKernels &kg = type_kernels(gate.type_id), &ku = type_kernels(up.type_id),
+                      &kd = type_kernels(down.type_id);
+    const int64_t nkb_g = row_kblocks(kg, H, "moe_ffn gate"), nkb_u = row_kblocks(ku, H, "moe_ffn up");
+    const int64_t nkb_d = row_kblocks(kd, F, "moe_ffn down");
+    const int64_t rb_g = nkb_g * kg.kb_bytes, rb_u = nkb_u * ku.kb_bytes, rb_d = nkb_d * kd.kb_bytes;
+    const Grids& g = grids();
+
+    // Slots grouped by expert (counting sort keeps token order inside an expert).
+    std::vector<int64_t> count(E + 1, 0);
+    for (int64_t i = 0; i < T * K; ++i) {
+        if (ids[i] >= E) throw std::invalid_argument("moe_ffn: expert id " + std::to_string(ids[i]) +
+                                                     " is out of range for " + std::to_string(E) +
+                                                     " experts");
+        if (ids[i] >= 0) ++count[ids[i] + 1];
+    }
+    std::vector<Group> groups;
+    for (int64_t e = 0; e < E; ++e) {
+        if (count[e + 1]) groups.push_back({e, count[e], count[e + 1]});
+        count[e + 1] += count[e];
+    }
+    const int64_t n_slots = count[E];
+    if (n_slots == 0) {
+        std::fill(y, y + T * H, 0.f);
+        return;
+    }
+    std::vector<int64_t> tok(n_slots);
+    std::vector<float> wt(n_slots);
+    std::vector<float> xg(n_slots * H), hg(n_slots * F), hu(n_slots * F);
+    for (int64_t i = 0; i < T * K; ++i) {
+        if (ids[i] < 0) continue;
+        const int64_t s = count[ids[i]]++;
+        tok[s] = i / K;
+        wt[s] = weights[i];
+        std::copy(x + (i / K) * H, x + (i / K + 1) * H, xg.data() + s * H);
+    }
+
+    // Phase 1: gate/up, then h = silu(g) * u in place of g.
+    std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, first row)
+    for (int64_t i = 0; i < int64_t(groups.size()); ++i)
+        for (int64_t f = 0; f < F; f += kRowsPerTask) tasks.push_back({i, f});
+    parallel_for(int64_t(tasks.size()), 1, [&](int64_t a, int64_t b) {
+        for (int64_t task = a; task < b; ++task) {
+            const Group& gr = groups[tasks[task].first];
+            const int64_t f0 = tasks[task].second, f1 = std::min(F, f0 + kRowsPerTask);
+            const uint8_t* wg = gate.base + gr.e * gate.expert_stride;
+            const uint8_t* wu = up.base + gr.e * up.expert_stride;
+            const float* xe = xg.data() + gr.off * H;
+            float* ge = hg.data() + gr.off * F;
+            float* ue = hu.data() + gr.off * F;
+            for (int64_t f = f0; f < f1; ++f) {
+                kg.dot_row(wg + f * rb_g, nkb_g, xe, H, int(gr.n), ge + f, F, g);
+                ku.dot_row(wu + f * rb_u, nkb_u, xe, H, int(gr.n), ue + f, F, g);
+            }
+            for (int64_t t = 0; t < gr.n; ++t)
+                for (int64_t f = f0; f < f1; ++f) {
+                    const float v = ge[t * F + f];
+                    ge[t * F + f] = v / (1.f + std::exp(-v)) * ue[t * F + f];
+                }
+        }
+    });
+
+    // Phase 2: down rows, weighted sum over experts in ascending expert order.
+    parallel_for(H, kRowsPerTask, [&](int64_t r0, int64_t r1) {
+        thread_local std::vector<float> out;
+        for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + r0, y + t * H + r1, 0.f);
+        for (const Group& gr : groups) {
+            if (int64_t(out.size()) < gr.n) out.resize(gr.n);
+            const uint8_t* wd = down.base + gr.e * down.expert_stride;
+            const float* he = hg.data() + gr.off * F;
+            for (int64_t r = r0; r < r1; ++r) {
+                kd.dot_row(wd + r * rb_d, nkb_d, he, F, int(gr.n), out.data(), 1, g);
+                for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r] += wt[gr.off + s] * out[s];
+            }
+        }
+    });
+}
+
+}  // namespace
+
+void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
+             const int32_t* ids, const float* weights, int64_t top_k, const Bank& gate,
+             const Bank& up, const Bank& down, float* y) {
+    if (hidden <= 0 || ff <= 0 || n_experts <= 0 || top_k <= 0)
+        throw std::invalid_argument("moe_ffn: hidden, ff, n_experts and top_k must be positive");
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kTokenChunk) {
+        const int64_t n = std::min(kTokenChunk, n_tok - t0);
+        moe_chunk(x + t0 * hidden, n, hidden, ff, n_experts, ids + t0 * top_k, weights + t0 * top_k,
+                  top_k, gate, up, down, y + t0 * hidden);
+    }
+}
+
+}  // namespace ft::cpu

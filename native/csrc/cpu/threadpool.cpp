@@ -1,0 +1,147 @@
+// A persistent thread pool: N-1 workers plus the calling thread split every parallel_for.
+// Workers spin briefly after a job (decode calls come back-to-back, 40 layers per token) and then
+// sleep on a condition variable, so an idle pool costs no CPU.
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "cpu.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FT_PAUSE() _mm_pause()
+#else
+#define FT_PAUSE() ((void)0)
+#endif
+
+namespace ft::cpu {
+namespace {
+
+using Fn = std::function<void(int64_t, int64_t)>;
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+int cores_available() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+    const unsigned n = std::thread::hardware_concurrency();
+    return n ? int(n) : 1;
+}
+
+class Pool {
+  public:
+    explicit Pool(int n_threads) {
+        for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this] { loop(); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            stop_ = true;
+            gen_.fetch_add(1);
+        }
+        cv_.notify_all();
+        for (auto& t : workers_) t.join();
+    }
+    int size() const { return int(workers_.size()) + 1; }
+
+    void run(int64_t n, int64_t grain, const Fn& fn) {
+        fn_ = &fn;
+        n_ = n;
+        grain_ = grain;
+        next_.store(0);
+        pending_.store(int(workers_.size()));
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            gen_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        work();
+        while (pending_.load(std::memory_order_acquire) != 0) FT_PAUSE();
+    }
+
+  private:
+    void work() {
+        for (;;) {
+            const int64_t b = next_.fetch_add(grain_);
+            if (b >= n_) return;
+            (*fn_)(b, std::min(n_, b + grain_));
+        }
+    }
+    void loop() {
+        uint64_t seen = 0;  // the generation at construction: a job posted before this thread
+                            // started running is still seen as new
+        for (;;) {
+            uint64_t g = gen_.load(std::memory_order_acquire);
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; g == seen; ++i) {
+                FT_PAUSE();
+                g = gen_.load(std::memory_order_acquire);
+                if ((i & 255) == 255 && std::chrono::steady_clock::now() - t0 > kSpin) break;
+            }
+            if (g == seen) {
+                std::unique_lock<std::mutex> lock(mu_);
+                cv_.wait(lock, [&] { return gen_.load() != seen; });
+                g = gen_.load();
+            }
+            seen = g;
+            if (stop_) return;
+            work();
+            pending_.fetch_sub(1, std::memory_order_release);
+        }
+    }
+
+    std::vector<std::thread> workers_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::atomic<uint64_t> gen_{0};
+    std::atomic<int> pending_{0};
+    std::atomic<int64_t> next_{0};
+    std::atomic<bool> stop_{false};  // set under mu_ with a generation bump
+    const Fn* fn_ = nullptr;
+    int64_t n_ = 0, grain_ = 1;
+};
+
+std::mutex g_run_mu;  // one parallel_for (or resize) at a time
+Pool* g_pool = nullptr;  // never destroyed at exit: joining threads during interpreter teardown hangs
+
+std::atomic<int> g_size{0};  // pool size, readable without waiting for a running job
+
+Pool& pool() {
+    if (!g_pool) {
+        g_pool = new Pool(cores_available());
+        g_size = g_pool->size();
+    }
+    return *g_pool;
+}
+
+}  // namespace
+
+int num_threads() {
+    if (const int n = g_size.load()) return n;
+    std::lock_guard<std::mutex> lock(g_run_mu);
+    return pool().size();
+}
+
+void set_num_threads(int n) {
+    std::lock_guard<std::mutex> lock(g_run_mu);
+    delete g_pool;
+    g_pool = new Pool(n > 0 ? n : cores_available());
+    g_size = g_pool->size();
+}
+
+void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
+    if (n <= 0) return;
+    grain = std::max<int64_t>(grain, 1);
+    std::lock_guard<std::mutex> lock(g_run_mu);
+    Pool& p = pool();
+    if (p.size() == 1 || n <= grain) {
+        fn(0, n);
+        return;
+    }
+    p.run(n, grain, fn);
+}
+
+}  // namespace ft::cpu

@@ -1,0 +1,165 @@
+"""native._cpu kernels against the reference, looping over the type table, on every CPU ISA:
+dequantize bit-exact with gguf-py; matmul and moe_ffn within the tolerance table of float64."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from kernel_oracle import (ACCUMULATION, MOE_SLACK, SEED, assert_close, kernel_cols, moe_reference,
+                           poisoned, random_weight, rng_for)
+from loaders.quants import QUANT_TYPES, dequantize_reference, random_tensor
+from native import ops
+
+pytestmark = pytest.mark.skipif(ops._cpu is None, reason="native._cpu is not built")
+cpu = ops._cpu
+TYPES = list(QUANT_TYPES)
+
+
+# ---- the type table ------------------------------------------------------------------------------
+
+def test_block_sizes_match_the_table_and_gguf():
+    sizes = cpu.block_sizes()
+    assert set(sizes) == set(QUANT_TYPES)
+    for name, q in QUANT_TYPES.items():
+        assert tuple(sizes[name]) == (q.block_elems, q.block_bytes), name
+        assert tuple(sizes[name]) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]], name
+
+
+def test_every_type_runs_natively_and_supported_types_says_so():
+    for op in ("dequantize", "matmul", "moe_ffn"):
+        assert sorted(getattr(cpu, f"{op}_types")()) == sorted(QUANT_TYPES), op
+    assert all(v["cpu"] for v in ops.supported_types().values())
+    assert cpu.tables_ready()
+
+
+# ---- dequantize ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_bit_exact_with_gguf_py(cpu_isa, name):
+    q = QUANT_TYPES[name]
+    rng = rng_for("dequantize", cpu_isa, name)
+    for rows, blocks in ((1, 1), (5, 3)):
+        cols = kernel_cols(q, blocks)
+        raw = random_tensor(q, (rows, cols), rng)
+        ref = dequantize_reference(raw, q, (rows, cols))
+        out = poisoned((rows, cols))
+        cpu.dequantize(q.type_id, raw.ctypes.data, rows, cols, raw.shape[1], out.ctypes.data, 0, 0)
+        assert np.array_equal(out, ref), f"{name} [{rows}, {cols}] on {cpu_isa} (seed {SEED})"
+    # rows with a stride (a bank view): every other row of a wider buffer
+    wide = np.zeros((rows, 2 * raw.shape[1]), np.uint8)
+    wide[:, :raw.shape[1]] = raw
+    out = poisoned((rows, cols))
+    cpu.dequantize(q.type_id, wide.ctypes.data, rows, cols, wide.shape[1], out.ctypes.data, 0, 0)
+    assert np.array_equal(out, ref), f"{name} strided rows on {cpu_isa} (seed {SEED})"
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "IQ3_S", "F32", "MXFP4"])
+def test_dequantize_to_f16_and_bf16_rounds_like_torch(name):
+    import torch
+    q = QUANT_TYPES[name]
+    raw = random_tensor(q, (3, kernel_cols(q, 2)), rng_for("half", name))
+    ref = torch.from_numpy(dequantize_reference(raw, q, (3, kernel_cols(q, 2))))
+    for dtype, dt_id in ((torch.float16, 1), (torch.bfloat16, 30)):
+        out = torch.full(ref.shape, float("nan"), dtype=dtype)
+        cpu.dequantize(q.type_id, raw.ctypes.data, 3, ref.shape[1], raw.shape[1], out.data_ptr(),
+                       dt_id, 0)
+        assert torch.equal(out.view(torch.int16), ref.to(dtype).view(torch.int16)), (name, dtype)
+
+
+def test_bad_arguments_raise_before_writing():
+    raw = random_tensor(QUANT_TYPES["Q4_K"], (1, 256), rng_for("bad"))
+    out = poisoned((1, 256))
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        cpu.dequantize(99, raw.ctypes.data, 1, 256, 144, out.ctypes.data, 0, 0)
+    with pytest.raises(ValueError, match="whole number"):
+        cpu.dequantize(QUANT_TYPES["Q4_K"].type_id, raw.ctypes.data, 1, 100, 144, out.ctypes.data, 0, 0)
+    with pytest.raises(ValueError, match="stream=0"):
+        cpu.dequantize(QUANT_TYPES["Q4_K"].type_id, raw.ctypes.data, 1, 256, 144, out.ctypes.data, 0, 7)
+    assert np.isnan(out).all()
+
+
+# ---- matmul ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("blocks", [1, 5], ids=["one_block", "many_blocks"])
+@pytest.mark.parametrize("name", TYPES)
+def test_matmul_matches_float64(cpu_isa, name, blocks):
+    q = QUANT_TYPES[name]
+    rng = rng_for("matmul", cpu_isa, name, blocks)
+    n_out, n_in = 37, kernel_cols(q, blocks)  # O deliberately not a multiple of anything
+    raw, w64 = random_weight(q, (n_out, n_in), rng)
+    for n_tok in (1, 2, 3, 7, 33):
+        x = rng.standard_normal((n_tok, n_in), dtype=np.float32)
+        y = poisoned((n_tok, n_out))
+        cpu.matmul(q.type_id, raw.ctypes.data, n_out, n_in, raw.shape[1], x.ctypes.data, n_tok,
+                   y.ctypes.data, 0)
+        x64 = x.astype(np.float64)
+        assert_close(y, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, ACCUMULATION[name],
+                     f"{name} matmul T={n_tok} H={n_in} on {cpu_isa}")
+
+
+# ---- moe_ffn ---------------------------------------------------------------------------------------
+
+def _moe_case(rng, gate_t, up_t, down_t, n_tok, n_exp=6, k=3, fused=False):
+    """Random banks (gate/up [E, F, H], down [E, H, F]), routing with some skipped slots."""
+    qg, qu, qd = (QUANT_TYPES[n] for n in (gate_t, up_t, down_t))
+    f = max(kernel_cols(qd, 1), 32)
+    h = 2 * max(kernel_cols(qg, 1), kernel_cols(qu, 1))
+    if fused:  # one [E, 2F, H] buffer: gate rows then up rows of each expert
+        raw, w64 = random_weight(qg, (n_exp, 2 * f, h), rng)
+        bank = raw.reshape(n_exp, 2 * f, -1)
+        gate, up = (bank[:, :f], w64[:, :f]), (bank[:, f:], w64[:, f:])
+    else:
+        graw, g64 = random_weight(qg, (n_exp, f, h), rng)
+        uraw, u64 = random_weight(qu, (n_exp, f, h), rng)
+        gate, up = (graw.reshape(n_exp, f, -1), g64), (uraw.reshape(n_exp, f, -1), u64)
+    draw, d64 = random_weight(qd, (n_exp, h, f), rng)
+    down = (draw.reshape(n_exp, h, -1), d64)
+    x = rng.standard_normal((n_tok, h), dtype=np.float32)
+    ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.15] = -1  # skipped slots (computed elsewhere)
+    weights = rng.random((n_tok, k), dtype=np.float32)
+    return (qg, qu, qd), x, gate, up, down, ids, weights
+
+
+def _run_moe(types, x, gate, up, down, ids, weights):
+    n_tok, h = x.shape
+    y = poisoned((n_tok, h))
+    banks = []
+    for q, (raw, _) in zip(types, (gate, up, down)):
+        banks += [q.type_id, raw.ctypes.data, raw.strides[0]]
+    cpu.moe_ffn(x.ctypes.data, n_tok, h, gate[0].shape[1], gate[0].shape[0], ids.ctypes.data,
+                weights.ctypes.data, ids.shape[1], *banks, y.ctypes.data, 0)
+    return y
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_moe_ffn_matches_float64(cpu_isa, name):
+    rng = rng_for("moe", cpu_isa, name)
+    for n_tok in (1, 3, 7):
+        types, x, gate, up, down, ids, weights = _moe_case(rng, name, name, name, n_tok)
+        y = _run_moe(types, x, gate, up, down, ids, weights)
+        y64, bound = moe_reference(x.astype(np.float64), gate[1], up[1], down[1], ids, weights)
+        assert_close(y, y64, bound, ACCUMULATION[name], f"{name} moe_ffn T={n_tok} on {cpu_isa}",
+                     MOE_SLACK)
+
+
+@pytest.mark.parametrize("gate_t,down_t", [("IQ3_S", "Q6_K"), ("Q4_K", "Q8_0"), ("IQ4_XS", "F16")])
+def test_moe_ffn_fused_gate_up_views_and_mixed_types(cpu_isa, gate_t, down_t):
+    rng = rng_for("moe_fused", cpu_isa, gate_t, down_t)
+    types, x, gate, up, down, ids, weights = _moe_case(rng, gate_t, gate_t, down_t, 5, fused=True)
+    assert not gate[0].flags.c_contiguous  # a real strided view into the fused bank
+    y = _run_moe(types, x, gate, up, down, ids, weights)
+    y64, bound = moe_reference(x.astype(np.float64), gate[1], up[1], down[1], ids, weights)
+    assert_close(y, y64, bound, ACCUMULATION[gate_t], f"fused {gate_t}/{down_t} on {cpu_isa}",
+                 MOE_SLACK)
+
+
+def test_moe_ffn_skips_negative_ids_and_rejects_out_of_range():
+    rng = rng_for("moe_ids")
+    types, x, gate, up, down, ids, weights = _moe_case(rng, "Q4_0", "Q4_0", "Q4_0", 2)
+    ids[:] = -1
+    assert not _run_moe(types, x, gate, up, down, ids, weights).any()  # all skipped: zeros
+    ids[0, 0] = 6  # == E
+    with pytest.raises(ValueError, match="out of range"):
+        _run_moe(types, x, gate, up, down, ids, weights)

@@ -1,0 +1,98 @@
+"""native.ops on CPU tensors: dispatch to native._cpu, strided expert views, `out`, skipped slots,
+thread-count independence, and the GIL released during long calls."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kernel_oracle import SEED, rng_for
+from loaders.quants import QUANT_TYPES, random_tensor
+from native import NativeError, ops
+
+pytestmark = pytest.mark.skipif(ops._cpu is None, reason="native._cpu is not built")
+
+
+def _bank(name, e, o, h, rng):
+    q = QUANT_TYPES[name]
+    return ops.QTensor.from_numpy(random_tensor(q, (e, o, h), rng), q, (e, o, h), f"{name}_bank")
+
+
+def test_ops_use_the_extension_and_agree_with_the_reference():
+    rng = rng_for("ops")
+    w = _bank("IQ3_S", 1, 40, 512, rng).expert(0)
+    x = torch.from_numpy(rng.standard_normal((3, 512), dtype=np.float32))
+    y = ops.matmul(x, w)
+    torch.testing.assert_close(y, ops.matmul_ref(x, w), rtol=1e-4, atol=1e-5, msg=f"seed {SEED}")
+    assert torch.equal(ops.dequantize(w.data, w.qtype, w.shape), ops.dequantize_ref(w))
+    assert ops.matmul(x[0], w).shape == (40,)  # 1-D input
+
+
+def test_float_rows_not_a_multiple_of_32_fall_back_to_the_reference():
+    rng = rng_for("f16_48")
+    q = QUANT_TYPES["F16"]
+    w = ops.QTensor.from_numpy(random_tensor(q, (5, 48), rng), q, (5, 48))
+    x = torch.randn(2, 48)
+    torch.testing.assert_close(ops.matmul(x, w), ops.matmul_ref(x, w))
+
+
+def test_moe_ffn_fused_gate_up_rows_views_out_and_skipped_slots():
+    rng = rng_for("ops_moe")
+    e, f, h, t, k = 8, 256, 512, 4, 3
+    gate_up = _bank("Q4_K", e, 2 * f, h, rng)
+    down = _bank("Q6_K", e, h, f, rng)
+    gate, up = gate_up.rows(0, f), gate_up.rows(f, 2 * f)
+    assert gate.data.data_ptr() == gate_up.data.data_ptr() and not gate.data.is_contiguous()
+    assert gate.expert_stride == 2 * f * gate.row_bytes
+    x = torch.from_numpy(rng.standard_normal((t, h), dtype=np.float32))
+    ids = torch.tensor([[0, 3, 7], [3, -1, 1], [-1, -1, -1], [5, 0, 2]])  # int64, like topk
+    weights = torch.rand(t, k)
+    out = torch.full((t, h), float("nan"))
+    y = ops.moe_ffn(x, gate, up, down, ids, weights, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    ref = ops.moe_ffn_ref(x, gate, up, down, ids, weights)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5, msg=f"seed {SEED}")
+    assert not y[2].any()  # every slot skipped
+    with pytest.raises(NativeError, match="do not fit"):
+        ops.moe_ffn(x, gate, up, gate, ids, weights)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    rng = rng_for("threads")
+    e, f, h = 6, 256, 512
+    gate, up, down = _bank("IQ4_XS", e, f, h, rng), _bank("IQ4_XS", e, f, h, rng), _bank("Q8_0", e, h, f, rng)
+    x = torch.randn(5, h)
+    ids = torch.randint(0, e, (5, 4))
+    weights = torch.rand(5, 4)
+    n = ops._cpu.threads()
+    try:
+        ys = []
+        for threads in (1, 2, 3):
+            ops._cpu.set_threads(threads)
+            assert ops._cpu.threads() == threads
+            ys.append(ops.moe_ffn(x, gate, up, down, ids, weights))
+    finally:
+        ops._cpu.set_threads(n)
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+
+
+def test_long_calls_release_the_gil():
+    rng = rng_for("gil")
+    w = _bank("IQ3_S", 1, 2048, 2048, rng).expert(0)
+    x = torch.randn(64, 2048)
+    start = time.perf_counter()
+    ops.matmul(x, w)
+    if time.perf_counter() - start < 0.02:
+        pytest.skip("the call is too short on this machine to observe")
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (ops.matmul(x, w), done.set()))
+    spins = 0
+    worker.start()
+    while not done.is_set():  # runs only while the worker does not hold the GIL
+        spins += 1
+        time.sleep(0)
+    worker.join()
+    assert spins > 10, spins
