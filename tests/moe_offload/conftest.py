@@ -13,6 +13,17 @@ _DEQUANT_CACHE: dict = {}
 _CACHE_LIMIT = 512 << 20  # bytes of dequantized weights kept across tests
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is fastest, and immune to a busy machine (OpenMP
+    workers spinning on shared cores made decode steps 10x slower)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Force native.ops onto its reference path (gguf-py dequantize + torch float32 matmul) and

@@ -1,0 +1,186 @@
+"""`ftpatch logits` and `ftpatch run`: a model end to end on one device (no offload yet)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import CLIError
+
+LOGITS_DESCRIPTION = """\
+Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
+row i = the next-token logits after token i (numpy .npy).
+
+examples:
+  ftpatch logits model.gguf --prompt "The capital of France is" --out logits.npy
+  ftpatch logits model.gguf --tokens 9707,11,1879 --out logits.npy --device cuda
+"""
+
+RUN_DESCRIPTION = """\
+Generate text after PROMPT and stream it to standard output; the prompt and decode speeds
+(tokens per second) and the time to first token follow on standard error. Sampling runs in
+llama.cpp's order: penalties, top-k, top-p, min-p, temperature. --temp 0 is greedy.
+
+examples:
+  ftpatch run model.gguf -p "Once upon a time" -n 64
+  ftpatch run model.gguf -p "Write a haiku about GPUs" --chat --temp 0.7 --seed 1
+"""
+
+
+def _common(s: argparse.ArgumentParser) -> None:
+    s.add_argument("model", help="GGUF file, any shard of a split set, or a folder")
+    s.add_argument("--device", default="cpu", metavar="DEV",
+                   help="cpu (default) or cuda / cuda:N; the whole model goes there")
+    s.add_argument("--ctx", type=int, metavar="N",
+                   help="context size in tokens (default: the model's, at most 4096)")
+
+
+def add_logits_parser(sub) -> None:
+    s = sub.add_parser("logits", help="save the logits of every prompt position (.npy)",
+                       description=LOGITS_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(s)
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="text, tokenized by the model's tokenizer")
+    src.add_argument("--tokens", metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
+    s.add_argument("--out", required=True, metavar="FILE.npy", help="where to write the logits")
+
+
+def add_run_parser(sub) -> None:
+    s = sub.add_parser("run", help="generate text after a prompt, streaming it",
+                       description=RUN_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(s)
+    s.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="the prompt")
+    s.add_argument("-n", "--n-predict", type=int, default=128, metavar="N",
+                   help="most tokens to generate (default 128)")
+    s.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template")
+    s.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0 = greedy)")
+    s.add_argument("--top-k", type=int, default=40, help="keep the k likeliest (default 40; 0 = off)")
+    s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95; 1 = off)")
+    s.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below min-p x the top probability (default 0.05; 0 = off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalise the last 64 context tokens (default 1.0 = off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from tokens already present (default 0)")
+    s.add_argument("--seed", type=int, help="random seed (default: a fresh one)")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable)")
+
+
+# ---- shared steps -----------------------------------------------------------------------------
+
+def _device(name: str):
+    import torch
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise CLIError(f"--device {name!r} is not known; use cpu or cuda (cuda:N for one GPU)")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: torch sees no CUDA device (CPU-only build, or no "
+                           "GPU/driver); use --device cpu")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise CLIError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device(name)
+
+
+def _parse_ids(text: str, n_vocab: int) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CLIError(f"--tokens {text!r}: write token ids as integers separated by commas, "
+                       "e.g. --tokens 1,2,3") from None
+    bad = [i for i in ids if not 0 <= i < n_vocab]
+    if bad:
+        raise CLIError(f"--tokens: id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+    return ids
+
+
+def _check_fits(ids: list[int], ctx: int | None, n_ctx_train: int) -> int:
+    from moe_offload.errors import OffloadError
+    from moe_offload.state import DEFAULT_N_CTX
+    if not ids:
+        raise CLIError("the prompt is empty (0 tokens); give some text or token ids")
+    if ctx is not None and ctx < 1:
+        raise CLIError(f"--ctx {ctx}: the context needs at least one token")
+    n_ctx = ctx or min(n_ctx_train, DEFAULT_N_CTX)
+    if len(ids) > n_ctx:
+        raise OffloadError(f"the prompt has {len(ids)} tokens, more than the context of {n_ctx}; "
+                           "shorten it or raise --ctx")
+    return n_ctx
+
+
+# ---- commands ----------------------------------------------------------------------------------
+
+def run_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from loaders import open_model
+    from loaders.tokenizer import Tokenizer
+    from moe_offload.models import build_model
+    device = _device(args.device)
+    loaded = open_model(args.model)
+    c = loaded.config
+    if args.tokens is not None:
+        ids = _parse_ids(args.tokens, c.n_vocab)
+    else:
+        tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
+        ids = tok.encode(args.prompt, add_special=True, parse_special=True)
+    n_ctx = _check_fits(ids, args.ctx, c.n_ctx_train)
+    model = build_model(loaded, device)
+    with torch.inference_mode():
+        logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx),
+                               all_logits=True)[0]
+    out = logits.float().cpu().numpy()
+    np.save(args.out, out)
+    print(f"wrote logits float32 [{out.shape[0]}, {out.shape[1]}] to {args.out}")
+    return 0
+
+
+def run_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from loaders import open_model
+    from loaders.chat_template import ChatTemplate
+    from loaders.tokenizer import Tokenizer
+    from moe_offload.generate import DoneEvent, SamplingParams, Session
+    from moe_offload.models import build_model
+    device = _device(args.device)
+    if args.n_predict < 1:
+        raise CLIError(f"-n {args.n_predict}: generate at least one token")
+    if not args.prompt:
+        raise CLIError("the prompt is empty; give some text with -p")
+    loaded = open_model(args.model)
+    if "tokenizer.ggml.tokens" not in loaded.metadata:
+        raise CLIError(f"{args.model} has no tokenizer metadata, so `run` cannot read or write "
+                       "text; use `ftpatch logits MODEL --tokens IDS` instead")
+    tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
+    template = ChatTemplate.from_metadata(loaded.metadata, str(args.model))
+    if args.chat:
+        text = template.render([{"role": "user", "content": args.prompt}],
+                               bos_token=tok.bos_token, eos_token=tok.eos_token)
+        ids = tok.encode(text, add_special=False, parse_special=True)
+    else:
+        ids = tok.encode(args.prompt, add_special=True, parse_special=True)
+    n_ctx = _check_fits(ids, args.ctx, loaded.config.n_ctx_train)
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                            presence_penalty=args.presence_penalty, seed=args.seed,
+                            max_tokens=args.n_predict, stop=tuple(args.stop))
+    model = build_model(loaded, device)
+    session = Session(model, model.new_state(1, n_ctx), tok, template)
+    with torch.inference_mode():
+        for ev in session.generate(ids, params):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if isinstance(ev, DoneEvent):
+                done = ev
+    print()
+    print(f"{done.timings.summary()} | stop: {done.reason}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"logits": (add_logits_parser, run_logits), "run": (add_run_parser, run_run)}

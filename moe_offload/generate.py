@@ -1,0 +1,300 @@
+"""Generation: sampling, the token stream with its timings, and a chat `Session`.
+
+The loop is: prefill the prompt -> sample -> (decode one token -> sample)* until an
+end-of-generation id, a stop string, max_tokens or a full context. `generate` yields a
+`TokenEvent` per sampled token and one `DoneEvent` at the end. Batch size 1.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from .errors import OffloadError
+from .state import State
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """llama.cpp's order: penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+    temperature <= 0 is greedy (argmax after penalties). 0 / 1.0 disable k, p and min-p."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0      # CTRL-style: positive logits / rp, negative * rp
+    presence_penalty: float = 0.0    # subtracted once from every token seen
+    penalty_last_n: int = 64         # how many recent context tokens the penalties look at
+    seed: int | None = None          # None: a fresh random seed
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()       # stop strings (the text before one is kept)
+    ignore_eog: bool = False         # keep going past end-of-generation ids
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Sampler:
+    """Turns logits [B, V] into token ids [B] on the logits' device (one seeded generator)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.p = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, V]; recent [B, n] context ids the penalties see (or None)."""
+        p, x = self.p, logits.float().clone()
+        if recent is not None and recent.numel() and (p.repeat_penalty != 1.0 or p.presence_penalty):
+            seen = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, recent, True)
+            pen = torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty) - p.presence_penalty
+            x = torch.where(seen, pen, x)
+        if p.temperature <= 0:
+            return x.argmax(-1)
+        if 0 < p.top_k < x.shape[-1]:
+            x = x.masked_fill(x < x.topk(p.top_k, dim=-1).values[..., -1:], float("-inf"))
+        if p.top_p < 1.0:
+            probs, order = torch.softmax(x, -1).sort(dim=-1, descending=True)
+            drop = (probs.cumsum(-1) - probs) >= p.top_p   # mass before this token already >= p
+            drop[..., 0] = False
+            x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        if p.min_p > 0.0:
+            probs = torch.softmax(x, -1)
+            x = x.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+        probs = torch.softmax(x / p.temperature, -1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+
+# ---- events -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Timings:
+    n_prompt: int = 0
+    prompt_s: float = 0.0        # prefill wall time
+    n_decode: int = 0            # decode steps (tokens fed after the prompt)
+    decode_s: float = 0.0
+    ttft_s: float = 0.0          # start -> first token sampled
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.n_decode / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt: {self.n_prompt} tokens, {self.prompt_tps:.1f} tok/s | "
+                f"decode: {self.n_decode} tokens, {self.decode_tps:.1f} tok/s | "
+                f"TTFT {self.ttft_s * 1000:.0f} ms")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    text: str          # text this token completes ('' while UTF-8 or a stop string is pending)
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    reason: str        # "eog" | "stop" | "length" (max_tokens) | "context" (context full)
+    text: str          # text held back until the end (flushed), '' if none
+    tokens: tuple[int, ...]   # every generated id (the eog id included)
+    timings: Timings
+
+
+class _StopScanner:
+    """Holds back text that may be the start of a stop string; cuts at the first full one."""
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        keep = max((k for s in self.stops for k in range(len(s) - 1, 0, -1)
+                    if self.pending.endswith(s[:k])), default=0)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+def generate(model, state: State, prompt: Sequence[int], params: SamplingParams = GREEDY, *,
+             tokenizer=None, eog_ids: Iterable[int] | None = None, history: Sequence[int] = (),
+             prefill_chunk: int = 512) -> Iterator[TokenEvent | DoneEvent]:
+    """Stream tokens after `prompt` (fed on top of what `state` holds; `history` = the ids
+    already in it, for the penalties). eog_ids default to the tokenizer's."""
+    if not len(prompt):
+        raise OffloadError("the prompt is empty; give at least one token")
+    if state.batch != 1:
+        raise OffloadError("generate() streams one sequence; use a state of batch 1")
+    state.check_room(len(prompt))
+    dev = model.device
+    eog = frozenset(eog_ids if eog_ids is not None else
+                    (tokenizer.eog_ids if tokenizer is not None else ()))
+    stream = _stream_decoder(tokenizer)
+    stops = _StopScanner(params.stop)
+    sample = Sampler(params, dev)
+    context = list(history) + list(prompt)
+    out: list[int] = []
+
+    t0 = time.perf_counter()
+    logits = model.prefill(torch.tensor([list(prompt)], device=dev), state, chunk=prefill_chunk)
+    tok = int(sample(logits, _recent(context, params, dev)))
+    t_first = time.perf_counter()
+    timings = Timings(len(prompt), t_first - t0, 0, 0.0, t_first - t0)
+    decode_s, reason = 0.0, "length"
+    while True:
+        out.append(tok)
+        context.append(tok)
+        if tok in eog and not params.ignore_eog:
+            reason = "eog"
+            break
+        text, stopped = stops.push(stream(tok))
+        if stopped:
+            yield TokenEvent(tok, text, timings)
+            reason = "stop"
+            break
+        yield TokenEvent(tok, text, timings)
+        if len(out) >= params.max_tokens:
+            break
+        if state.n_free < 1:
+            reason = "context"
+            break
+        t = time.perf_counter()
+        logits = model.decode(torch.tensor([tok], device=dev), state)
+        tok = int(sample(logits, _recent(context, params, dev)))
+        decode_s += time.perf_counter() - t
+        timings = Timings(len(prompt), timings.prompt_s, len(out), decode_s, timings.ttft_s)
+    tail = ""
+    if reason != "stop":
+        tail, stopped = stops.push(stream(None))
+        tail += "" if stopped else stops.flush()
+    yield DoneEvent(reason, tail, tuple(out), timings)
+
+
+def _recent(context: list[int], p: SamplingParams, dev) -> torch.Tensor | None:
+    if p.penalty_last_n <= 0 or (p.repeat_penalty == 1.0 and not p.presence_penalty):
+        return None
+    return torch.tensor([context[-p.penalty_last_n:]], dtype=torch.int64, device=dev)
+
+
+def _stream_decoder(tokenizer):
+    """id -> newly completed text; None -> flush. Without a tokenizer: no text."""
+    if tokenizer is None:
+        return lambda tok: ""
+    from loaders.tokenizer import StreamDecoder
+    dec = StreamDecoder(tokenizer)
+    return lambda tok: dec.flush() if tok is None else dec.push(tok)
+
+
+# ---- a chat session -------------------------------------------------------------------------------
+
+@dataclass
+class Session:
+    """Model + state + tokenizer + chat template. `chat(messages)` renders the whole conversation
+    and feeds only what the cache lacks: the longest cached prefix is kept (rewinding to a turn
+    snapshot when the new prompt diverges inside the cache)."""
+
+    model: object
+    state: State
+    tokenizer: object = None
+    template: object = None
+    tokens: list[int] = field(default_factory=list)      # ids now in the cache, in order
+    max_snapshots: int = 4
+    _snaps: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def load(cls, path, device: str = "cpu", n_ctx: int | None = None,
+             kv_dtype: torch.dtype = torch.float32, experts_device: str | None = None) -> "Session":
+        """Open a GGUF, put it on `device`; tokenizer and template when the file has them."""
+        from loaders import open_model
+        from loaders.chat_template import ChatTemplate
+        from loaders.tokenizer import Tokenizer
+        from .models import build_model
+        loaded = open_model(path)
+        model = build_model(loaded, device, experts_device)
+        md = loaded.metadata
+        tok = Tokenizer.from_metadata(md, str(path)) if "tokenizer.ggml.tokens" in md else None
+        tmpl = ChatTemplate.from_metadata(md, str(path)) if tok is not None else None
+        return cls(model, model.new_state(1, n_ctx, kv_dtype), tok, tmpl)
+
+    def reset(self) -> None:
+        self.state.reset()
+        self.tokens.clear()
+        self._snaps.clear()
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams = GREEDY
+                 ) -> Iterator[TokenEvent | DoneEvent]:
+        """Continue the cached sequence with `prompt` ids and stream the reply. Stopping early
+        (leaving the loop) is fine: the session keeps what the cache holds."""
+        start, sampled = len(self.tokens), []
+        self._snapshot()                          # end of the previous reply
+        try:
+            for ev in generate(self.model, self.state, prompt, params, tokenizer=self.tokenizer,
+                               history=self.tokens):
+                if isinstance(ev, TokenEvent):
+                    if not sampled:
+                        self._snapshot()          # prompt prefilled, reply not yet fed
+                    sampled.append(ev.token)
+                yield ev
+        finally:                                  # the last sampled id is never fed
+            self.tokens += (list(prompt) + sampled)[:self.state.n_past - start]
+
+    def complete(self, text: str, params: SamplingParams = GREEDY) -> Iterator[TokenEvent | DoneEvent]:
+        """Plain text continuation (special-token text is parsed; BOS added if the model asks)."""
+        ids = self._tok().encode(text, add_special=not self.tokens, parse_special=True)
+        return self.generate(ids, params)
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams = GREEDY,
+             enable_thinking: bool | None = None) -> Iterator[TokenEvent | DoneEvent]:
+        """The assistant's reply to the whole conversation `messages` (OpenAI-style list)."""
+        tok = self._tok()
+        text = self.template.render(messages, add_generation_prompt=True,
+                                    enable_thinking=enable_thinking, bos_token=tok.bos_token,
+                                    eos_token=tok.eos_token)
+        ids = tok.encode(text, add_special=False, parse_special=True)
+        return self.generate(ids[self._reuse(ids):], params)
+
+    # -- prefix reuse -----------------------------------------------------------------------
+
+    def _reuse(self, ids: list[int]) -> int:
+        """Rewind the cache to the longest usable prefix of ids; returns its length (< len(ids))."""
+        n = 0
+        limit = min(len(ids) - 1, len(self.tokens))      # always feed >= 1 token
+        while n < limit and ids[n] == self.tokens[n]:
+            n += 1
+        if n == len(self.tokens):
+            return n
+        snaps = [s for s in self._snaps if s.n_past <= n]
+        if not snaps:
+            self.reset()
+            return 0
+        self.state.restore(snaps[-1])
+        self._snaps = snaps
+        del self.tokens[snaps[-1].n_past:]
+        return snaps[-1].n_past
+
+    def _snapshot(self) -> None:
+        if self.state.n_past and not (self._snaps and self._snaps[-1].n_past == self.state.n_past):
+            self._snaps = (self._snaps + [self.state.snapshot()])[-self.max_snapshots:]
+
+    def _tok(self):
+        if self.tokenizer is None:
+            raise OffloadError("this model has no tokenizer metadata; pass token ids instead of text")
+        return self.tokenizer

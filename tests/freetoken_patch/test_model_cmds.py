@@ -1,0 +1,125 @@
+"""`ftpatch logits` and `ftpatch run` through the CLI entry point: outputs and one-line errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken_patch.cli import main
+from helpers import rewrite
+from loaders import open_gguf, open_model
+from loaders.tokenizer import Tokenizer
+from moe_offload.models import build_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny tensors: fastest, and immune to a busy machine
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer_model(tiny_model, tmp_path_factory):
+    keys = [k for k in open_gguf(tiny_model).metadata if k.startswith("tokenizer.")]
+    return rewrite(tiny_model, tmp_path_factory.mktemp("notok") / "m.gguf", drop_keys=keys)
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ftpatch: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+# ---- logits --------------------------------------------------------------------------------------
+
+def test_logits_from_tokens_and_from_a_prompt(tiny_model, tmp_path, capsys):
+    tok = Tokenizer.from_gguf(tiny_model)
+    ids = tok.encode("Hello world, hello", add_special=True, parse_special=True)
+    out_t, out_p = tmp_path / "t.npy", tmp_path / "p.npy"
+    assert main(["logits", str(tiny_model), "--tokens", ",".join(map(str, ids)),
+                 "--out", str(out_t)]) == 0
+    n_vocab = len(tok)
+    assert f"[{len(ids)}, {n_vocab}]" in capsys.readouterr().out
+    assert main(["logits", str(tiny_model), "--prompt", "Hello world, hello", "--out",
+                 str(out_p)]) == 0
+    a, b = np.load(out_t), np.load(out_p)
+    assert a.dtype == np.float32 and a.shape == (len(ids), n_vocab)
+    np.testing.assert_array_equal(a, b)
+    model = build_model(open_model(tiny_model))
+    want = model.forward(torch.tensor([ids]), model.new_state())[0].numpy()
+    np.testing.assert_allclose(a, want, atol=1e-5)
+
+
+def test_logits_of_a_model_without_tokenizer(no_tokenizer_model, tmp_path, capsys):
+    out = tmp_path / "x.npy"
+    assert main(["logits", str(no_tokenizer_model), "--prompt", "hi", "--out", str(out)]) == 1
+    assert "no tokenizer" in (e := _err(capsys)) and "--tokens" in e
+    assert main(["logits", str(no_tokenizer_model), "--tokens", "5,6,7", "--out", str(out)]) == 0
+    assert np.load(out).shape[0] == 3
+
+
+# ---- run ---------------------------------------------------------------------------------------------
+
+def test_run_streams_text_then_speeds(tiny_model, capsys):
+    args = ["run", str(tiny_model), "-p", "Once upon a time", "-n", "6", "--temp", "0"]
+    assert main(args) == 0
+    first = capsys.readouterr()
+    assert first.out.endswith("\n") and len(first.out) > 1
+    assert "prompt:" in first.err and "decode:" in first.err and first.err.count("tok/s") == 2
+    assert "TTFT" in first.err and "stop: length" in first.err
+    assert main(args) == 0
+    assert capsys.readouterr().out == first.out                      # greedy is deterministic
+
+
+def test_run_sampling_with_a_seed_repeats_and_chat_works(tiny_model, capsys):
+    args = ["run", str(tiny_model), "-p", "Hi", "-n", "5", "--temp", "1.0", "--top-k", "0",
+            "--top-p", "0.9", "--min-p", "0.01", "--repeat-penalty", "1.1",
+            "--presence-penalty", "0.5", "--seed", "7"]
+    assert main(args) == 0
+    a = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == a
+    assert main(["run", str(tiny_model), "-p", "Hi", "-n", "3", "--chat", "--temp", "0"]) == 0
+    assert "tok/s" in capsys.readouterr().err
+
+
+# ---- bad input: one clear line -------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,needle", [
+    (["logits", "{m}", "--prompt", "", "--out", "{tmp}/x.npy"], "the prompt is empty"),
+    (["run", "{m}", "-p", ""], "the prompt is empty"),
+    (["run", "{m}", "-p", "a long prompt that does not fit", "--ctx", "4"],
+     "more than the context of 4"),
+    (["logits", "{m}", "--tokens", "1,2,3,4,5", "--ctx", "3", "--out", "{tmp}/x.npy"],
+     "the prompt has 5 tokens, more than the context of 3"),
+    (["logits", "{m}", "--tokens", "1,x", "--out", "{tmp}/x.npy"], "integers separated by commas"),
+    (["logits", "{m}", "--tokens", "1,999999", "--out", "{tmp}/x.npy"], "outside the vocabulary"),
+    (["run", "{m}", "-p", "hi", "--device", "tpu"], "use cpu or cuda"),
+    (["run", "{m}", "-p", "hi", "-n", "0"], "at least one token"),
+    (["run", "{notok}", "-p", "hi"], "no tokenizer metadata"),
+    (["run", "{arch}", "-p", "hi"], "unsupported architecture 'llama'"),
+    (["logits", "{arch}", "--tokens", "1", "--out", "{tmp}/x.npy"], "unsupported architecture"),
+])
+def test_bad_input_is_one_line(tiny_model, no_tokenizer_model, tmp_path, capsys, args, needle):
+    arch = rewrite(tiny_model, tmp_path / "llama.gguf",
+                   metadata={"general.architecture": ("str", "llama")})
+    fill = dict(m=tiny_model, notok=no_tokenizer_model, arch=arch, tmp=tmp_path)
+    assert main([a.format(**fill) for a in args]) == 1
+    assert needle in _err(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda(tiny_model, capsys):
+    assert main(["run", str(tiny_model), "-p", "hi", "--device", "cuda"]) == 1
+    assert "no CUDA device" in _err(capsys)
+
+
+@pytest.mark.gpu
+def test_logits_on_cuda_match_cpu(tiny_model, tmp_path, capsys):
+    cpu, gpu = tmp_path / "c.npy", tmp_path / "g.npy"
+    for dev, out in (("cpu", cpu), ("cuda", gpu)):
+        assert main(["logits", str(tiny_model), "--tokens", "1,2,3,4,5,6,7,8", "--out", str(out),
+                     "--device", dev]) == 0
+    np.testing.assert_allclose(np.load(cpu), np.load(gpu), atol=1e-3)
