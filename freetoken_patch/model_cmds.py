@@ -5,6 +5,8 @@ import argparse
 import sys
 
 from .errors import CLIError
+from .model_args import (add_model_args, add_sampling_args, check_fits, parse_device,
+                         sampling_params)
 
 LOGITS_DESCRIPTION = """\
 Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
@@ -26,19 +28,11 @@ examples:
 """
 
 
-def _common(s: argparse.ArgumentParser) -> None:
-    s.add_argument("model", help="GGUF file, any shard of a split set, or a folder")
-    s.add_argument("--device", default="cpu", metavar="DEV",
-                   help="cpu (default) or cuda / cuda:N; the whole model goes there")
-    s.add_argument("--ctx", type=int, metavar="N",
-                   help="context size in tokens (default: the model's, at most 4096)")
-
-
 def add_logits_parser(sub) -> None:
     s = sub.add_parser("logits", help="save the logits of every prompt position (.npy)",
                        description=LOGITS_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(s)
+    add_model_args(s)
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="text, tokenized by the model's tokenizer")
     src.add_argument("--tokens", metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
@@ -49,42 +43,14 @@ def add_run_parser(sub) -> None:
     s = sub.add_parser("run", help="generate text after a prompt, streaming it",
                        description=RUN_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(s)
+    add_model_args(s)
     s.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="the prompt")
-    s.add_argument("-n", "--n-predict", type=int, default=128, metavar="N",
-                   help="most tokens to generate (default 128)")
     s.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
-    s.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0 = greedy)")
-    s.add_argument("--top-k", type=int, default=40, help="keep the k likeliest (default 40; 0 = off)")
-    s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95; 1 = off)")
-    s.add_argument("--min-p", type=float, default=0.05,
-                   help="drop tokens below min-p x the top probability (default 0.05; 0 = off)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0,
-                   help="penalise the last 64 context tokens (default 1.0 = off)")
-    s.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtract from tokens already present (default 0)")
-    s.add_argument("--seed", type=int, help="random seed (default: a fresh one)")
-    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop before this text (repeatable)")
+    add_sampling_args(s, n_default=128)
 
 
 # ---- shared steps -----------------------------------------------------------------------------
-
-def _device(name: str):
-    import torch
-    kind = name.split(":")[0]
-    if kind not in ("cpu", "cuda"):
-        raise CLIError(f"--device {name!r} is not known; use cpu or cuda (cuda:N for one GPU)")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise CLIError("--device cuda: torch sees no CUDA device (CPU-only build, or no "
-                           "GPU/driver); use --device cpu")
-        index = int(name.split(":")[1]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise CLIError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return torch.device(name)
-
 
 def _parse_ids(text: str, n_vocab: int) -> list[int]:
     try:
@@ -98,20 +64,6 @@ def _parse_ids(text: str, n_vocab: int) -> list[int]:
     return ids
 
 
-def _check_fits(ids: list[int], ctx: int | None, n_ctx_train: int) -> int:
-    from moe_offload.errors import OffloadError
-    from moe_offload.state import DEFAULT_N_CTX
-    if not ids:
-        raise CLIError("the prompt is empty (0 tokens); give some text or token ids")
-    if ctx is not None and ctx < 1:
-        raise CLIError(f"--ctx {ctx}: the context needs at least one token")
-    n_ctx = ctx or min(n_ctx_train, DEFAULT_N_CTX)
-    if len(ids) > n_ctx:
-        raise OffloadError(f"the prompt has {len(ids)} tokens, more than the context of {n_ctx}; "
-                           "shorten it or raise --ctx")
-    return n_ctx
-
-
 # ---- commands ----------------------------------------------------------------------------------
 
 def run_logits(args: argparse.Namespace) -> int:
@@ -121,7 +73,7 @@ def run_logits(args: argparse.Namespace) -> int:
     from loaders import open_model
     from loaders.tokenizer import Tokenizer
     from moe_offload.models import build_model
-    device = _device(args.device)
+    device = parse_device(args.device)
     loaded = open_model(args.model)
     c = loaded.config
     if args.tokens is not None:
@@ -129,7 +81,7 @@ def run_logits(args: argparse.Namespace) -> int:
     else:
         tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
-    n_ctx = _check_fits(ids, args.ctx, c.n_ctx_train)
+    n_ctx = check_fits(ids, args.ctx, c.n_ctx_train)
     model = build_model(loaded, device)
     with torch.inference_mode():
         logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx),
@@ -146,11 +98,10 @@ def run_run(args: argparse.Namespace) -> int:
     from loaders import open_model
     from loaders.chat_template import ChatTemplate
     from loaders.tokenizer import Tokenizer
-    from moe_offload.generate import DoneEvent, SamplingParams, Session
+    from moe_offload.generate import DoneEvent, Session
     from moe_offload.models import build_model
-    device = _device(args.device)
-    if args.n_predict < 1:
-        raise CLIError(f"-n {args.n_predict}: generate at least one token")
+    device = parse_device(args.device)
+    params = sampling_params(args)
     if not args.prompt:
         raise CLIError("the prompt is empty; give some text with -p")
     loaded = open_model(args.model)
@@ -165,11 +116,7 @@ def run_run(args: argparse.Namespace) -> int:
         ids = tok.encode(text, add_special=False, parse_special=True)
     else:
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
-    n_ctx = _check_fits(ids, args.ctx, loaded.config.n_ctx_train)
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                            presence_penalty=args.presence_penalty, seed=args.seed,
-                            max_tokens=args.n_predict, stop=tuple(args.stop))
+    n_ctx = check_fits(ids, args.ctx, loaded.config.n_ctx_train)
     model = build_model(loaded, device)
     session = Session(model, model.new_state(1, n_ctx), tok, template)
     with torch.inference_mode():

@@ -1,0 +1,92 @@
+"""Argparse helpers shared by the commands that load a model and generate (`run`, `chat`):
+the model / device / context flags, the sampling flags, and the checks behind them."""
+from __future__ import annotations
+
+import argparse
+
+from .errors import CLIError
+
+
+def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
+                   model_help: str = "GGUF file, any shard of a split set, or a folder",
+                   device_default: str | None = "cpu") -> None:
+    """MODEL, --device, --ctx."""
+    if model_optional:
+        s.add_argument("model", nargs="?", help=model_help)
+    else:
+        s.add_argument("model", help=model_help)
+    s.add_argument("--device", default=device_default, metavar="DEV",
+                   help="cpu (default) or cuda / cuda:N; the whole model goes there")
+    s.add_argument("--ctx", type=int, metavar="N",
+                   help="context size in tokens (default: the model's, at most 4096)")
+
+
+def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int,
+                      n_flags: tuple[str, ...] = ("-n", "--n-predict")) -> None:
+    """-n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty, --seed, --stop
+    (read back with `sampling_params(args)`)."""
+    s.add_argument(*n_flags, dest="n_predict", type=int, default=n_default, metavar="N",
+                   help=f"most tokens to generate (default {n_default})")
+    s.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0 = greedy)")
+    s.add_argument("--top-k", type=int, default=40, help="keep the k likeliest (default 40; 0 = off)")
+    s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95; 1 = off)")
+    s.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens below min-p x the top probability (default 0.05; 0 = off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="penalise the last 64 context tokens (default 1.0 = off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from tokens already present (default 0)")
+    s.add_argument("--seed", type=int, help="random seed (default: a fresh one)")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams the flags of `add_sampling_args` ask for."""
+    from moe_offload.generate import SamplingParams
+    if args.n_predict < 1:
+        raise CLIError(f"-n {args.n_predict}: generate at least one token")
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                          presence_penalty=args.presence_penalty, seed=args.seed,
+                          max_tokens=args.n_predict, stop=tuple(args.stop))
+
+
+def parse_device(name: str):
+    """--device NAME -> torch.device, or a CLIError saying what is available."""
+    import torch
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise CLIError(f"--device {name!r} is not known; use cpu or cuda (cuda:N for one GPU)")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: torch sees no CUDA device (CPU-only build, or no "
+                           "GPU/driver); use --device cpu")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise CLIError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device(name)
+
+
+def context_size(ctx: int | None, n_ctx_train: int) -> int:
+    """--ctx, or the model's training context capped at the default (4096)."""
+    from moe_offload.state import DEFAULT_N_CTX
+    if ctx is not None and ctx < 1:
+        raise CLIError(f"--ctx {ctx}: the context needs at least one token")
+    return ctx or min(n_ctx_train, DEFAULT_N_CTX)
+
+
+def check_fits(ids: list[int], ctx: int | None, n_ctx_train: int) -> int:
+    """The context size; fails when the prompt `ids` is empty or does not fit it."""
+    from moe_offload.errors import OffloadError
+    if not ids:
+        raise CLIError("the prompt is empty (0 tokens); give some text or token ids")
+    n_ctx = context_size(ctx, n_ctx_train)
+    if len(ids) > n_ctx:
+        raise OffloadError(f"the prompt has {len(ids)} tokens, more than the context of {n_ctx}; "
+                           "shorten it or raise --ctx")
+    return n_ctx
+
+
+__all__ = ["add_model_args", "add_sampling_args", "sampling_params", "parse_device", "context_size",
+           "check_fits"]
