@@ -35,6 +35,9 @@
 //   tables_ready() -> bool
 //   block_sizes() -> {name: (block_elems, block_bytes)}   ggml's sizes, from quants.h
 //   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   what the kernels run
+//   accumulation(name) -> "f32" | "i16"   how the active ISA's matmul/moe_ffn accumulate a type:
+//       f32 = exact weights x float activations; i16 = exact weights x activations rounded to
+//       int16 per 32 features (|error| <= max|x| / 65534 per feature), integer sums, float32 scales
 //   set_threads(n) (n <= 0: all cores), threads() -> int
 //   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2"; the env
 //       FTPATCH_CPU_ISA picks the start value, default: the best this CPU runs)
@@ -122,6 +125,13 @@ PYBIND11_MODULE(_cpu, m) {
     m.def("dequantize_types", &type_names);
     m.def("matmul_types", &type_names);
     m.def("moe_ffn_types", &type_names);
+    m.def("accumulation", [](const std::string& name) {
+        for (int id = 0; id < cpu::kMaxTypeId; ++id) {
+            const auto& k = cpu::kernels().types[id];
+            if (k.dot_row && name == k.name) return std::string(k.accumulation);
+        }
+        throw std::invalid_argument("no CPU kernel for type '" + name + "'");
+    }, py::arg("name"));
     m.def("set_threads", &cpu::set_num_threads, py::arg("n"));
     m.def("threads", &cpu::num_threads);
     m.def("isa", [] { return std::string(cpu::kernels().name); });

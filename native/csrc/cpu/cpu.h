@@ -17,14 +17,40 @@ namespace ft::cpu {
 
 constexpr int kMaxTypeId = 64;  // ggml ids are < 64; tables are indexed by id
 
+// ---- activations, prepared once per call for the active ISA ---------------------------------------
+// Every ISA reads the float rows; ISAs with an integer dot product also read an int16 copy:
+// per 32 features x ~= q * d (q = round(x / d), d = max|x| / 32767, so |x - q*d| <= d/2), plus
+// exact float sums of x per 16 features (for the additive mins of K/legacy types).
+struct Act {
+    const float* x = nullptr;  // [nt, n] float, row stride ldx
+    int64_t ldx = 0;
+    const int16_t* q = nullptr;  // [nt, n]      (null unless the ISA quantizes)
+    const float* d = nullptr;    // [nt, n / 32]
+    const float* s16 = nullptr;  // [nt, n / 16]
+    int64_t n = 0;
+    Act at(int64_t t) const {  // the activations from token t on
+        Act a = *this;
+        a.x += t * ldx;
+        if (q) a.q += t * n, a.d += t * (n / 32), a.s16 += t * (n / 16);
+        return a;
+    }
+};
+struct ActBuf {
+    std::vector<int16_t> q;
+    std::vector<float> d, s16;
+};
+// Fills q/d/s16 rows [t0, t1) of the int16 form (x rows at x + t*ldx, n % 32 == 0).
+using QuantizeActFn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
+                               int16_t* q, float* d, float* s16);
+
 // ---- row kernels of one type on one ISA --------------------------------------------------------
 // A row is `nkb` kernel blocks (Traits::kb_bytes each, contiguous) = nkb * kb_elems weights.
 
 // out[0 .. nkb*kb_elems) = the row's weights as float, bit-exact with decode32.
 using DecodeRowFn = void (*)(const uint8_t* row, int64_t nkb, float* out, const Grids& g);
-// out[t*ldo] = dot(row, x + t*ldx) for t < nt (any nt >= 1). Float32 accumulation, FMA allowed.
-using DotRowFn = void (*)(const uint8_t* row, int64_t nkb, const float* x, int64_t ldx, int nt,
-                          float* out, int64_t ldo, const Grids& g);
+// out[t*ldo] = dot(row, activations of token t) for t < nt (any nt >= 1); float32 accumulation.
+using DotRowFn = void (*)(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* out,
+                          int64_t ldo, const Grids& g);
 
 struct TypeKernels {
     DecodeRowFn decode_row = nullptr;
@@ -32,10 +58,15 @@ struct TypeKernels {
     int kb_elems = 0, kb_bytes = 0;
     const char* name = nullptr;
     bool needs_grids = false;
+    // How dot_row accumulates (tests pick their tolerance by it): "f32" = exact weights times
+    // float x; "i16" = exact weights times the int16 activations above, exact integer sums per
+    // 16/32 weights, scaled and summed in float32.
+    const char* accumulation = "f32";
 };
 
 struct IsaKernels {
     const char* name = nullptr;
+    QuantizeActFn quantize_act = nullptr;  // null: the ISA reads float activations only
     TypeKernels types[kMaxTypeId];
 };
 
@@ -44,13 +75,17 @@ struct IsaKernels {
 void fill_generic(IsaKernels& k);
 void fill_avx2(IsaKernels& k);
 
+// Activations for `isa` (multithreaded for many tokens); buf owns the int16 form.
+Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
+                ActBuf& buf);
+
 // ---- dispatch and tables (dispatch.cpp) -----------------------------------------------------------
-const IsaKernels& kernels();                // the active ISA's table
+const IsaKernels& kernels();                // the active ISA's table (ops read it once per call)
 std::vector<std::string> available_isas();  // best last; what this CPU can run
 void set_isa(const std::string& name);      // throws std::invalid_argument if unavailable
 // The kernels of a type id, checked: throws std::invalid_argument naming the type if it is
 // unknown, or needs the IQ tables and set_tables() has not run.
-const TypeKernels& type_kernels(int type_id);
+const TypeKernels& type_kernels(const IsaKernels& isa, int type_id);
 const Grids& grids();
 void set_table(const std::string& name, const void* data, size_t nbytes);  // copies
 bool tables_ready();

@@ -35,7 +35,7 @@ uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
 
 void dequantize(int type_id, const uint8_t* src, int64_t n_rows, int64_t n_cols,
                 int64_t src_row_stride, void* dst, int dst_dtype) {
-    const TypeKernels& k = type_kernels(type_id);
+    const TypeKernels& k = type_kernels(kernels(), type_id);
     const int64_t nkb = row_kblocks(k, n_cols, "dequantize");
     if (src_row_stride < nkb * k.kb_bytes)
         throw std::invalid_argument("dequantize: row stride is shorter than a row");

@@ -77,11 +77,11 @@ void set_isa(const std::string& name) {
                                      (t.has_avx2 ? "generic, avx2" : "generic"));
 }
 
-const TypeKernels& type_kernels(int type_id) {
-    if (type_id < 0 || type_id >= kMaxTypeId || !kernels().types[type_id].dot_row)
+const TypeKernels& type_kernels(const IsaKernels& isa, int type_id) {
+    if (type_id < 0 || type_id >= kMaxTypeId || !isa.types[type_id].dot_row)
         throw std::invalid_argument("ggml type id " + std::to_string(type_id) +
                                     " has no CPU kernel (see native._cpu.matmul_types())");
-    const TypeKernels& k = kernels().types[type_id];
+    const TypeKernels& k = isa.types[type_id];
     if (k.needs_grids && !tables_ready())
         throw std::invalid_argument(std::string(k.name) + " needs the IQ tables: call set_tables() "
                                     "first (native.ops does at import)");
@@ -116,6 +116,28 @@ void set_table(const std::string& name, const void* data, size_t nbytes) {
     g.kvalues_iq4nl = static_cast<const int8_t*>(p("kvalues_iq4nl"));
     g.kvalues_mxfp4 = static_cast<const int8_t*>(p("kvalues_mxfp4"));
     s.ready = s.data.size() == table_sizes().size();
+}
+
+Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
+                ActBuf& buf) {
+    Act a;
+    a.x = x;
+    a.ldx = ldx;
+    a.n = n;
+    if (!isa.quantize_act || nt <= 0) return a;
+    buf.q.resize(nt * n);
+    buf.d.resize(nt * (n / 32));
+    buf.s16.resize(nt * (n / 16));
+    a.q = buf.q.data();
+    a.d = buf.d.data();
+    a.s16 = buf.s16.data();
+    const int64_t grain = std::max<int64_t>(1, 16384 / n);
+    auto fill = [&](int64_t t0, int64_t t1) {
+        isa.quantize_act(x, ldx, t0, t1, n, buf.q.data(), buf.d.data(), buf.s16.data());
+    };
+    if (nt * n < 65536) fill(0, nt);  // one token: cheaper than waking the pool
+    else parallel_for(nt, grain, fill);
+    return a;
 }
 
 int64_t row_kblocks(const TypeKernels& k, int64_t n_cols, const char* what) {

@@ -16,7 +16,7 @@ void decode_row(const uint8_t* row, int64_t nkb, float* out, const Grids& g) {
 // Few tokens: decode 32 weights at a time, use them for every token.
 template <QType T, int NT>
 void dot_stream(const uint8_t* row, int64_t nkb, const float* x, int64_t ldx, float* out,
-                int64_t ldo, const Grids& g) {
+                int64_t ldo, const Grids& g) {  // x: float activations, token stride ldx
     using Tr = Traits<T>;
     float acc[NT] = {};
     float w[32];
@@ -36,8 +36,10 @@ void dot_stream(const uint8_t* row, int64_t nkb, const float* x, int64_t ldx, fl
 
 // Many tokens: decode the row once, then one dot product per token.
 template <QType T>
-void dot_row(const uint8_t* row, int64_t nkb, const float* x, int64_t ldx, int nt, float* out,
-             int64_t ldo, const Grids& g) {
+void dot_row(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* out, int64_t ldo,
+             const Grids& g) {
+    const float* x = a.x;
+    const int64_t ldx = a.ldx;
     switch (nt) {
         case 1: return dot_stream<T, 1>(row, nkb, x, ldx, out, ldo, g);
         case 2: return dot_stream<T, 2>(row, nkb, x, ldx, out, ldo, g);

@@ -5,18 +5,21 @@ namespace ft::cpu {
 
 void matmul(int type_id, const uint8_t* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
             const float* x, int64_t n_tok, float* y) {
-    const TypeKernels& k = type_kernels(type_id);
+    const IsaKernels& isa = kernels();
+    const TypeKernels& k = type_kernels(isa, type_id);
     const int64_t nkb = row_kblocks(k, n_in, "matmul");
     if (w_row_stride < nkb * k.kb_bytes)
         throw std::invalid_argument("matmul: weight row stride is shorter than a row");
     if (n_tok <= 0 || n_out <= 0) return;
     const Grids& g = grids();
+    ActBuf buf;
+    const Act a = prepare_act(isa, x, n_in, n_tok, n_in, buf);
     // Enough rows per chunk to amortize the pool's hand-off, few enough that every core gets
     // several chunks (balance) even for one 512-row expert matrix.
     const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n_out / (8 * num_threads())));
     parallel_for(n_out, grain, [&](int64_t o0, int64_t o1) {
         for (int64_t o = o0; o < o1; ++o)
-            k.dot_row(w + o * w_row_stride, nkb, x, n_in, int(n_tok), y + o, n_out, g);
+            k.dot_row(w + o * w_row_stride, nkb, a, int(n_tok), y + o, n_out, g);
     });
 }
 

@@ -22,8 +22,9 @@ struct Group {
 void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const int32_t* ids,
                const float* weights, int64_t K, const Bank& gate, const Bank& up,
                const Bank& down, float* y) {
-    const TypeKernels &kg = type_kernels(gate.type_id), &ku = type_kernels(up.type_id),
-                      &kd = type_kernels(down.type_id);
+    const IsaKernels& isa = kernels();
+    const TypeKernels &kg = type_kernels(isa, gate.type_id), &ku = type_kernels(isa, up.type_id),
+                      &kd = type_kernels(isa, down.type_id);
     const int64_t nkb_g = row_kblocks(kg, H, "moe_ffn gate"), nkb_u = row_kblocks(ku, H, "moe_ffn up");
     const int64_t nkb_d = row_kblocks(kd, F, "moe_ffn down");
     const int64_t rb_g = nkb_g * kg.kb_bytes, rb_u = nkb_u * ku.kb_bytes, rb_d = nkb_d * kd.kb_bytes;
@@ -59,6 +60,8 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
     }
 
     // Phase 1: gate/up, then h = silu(g) * u in place of g.
+    ActBuf xbuf;
+    const Act xa = prepare_act(isa, xg.data(), H, n_slots, H, xbuf);
     std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, first row)
     for (int64_t i = 0; i < int64_t(groups.size()); ++i)
         for (int64_t f = 0; f < F; f += kRowsPerTask) tasks.push_back({i, f});
@@ -68,12 +71,12 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
             const int64_t f0 = tasks[task].second, f1 = std::min(F, f0 + kRowsPerTask);
             const uint8_t* wg = gate.base + gr.e * gate.expert_stride;
             const uint8_t* wu = up.base + gr.e * up.expert_stride;
-            const float* xe = xg.data() + gr.off * H;
+            const Act xe = xa.at(gr.off);
             float* ge = hg.data() + gr.off * F;
             float* ue = hu.data() + gr.off * F;
             for (int64_t f = f0; f < f1; ++f) {
-                kg.dot_row(wg + f * rb_g, nkb_g, xe, H, int(gr.n), ge + f, F, g);
-                ku.dot_row(wu + f * rb_u, nkb_u, xe, H, int(gr.n), ue + f, F, g);
+                kg.dot_row(wg + f * rb_g, nkb_g, xe, int(gr.n), ge + f, F, g);
+                ku.dot_row(wu + f * rb_u, nkb_u, xe, int(gr.n), ue + f, F, g);
             }
             for (int64_t t = 0; t < gr.n; ++t)
                 for (int64_t f = f0; f < f1; ++f) {
@@ -84,15 +87,17 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
     });
 
     // Phase 2: down rows, weighted sum over experts in ascending expert order.
+    ActBuf hbuf;
+    const Act ha = prepare_act(isa, hg.data(), F, n_slots, F, hbuf);
     parallel_for(H, kRowsPerTask, [&](int64_t r0, int64_t r1) {
         thread_local std::vector<float> out;
         for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + r0, y + t * H + r1, 0.f);
         for (const Group& gr : groups) {
             if (int64_t(out.size()) < gr.n) out.resize(gr.n);
             const uint8_t* wd = down.base + gr.e * down.expert_stride;
-            const float* he = hg.data() + gr.off * F;
+            const Act he = ha.at(gr.off);
             for (int64_t r = r0; r < r1; ++r) {
-                kd.dot_row(wd + r * rb_d, nkb_d, he, F, int(gr.n), out.data(), 1, g);
+                kd.dot_row(wd + r * rb_d, nkb_d, he, int(gr.n), out.data(), 1, g);
                 for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r] += wt[gr.off + s] * out[s];
             }
         }

@@ -1,0 +1,363 @@
+// AVX2 decoders: 32 weights of a kernel block as int8 values + scales, w = s * q + m.
+// Included only by kernels_avx2.cpp (compiled with -mavx2 -mfma -mf16c -mbmi2).
+//
+// Unit<T>::decode(blk, sub, grids, u) fills u.q (32 int8, weight order), u.s[h] (the scale of
+// weights 16h..16h+15; equal unless Unit<T>::per16) and, where Unit<T>::has_min, u.m[h] (added
+// to them). Every quant type
+// except TQ1_0 fits this form exactly (IQ1_S/IQ1_M: q = 8*grid +- 1, s = dl/8), so both the dot
+// kernels (integer products) and a bit-exact dequantize (float(q) * s + m, rounded like the
+// reference: the same single product, the same add) are built on it. Layouts: quants.h.
+#pragma once
+#include <immintrin.h>
+
+#include "cpu.h"
+
+namespace ft::cpu::avx2 {
+
+struct Sub {
+    __m256i q;
+    float s[2];
+    float m[2];
+};
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }  // F16C: exact
+
+// byte j = 0xFF where bit j of `bits` is set, else 0
+inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+// q negated where bit j of `bits` is set
+inline __m256i apply_signs(__m256i q, uint32_t bits) {
+    return _mm256_sign_epi8(q, _mm256_or_si256(bits_to_bytes(bits), _mm256_set1_epi8(1)));
+}
+// 16 bytes -> weights 0..15 = low nibbles, 16..31 = high nibbles (legacy / IQ4 layout)
+inline __m256i nibbles16(const uint8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// 32 bytes, field of `mask` bits at bit `shift` of each byte
+inline __m256i field32(const uint8_t* p, int shift, int mask) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(char(mask)));
+}
+inline __m256i lookup16(__m256i idx, const int8_t* table) {  // idx in 0..15
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx);
+}
+inline void scale(Sub& u, float s) { u.s[0] = u.s[1] = s; }
+
+// Per-block prologue: Unit<T>::begin(blk, grids, state) runs once per kernel block before its
+// subs' decode(); units that need none inherit this empty one.
+struct UnitBase {
+    struct State {};
+    static void begin(const uint8_t*, const Grids&, State&) {}
+};
+
+template <QType T> struct Unit;  // no specialization: the type runs the float fallback
+
+// ---- legacy --------------------------------------------------------------------------------------
+template <> struct Unit<QType::Q4_0> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids&, const State&, Sub& u) {
+        u.q = _mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8));
+        scale(u, h2f(ld_u16(blk)));
+    }
+};
+template <> struct Unit<QType::Q4_1> : UnitBase {
+    static constexpr bool has_min = true;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids&, const State&, Sub& u) {
+        u.q = nibbles16(blk + 4);
+        scale(u, h2f(ld_u16(blk)));
+        u.m[0] = u.m[1] = h2f(ld_u16(blk + 2));
+    }
+};
+template <> struct Unit<QType::Q5_0> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids&, const State&, Sub& u) {
+        const __m256i hi = _mm256_and_si256(bits_to_bytes(ld_u32(blk + 2)), _mm256_set1_epi8(0x10));
+        u.q = _mm256_sub_epi8(_mm256_or_si256(nibbles16(blk + 6), hi), _mm256_set1_epi8(16));
+        scale(u, h2f(ld_u16(blk)));
+    }
+};
+template <> struct Unit<QType::Q5_1> : UnitBase {
+    static constexpr bool has_min = true;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids&, const State&, Sub& u) {
+        const __m256i hi = _mm256_and_si256(bits_to_bytes(ld_u32(blk + 4)), _mm256_set1_epi8(0x10));
+        u.q = _mm256_or_si256(nibbles16(blk + 8), hi);
+        scale(u, h2f(ld_u16(blk)));
+        u.m[0] = u.m[1] = h2f(ld_u16(blk + 2));
+    }
+};
+template <> struct Unit<QType::Q8_0> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids&, const State&, Sub& u) {
+        u.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        scale(u, h2f(ld_u16(blk)));
+    }
+};
+
+// ---- K types ---------------------------------------------------------------------------------------
+template <> struct Unit<QType::Q2_K> : UnitBase {
+    static constexpr bool has_min = true;
+    static constexpr bool per16 = true;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockQ2_K& b = *reinterpret_cast<const BlockQ2_K*>(blk);
+        const float d = h2f(b.d), dmin = h2f(b.dmin);
+        u.q = field32(b.qs + 32 * (s / 4), 2 * (s % 4), 3);
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t sc = b.scales[2 * s + h];
+            u.s[h] = d * float(sc & 0xF);
+            u.m[h] = -(dmin * float(sc >> 4));
+        }
+    }
+};
+template <> struct Unit<QType::Q3_K> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = true;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockQ3_K& b = *reinterpret_cast<const BlockQ3_K*>(blk);
+        const float d = h2f(b.d);
+        const __m256i lo = field32(b.qs + 32 * (s / 4), 2 * (s % 4), 3);
+        const __m256i hbit = field32(b.hmask, s, 1);  // 1: no offset, 0: minus 4
+        const __m256i off = _mm256_andnot_si256(_mm256_slli_epi16(hbit, 2), _mm256_set1_epi8(4));
+        u.q = _mm256_sub_epi8(lo, off);
+        for (int h = 0; h < 2; ++h) {
+            const int i = 2 * s + h;
+            const int sc = ((b.scales[i % 8] >> (4 * (i / 8))) & 0xF) |
+                           (((b.scales[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+            u.s[h] = d * float(sc - 32);
+        }
+    }
+};
+template <> struct Unit<QType::Q4_K> : UnitBase {
+    static constexpr bool has_min = true;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockQ4_K& b = *reinterpret_cast<const BlockQ4_K*>(blk);
+        int sc, mn;
+        k4_scale_min(b.scales, s, sc, mn);
+        u.q = field32(b.qs + 32 * (s / 2), 4 * (s % 2), 0xF);
+        scale(u, h2f(b.d) * float(sc));
+        u.m[0] = u.m[1] = -(h2f(b.dmin) * float(mn));
+    }
+};
+template <> struct Unit<QType::Q5_K> : UnitBase {
+    static constexpr bool has_min = true;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockQ5_K& b = *reinterpret_cast<const BlockQ5_K*>(blk);
+        int sc, mn;
+        k4_scale_min(b.scales, s, sc, mn);
+        const __m256i hi = _mm256_slli_epi16(field32(b.qh, s, 1), 4);
+        u.q = _mm256_or_si256(field32(b.qs + 32 * (s / 2), 4 * (s % 2), 0xF), hi);
+        scale(u, h2f(b.d) * float(sc));
+        u.m[0] = u.m[1] = -(h2f(b.dmin) * float(mn));
+    }
+};
+template <> struct Unit<QType::Q6_K> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = true;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockQ6_K& b = *reinterpret_cast<const BlockQ6_K*>(blk);
+        const int half = s / 4, r = s % 4;
+        const __m256i lo = field32(b.ql + 64 * half + 32 * (r % 2), 4 * (r / 2), 0xF);
+        const __m256i hi = _mm256_slli_epi16(field32(b.qh + 32 * half, 2 * r, 3), 4);
+        u.q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+        const float d = h2f(b.d);
+        u.s[0] = d * float(b.scales[2 * s]);
+        u.s[1] = d * float(b.scales[2 * s + 1]);
+    }
+};
+
+// ---- I types ---------------------------------------------------------------------------------------
+inline __m256i grid8x4(const uint64_t* grid, int i0, int i1, int i2, int i3) {
+    return _mm256_setr_epi64x(int64_t(grid[i0]), int64_t(grid[i1]), int64_t(grid[i2]), int64_t(grid[i3]));
+}
+inline __m256i grid4x8(const uint32_t* grid, const int* i) {
+    return _mm256_setr_epi32(int(grid[i[0]]), int(grid[i[1]]), int(grid[i[2]]), int(grid[i[3]]),
+                             int(grid[i[4]]), int(grid[i[5]]), int(grid[i[6]]), int(grid[i[7]]));
+}
+// IQ1: q = 8*grid + (delta > 0 ? 1 : -1) per group of 8 (sign bits in `neg`, one per group)
+inline __m256i iq1_values(__m256i grid, int neg0, int neg1, int neg2, int neg3) {
+    const __m256i g8 = _mm256_sign_epi8(_mm256_set1_epi8(8), grid);
+    const __m256i delta = _mm256_setr_epi64x(neg0 ? -1 : 0x0101010101010101LL, neg1 ? -1 : 0x0101010101010101LL,
+                                             neg2 ? -1 : 0x0101010101010101LL, neg3 ? -1 : 0x0101010101010101LL);
+    return _mm256_add_epi8(g8, delta);
+}
+
+template <> struct Unit<QType::IQ1_S> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const BlockIQ1_S& b = *reinterpret_cast<const BlockIQ1_S*>(blk);
+        const uint16_t qh = b.qh[s];
+        const uint8_t* qs = b.qs + 4 * s;
+        const __m256i grid = grid8x4(g.iq1s, qs[0] | ((qh << 8) & 0x700), qs[1] | ((qh << 5) & 0x700),
+                                     qs[2] | ((qh << 2) & 0x700), qs[3] | ((qh >> 1) & 0x700));
+        const int neg = qh >> 15;
+        u.q = iq1_values(grid, neg, neg, neg, neg);
+        scale(u, h2f(b.d) * float(2 * ((qh >> 12) & 7) + 1) * 0.125f);
+    }
+};
+template <> struct Unit<QType::IQ1_M> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = true;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const BlockIQ1_M& b = *reinterpret_cast<const BlockIQ1_M*>(blk);
+        const uint16_t dbits = uint16_t((b.scales[0] >> 12) | ((b.scales[1] >> 8) & 0x00F0) |
+                                        ((b.scales[2] >> 4) & 0x0F00) | (b.scales[3] & 0xF000));
+        const float d = h2f(dbits);
+        const uint8_t* qs = b.qs + 4 * s;
+        const int h0 = b.qh[2 * s], h1 = b.qh[2 * s + 1];  // nibbles of groups 4s..4s+3
+        const __m256i grid = grid8x4(g.iq1s, qs[0] | ((h0 & 7) << 8), qs[1] | ((h0 & 0x70) << 4),
+                                     qs[2] | ((h1 & 7) << 8), qs[3] | ((h1 & 0x70) << 4));
+        u.q = iq1_values(grid, h0 & 8, h0 & 0x80, h1 & 8, h1 & 0x80);
+        for (int h = 0; h < 2; ++h) {
+            const int sc = (b.scales[s / 2] >> (6 * (s % 2) + 3 * h)) & 7;
+            u.s[h] = d * float(2 * sc + 1) * 0.125f;
+        }
+    }
+};
+template <> struct Unit<QType::IQ2_XXS> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const uint8_t* q = blk + 2 + 8 * s;
+        const uint32_t aux = ld_u32(q + 4);
+        u.q = apply_signs(grid8x4(g.iq2xxs, q[0], q[1], q[2], q[3]),
+                          uint32_t(g.ksigns[aux & 127]) | (uint32_t(g.ksigns[(aux >> 7) & 127]) << 8) |
+                              (uint32_t(g.ksigns[(aux >> 14) & 127]) << 16) |
+                              (uint32_t(g.ksigns[(aux >> 21) & 127]) << 24));
+        scale(u, h2f(ld_u16(blk)) * (0.5f + float(aux >> 28)) * 0.25f);
+    }
+};
+template <> struct Unit<QType::IQ2_XS> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = true;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const BlockIQ2_XS& b = *reinterpret_cast<const BlockIQ2_XS*>(blk);
+        const uint16_t* q = b.qs + 4 * s;
+        u.q = apply_signs(grid8x4(g.iq2xs, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
+                          uint32_t(g.ksigns[q[0] >> 9]) | (uint32_t(g.ksigns[q[1] >> 9]) << 8) |
+                              (uint32_t(g.ksigns[q[2] >> 9]) << 16) | (uint32_t(g.ksigns[q[3] >> 9]) << 24));
+        const float d = h2f(b.d);
+        u.s[0] = d * (0.5f + float(b.scales[s] & 0xF)) * 0.25f;
+        u.s[1] = d * (0.5f + float(b.scales[s] >> 4)) * 0.25f;
+    }
+};
+template <> struct Unit<QType::IQ2_S> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = true;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const BlockIQ2_S& b = *reinterpret_cast<const BlockIQ2_S*>(blk);
+        const uint8_t* q = b.qs + 4 * s;
+        const int qh = b.qh[s];
+        u.q = apply_signs(grid8x4(g.iq2s, q[0] | ((qh << 8) & 0x300), q[1] | ((qh << 6) & 0x300),
+                                  q[2] | ((qh << 4) & 0x300), q[3] | ((qh << 2) & 0x300)),
+                          ld_u32(b.signs + 4 * s));
+        const float d = h2f(b.d);
+        u.s[0] = d * (0.5f + float(b.scales[s] & 0xF)) * 0.25f;
+        u.s[1] = d * (0.5f + float(b.scales[s] >> 4)) * 0.25f;
+    }
+};
+template <> struct Unit<QType::IQ3_XXS> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const BlockIQ3_XXS& b = *reinterpret_cast<const BlockIQ3_XXS*>(blk);
+        const uint8_t* q = b.qs + 8 * s;
+        const uint32_t aux = ld_u32(b.scales_signs + 4 * s);
+        const int idx[8] = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+        u.q = apply_signs(grid4x8(g.iq3xxs, idx),
+                          uint32_t(g.ksigns[aux & 127]) | (uint32_t(g.ksigns[(aux >> 7) & 127]) << 8) |
+                              (uint32_t(g.ksigns[(aux >> 14) & 127]) << 16) |
+                              (uint32_t(g.ksigns[(aux >> 21) & 127]) << 24));
+        scale(u, h2f(b.d) * (0.5f + float(aux >> 28)) * 0.5f);
+    }
+};
+// word j = 0xFFFF where bit j of `bits` is set
+inline __m256i bits_to_words(uint32_t bits) {
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                          8192, 16384, -32768);
+    return _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(short(bits)), bit), bit);
+}
+
+template <> struct Unit<QType::IQ3_S> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    struct State {
+        alignas(32) uint16_t idx[64];  // 9-bit grid index of every 4 weights
+        alignas(32) float s[8];        // scale of every 32 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        const BlockIQ3_S& b = *reinterpret_cast<const BlockIQ3_S*>(blk);
+        for (int c = 0; c < 4; ++c) {  // 16 indices: qs bytes | the qh bit as bit 8
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * c)));
+            const __m256i hi = _mm256_and_si256(bits_to_words(b.qh[2 * c] | (b.qh[2 * c + 1] << 8)),
+                                                _mm256_set1_epi16(256));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + 16 * c), _mm256_or_si256(lo, hi));
+        }
+        const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(b.scales)));
+        const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
+        const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
+            _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
+        _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));     // d * (1 + 2*sc)
+    }
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
+        const BlockIQ3_S& b = *reinterpret_cast<const BlockIQ3_S*>(blk);
+        const uint16_t* i = st.idx + 8 * s;
+        const __m128i g0 = _mm_setr_epi32(int(g.iq3s[i[0]]), int(g.iq3s[i[1]]), int(g.iq3s[i[2]]), int(g.iq3s[i[3]]));
+        const __m128i g1 = _mm_setr_epi32(int(g.iq3s[i[4]]), int(g.iq3s[i[5]]), int(g.iq3s[i[6]]), int(g.iq3s[i[7]]));
+        u.q = apply_signs(_mm256_set_m128i(g1, g0), ld_u32(b.signs + 4 * s));
+        scale(u, st.s[s]);
+    }
+};
+template <> struct Unit<QType::IQ4_NL> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids& g, const State&, Sub& u) {
+        u.q = lookup16(nibbles16(blk + 2), g.kvalues_iq4nl);
+        scale(u, h2f(ld_u16(blk)));
+    }
+};
+template <> struct Unit<QType::IQ4_XS> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+        const BlockIQ4_XS& b = *reinterpret_cast<const BlockIQ4_XS*>(blk);
+        const int ls = ((b.scales_l[s / 2] >> (4 * (s % 2))) & 0xF) | (((b.scales_h >> (2 * s)) & 3) << 4);
+        u.q = lookup16(nibbles16(b.qs + 16 * s), g.kvalues_iq4nl);
+        scale(u, h2f(b.d) * float(ls - 32));
+    }
+};
+
+// ---- ternary, fp4 ----------------------------------------------------------------------------------
+template <> struct Unit<QType::TQ2_0> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockTQ2_0& b = *reinterpret_cast<const BlockTQ2_0*>(blk);
+        u.q = _mm256_sub_epi8(field32(b.qs + 32 * (s / 4), 2 * (s % 4), 3), _mm256_set1_epi8(1));
+        scale(u, h2f(b.d));
+    }
+};
+template <> struct Unit<QType::MXFP4> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int, const Grids& g, const State&, Sub& u) {
+        u.q = lookup16(nibbles16(blk + 1), g.kvalues_mxfp4);
+        scale(u, e8m0_half_to_f32(blk[0]));
+    }
+};
+
+}  // namespace ft::cpu::avx2
