@@ -1,0 +1,200 @@
+"""`ftpatch bench`: prefill and decode throughput under a VRAM cap, with the method beside the
+number (shared/docs/BENCHMARKS.md): warm-up, then the median of N repetitions and their spread,
+TTFT, VRAM peaks by the allocator and by nvidia-smi, load time, expert-cache statistics, and the
+routing regime (the model's own routing, or a replayed trace with stated locality) on every line.
+
+`ftpatch bench kernels` runs the per-type kernel benchmark instead (bench_kernels.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from .errors import CLIError
+
+EPILOG = """\
+examples:
+  ftpatch bench 35b.gguf --vram 8GiB                      pp512, pp2048, tg128, 3 reps
+  ftpatch bench 35b.gguf --vram 8GiB --trace --json       realistic-locality routing trace
+  ftpatch bench kernels                                   per-type kernel throughput (GB/s)
+
+method: each size runs once untimed, then --reps times; the median is reported with min and
+max. pp N = N prompt tokens / prefill wall time (random token ids, one chunk per --chunk).
+tg N = N decode steps / their wall time after a 16-token prompt (TTFT excluded, reported apart).
+"""
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("bench", help="benchmark prefill/decode under a VRAM cap (or: bench kernels)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                       description="Measure prefill (pp) and decode (tg) throughput of a model "
+                                   "under a hard VRAM cap, with cache and routing statistics.")
+    s.add_argument("model", help="GGUF model, or the word 'kernels' for the kernel benchmark")
+    s.add_argument("--vram", default="8GiB", help="VRAM cap (default 8GiB)")
+    s.add_argument("-p", "--prompt-sizes", default="512,2048", help="prefill sizes (default 512,2048)")
+    s.add_argument("-n", "--gen", type=int, default=128, help="decode tokens (default 128)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
+    s.add_argument("--ctx", type=int, default=4096, help="context to budget for (default 4096)")
+    s.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
+    s.add_argument("--trace", action="store_true",
+                   help="replay a routing trace with realistic locality instead of the model's own")
+    s.add_argument("--trace-repeat", type=float, default=None, help="trace: repeat probability")
+    s.add_argument("--trace-skew", type=float, default=None, help="trace: Zipf popularity exponent")
+    s.add_argument("--fetch-fraction", type=float, default=None,
+                   help="force the share of misses fetched over PCIe (0: CPU only, 1: PCIe only)")
+    s.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    s.add_argument("--profile", help="warm-start the cache from a routing profile (JSON)")
+    s.add_argument("--save-profile", help="write the routing profile seen during the run")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--out", help="also write the JSON result to this file")
+    try:
+        from . import bench_kernels
+        kg = s.add_argument_group("kernel benchmark options (with 'kernels')")
+        bench_kernels.add_arguments(kg)
+    except ImportError:
+        pass
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "reps": len(xs),
+            "all": [round(x, 2) for x in xs]}
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    console = Console(highlight=False, stderr=args.json)
+    if args.model == "kernels":
+        from . import bench_kernels
+        return bench_kernels.run(args, console)
+    from loaders import open_model
+    from loaders.synth import parse_size
+    from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+    from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
+    if not torch.cuda.is_available():
+        raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
+    try:
+        sizes = [int(x) for x in args.prompt_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise CLIError(f"-p {args.prompt_sizes!r}: give sizes like 512,2048") from None
+    vram = parse_size(args.vram)
+    t0 = time.perf_counter()
+    loaded = open_model(args.model)
+    c = loaded.config
+    if max(sizes + [16 + args.gen]) > args.ctx:
+        raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
+    opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
+                          fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
+                          prefill_chunk=args.chunk)
+    with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
+        rt = OffloadRuntime(loaded, opts)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    dev = rt.device
+    result: dict = {
+        "machine": {"gpu": torch.cuda.get_device_name(dev), "host": platform.node(),
+                    "cpu_threads": torch.get_num_threads()},
+        "model": {"path": args.model, "name": loaded.metadata.get("general.name"),
+                  "synthetic": "ftpatch.synth.preset" in loaded.metadata},
+        "vram_cap": vram, "ctx": args.ctx, "load_s": round(load_s, 2),
+        "load_breakdown_s": {k: round(v, 2) for k, v in rt.report.seconds.items()},
+        "budget": rt.report.budget, "slots_per_layer": rt.report.slots_per_layer[:1],
+        "pinned": rt.report.pinned,
+    }
+    trace_params = None
+    if args.trace:
+        tp = TraceParams(**{k: v for k, v in (("repeat", args.trace_repeat),
+                                              ("skew", args.trace_skew)) if v is not None})
+        trace = make_trace(args.gen + 32, c.n_layer, c.n_expert, c.n_expert_used, tp)
+        rt.engine.trace = torch.from_numpy(trace).long().to(dev)
+        result["regime"] = tp.label()
+        result["trace_stats"] = trace_stats(trace, c.n_expert).as_dict()
+        trace_params = tp
+    else:
+        result["regime"] = "model routing (synthetic weights: near-uniform)" \
+            if result["model"]["synthetic"] else "model routing"
+
+    # -- prefill -------------------------------------------------------------------------------
+    for n in sizes:
+        times = []
+        for r in range(args.reps + 1):
+            st = rt.new_state(1, args.ctx)
+            toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, n))).to(dev)
+            _sync()
+            t = time.perf_counter()
+            rt.prefill(toks, st)
+            _sync()
+            if r:  # the first run warms up
+                times.append(n / (time.perf_counter() - t))
+            del st
+        result[f"pp{n}"] = _spread(times)
+        console.print(f"pp{n}: {statistics.median(times):.0f} tok/s (min {min(times):.0f}, "
+                      f"max {max(times):.0f}, {args.reps} reps)")
+
+    # -- decode ---------------------------------------------------------------------------------
+    tg, ttft = [], []
+    rec = torch.zeros((args.gen, c.n_layer, c.n_expert_used), dtype=torch.long, device=dev)
+    if trace_params is None:
+        rt.engine.record = rec  # before any capture: the graph records the ids it routes
+    for r in range(args.reps + 1):
+        st = rt.new_state(1, args.ctx)
+        toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, 16))).to(dev)
+        _sync()
+        t = time.perf_counter()
+        logits = rt.prefill(toks, st)
+        nxt = logits.argmax(-1)
+        _sync()
+        ttft.append(time.perf_counter() - t)
+        if r == args.reps:
+            rt.reset_stats()   # statistics of the last repetition: args.gen steps
+        t = time.perf_counter()
+        for _ in range(args.gen):
+            nxt = rt.decode(nxt, st).argmax(-1)
+        _sync()
+        if r:
+            tg.append(args.gen / (time.perf_counter() - t))
+    result[f"tg{args.gen}"] = _spread(tg)
+    result["ttft_s"] = _spread(ttft[1:])
+    stats = rt.stats()
+    per_tok = max(1, args.gen)
+    result["cache"] = {
+        "hit_rate": round(stats["hit_rate"], 4), "slots_per_layer": rt.report.slots_per_layer[0],
+        "experts_per_layer": c.n_expert,
+        "pcie_MB_per_token": round(stats["pcie_bytes"] / per_tok / 1e6, 2),
+        "fetched_per_token": round(stats["fetched"] / per_tok, 2),
+        "cpu_experts_per_token": round(stats["cpu"] / per_tok, 2),
+        "cpu_ms_per_token": round(stats["cpu_expert_s"] / per_tok * 1e3, 3),
+        "fetch_fraction": round(stats["fetch_fraction"], 3), "rates": stats["rates"],
+        "prefill_streamed_experts": stats["prefill_streamed"],
+    }
+    if trace_params is None:
+        result["routing_stats"] = routing_stats(rec.cpu().numpy(), c.n_expert).as_dict()
+    result["vram"] = rt.vram_peaks()
+    console.print(f"tg{args.gen}: {statistics.median(tg):.1f} tok/s (min {min(tg):.1f}, max "
+                  f"{max(tg):.1f}, {args.reps} reps); TTFT {statistics.median(ttft[1:]) * 1e3:.0f} ms; "
+                  f"hit rate {stats['hit_rate']:.1%}; regime: {result['regime']}")
+    v = result["vram"]
+    console.print(f"VRAM peak: allocator {v['reserved_peak'] / 2**30:.2f} GiB reserved, "
+                  f"nvidia-smi {(v['nvidia_smi_peak'] or 0) / 2**30:.2f} GiB (cap {vram / 2**30:.2f} GiB)")
+    if args.save_profile:
+        from moe_offload.expert_cache import save_profile
+        save_profile(args.save_profile, rt.cache.routing_counts(), str(loaded.metadata.get("general.name")))
+    rt.close()
+    if args.json:
+        print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+COMMANDS = {"bench": (add_parser, run)}

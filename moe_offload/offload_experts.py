@@ -1,0 +1,197 @@
+"""Routed experts under a VRAM cap: the object the model calls, `experts[layer](x, ids, w)`.
+
+Two paths, chosen by the number of tokens:
+- decode (T <= max_tok, inside a decode step): decided on the device and capturable. The plan
+  kernel splits the top-k into cache hits, PCIe fetches into slots, and CPU misses; the fetch
+  kernel copies experts from the pinned host bank into their slots; the pool kernel computes
+  hits + fetched on the GPU while the CPU worker computes its share; the wait kernel adds the
+  CPU's sum. No host round trip.
+- prefill (a chunk of many tokens): experts the chunk routes to but the cache lacks are streamed
+  from the host bank into a double-buffered staging area (copies on a side stream, overlapped
+  with compute) and computed there; the cache itself is untouched, so a long prompt does not
+  flush the decode working set.
+
+Legend: T tokens, H hidden, E experts, K top-k, F expert ff, L MoE layers.
+"""
+from __future__ import annotations
+
+import torch
+
+from native import offload_native as on
+from native.ops import _cuda
+
+from .errors import OffloadError
+from .expert_cache import ExpertCache
+from .host_bank import HostExpertBank
+from .scheduler import Scheduler
+
+MAX_FETCH = 64  # plan kernel's selection limit (T * K)
+
+
+def _pool_args(pool: torch.Tensor, lay) -> tuple:
+    base = pool.data_ptr()
+    return tuple((p.qtype.type_id, base + p.offset, pool.shape[1]) for p in (lay.gate, lay.up, lay.down))
+
+
+class OffloadEngine:
+    """Shared state of the offloaded experts of every layer (one per runtime)."""
+
+    def __init__(self, cache: ExpertCache, bank: HostExpertBank, scheduler: Scheduler, *,
+                 top_k: int, hidden: int, ff: int, max_tok: int = 8, staging_experts: int = 32,
+                 timeout_s: float = 30.0):
+        if _cuda is None:
+            raise OffloadError("the offload runtime needs the CUDA extension (native._cuda)")
+        self.cache, self.bank, self.scheduler = cache, bank, scheduler
+        dev = cache.device
+        self.device, self.top_k, self.hidden, self.ff = dev, top_k, hidden, ff
+        self.max_tok = max(1, min(max_tok, MAX_FETCH // top_k))
+        self.timeout_s = timeout_s
+        L = cache.n_layer
+        self.step = torch.zeros((), dtype=torch.int32, device=dev)
+        self.host_step = 0
+        self.error = torch.zeros((), dtype=torch.int32, device=dev)
+        self.fetch_list = torch.zeros(1 + 2 * MAX_FETCH, dtype=torch.int32, device=dev)
+        self.moe_scratch = torch.empty(_cuda.moe_scratch_bytes(self.max_tok, top_k, ff),
+                                       dtype=torch.uint8, device=dev)
+        self.exchange = on.ExchangeBuffers.allocate(L, self.max_tok, top_k, hidden, pin=True)
+        self._ex = {t: self.exchange.as_dict(t) for t in range(1, self.max_tok + 1)}
+        self.tables = on.CacheTablesPtrs(cache.slot_of_expert, cache.expert_of_slot,
+                                         cache.slot_last_use, cache.slot_pinned,
+                                         cache.expert_freq, cache.n_slots, cache.stats).as_dict()
+        layers = []
+        for Lx, (lay, host) in enumerate(zip(bank.layouts, bank.banks)):
+            base, stride = host.data_ptr(), lay.expert_bytes
+            layers.append({"gate": (lay.gate.qtype.type_id, base + lay.gate.offset, stride),
+                           "up": (lay.up.qtype.type_id, base + lay.up.offset, stride),
+                           "down": (lay.down.qtype.type_id, base + lay.down.offset, stride),
+                           "ff": ff, "n_experts": cache.n_expert})
+        self.worker = on.make_worker(self._ex[self.max_tok], layers, timeout_s)
+        self.in_step = False
+        self.trace: torch.Tensor | None = None    # [N, L, K] ids replayed instead of the router's
+        self.record: torch.Tensor | None = None   # [N, L, K] the ids each decode step used
+        # prefill staging: two buffers of `staging_experts` experts each (per the largest layout)
+        exp_bytes = max(lay.expert_bytes for lay in bank.layouts)
+        self.staging = [torch.empty((staging_experts, exp_bytes), dtype=torch.uint8, device=dev)
+                        for _ in range(2)]
+        self.copy_stream = torch.cuda.Stream(dev)
+        self.prefill_streamed = torch.zeros(L, dtype=torch.int64)  # experts streamed per layer
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(s.numel() for s in self.staging)
+
+    # -- decode step bracket (host side) ------------------------------------------------------------
+    def arm(self, n_tok: int) -> None:
+        """Before launching a decode step: the worker will follow step host_step + 1."""
+        self.host_step += 1
+        self.worker.begin_step(self.host_step, n_tok)
+
+    def collect(self) -> None:
+        """After the step's GPU work is enqueued: wait for the worker, surface any error."""
+        self.worker.wait_step()
+
+    def begin_device_step(self) -> None:
+        """First thing a (captured) decode step does on the device."""
+        on.step_begin(self.step)
+
+    def check(self) -> None:
+        err = int(self.error.item())
+        if err:
+            self.error.zero_()
+            raise OffloadError(f"the CPU worker did not answer MoE layer {err - 1} in "
+                               f"{self.timeout_s:.0f} s; the decode step was abandoned")
+
+    # -- per layer -----------------------------------------------------------------------------------
+    def _step_row(self, table: torch.Tensor) -> torch.Tensor:
+        """Row (step - 1) mod N of a [N, ...] device table, chosen on the device."""
+        return ((self.step.long() - 1) % table.shape[0]).view(1)
+
+    def decode_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        ex = self._ex[T]
+        if self.trace is not None:   # routing-trace regime: same scheduler and kernels, other ids
+            ids = self.trace.index_select(0, self._step_row(self.trace))[0, L].expand(T, -1)
+        if self.record is not None:
+            self.record[:, L].index_copy_(0, self._step_row(self.record), ids[:1].to(self.record.dtype))
+        ids32 = ids.to(torch.int32).contiguous()
+        w = w.float().contiguous()
+        x = x.contiguous()
+        on.plan(self.tables, ex, L, ids32, w, x, self.step, self.scheduler.fetch_fraction,
+                self.fetch_list)
+        pool, host = self.cache.pools[L], self.bank.banks[L]
+        if pool.shape[0]:
+            on.fetch(self.fetch_list, host, pool, min(MAX_FETCH, T * self.top_k))
+        y = torch.empty_like(x)
+        g, u, d = _pool_args(pool, self.bank.layouts[L])
+        _cuda.moe_ffn_pool(x.data_ptr(), T, self.hidden, self.ff, ids32.data_ptr(), w.data_ptr(),
+                           self.top_k, self.cache.slot_of_expert[L].data_ptr(), self.cache.n_expert,
+                           pool.shape[0], g, u, d, y.data_ptr(), 0, self.moe_scratch.data_ptr(),
+                           self.moe_scratch.numel(), torch.cuda.current_stream().cuda_stream)
+        on.wait_add(ex, L, self.step, y, self.timeout_s, self.error)
+        return y
+
+    def prefill_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cache, lay = self.cache, self.bank.layouts[L]
+        E, stream = cache.n_expert, torch.cuda.current_stream()
+        w = w.float().contiguous()
+        x = x.contiguous()
+        cache.expert_freq[L].add_(torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32))
+        soe = cache.slot_of_expert[L]
+        slot_ids = soe[ids]                                               # [T, K] int32, -1 = miss
+        y = torch.zeros_like(x)
+        pool = cache.pools[L]
+        if pool.shape[0]:
+            self._moe_bank(x, slot_ids, w, pool, lay, y)
+        missing = torch.unique(ids[slot_ids < 0]).tolist()                # one sync per layer
+        if not missing:
+            return y
+        self.prefill_streamed[L] += len(missing)
+        host = self.bank.banks[L]
+        n_stage = self.staging[0].shape[0]
+        groups = [missing[i:i + n_stage] for i in range(0, len(missing), n_stage)]
+        ready = [torch.cuda.Event() for _ in groups]
+        free = [torch.cuda.Event() for _ in range(2)]
+        stage_map = torch.full((E,), -1, dtype=torch.int32, device=self.device)
+
+        def copy(gi: int) -> None:
+            buf = self.staging[gi % 2]
+            with torch.cuda.stream(self.copy_stream):
+                if gi >= 2:
+                    self.copy_stream.wait_event(free[gi % 2])
+                for j, e in enumerate(groups[gi]):
+                    buf[j, :lay.expert_bytes].copy_(host[e], non_blocking=True)
+                ready[gi].record(self.copy_stream)
+
+        copy(0)
+        for gi, grp in enumerate(groups):
+            if gi + 1 < len(groups):
+                copy(gi + 1)
+            stream.wait_event(ready[gi])
+            stage_map.fill_(-1)
+            stage_map[torch.tensor(grp, device=self.device)] = torch.arange(
+                len(grp), dtype=torch.int32, device=self.device)
+            self._moe_bank(x, stage_map[ids], w, self.staging[gi % 2], lay, y)
+            free[gi % 2].record(stream)
+        return y
+
+    def _moe_bank(self, x, slot_ids, w, pool, lay, y) -> None:
+        """y += experts over a slot pool for every (token, k) whose slot id is >= 0."""
+        g, u, d = _pool_args(pool, lay)
+        out = torch.empty_like(y)
+        _cuda.moe_ffn(x.data_ptr(), x.shape[0], self.hidden, self.ff, pool.shape[0],
+                      slot_ids.to(torch.int32).contiguous().data_ptr(), w.data_ptr(), self.top_k,
+                      g, u, d, out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        y.add_(out)
+
+
+class LayerExperts:
+    """experts[layer](x, ids, w) for the model: decode path inside a step, else prefill."""
+
+    def __init__(self, engine: OffloadEngine, layer: int):
+        self.engine, self.layer = engine, layer
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        e = self.engine
+        if e.in_step and x.shape[0] <= e.max_tok:
+            return e.decode_layer(self.layer, x, ids, w)
+        return e.prefill_layer(self.layer, x, ids, w)

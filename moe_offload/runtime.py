@@ -1,0 +1,307 @@
+"""The offload runtime: a qwen35moe model under a hard VRAM cap.
+
+    OffloadRuntime(loaded, vram=8 << 30)  ->  .new_state() / .prefill() / .decode() / .stats()
+
+It presents the model's interface (so generation and chat use it unchanged) and assembles:
+dense weights on the GPU (kept quantized), KV + delta-net state for the requested context,
+workspaces, host expert banks (pinned), the GPU expert cache sized from what is left, the
+scheduler's rates, and the CPU worker. Decode steps are captured as CUDA graphs (one per
+attention-length bucket) so a step is one launch with no per-layer host work.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from loaders import LoadedModel
+
+from .budget import SmiPeak, VramBudget, allocator_peaks, cap_allocator
+from .errors import OffloadError
+from .expert_cache import ExpertCache, load_profile
+from .host_bank import HostExpertBank
+from .models import Qwen35Moe
+from .models.weights import upload_weights
+from .offload_experts import LayerExperts, OffloadEngine
+from .scheduler import Rates, Scheduler
+from .state import State
+
+GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
+PREFILL_CHUNK = 2048        # tokens per prefill chunk
+
+
+@dataclass
+class RuntimeOptions:
+    vram: int                              # bytes: the hard cap
+    n_ctx: int = 4096                      # context the KV cache is sized for
+    kv_dtype: torch.dtype = torch.float16
+    profile: str | None = None             # routing profile (JSON) for a warm start
+    fetch_fraction: float | None = None    # force the PCIe share of misses (None: from rates)
+    use_graphs: bool = True
+    prefill_chunk: int = PREFILL_CHUNK
+    staging_experts: int = 32              # per prefill staging buffer (two are kept)
+    cpu_threads: int | None = None
+    device: str = "cuda"
+
+
+@dataclass
+class LoadReport:
+    seconds: dict[str, float] = field(default_factory=dict)
+    budget: dict[str, int] = field(default_factory=dict)
+    slots_per_layer: list[int] = field(default_factory=list)
+    pinned: bool = False
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class OffloadRuntime:
+    def __init__(self, loaded: LoadedModel, opts: RuntimeOptions,
+                 progress: Callable[[str, int, int], None] | None = None):
+        if not torch.cuda.is_available():
+            raise OffloadError("--vram needs a CUDA GPU and none is visible; run without --vram "
+                               "to use the CPU")
+        self.opts, self.config = opts, loaded.config
+        self.device = dev = torch.device(opts.device)
+        self.report = rep = LoadReport()
+        c = self.config
+        t0 = time.perf_counter()
+        self.budget = VramBudget(opts.vram)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.smi = SmiPeak()
+        base = torch.cuda.memory_allocated(dev)
+        if opts.cpu_threads:
+            from native.ops import _cpu
+            if _cpu is not None:
+                _cpu.set_threads(opts.cpu_threads)
+
+        # 1. dense weights, quantized, on the GPU (experts stay in the file's memory map)
+        tensors, _ = upload_weights(loaded, dev, experts_device="cpu")
+        torch.cuda.synchronize(dev)
+        dense = torch.cuda.memory_allocated(dev) - base
+        rep.seconds["dense upload"] = time.perf_counter() - t0
+        self.budget.reserve("dense weights", dense,
+                            "the always-active weights alone exceed the cap; use a smaller quant")
+        cap_allocator(opts.vram, dev)
+
+        # 2. per-sequence state for the requested context (B = 1)
+        probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
+        self.budget.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
+
+        # 3. workspaces: prefill activations + attention for one chunk, graphs, staging
+        ws = self._workspace_bytes(opts)
+        self.budget.reserve("workspace", ws, "lower --ctx or the prefill chunk")
+
+        # 4. host expert banks
+        t1 = time.perf_counter()
+        self.bank = HostExpertBank(loaded, progress=(lambda d, t: progress("experts to host RAM", d, t))
+                                   if progress else None)
+        rep.seconds["host banks"] = time.perf_counter() - t1
+        rep.seconds["pin"] = self.bank.pin_seconds
+        rep.pinned = self.bank.pinned
+
+        # 5. the expert cache from what is left
+        layouts = self.bank.layouts
+        staging = 2 * opts.staging_experts * max(lay.expert_bytes for lay in layouts)
+        self.budget.reserve("prefill staging", staging, "lower --vram use elsewhere")
+        slots = ExpertCache.plan_slots(layouts, self.budget.left, c.n_expert)
+        self.cache = ExpertCache(layouts, slots, c.n_expert, dev)
+        self.budget.reserve("expert cache", self.cache.nbytes)
+        rep.slots_per_layer = slots
+        profile = load_profile(opts.profile, c.n_layer, c.n_expert) if opts.profile else None
+        t2 = time.perf_counter()
+        self.cache.warm_start(self.bank, profile)
+        torch.cuda.synchronize(dev)
+        rep.seconds["warm start"] = time.perf_counter() - t2
+
+        # 6. scheduler rates, engine, model
+        fraction = opts.fetch_fraction
+        if not self.bank.pinned and fraction is None:
+            fraction = 0.0  # pageable banks: the GPU cannot read them directly
+        self.scheduler = Scheduler.create(Rates(1.0, 1.0), dev, forced=fraction)
+        self.engine = OffloadEngine(self.cache, self.bank, self.scheduler, top_k=c.n_expert_used,
+                                    hidden=c.n_embd, ff=c.n_ff_exp,
+                                    staging_experts=opts.staging_experts)
+        self.model = Qwen35Moe(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
+        self._calibrate()
+        self._graphs: dict[tuple, tuple] = {}
+        self._states: dict[int, State] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle()
+        rep.budget = self.budget.summary()
+        rep.seconds["total"] = time.perf_counter() - t0
+
+    # -- sizing ----------------------------------------------------------------------------------------
+    def _workspace_bytes(self, opts: RuntimeOptions) -> int:
+        c = self.config
+        T = opts.prefill_chunk
+        widest = max(2 * c.n_head * c.head_dim, c.ssm_conv_dim, c.n_embd * 2, c.ssm_d_inner * 2)
+        act = T * widest * 4 * 8                                  # a few live [T, widest] f32
+        attn = c.n_head * T * min(T, opts.n_ctx) * 4 * 2          # scores of one chunk
+        delta = c.ssm_n_v_heads * T * 64 * 4 * 4                  # chunked delta-rule blocks
+        logits = c.n_vocab * 4 * 4
+        graphs = 96 << 20                                          # decode graph pools
+        return int(act + attn + delta + logits + graphs)
+
+    def _calibrate(self) -> None:
+        """Measure the link (fetch kernel) and CPU (expert FFN) rates with this model's experts."""
+        from native import offload_native as on
+        from native.ops import _cpu
+        lay, host = self.bank.layouts[0], self.bank.banks[0]
+        pool = self.cache.pools[0]
+        eb = lay.expert_bytes
+        link = 0.0
+        if self.bank.pinned and pool.shape[0]:
+            n = min(8, pool.shape[0])
+            fl = torch.zeros(1 + 2 * 64, dtype=torch.int32)
+            fl[0] = n
+            fl[1:1 + 2 * n:2] = torch.arange(n)
+            fl[2:2 + 2 * n:2] = torch.arange(n)
+            fl = fl.to(self.device)
+            scratch = torch.empty((n, pool.shape[1]), dtype=torch.uint8, device=self.device)
+            on.fetch(fl, host, scratch, n)
+            torch.cuda.synchronize()
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            for _ in range(5):
+                on.fetch(fl, host, scratch, n)
+            ev1.record()
+            ev1.synchronize()
+            link = 5 * n * eb / (ev0.elapsed_time(ev1) / 1e3)
+            del scratch
+        cpu = 1.0
+        if _cpu is not None:
+            K = self.config.n_expert_used
+            x = torch.randn(1, self.config.n_embd)
+            ids = torch.arange(K, dtype=torch.int32).view(1, K)
+            w = torch.full((1, K), 1.0 / K)
+            y = torch.empty(1, self.config.n_embd)
+            args = [(p.qtype.type_id, host.data_ptr() + p.offset, eb) for p in (lay.gate, lay.up, lay.down)]
+
+            def run():
+                _cpu.moe_ffn(x.data_ptr(), 1, self.config.n_embd, self.config.n_ff_exp,
+                             self.config.n_expert, ids.data_ptr(), w.data_ptr(), K, *args,
+                             y.data_ptr(), 0)
+            run()
+            t = time.perf_counter()
+            for _ in range(5):
+                run()
+            cpu = 5 * K * eb / (time.perf_counter() - t)
+        self.scheduler.rates = Rates(link, cpu)
+        self.scheduler.apply()
+
+    # -- the model interface ---------------------------------------------------------------------------
+    def new_state(self, batch: int = 1, n_ctx: int | None = None, kv_dtype=None) -> State:
+        """The runtime's state for `batch` sequences, emptied. There is one per batch size: its
+        KV was budgeted at start, and the captured decode graphs are bound to its buffers."""
+        n = n_ctx or self.opts.n_ctx
+        if n > self.opts.n_ctx:
+            raise OffloadError(f"a context of {n} needs more VRAM than was budgeted for "
+                               f"{self.opts.n_ctx}; restart with --ctx {n}")
+        if batch != 1:
+            raise OffloadError("the offload runtime decodes one sequence at a time for now")
+        st = self._states.get(batch)
+        if st is None:
+            st = self._states[batch] = State(self.config, batch, self.opts.n_ctx, self.device,
+                                             self.opts.kv_dtype, GRAPH_BUCKET)
+        st.reset()
+        return st
+
+    def prefill(self, tokens: torch.Tensor, state: State, chunk: int | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        self.engine.in_step = False
+        return self.model.prefill(tokens, state, chunk or self.opts.prefill_chunk, all_logits)
+
+    def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
+        self.engine.in_step = False
+        return self.model.forward(tokens, state, last_only)
+
+    def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        """One token per sequence: tokens [B] on the device -> logits [B, V] (a fresh tensor)."""
+        B = tokens.shape[0]
+        if B > self.engine.max_tok:
+            raise OffloadError(f"a decode step of {B} sequences exceeds {self.engine.max_tok}")
+        state.check_room(1)
+        if not self.opts.use_graphs:
+            return self._eager_step(tokens, state)
+        key = (id(state), state.attn_len(1))
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture(tokens, state)
+            self._graphs[key] = g
+        graph, tok_in, logits = g
+        tok_in.copy_(tokens)
+        self.engine.arm(B)
+        graph.replay()
+        self.engine.collect()
+        state.n_past += 1       # the captured step advanced the device position only
+        out = logits.clone()
+        return out
+
+    def _eager_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        eng = self.engine
+        eng.arm(tokens.shape[0])
+        eng.in_step = True
+        try:
+            eng.begin_device_step()
+            out = self.model.decode(tokens, state)
+        finally:
+            eng.in_step = False
+        eng.collect()
+        return out
+
+    def _capture(self, tokens: torch.Tensor, state: State):
+        eng = self.engine
+        tok_in = tokens.clone()
+        # warm up once eagerly (lazy inits, allocator) -- this is a real step, so rewind after
+        snap = state.snapshot()
+        self._eager_step(tok_in, state)
+        state.restore(snap)
+        g = torch.cuda.CUDAGraph()
+        n_past = state.n_past
+        eng.in_step = True
+        try:
+            with torch.cuda.graph(g, pool=self._graph_pool):
+                eng.begin_device_step()
+                logits = self.model.decode(tok_in, state)
+        finally:
+            eng.in_step = False
+            state.n_past = n_past  # capture ran no kernels; the host counter must not move
+        return g, tok_in, logits
+
+    # -- statistics ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.cache.read_stats()
+        busy = np.asarray(self.engine.worker.busy_ns()) / 1e9
+        cpu_experts = np.asarray(self.engine.worker.experts())
+        per_layer = [{"layer": i, "hits": int(s.hits[i]), "fetched": int(s.fetched[i]),
+                      "cpu": int(s.cpu[i]), "cpu_s": float(busy[i])} for i in range(len(s.hits))]
+        eb = self.bank.layouts[0].expert_bytes
+        return {
+            "hit_rate": s.hit_rate, "selections": s.selections,
+            "hits": int(s.hits.sum()), "fetched": int(s.fetched.sum()), "cpu": int(s.cpu.sum()),
+            "pcie_bytes": int(s.fetched.sum()) * eb, "cpu_expert_s": float(busy.sum()),
+            "cpu_experts": int(cpu_experts.sum()),
+            "prefill_streamed": int(self.engine.prefill_streamed.sum()),
+            "fetch_fraction": self.scheduler.q(),
+            "rates": {"link_GBps": self.scheduler.rates.link_bytes_per_s / 1e9,
+                      "cpu_GBps": self.scheduler.rates.cpu_bytes_per_s / 1e9},
+            "per_layer": per_layer,
+        }
+
+    def reset_stats(self) -> None:
+        self.cache.reset_stats()
+        self.engine.prefill_streamed.zero_()
+
+    def vram_peaks(self) -> dict:
+        d = allocator_peaks(self.device)
+        d["nvidia_smi_peak"] = self.smi.sample() and self.smi.peak_bytes
+        d["cap"] = self.opts.vram
+        return d
+
+    def close(self) -> None:
+        self.smi.stop()
+        self.bank.close()

@@ -1,0 +1,59 @@
+"""The scheduler's cost model: where a missing expert should be computed.
+
+A miss can be fetched over PCIe into a cache slot (then computed on the GPU, and possibly hit
+again later) or computed by the CPU where it lies. Both run at once, so the best split makes them
+finish together: send a fraction q = p / (p + c) of a layer's misses over the link, where p and c
+are the link's and the CPU's rates in expert-bytes per second (FreeToken's "q*" rule). Rates are
+measured at start-up and the CPU rate is updated online from the worker's own timings; the
+device-side plan kernel reads q from device memory every step, so a change needs no re-capture.
+
+The scheduler owns no buffers: it decides; placement (the cache) and the model do the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rates:
+    link_bytes_per_s: float      # PCIe fetch into a slot (kernel copy from pinned host memory)
+    cpu_bytes_per_s: float       # CPU expert FFN over host banks, all cores
+    fixed_cpu_s: float = 0.0     # per-layer CPU overhead (hand-off, thread wake), measured
+
+
+@dataclass
+class Scheduler:
+    rates: Rates
+    fetch_fraction: torch.Tensor            # [] float32 on the device, read by the plan kernel
+    forced: float | None = None             # user override (e.g. 0: CPU only, 1: PCIe only)
+    ema: float = 0.2
+    history: list[float] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, rates: Rates, device: torch.device, forced: float | None = None) -> "Scheduler":
+        s = cls(rates, torch.zeros((), dtype=torch.float32, device=device), forced)
+        s.apply()
+        return s
+
+    def q(self) -> float:
+        """Fraction of misses to send over the link."""
+        if self.forced is not None:
+            return self.forced
+        p, c = self.rates.link_bytes_per_s, self.rates.cpu_bytes_per_s
+        return p / (p + c) if p + c > 0 else 0.0
+
+    def apply(self) -> None:
+        q = self.q()
+        self.fetch_fraction.fill_(q)
+        self.history.append(q)
+
+    def observe_cpu(self, busy_s: float, expert_bytes: float) -> None:
+        """Fold the worker's measured time for `expert_bytes` of experts into the CPU rate."""
+        if busy_s <= 0 or expert_bytes <= 0:
+            return
+        rate = expert_bytes / busy_s
+        r = self.rates
+        r.cpu_bytes_per_s = (1 - self.ema) * r.cpu_bytes_per_s + self.ema * rate
+        self.apply()

@@ -1,0 +1,130 @@
+"""native.offload_native: the offload runtime's native entry points, thin and checked once.
+
+GPU side (native._cuda): page-locking host memory, and the device-side decode-step kernels
+(plan, fetch, wait/add; see csrc/offload_exchange.h for the protocol). CPU side (native._cpu):
+the worker thread that computes the misses the GPU hands it. Plus the expert-pool MoE kernel.
+Every launch is asynchronous on the current CUDA stream and safe to capture in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import NativeError
+from .ops import _cpu, _cuda
+
+
+def _need(ext, what: str):
+    if ext is None:
+        raise NativeError(f"{what} needs the native extension, which is not built or not usable")
+    return ext
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+# ---- page-locked host memory ------------------------------------------------------------------
+
+def pin_host(t: torch.Tensor) -> None:
+    """Page-lock a contiguous CPU tensor's memory and map it for the GPU (same address: UVA)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise NativeError("pin_host needs a contiguous CPU tensor")
+    _need(_cuda, "pinning host memory").pin_host(t.data_ptr(), t.numel() * t.element_size())
+
+
+def unpin_host(t: torch.Tensor, missing_ok: bool = False) -> None:
+    try:
+        _need(_cuda, "unpinning host memory").unpin_host(t.data_ptr())
+    except Exception:
+        if not missing_ok:
+            raise
+
+
+# ---- shared descriptors ---------------------------------------------------------------------------
+
+@dataclass
+class CacheTablesPtrs:
+    """Addresses of an ExpertCache's device tables (see csrc/offload_exchange.h)."""
+
+    slot_of_expert: torch.Tensor
+    expert_of_slot: torch.Tensor
+    slot_last_use: torch.Tensor
+    slot_pinned: torch.Tensor
+    expert_freq: torch.Tensor
+    n_slots: torch.Tensor
+    stats: torch.Tensor
+
+    def as_dict(self) -> dict[str, int]:
+        d = {k: ptr(getattr(self, k)) for k in ("slot_of_expert", "expert_of_slot",
+                                                 "slot_last_use", "slot_pinned", "expert_freq",
+                                                 "n_slots", "stats")}
+        d["n_experts"] = self.slot_of_expert.shape[1]
+        d["max_slots"] = self.expert_of_slot.shape[1]
+        return d
+
+
+@dataclass
+class ExchangeBuffers:
+    """The page-locked host area both engines share (one row per MoE layer)."""
+
+    gpu_flag: torch.Tensor   # [L] int32
+    cpu_flag: torch.Tensor   # [L] int32
+    cpu_ids: torch.Tensor    # [L, Tmax, K] int32
+    cpu_w: torch.Tensor      # [L, Tmax, K] f32
+    x_host: torch.Tensor     # [L, Tmax, H] f32
+    y_host: torch.Tensor     # [L, Tmax, H] f32
+
+    @classmethod
+    def allocate(cls, n_layer: int, max_tok: int, top_k: int, hidden: int, pin: bool) -> "ExchangeBuffers":
+        def z(*shape, dtype):
+            t = torch.zeros(shape, dtype=dtype)
+            return t.pin_memory() if pin else t
+        i32, f32 = torch.int32, torch.float32
+        return cls(z(n_layer, dtype=i32), z(n_layer, dtype=i32),
+                   z(n_layer, max_tok, top_k, dtype=i32), z(n_layer, max_tok, top_k, dtype=f32),
+                   z(n_layer, max_tok, hidden, dtype=f32), z(n_layer, max_tok, hidden, dtype=f32))
+
+    def as_dict(self, n_tok: int) -> dict[str, int]:
+        L, max_tok, K = self.cpu_ids.shape
+        return {"gpu_flag": ptr(self.gpu_flag), "cpu_flag": ptr(self.cpu_flag),
+                "cpu_ids": ptr(self.cpu_ids), "cpu_w": ptr(self.cpu_w),
+                "x_host": ptr(self.x_host), "y_host": ptr(self.y_host), "n_tok": n_tok,
+                "max_tok": max_tok, "top_k": K, "hidden": self.x_host.shape[2]}
+
+
+# ---- device-side decode step (native._cuda) ------------------------------------------------------
+
+def step_begin(step: torch.Tensor) -> None:
+    _need(_cuda, "offload").offload_step_begin(ptr(step), _stream())
+
+
+def plan(tables: dict, exchange: dict, layer: int, ids32: torch.Tensor, w: torch.Tensor,
+         x: torch.Tensor, step: torch.Tensor, fetch_fraction: torch.Tensor,
+         fetch_list: torch.Tensor) -> None:
+    _need(_cuda, "offload").offload_plan(tables, exchange, layer, ptr(ids32), ptr(w), ptr(x),
+                                         ptr(step), ptr(fetch_fraction), ptr(fetch_list), _stream())
+
+
+def fetch(fetch_list: torch.Tensor, host_bank: torch.Tensor, pool: torch.Tensor,
+          max_fetch: int) -> None:
+    _need(_cuda, "offload").offload_fetch(ptr(fetch_list), ptr(host_bank), ptr(pool),
+                                          host_bank.shape[1], pool.shape[1], max_fetch, _stream())
+
+
+def wait_add(exchange: dict, layer: int, step: torch.Tensor, y: torch.Tensor, timeout_s: float,
+             error: torch.Tensor) -> None:
+    _need(_cuda, "offload").offload_wait_add(exchange, layer, ptr(step), ptr(y),
+                                             int(timeout_s * 1e9), ptr(error), _stream())
+
+
+# ---- CPU worker (native._cpu) ---------------------------------------------------------------------
+
+def make_worker(exchange: dict, layers: list[dict], timeout_s: float = 30.0):
+    """A native OffloadWorker; `layers[L]` = {gate: (type_id, addr, stride), up, down, ff, n_experts}."""
+    return _need(_cpu, "the CPU offload worker").OffloadWorker(exchange, layers, int(timeout_s * 1000))

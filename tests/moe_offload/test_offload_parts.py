@@ -1,0 +1,124 @@
+"""The offload runtime's CPU-testable parts: host bank layout, cache placement, budget,
+scheduler rule, routing traces. (The device-side decode step: test_runtime_gpu.py.)"""
+import numpy as np
+import pytest
+import torch
+
+from loaders import open_model
+from loaders.quants import dequantize_reference
+from moe_offload.budget import VramBudget
+from moe_offload.errors import OffloadError
+from moe_offload.expert_cache import ExpertCache, load_profile, save_profile
+from moe_offload.host_bank import HostExpertBank
+from moe_offload.scheduler import Rates, Scheduler
+from moe_offload.trace import TraceParams, make_trace, trace_stats
+
+
+@pytest.fixture(scope="module")
+def mixed(synth_model):
+    return open_model(synth_model(type="Q4_K", expert_type="IQ3_S", down_type="Q6_K",
+                                  tensor_types=(("blk\\.2\\.ffn_up_exps", "Q8_0"),)))
+
+
+def test_host_bank_holds_each_expert_contiguously(mixed):
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    assert len(bank.banks) == c.n_layer and bank.nbytes == sum(b.numel() for b in bank.banks)
+    for L in (0, 2):
+        lay = bank.layouts[L]
+        assert lay.up.qtype.name == ("Q8_0" if L == 2 else "IQ3_S")
+        assert lay.down.qtype.name == "Q6_K"
+        assert lay.expert_bytes % 256 == 0 and lay.gate.offset == 0
+        for e in (0, 7, c.n_expert - 1):
+            row = bank.expert(L, e).numpy()
+            for proj, name in ((lay.gate, "gate"), (lay.up, "up"), (lay.down, "down")):
+                w = mixed.weights[f"blk.{L}.ffn_{name}_exps.weight"]
+                want = w.data.reshape(c.n_expert, -1)[e]
+                got = row[proj.offset:proj.offset + proj.nbytes]
+                assert np.array_equal(got, want), (L, e, name)
+
+
+def test_host_bank_splits_fused_gate_up(tiny_model, tmp_path):
+    from helpers import rewrite
+    from loaders import open_gguf
+    f = open_gguf(tiny_model)
+    add, drop = {}, []
+    for i in range(4):
+        g, u = f.tensors[f"blk.{i}.ffn_gate_exps.weight"], f.tensors[f"blk.{i}.ffn_up_exps.weight"]
+        E, Fe = g.ne[2], g.ne[1]
+        fused = np.concatenate([f.data(g.name).reshape(E, Fe, -1), f.data(u.name).reshape(E, Fe, -1)], 1)
+        add[f"blk.{i}.ffn_gate_up_exps.weight"] = ((g.ne[0], 2 * Fe, E), g.type_id, fused.tobytes())
+        drop += [g.name, u.name]
+    fused_model = open_model(rewrite(tiny_model, tmp_path / "f.gguf", drop=drop, add=add))
+    a = HostExpertBank(open_model(tiny_model), pin=False, threads=1)
+    b = HostExpertBank(fused_model, pin=False, threads=2)
+    for L in range(4):
+        assert torch.equal(a.banks[L], b.banks[L])
+
+
+def test_cache_admit_warm_start_and_profile(mixed, tmp_path):
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    cache = ExpertCache(bank.layouts, [5] * c.n_layer, c.n_expert, torch.device("cpu"))
+    assert cache.nbytes == sum(5 * lay.expert_bytes for lay in bank.layouts)
+    counts = np.zeros((c.n_layer, c.n_expert), np.int64)
+    counts[:, 9] = 100
+    counts[:, 3] = 50
+    counts[:, 12] = 10
+    p = tmp_path / "prof.json"
+    save_profile(p, counts, "tiny")
+    prof = load_profile(p, c.n_layer, c.n_expert)
+    cache.warm_start(bank, prof, pin_fraction=0.4)
+    for L in range(c.n_layer):
+        res = set(cache.resident(L).tolist())
+        assert {9, 3, 12} <= res and len(res) == 5
+        soe = cache.slot_of_expert[L]
+        s9 = int(soe[9])
+        assert int(cache.slot_pinned[L, s9]) == 1 and int(cache.slot_pinned[L, int(soe[12])]) == 0
+        assert torch.equal(cache.pools[L][s9], bank.expert(L, 9))
+        assert int(cache.expert_of_slot[L, s9]) == 9
+    with pytest.raises(OffloadError, match="profile is for"):
+        load_profile(p, c.n_layer + 1, c.n_expert)
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(OffloadError, match="not a routing profile"):
+        load_profile(tmp_path / "bad.json", c.n_layer, c.n_expert)
+
+
+def test_plan_slots_respects_budget(mixed):
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    per = max(lay.expert_bytes for lay in bank.layouts)
+    c = mixed.config
+    assert ExpertCache.plan_slots(bank.layouts, per * c.n_layer * 3 + 5, c.n_expert) == [3] * c.n_layer
+    assert ExpertCache.plan_slots(bank.layouts, 10**12, c.n_expert) == [c.n_expert] * c.n_layer
+
+
+def test_budget_refuses_with_numbers():
+    b = VramBudget(8 << 30)
+    b.reserve("dense weights", 3 << 30)
+    b.reserve("kv", 1 << 30)
+    assert b.left == 4 << 30
+    with pytest.raises(OffloadError, match=r"--vram 8.00 GiB is too small: cache needs 5.00 GiB but "
+                                           r"only 4.00 GiB is left \(dense weights 3.00 GiB, kv 1.00 GiB\)"):
+        b.reserve("cache", 5 << 30)
+    b.release("kv")
+    assert b.left == 5 << 30
+
+
+def test_scheduler_splits_misses_by_rates():
+    s = Scheduler.create(Rates(45e9, 15e9), torch.device("cpu"))
+    assert s.q() == pytest.approx(0.75) and float(s.fetch_fraction) == pytest.approx(0.75)
+    s.observe_cpu(busy_s=1.0, expert_bytes=45e9)  # CPU turned out as fast as the link
+    assert 0.5 < s.q() < 0.75
+    forced = Scheduler.create(Rates(45e9, 15e9), torch.device("cpu"), forced=0.0)
+    assert forced.q() == 0.0 and float(forced.fetch_fraction) == 0.0
+
+
+def test_trace_has_the_stated_locality():
+    tr = make_trace(300, 3, 256, 8, TraceParams(seed=1))
+    assert tr.shape == (300, 3, 8)
+    assert all(len(set(tr[t, l])) == 8 for t in range(300) for l in range(3))
+    st = trace_stats(tr, 256)
+    assert 0.38 < st.repeat_next < 0.52 and 0.72 < st.repeat_within8 < 0.88
+    assert 0.4 < st.top10_share < 0.6
+    uniform = trace_stats(make_trace(300, 2, 256, 8, TraceParams(repeat=0.0, skew=0.0)), 256)
+    assert uniform.repeat_next < 0.1 and uniform.top10_share < 0.2
