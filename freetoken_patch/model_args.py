@@ -9,24 +9,26 @@ from .errors import CLIError
 
 def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
                    model_help: str = "GGUF file, any shard of a split set, or a folder",
-                   device_default: str | None = "cpu") -> None:
+                   device_default: str | None = "cpu",
+                   device_help: str = "cpu (default) or cuda / cuda:N; the whole model goes there"
+                   ) -> None:
     """MODEL, --device, --ctx."""
     if model_optional:
         s.add_argument("model", nargs="?", help=model_help)
     else:
         s.add_argument("model", help=model_help)
-    s.add_argument("--device", default=device_default, metavar="DEV",
-                   help="cpu (default) or cuda / cuda:N; the whole model goes there")
+    s.add_argument("--device", default=device_default, metavar="DEV", help=device_help)
     s.add_argument("--ctx", type=int, metavar="N",
                    help="context size in tokens (default: the model's, at most 4096)")
 
 
-def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int,
-                      n_flags: tuple[str, ...] = ("-n", "--n-predict")) -> None:
+def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
+                      n_flags: tuple[str, ...] = ("-n", "--n-predict"),
+                      n_help: str | None = None) -> None:
     """-n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty, --seed, --stop
     (read back with `sampling_params(args)`)."""
     s.add_argument(*n_flags, dest="n_predict", type=int, default=n_default, metavar="N",
-                   help=f"most tokens to generate (default {n_default})")
+                   help=n_help or f"most tokens to generate (default {n_default})")
     s.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0 = greedy)")
     s.add_argument("--top-k", type=int, default=40, help="keep the k likeliest (default 40; 0 = off)")
     s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95; 1 = off)")
@@ -50,6 +52,16 @@ def sampling_params(args: argparse.Namespace):
                           min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                           presence_penalty=args.presence_penalty, seed=args.seed,
                           max_tokens=args.n_predict, stop=tuple(args.stop))
+
+
+def size_arg(text: str) -> int:
+    """argparse type for sizes such as 8GiB, 512MiB or a plain byte count."""
+    from loaders import GGUFError
+    from loaders.synth import parse_size
+    try:
+        return parse_size(text)
+    except GGUFError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_device(name: str):
@@ -88,5 +100,5 @@ def check_fits(ids: list[int], ctx: int | None, n_ctx_train: int) -> int:
     return n_ctx
 
 
-__all__ = ["add_model_args", "add_sampling_args", "sampling_params", "parse_device", "context_size",
+__all__ = ["add_model_args", "add_sampling_args", "sampling_params", "size_arg", "parse_device", "context_size",
            "check_fits"]
