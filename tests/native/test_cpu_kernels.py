@@ -171,3 +171,30 @@ def test_moe_ffn_skips_negative_ids_and_rejects_out_of_range():
     ids[0, 0] = 6  # == E
     with pytest.raises(ValueError, match="out of range"):
         _run_moe(types, x, gate, up, down, ids, weights)
+
+
+def test_long_prefill_crosses_token_tiles_and_chunks(cpu_isa):
+    """matmul tiles tokens by 64, moe_ffn chunks them by 256: both must stitch correctly, and a
+    bad id in the last chunk must raise before anything is written."""
+    rng = rng_for("prefill", cpu_isa)
+    q = QUANT_TYPES["Q4_K"]
+    raw, w64 = random_weight(q, (19, 512), rng)
+    x = rng.standard_normal((130, 512), dtype=np.float32)
+    y = poisoned((130, 19))
+    cpu.matmul(q.type_id, raw.ctypes.data, 19, 512, raw.shape[1], x.ctypes.data, 130, y.ctypes.data, 0)
+    x64 = x.astype(np.float64)
+    assert_close(y, x64 @ w64.T, dot_bound(cpu.accumulation("Q4_K"), w64, x64), f"T=130 on {cpu_isa}")
+
+    types, x, gate, up, down, ids, weights = _moe_case(rng, "Q8_0", "Q8_0", "IQ4_NL", 300)
+    bad = ids.copy()
+    bad[-1, 0] = 6  # == E, in the second 256-token chunk
+    y = poisoned(x.shape)
+    banks = [v for qq, (r, _) in zip(types, (gate, up, down)) for v in (qq.type_id, r.ctypes.data, r.strides[0])]
+    with pytest.raises(ValueError, match="out of range"):
+        cpu.moe_ffn(x.ctypes.data, 300, x.shape[1], gate[0].shape[1], 6, bad.ctypes.data,
+                    weights.ctypes.data, 3, *banks, y.ctypes.data, 0)
+    assert np.isnan(y).all()
+    y = _run_moe(types, x, gate, up, down, ids, weights)
+    y64, bound = moe_reference(x.astype(np.float64), gate[1], up[1], down[1], ids, weights,
+                               [cpu.accumulation(t.name) for t in types])
+    assert_close(y, y64, bound, f"moe_ffn T=300 on {cpu_isa}")

@@ -94,7 +94,8 @@ bool tables_ready();
 int num_threads();
 void set_num_threads(int n);  // n <= 0: all cores this process may use
 // Calls fn(begin, end) over [0, n) in chunks of `grain`, on all pool threads plus the caller.
-// One parallel_for runs at a time (callers from several Python threads queue).
+// One parallel_for runs at a time (callers from several threads queue); never call it (or an op)
+// from inside fn: the pool is not reentrant.
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
 // ---- ops (one file each) ------------------------------------------------------------------------

@@ -17,9 +17,15 @@ void matmul(int type_id, const uint8_t* w, int64_t n_out, int64_t n_in, int64_t 
     // Enough rows per chunk to amortize the pool's hand-off, few enough that every core gets
     // several chunks (balance) even for one 512-row expert matrix.
     const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, n_out / (8 * num_threads())));
+    // Prefill: a tile of tokens stays in L2 while a chunk of rows passes over it.
+    constexpr int64_t kTokenTile = 64;
     parallel_for(n_out, grain, [&](int64_t o0, int64_t o1) {
-        for (int64_t o = o0; o < o1; ++o)
-            k.dot_row(w + o * w_row_stride, nkb, a, int(n_tok), y + o, n_out, g);
+        for (int64_t t0 = 0; t0 < n_tok; t0 += kTokenTile) {
+            const Act at = a.at(t0);
+            const int nt = int(std::min(kTokenTile, n_tok - t0));
+            for (int64_t o = o0; o < o1; ++o)
+                k.dot_row(w + o * w_row_stride, nkb, at, nt, y + t0 * n_out + o, n_out, g);
+        }
     });
 }
 

@@ -32,12 +32,8 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
 
     // Slots grouped by expert (counting sort keeps token order inside an expert).
     std::vector<int64_t> count(E + 1, 0);
-    for (int64_t i = 0; i < T * K; ++i) {
-        if (ids[i] >= E) throw std::invalid_argument("moe_ffn: expert id " + std::to_string(ids[i]) +
-                                                     " is out of range for " + std::to_string(E) +
-                                                     " experts");
-        if (ids[i] >= 0) ++count[ids[i] + 1];
-    }
+    for (int64_t i = 0; i < T * K; ++i)
+        if (ids[i] >= 0) ++count[ids[i] + 1];  // ids < E: checked by moe_ffn
     std::vector<Group> groups;
     for (int64_t e = 0; e < E; ++e) {
         if (count[e + 1]) groups.push_back({e, count[e], count[e + 1]});
@@ -111,6 +107,15 @@ void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t 
              const Bank& up, const Bank& down, float* y) {
     if (hidden <= 0 || ff <= 0 || n_experts <= 0 || top_k <= 0)
         throw std::invalid_argument("moe_ffn: hidden, ff, n_experts and top_k must be positive");
+    const IsaKernels& isa = kernels();  // every check before any output is written
+    for (const Bank* b : {&gate, &up, &down}) type_kernels(isa, b->type_id);
+    row_kblocks(type_kernels(isa, gate.type_id), hidden, "moe_ffn gate");
+    row_kblocks(type_kernels(isa, up.type_id), hidden, "moe_ffn up");
+    row_kblocks(type_kernels(isa, down.type_id), ff, "moe_ffn down");
+    for (int64_t i = 0; i < n_tok * top_k; ++i)
+        if (ids[i] >= n_experts)
+            throw std::invalid_argument("moe_ffn: expert id " + std::to_string(ids[i]) +
+                                        " is out of range for " + std::to_string(n_experts) + " experts");
     for (int64_t t0 = 0; t0 < n_tok; t0 += kTokenChunk) {
         const int64_t n = std::min(kTokenChunk, n_tok - t0);
         moe_chunk(x + t0 * hidden, n, hidden, ff, n_experts, ids + t0 * top_k, weights + t0 * top_k,

@@ -1,11 +1,11 @@
 // AVX2 decoders: 32 weights of a kernel block as int8 values + scales, w = s * q + m.
 // Included only by kernels_avx2.cpp (compiled with -mavx2 -mfma -mf16c -mbmi2).
 //
-// Unit<T>::decode(blk, sub, grids, u) fills u.q (32 int8, weight order), u.s[h] (the scale of
-// weights 16h..16h+15; equal unless Unit<T>::per16) and, where Unit<T>::has_min, u.m[h] (added
-// to them). Every quant type
-// except TQ1_0 fits this form exactly (IQ1_S/IQ1_M: q = 8*grid +- 1, s = dl/8), so both the dot
-// kernels (integer products) and a bit-exact dequantize (float(q) * s + m, rounded like the
+// Unit<T>::decode(blk, sub, grids, state, u) fills u.q (32 int8, weight order), u.s[h] (the scale
+// of weights 16h..16h+15; equal unless Unit<T>::per16) and, where Unit<T>::has_min, u.m[h] (added
+// to them); Unit<T>::begin(blk, grids, state) runs once per block first (grid indices, scales).
+// Every quant type fits this form exactly (IQ1_S/IQ1_M: q = 8*grid +- 1, s = dl/8), so both the
+// dot kernels (integer products) and a bit-exact dequantize (float(q) * s + m, rounded like the
 // reference: the same single product, the same add) are built on it. Layouts: quants.h.
 #pragma once
 #include <immintrin.h>
@@ -342,6 +342,43 @@ template <> struct Unit<QType::IQ4_XS> : UnitBase {
 };
 
 // ---- ternary, fp4 ----------------------------------------------------------------------------------
+// TQ1_0: trit k of byte q = ((uint8)(q * 3^k) * 3) >> 8, per byte with 16-bit multiplies.
+inline __m256i tq1_trits(__m256i src, __m256i pow3) {
+    const __m256i lo8 = _mm256_set1_epi16(0x00FF);
+    const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(src, pow3), lo8);
+    const __m256i odd = _mm256_slli_epi16(_mm256_mullo_epi16(_mm256_srli_epi16(src, 8), _mm256_srli_epi16(pow3, 8)), 8);
+    const __m256i m = _mm256_or_si256(even, odd);  // (uint8)(q * 3^k) in every byte
+    const __m256i three = _mm256_set1_epi16(3);
+    const __m256i t_even = _mm256_mulhi_epu16(_mm256_slli_epi16(m, 8), three);
+    const __m256i t_odd = _mm256_slli_epi16(_mm256_mulhi_epu16(_mm256_andnot_si256(lo8, m), three), 8);
+    return _mm256_or_si256(t_even, t_odd);
+}
+template <> struct Unit<QType::TQ1_0> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+        const BlockTQ1_0& b = *reinterpret_cast<const BlockTQ1_0*>(blk);
+        // weights 0..159: qs[l] trit s; 160..239: qs[32 + l%16] trit (n-160)/16;
+        // 240..255: qh[l%4] trit (n-240)/4 (see quants.h)
+        const __m128i mid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 32));
+        __m256i src, pow3;
+        if (s < 5) {
+            static constexpr int8_t p[5] = {1, 3, 9, 27, 81};
+            src = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+            pow3 = _mm256_set1_epi8(p[s]);
+        } else if (s < 7) {
+            static constexpr int8_t p[4] = {1, 3, 9, 27};
+            src = _mm256_set_m128i(mid, mid);
+            pow3 = _mm256_set_m128i(_mm_set1_epi8(p[2 * (s - 5) + 1]), _mm_set1_epi8(p[2 * (s - 5)]));
+        } else {
+            src = _mm256_set_m128i(_mm_set1_epi32(int(ld_u32(b.qh))), mid);
+            pow3 = _mm256_set_m128i(_mm_setr_epi8(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27),
+                                    _mm_set1_epi8(81));
+        }
+        u.q = _mm256_sub_epi8(tq1_trits(src, pow3), _mm256_set1_epi8(1));
+        scale(u, h2f(b.d));
+    }
+};
 template <> struct Unit<QType::TQ2_0> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = false;
