@@ -1,8 +1,159 @@
-// pybind11 definitions of native._cuda (placeholder until the kernels land).
+// pybind11 definitions of native._cuda: the whole CUDA API in one place. Kernels live in
+// csrc/cuda/<op>.cu behind the torch-free entry points of csrc/cuda/api.h; these wrappers only
+// convert arguments and release the GIL.
+//
+// Conventions: those of native._cpu (bindings_cpu.cpp), with device memory instead of host memory:
+//   * Pointers are Python ints (tensor.data_ptr()) of device memory on the *current* CUDA device;
+//     sizes are ints; type ids are ggml ids.
+//   * Every kernel entry point ends with `stream: int`, a cudaStream_t handle
+//     (torch.cuda.current_stream().cuda_stream). The call only enqueues work on that stream and
+//     returns: the caller keeps every buffer alive until the stream has run it. No host sync, no
+//     allocation (moe_ffn excepted: stream-ordered cudaMallocAsync), so everything is capturable
+//     in a CUDA graph.
+//   * Bad arguments raise ValueError before anything is enqueued; launch failures RuntimeError.
+//     Faults inside a kernel surface at the next synchronisation, as CUDA errors always do.
+//
+// Kernel entry points (outputs fully overwritten):
+//   dequantize(type_id, src, n_rows, n_cols, src_row_stride, dst, dst_dtype, stream)
+//       as native._cpu: dst contiguous [n_rows, n_cols] of dst_dtype 0 (F32), 1 (F16), 30 (BF16);
+//       F32 bit-exact with gguf-py, F16/BF16 that rounded to nearest even.
+//   matmul(type_id, w, n_out, n_in, w_row_stride, x, n_tok, y, stream)
+//       as native._cpu: y [n_tok, n_out] = x [n_tok, n_in] @ W^T. Decode kernels: 1..8 tokens per
+//       launch (more tokens re-read W per 8; use dequantize + a GEMM for prefill).
+//       Accumulation per type: matmul_accum() (see below).
+//   moe_ffn(x, n_tok, hidden, ff, n_experts, ids, weights, top_k, gate_type, gate,
+//           gate_expert_stride, up_type, up, up_expert_stride, down_type, down,
+//           down_expert_stride, y, stream)
+//       as native._cpu, over full banks; ids outside [0, n_experts) contribute nothing (the CPU
+//       raises for ids >= E; a kernel cannot). Scratch from cudaMallocAsync on `stream`.
+//   moe_ffn_pool(x, n_tok, hidden, ff, ids, weights, top_k, slot_of_expert, n_experts, n_slots,
+//                gate_type, gate, gate_slot_bytes, up_type, up, up_slot_bytes, down_type, down,
+//                down_slot_bytes, y, skipped, scratch, scratch_bytes, stream)
+//       the decode path over an expert slot pool, routing resolved on the device:
+//       y [T, H] = sum_k weights[t,k] * down_s(silu(gate_s x_t) * up_s x_t), s = slot_of_expert[ids[t,k]]
+//       (slot_of_expert = 0: s = ids[t,k]); pairs with an id outside [0, n_experts) or a slot
+//       outside [0, n_slots) are skipped: skipped [T, K] int32 (0 = no output) gets 1 for them.
+//       x f32 [T, H], ids int32 [T, K], weights f32 [T, K], y f32 [T, H], all contiguous; pools:
+//       slot s of a projection at <proj> + s * <proj>_slot_bytes, rows contiguous ([F, H] for
+//       gate/up, [H, F] for down). T <= 8, top_k <= 16. scratch: >= moe_scratch_bytes(T, K, F)
+//       bytes, 16-byte aligned, caller-owned, not read before it is written.
+//   moe_scratch_bytes(n_tok, top_k, ff) -> int
+// Table and control functions (hold the GIL, cheap):
+//   set_tables(dict name -> buffer)   IQ grids from loaders.quants.iq_tables(); uploaded now to the
+//       current device (other devices at first use: do that outside capture). Needed before any
+//       kernel call.
+//   tables_ready() -> bool
+//   block_sizes() -> {name: (block_elems, block_bytes)}   ggml's sizes, from quants.h
+//   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   every type of the list
+//   matmul_accum() -> {name: "q8" | "f32"}   "q8": x rounded to int8 per 32 values
+//       (d = amax/127, q = rint(x/d)); y exact for that x up to float32 sums. "f32": float x, FMA.
+//       moe_ffn uses the same rule per projection (the down input h is rounded the same way).
+//   device_limits() -> {"sms": int, "smem_optin": int}   of the current device
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "cuda/api.h"
+#include "quants.h"
+
 namespace py = pybind11;
+using namespace ft;
+
+namespace {
+
+template <class T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+std::vector<uint8_t> buffer_bytes(const py::handle& obj) {
+    const py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
+    const auto* p = static_cast<const uint8_t*>(info.ptr);
+    return std::vector<uint8_t>(p, p + size_t(info.size * info.itemsize));
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_cuda, m) {
-    m.doc() = "ftpatch CUDA kernels on raw ggml blocks";
-    m.def("version", []() { return 1; });
+    m.doc() = "ftpatch CUDA kernels on raw ggml blocks (see bindings_cuda.cpp for the contract)";
+    auto release = py::call_guard<py::gil_scoped_release>();
+
+    m.def("dequantize",
+          [](int type_id, uintptr_t src, int64_t n_rows, int64_t n_cols, int64_t src_row_stride,
+             uintptr_t dst, int dst_dtype, uintptr_t stream) {
+              cuda::dequantize(type_id, ptr<const void>(src), n_rows, n_cols, src_row_stride,
+                               ptr<void>(dst), dst_dtype, stream);
+          },
+          py::arg("type_id"), py::arg("src"), py::arg("n_rows"), py::arg("n_cols"),
+          py::arg("src_row_stride"), py::arg("dst"), py::arg("dst_dtype"), py::arg("stream") = 0,
+          release);
+    m.def("matmul",
+          [](int type_id, uintptr_t w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
+             uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {
+              cuda::matmul(type_id, ptr<const void>(w), n_out, n_in, w_row_stride,
+                           ptr<const float>(x), n_tok, ptr<float>(y), stream);
+          },
+          py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
+          py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
+          py::arg("stream") = 0, release);
+    m.def("moe_ffn",
+          [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
+             uintptr_t ids, uintptr_t weights, int64_t top_k, int gate_type, uintptr_t gate,
+             int64_t gate_stride, int up_type, uintptr_t up, int64_t up_stride, int down_type,
+             uintptr_t down, int64_t down_stride, uintptr_t y, uintptr_t stream) {
+              cuda::moe_ffn(ptr<const float>(x), n_tok, hidden, ff, n_experts,
+                            ptr<const int32_t>(ids), ptr<const float>(weights), top_k,
+                            {gate_type, ptr<const void>(gate), gate_stride},
+                            {up_type, ptr<const void>(up), up_stride},
+                            {down_type, ptr<const void>(down), down_stride}, ptr<float>(y), stream);
+          },
+          py::arg("x"), py::arg("n_tok"), py::arg("hidden"), py::arg("ff"), py::arg("n_experts"),
+          py::arg("ids"), py::arg("weights"), py::arg("top_k"), py::arg("gate_type"),
+          py::arg("gate"), py::arg("gate_expert_stride"), py::arg("up_type"), py::arg("up"),
+          py::arg("up_expert_stride"), py::arg("down_type"), py::arg("down"),
+          py::arg("down_expert_stride"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("moe_ffn_pool",
+          [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, uintptr_t ids,
+             uintptr_t weights, int64_t top_k, uintptr_t slot_of_expert, int64_t n_experts,
+             int64_t n_slots, int gate_type, uintptr_t gate, int64_t gate_slot_bytes, int up_type,
+             uintptr_t up, int64_t up_slot_bytes, int down_type, uintptr_t down,
+             int64_t down_slot_bytes, uintptr_t y, uintptr_t skipped, uintptr_t scratch,
+             int64_t scratch_bytes, uintptr_t stream) {
+              cuda::moe_ffn_pool(ptr<const float>(x), n_tok, hidden, ff, ptr<const int32_t>(ids),
+                                 ptr<const float>(weights), top_k, ptr<const int32_t>(slot_of_expert),
+                                 n_experts, n_slots, {gate_type, ptr<const void>(gate), gate_slot_bytes},
+                                 {up_type, ptr<const void>(up), up_slot_bytes},
+                                 {down_type, ptr<const void>(down), down_slot_bytes}, ptr<float>(y),
+                                 ptr<int32_t>(skipped), ptr<void>(scratch), scratch_bytes, stream);
+          },
+          py::arg("x"), py::arg("n_tok"), py::arg("hidden"), py::arg("ff"), py::arg("ids"),
+          py::arg("weights"), py::arg("top_k"), py::arg("slot_of_expert"), py::arg("n_experts"),
+          py::arg("n_slots"), py::arg("gate_type"), py::arg("gate"), py::arg("gate_slot_bytes"),
+          py::arg("up_type"), py::arg("up"), py::arg("up_slot_bytes"), py::arg("down_type"),
+          py::arg("down"), py::arg("down_slot_bytes"), py::arg("y"), py::arg("skipped"),
+          py::arg("scratch"), py::arg("scratch_bytes"), py::arg("stream") = 0, release);
+    m.def("moe_scratch_bytes", &cuda::moe_scratch_bytes, py::arg("n_tok"), py::arg("top_k"),
+          py::arg("ff"));
+
+    m.def("set_tables", [](const py::dict& tables) {
+        std::map<std::string, std::vector<uint8_t>> copy;
+        for (auto item : tables) copy[py::str(item.first)] = buffer_bytes(item.second);
+        cuda::set_tables(copy);
+    }, py::arg("tables"));
+    m.def("tables_ready", &cuda::tables_ready);
+    m.def("block_sizes", [] {
+        py::dict out;
+#define FT_X(NAME, ...) \
+    out[#NAME] = py::make_tuple(Traits<QType::NAME>::block_elems, Traits<QType::NAME>::block_bytes);
+        FT_QUANT_TYPES(FT_X)
+#undef FT_X
+        return out;
+    });
+    m.def("dequantize_types", &cuda::type_names);
+    m.def("matmul_types", &cuda::type_names);
+    m.def("moe_ffn_types", &cuda::type_names);
+    m.def("matmul_accum", [] {
+        py::dict out;
+#define FT_X(NAME, ...) out[#NAME] = cuda::matmul_accum(int(QType::NAME));
+        FT_QUANT_TYPES(FT_X)
+#undef FT_X
+        return out;
+    });
+    m.def("device_limits", &cuda::device_limits);
 }

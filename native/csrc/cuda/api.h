@@ -1,0 +1,79 @@
+// ftpatch CUDA kernels: the host entry points that bindings_cuda.cpp wraps. Torch-free and free of
+// CUDA types, so the bindings compile with the host compiler alone.
+//
+// Conventions (the same as native._cpu, see bindings_cpu.cpp):
+//   * Every pointer is device memory of the current device, owned by the caller, kept alive by the
+//     caller until the work on `stream` has finished. Nothing is retained after a call returns.
+//   * `stream` is a cudaStream_t as an integer (0 = the legacy default stream). Every entry point
+//     only enqueues work on it: no host synchronisation, no device allocation (except moe_ffn,
+//     which takes its scratch from the stream-ordered allocator; moe_ffn_pool takes it from the
+//     caller), so all of them can be captured into a CUDA graph.
+//   * Weight rows hold whole kernel blocks (quants.h: Traits::kb_elems), 2-byte aligned; the fast
+//     int8 paths (matmul_accum(type) == "q8") need every block start aligned to
+//     gcd(16, kb_bytes), which holds for any row of a 16-byte aligned tensor.
+//   * Bad arguments throw std::invalid_argument before anything is enqueued; CUDA errors at launch
+//     throw std::runtime_error.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ft::cuda {
+
+// dst [n_rows, n_cols] contiguous of dst_dtype (ggml id: 0 F32, 1 F16, 30 BF16) from n_rows rows
+// of blocks (row r at src + r*src_row_stride bytes). F32 is bit-exact with gguf-py; F16/BF16 are
+// the F32 values rounded to nearest even.
+void dequantize(int type_id, const void* src, int64_t n_rows, int64_t n_cols,
+                int64_t src_row_stride, void* dst, int dst_dtype, uintptr_t stream);
+
+// y [n_tok, n_out] f32 = x [n_tok, n_in] f32 @ W^T, W [n_out, n_in] blocks (row o at
+// w + o*w_row_stride). Any n_tok; the kernels run 1..8 tokens per launch (weights are re-read per
+// group of 8 tokens: prefill belongs to dequantize + a GEMM, see native/ops.py).
+// Accumulation: matmul_accum(type) "q8": x is rounded per 32 values to int8 with d = amax/127
+// (y is exact for that rounded x up to float32 sums); "f32": float32 x and FMA.
+void matmul(int type_id, const void* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
+            const float* x, int64_t n_tok, float* y, uintptr_t stream);
+
+// One projection of an expert pool: expert slot s at base + s*slot_bytes, [rows, cols] blocks with
+// contiguous rows inside a slot.
+struct Pool {
+    int type_id;
+    const void* base;
+    int64_t slot_bytes;
+};
+
+// Routed experts over a device-resident slot pool (the decode path; capturable):
+//   y [T, H] f32 = sum_k weights[t,k] * down_s(silu(gate_s x_t) * up_s x_t),
+//   s = slot_of_expert[ids[t,k]] (slot_of_expert == nullptr: s = ids[t,k], a full bank).
+// x [T, H] f32; ids, weights [T, K] (int32, f32); slot_of_expert int32 [n_experts] or nullptr.
+// Pairs whose id is outside [0, n_experts) or whose slot is outside [0, n_slots) contribute nothing
+// (the runtime computes those elsewhere); skipped [T, K] int32 (optional, may be nullptr) gets 1
+// for them, 0 for the others. gate/up pools hold [F, H] per slot, down [H, F].
+// scratch: device bytes >= moe_scratch_bytes(T, K, F), 16-byte aligned, owned by the caller.
+// T <= 8, K <= 16 per call. Launches: gate/up (one, or two if their types differ), act, down.
+void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, const int32_t* ids,
+                  const float* weights, int64_t top_k, const int32_t* slot_of_expert,
+                  int64_t n_experts, int64_t n_slots, const Pool& gate, const Pool& up,
+                  const Pool& down, float* y, int32_t* skipped, void* scratch,
+                  int64_t scratch_bytes, uintptr_t stream);
+int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff);
+
+// native._cpu's moe_ffn signature: full banks (expert e at base + e*stride), ids < 0 skipped,
+// any T (groups of 8 tokens). Scratch comes from cudaMallocAsync on `stream` (capturable as
+// graph memory nodes).
+void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
+             const int32_t* ids, const float* weights, int64_t top_k, const Pool& gate,
+             const Pool& up, const Pool& down, float* y, uintptr_t stream);
+
+// IQ tables (loaders.quants.iq_tables()): copied to the host, uploaded to the current device now
+// and to other devices at their first use. Every kernel call needs them set (ops.py sets them at
+// import).
+void set_tables(const std::map<std::string, std::vector<uint8_t>>& tables);
+bool tables_ready();
+
+std::vector<std::string> type_names();        // every type in FT_QUANT_TYPES (all ops run all)
+std::string matmul_accum(int type_id);       // "q8" or "f32" (see matmul); "" if unknown
+std::map<std::string, int> device_limits();  // sms, smem_optin, of the current device
+
+}  // namespace ft::cuda

@@ -1,0 +1,118 @@
+// matmul for decode: y [T, O] = x [T, H] @ W [O, H]^T straight from the blocks, 1..8 tokens per
+// launch (rows.cuh explains the engine). Every type of FT_QUANT_TYPES is instantiated for
+// NT = 1, 2, 4, 8 token slots (a launch with T tokens uses the smallest NT >= T).
+//
+// Stream behaviour: enqueues one kernel per group of up to 8 tokens on `stream`; no host sync, no
+// allocation; capturable. x is read (and for q8 types rounded to int8) by every CTA into shared
+// memory, so T * H * 1.25 bytes (q8) or T * H * 4.5 bytes (f32) must fit next to the stages;
+// larger T are split into more launches.
+#include "cuda/rows.cuh"
+
+namespace ft::cuda {
+namespace {
+
+// Tile = G consecutive output rows (G = 1 unless rows are shorter than 32 units).
+struct PlainMap {
+    static constexpr bool kSingle = false;
+    const uint8_t* w;
+    int64_t row_stride;
+    uintptr_t lo, hi;
+    int O, G, T, ng;
+    GlobalX x;
+    float* y;
+    int64_t ldy;
+
+    __device__ int n_tiles() const { return (O + G - 1) / G; }
+    __device__ int rows_per_tile() const { return G; }
+    __device__ int nt() const { return T; }
+    __device__ bool row(int tile, int i, Seg& s) const {
+        const int r = tile * G + i;
+        if (r >= O) return false;
+        s.ptr = w + r * row_stride;
+        s.lo = lo;
+        s.hi = hi;
+        s.xvec = 0;
+        s.scale = 1.f;
+        return true;
+    }
+    template <int NT> __device__ void store(int tile, int i, const float (&acc)[NT]) const {
+        const int r = tile * G + i;
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if (t < T) y[t * ldy + r] = acc[t];
+    }
+    template <class Pol> __device__ void prep(uint8_t* xs) const { prep_x<Pol>(x, T, ng, xs); }
+    __device__ XView xview(const uint8_t* xs) const { return {xs, ng, T}; }
+};
+
+template <class Pol, int NT>
+void launch_plain(PlainMap m, const Geom& geo, cudaStream_t stream) {
+    launch_rows<Pol, NT>(m, geo, cdiv(m.O, m.G), 1, stream);
+}
+
+template <QType QT>
+void matmul_typed(const uint8_t* w, int64_t n_out, int64_t n_in, int64_t stride, const float* x,
+                  int64_t n_tok, float* y, cudaStream_t stream) {
+    using Pol = PolicyFor<QT>;
+    using Tr = Traits<QT>;
+    require(n_in % Tr::kb_elems == 0,
+            std::string("matmul: ") + Tr::name + " rows of " + std::to_string(n_in) +
+                " weights are not whole blocks of " + std::to_string(Tr::kb_elems));
+    const int64_t nkb = n_in / Tr::kb_elems;
+    require(stride >= nkb * Tr::kb_bytes, "matmul: weight row stride is shorter than a row");
+    require(n_out < (int64_t(1) << 31) / 2 && n_in < (int64_t(1) << 24), "matmul: shape too large");
+    check_alignment<Pol>(w, stride, "matmul");
+    if (n_tok <= 0 || n_out <= 0) return;
+
+    const int ng = int(n_in / 32);
+    const int per_launch = fit_vectors<Pol>(nkb, ng, int(n_tok < 8 ? n_tok : 8));
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(w);
+    const uintptr_t hi = lo + uintptr_t((n_out - 1) * stride + nkb * Tr::kb_bytes);
+    for (int64_t t0 = 0; t0 < n_tok; t0 += per_launch) {
+        const int T = int(n_tok - t0 < per_launch ? n_tok - t0 : per_launch);
+        const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(T, ng));
+        const float* xt = x + t0 * n_in;
+        const bool aligned = reinterpret_cast<uintptr_t>(xt) % 16 == 0 && n_in % 4 == 0;
+        PlainMap m{w, stride, lo, hi, int(n_out), geo.G, T, ng, GlobalX{xt, n_in, aligned},
+                   y + t0 * n_out, n_out};
+        if (T == 1) launch_plain<Pol, 1>(m, geo, stream);
+        else if (T == 2) launch_plain<Pol, 2>(m, geo, stream);
+        else if (T <= 4) launch_plain<Pol, 4>(m, geo, stream);
+        else launch_plain<Pol, 8>(m, geo, stream);
+    }
+}
+
+}  // namespace
+
+void matmul(int type_id, const void* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
+            const float* x, int64_t n_tok, float* y, uintptr_t stream) {
+    const bool known = visit_type(type_id, [&](auto tag) {
+        matmul_typed<decltype(tag)::type>(static_cast<const uint8_t*>(w), n_out, n_in, w_row_stride,
+                                          x, n_tok, y, to_stream(stream));
+    });
+    require(known, "matmul: unknown ggml type id " + std::to_string(type_id));
+}
+
+std::string matmul_accum(int type_id) {
+    std::string out;
+    visit_type(type_id, [&](auto tag) { out = uses_q8<decltype(tag)::type>() ? "q8" : "f32"; });
+    return out;
+}
+
+int ctas_per_sm(const void* kernel, size_t smem) {
+    static std::mutex mu;
+    static std::map<std::tuple<int, const void*, size_t>, int> cache;
+    int dev = 0;
+    FT_CUDA_CHECK(cudaGetDevice(&dev));
+    const auto key = std::make_tuple(dev, kernel, smem);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    int n = 0;
+    FT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
+    n = n < 1 ? 1 : n;
+    cache.emplace(key, n);
+    return n;
+}
+
+}  // namespace ft::cuda

@@ -1,0 +1,319 @@
+// The rows engine shared by matmul (matvec.cu) and the expert-pool FFN (moe.cu).
+//
+// Work is a list of *tiles*; a tile is R weight rows (R = Map::rows_per_tile) that are either
+// separate outputs (matmul, gate/up: one y per row and token) or summed into one output with a
+// scale per row (down: K expert rows of one hidden unit, scaled by the routing weights). A warp
+// owns whole tiles (tile = warp id + i * total warps: a persistent grid) and streams their rows
+// through its own ring of S shared-memory stages with 16-byte cp.async copies (coalesced: lane l
+// copies bytes [16l, 16l+16) of a chunk), so every weight byte crosses DRAM once, in full
+// sectors, with S-1 chunks in flight per warp, whatever the block size (110-byte IQ3_S blocks
+// included). A chunk is 32 units of 32 weights: 32/subs blocks of one row, or, for rows shorter
+// than 32 units, G whole rows side by side (P = 32/G lanes each). Lane l decodes unit l of the
+// chunk from shared memory and accumulates; lanes reduce with shuffles at the end of a row (or
+// tile). x (all vectors a CTA needs) is converted once per CTA into shared memory.
+//
+// Launch: kThreads threads, dynamic shared memory = tables | x | kWarps * S stages (+16 bytes of
+// slack for the 2-aligned word loads), grid = min(tiles / warps, occupancy * SMs) CTAs.
+#pragma once
+#include <map>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+
+#include "cuda/units.cuh"
+
+namespace ft::cuda {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+
+// ---- cp.async (sm_80+) -------------------------------------------------------------------------------
+#if !defined(FT_CUDA_EMULATE)
+__device__ __forceinline__ void cp_async16(void* smem, uintptr_t gmem, int src_bytes) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+// 16 bytes at the 16-aligned address p into dst (16-aligned shared memory); bytes outside
+// [lo, hi) are not read (they become zero).
+__device__ __forceinline__ void copy_piece(uint8_t* dst, uintptr_t p, uintptr_t lo, uintptr_t hi) {
+    if (p >= lo && p + 16 <= hi) {
+        cp_async16(dst, p, 16);
+    } else if (p >= lo) {
+        cp_async16(dst, p, int(hi - p));  // tail piece: 1..15 valid bytes, rest zero-filled
+    } else {                              // head piece of a tensor that is not 16-aligned
+#pragma unroll 1
+        for (int i = 0; i < 16; ++i) {
+            const uintptr_t b = p + i;
+            dst[i] = (b >= lo && b < hi) ? *reinterpret_cast<const uint8_t*>(b) : uint8_t(0);
+        }
+    }
+}
+
+// ---- x into shared memory ------------------------------------------------------------------------------
+// Block-cooperative. `load(v, g, j)` returns values 32g + 4j .. +3 of vector v as a float4.
+// Eight consecutive lanes handle one 32-value group.
+
+template <class Load>
+__device__ void prep_x_q8(const Load& load, int nvec, int ng, uint8_t* q, float2* ds) {
+    const int total = nvec * ng * 8;
+    for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: shuffles below
+        const int i = base + threadIdx.x;
+        const bool ok = i < total;
+        const int gi = i >> 3, j = i & 7;
+        const int v = ok ? gi / ng : 0, g = ok ? gi - v * ng : 0;
+        const float4 x = ok ? load(v, g, j) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        // IEEE division and reciprocal (not the fast-math ones): the tests rebuild this rounding.
+        const float d = __fdiv_rn(amax, 127.0f);
+        const float id = d > 0.f ? __frcp_rn(d) : 0.f;
+        const int q0 = __float2int_rn(__fmul_rn(x.x, id)), q1 = __float2int_rn(__fmul_rn(x.y, id));
+        const int q2 = __float2int_rn(__fmul_rn(x.z, id)), q3 = __float2int_rn(__fmul_rn(x.w, id));
+        int s = q0 + q1 + q2 + q3;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (ok) {
+            const uint32_t packed = uint32_t(q0 & 0xFF) | (uint32_t(q1 & 0xFF) << 8) |
+                                    (uint32_t(q2 & 0xFF) << 16) | (uint32_t(q3 & 0xFF) << 24);
+            const int half = (j >> 2) ^ ((g >> 2) & 1);
+            *reinterpret_cast<uint32_t*>(q + (size_t(v) * ng + g) * 32 + 16 * half + 4 * (j & 3)) = packed;
+            if (j == 0) ds[size_t(v) * ng + g] = make_float2(d, d * float(s));
+        }
+    }
+}
+
+template <class Load>
+__device__ void prep_x_f32(const Load& load, int nvec, int ng, float* xf) {
+    const int total = nvec * ng * 8;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int gi = i >> 3, j = i & 7;
+        const int v = gi / ng, g = gi - v * ng;
+        *reinterpret_cast<float4*>(xf + (size_t(v) * ng + g) * 36 + 4 * j) = load(v, g, j);
+    }
+}
+
+template <class Pol, class Load>
+__device__ void prep_x(const Load& load, int nvec, int ng, uint8_t* dst) {
+    if constexpr (Pol::kQ8)
+        prep_x_q8(load, nvec, ng, dst, reinterpret_cast<float2*>(dst + size_t(nvec) * ng * 32));
+    else
+        prep_x_f32(load, nvec, ng, reinterpret_cast<float*>(dst));
+}
+
+template <class Pol> inline size_t x_bytes(int nvec, int ng) {
+    return size_t(nvec) * ng * (Pol::kQ8 ? 40 : 144);
+}
+
+// f32 rows in global memory (x [nvec, ldx]).
+struct GlobalX {
+    const float* x;
+    int64_t ldx;
+    bool aligned;  // x and ldx allow float4 loads
+    __device__ float4 operator()(int v, int g, int j) const {
+        const float* p = x + v * ldx + 32 * g + 4 * j;
+        if (aligned) return __ldg(reinterpret_cast<const float4*>(p));
+        return make_float4(__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3));
+    }
+};
+
+// ---- the rows kernel -----------------------------------------------------------------------------------
+
+// One row of a tile, as a map describes it.
+struct Seg {
+    const uint8_t* ptr;  // first block of the row
+    uintptr_t lo, hi;    // bytes that may be read around it (the weight tensor or pool)
+    int xvec;            // first x vector of the row
+    float scale;         // multiplies the row's dot (down: the routing weight)
+};
+
+// Chunking of one launch, computed on the host (make_geom).
+struct Geom {
+    int nkb;           // kernel blocks per row
+    int bpc;           // kernel blocks per chunk (per segment)
+    int cpr;           // chunks per row
+    int G;             // rows (segments) per chunk
+    int P;             // lanes per segment: a power of two, G * P <= 32
+    int seg_stride;    // bytes of shared memory per segment (multiple of 16)
+    int stage_stride;  // G * seg_stride
+    int x_off, stage_off;  // shared memory offsets (tables at 0)
+};
+
+// Map interface (device): kSingle; n_tiles(), rows_per_tile(), nt() (x vectors per row, = tokens
+// of a matmul); row(tile, i, Seg&) -> false if the row contributes nothing (out of range, expert
+// not resident); store(tile, i, acc) (kSingle: i = 0); prep<Pol>(x shared memory); xview(smem).
+template <class Pol, int NT, class Map>
+__global__ void __launch_bounds__(kThreads)
+rows_kernel(const Map map, const Geom geo, const Grids grids) {
+    FT_DYNAMIC_SMEM(smem);
+    constexpr int S = Pol::kStages, kbB = Pol::kKbBytes, subs = Pol::kSubs;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t* const ring = smem + geo.stage_off + size_t(warp) * S * geo.stage_stride;
+
+    const int gw = blockIdx.x * kWarps + warp, W = gridDim.x * kWarps;
+    const int n_tiles = map.n_tiles(), R = map.rows_per_tile();
+    const int cpt = (R + geo.G - 1) / geo.G * geo.cpr;  // chunks per tile
+    const int n_my = gw < n_tiles ? (n_tiles - 1 - gw) / W + 1 : 0;
+    const int n_chunks = n_my * cpt;
+    const int np_max = geo.seg_stride >> 4;
+
+    // chunk c of this warp -> tile, first row of the chunk, chunk within the row
+    auto locate = [&](int c, int& tile, int& ri0, int& ck) {
+        const int tl = c / cpt, cl = c - tl * cpt;
+        tile = gw + tl * W;
+        ri0 = cl / geo.cpr * geo.G;
+        ck = cl - cl / geo.cpr * geo.cpr;
+    };
+    auto issue = [&](int c) {
+        int tile, ri0, ck;
+        locate(c, tile, ri0, ck);
+        uint8_t* buf = ring + (c % S) * geo.stage_stride;
+        const int b0 = ck * geo.bpc, n = min(geo.bpc, geo.nkb - b0) * kbB;
+        for (int l = lane; l < geo.G * np_max; l += 32) {
+            const int j = l / np_max, pc = l - j * np_max;
+            Seg sg;
+            if (ri0 + j >= R || !map.row(tile, ri0 + j, sg)) continue;
+            const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
+            if (pc >= int(((a & 15) + n + 15) >> 4)) continue;
+            copy_piece(buf + j * geo.seg_stride + 16 * pc, (a & ~uintptr_t(15)) + 16 * pc, sg.lo, sg.hi);
+        }
+    };
+
+    // Start the weight stream before the prologue: it does not depend on x.
+#pragma unroll 1
+    for (int c = 0; c < S - 1; ++c) {
+        if (c < n_chunks) issue(c);
+        cp_async_commit();
+    }
+    Pol::load_tables(smem, grids);
+    map.template prep<Pol>(smem + geo.x_off);
+    __syncthreads();  // the last block-wide barrier: warps run independently from here
+
+    const Pol pol(smem, grids);
+    const XView xv = map.xview(smem + geo.x_off);
+    const int nt = map.nt();
+    const int j = lane / geo.P, u = lane - j * geo.P;  // segment and unit of this lane
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+
+#pragma unroll 1
+    for (int c = 0; c < n_chunks; ++c) {
+        if (c + S - 1 < n_chunks) issue(c + S - 1);
+        cp_async_commit();
+        cp_async_wait<S - 1>();  // this lane's pieces of chunk c have landed
+        __syncwarp();            // ... and every other lane's
+
+        int tile, ri0, ck;
+        locate(c, tile, ri0, ck);
+        const uint8_t* buf = ring + (c % S) * geo.stage_stride;
+        const int b0 = ck * geo.bpc, nb = min(geo.bpc, geo.nkb - b0);
+        Seg sg;
+        const bool have = j < geo.G && ri0 + j < R && map.row(tile, ri0 + j, sg);
+        if (have && u < nb * subs) {
+            const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
+            const uint8_t* blk = buf + j * geo.seg_stride + (a & 15) + (u / subs) * kbB;
+            pol.template dot<NT>(blk, u % subs, xv, sg.xvec, nt, b0 * subs + u, sg.scale, acc);
+        }
+        const bool row_end = ck == geo.cpr - 1;
+        const bool tile_end = c % cpt == cpt - 1;
+        if (Map::kSingle ? tile_end : row_end) {
+            const int width = Map::kSingle ? 32 : geo.P;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                float v = acc[t];
+                for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                acc[t] = v;
+            }
+            if (Map::kSingle) {
+                if (lane == 0) map.store(tile, 0, acc);
+            } else if (have && u == 0) {
+                map.store(tile, ri0 + j, acc);
+            }
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+        }
+        __syncwarp();  // everyone is done with this stage before it is refilled
+    }
+    cp_async_wait<0>();
+}
+
+// ---- host side -----------------------------------------------------------------------------------------
+
+// Chunking for rows of nkb kernel blocks and the shared memory layout for `x_bytes` of x.
+template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes) {
+    constexpr int kbB = Pol::kKbBytes, subs = Pol::kSubs;
+    Geom g{};
+    g.nkb = int(nkb);
+    const int64_t upr = nkb * subs;  // units per row
+    if (upr >= 32) {
+        g.G = 1;
+        g.P = 32;
+        g.bpc = 32 / subs;
+        g.cpr = int(cdiv(nkb, g.bpc));
+    } else {
+        g.P = ceil_pow2(int(upr));
+        g.G = 32 / g.P;
+        g.bpc = int(nkb);
+        g.cpr = 1;
+    }
+    g.seg_stride = int(16 * cdiv(15 + int64_t(g.bpc) * kbB, 16));
+    g.stage_stride = g.G * g.seg_stride;
+    g.x_off = int(cdiv(Pol::kTableBytes, 16) * 16);
+    g.stage_off = int(g.x_off + cdiv(int64_t(x_bytes), 16) * 16);
+    return g;
+}
+
+template <class Pol> size_t smem_bytes(const Geom& g) {
+    return size_t(g.stage_off) + size_t(kWarps) * Pol::kStages * g.stage_stride + 16;
+}
+
+// CTAs per SM for a kernel at a dynamic shared memory size (cached per device and size).
+int ctas_per_sm(const void* kernel, size_t smem);
+
+// Enqueue rows_kernel<Pol, NT, Map> over `n_tiles` tiles (per blockIdx.y of `grid_y`).
+template <class Pol, int NT, class Map>
+void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int grid_y, cudaStream_t stream) {
+    if (n_tiles <= 0 || grid_y <= 0) return;
+    auto kernel = rows_kernel<Pol, NT, Map>;
+    const size_t smem = smem_bytes<Pol>(geo);
+    const DeviceInfo& dev = device_info();
+    require(smem <= size_t(dev.smem_optin),
+            "rows kernel needs " + std::to_string(smem) + " bytes of shared memory, the device allows " +
+                std::to_string(dev.smem_optin));
+    if (smem > 48 * 1024)
+        FT_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    const int per_sm = ctas_per_sm(reinterpret_cast<const void*>(kernel), smem);
+    const int64_t want = cdiv(n_tiles, kWarps);
+    const int64_t cap = int64_t(per_sm) * dev.sms;
+    const dim3 grid(unsigned(want < cap ? want : cap), unsigned(grid_y));
+    FT_LAUNCH(kernel, grid, kThreads, smem, stream, map, geo, device_grids());
+    check_launch("rows_kernel");
+}
+
+// Largest number of x vectors (<= want) whose shared memory fits next to the stages.
+template <class Pol> int fit_vectors(int64_t nkb, int ng, int want) {
+    const size_t limit = size_t(device_info().smem_optin);
+    for (int n = want; n > 1; --n)
+        if (smem_bytes<Pol>(make_geom<Pol>(nkb, x_bytes<Pol>(n, ng))) <= limit) return n;
+    return 1;
+}
+
+// Block starts must be aligned as the type's loads assume: the tensor base and every stride.
+template <class Pol> void check_alignment(const void* base, int64_t stride, const char* what) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base);
+    require(a % Pol::kAlign == 0 && stride % Pol::kAlign == 0,
+            std::string(what) + ": block rows must start at " + std::to_string(Pol::kAlign) +
+                "-byte aligned addresses for this type (base " + std::to_string(a % 16) +
+                " mod 16, stride " + std::to_string(stride) + ")");
+}
+
+}  // namespace ft::cuda

@@ -1,0 +1,177 @@
+"""native._cuda against the references, for every type of loaders.quants (needs a CUDA device).
+
+Outputs are poisoned with NaN before each run, so a kernel that skips an element fails.
+Tolerances (one table per accumulation type, as `native._cuda.matmul_accum()` reports it):
+  f32  float32 x, FMA:      |y - ref| <= 1e-5 * sum|w x|   (ref: float64 on the dequantized weights)
+  q8   x rounded to int8 per 32 values (d = amax/127):
+       against x-hat (the same rounding rebuilt here):  |y - ref_hat| <= 1e-4 * sum|w x_hat|
+       against exact x:  |y - ref| <= 6 sigma + 1e-4 * sum|w x|, sigma^2 = sum_j w_j^2 d_j^2 / 12
+       (the rounding error of x_j is uniform in +-d_j/2)
+dequantize: F32 bit-exact with gguf-py; F16/BF16 = that rounded to nearest even, bit-exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loaders.quants import QUANT_TYPES, dequantize_reference, iq_tables, quant_type, random_tensor
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+TYPES = list(QUANT_TYPES)
+HOT = ["Q4_K", "Q6_K", "IQ3_S", "IQ4_XS"]
+
+
+def _load_ext():
+    import native._cuda as ext
+    ext.set_tables(iq_tables())
+    return ext
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return _load_ext()
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream if DEVICE == "cuda" else 0
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _dev(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
+
+
+def _nan(*shape: int) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
+
+
+def _cols(name: str, units: int) -> int:
+    """A row length of `units` 32-weight groups, rounded up to whole blocks."""
+    be = max(32, quant_type(name).block_elems)
+    return -(-units * 32 // be) * be
+
+
+# ---- q8 rounding of activations, rebuilt with the kernels' float32 operations -----------------------
+
+def q8_round(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 [n, m] -> (x_hat float64 [n, m], d float64 [n, m] per element)."""
+    g = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(g).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0).astype(np.float32)
+    q = np.rint((g * inv).astype(np.float32))
+    xh = (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+    return xh, np.broadcast_to(d.astype(np.float64), g.shape).reshape(x.shape)
+
+
+def check_matmul(y: np.ndarray, x: np.ndarray, w: np.ndarray, accum: str, what: str) -> None:
+    """y [T, O] from the kernel; x float32 [T, H]; w float64 [O, H] (dequantized)."""
+    assert np.isfinite(y).all(), f"{what}: non-finite outputs"
+    x64 = x.astype(np.float64)
+    ref = x64 @ w.T
+    mag = np.abs(x64) @ np.abs(w).T
+    if accum == "f32":
+        err = np.abs(y - ref) / (1e-5 * mag + 1e-30)
+        assert err.max() <= 1, f"{what}: f32 error {err.max():.3g} x tolerance"
+        return
+    assert accum == "q8", accum
+    xh, d = q8_round(x)
+    ref_h = xh @ w.T
+    err_h = np.abs(y - ref_h) / (1e-4 * (np.abs(xh) @ np.abs(w).T) + 1e-30)
+    assert err_h.max() <= 1, f"{what}: q8 error vs rounded x {err_h.max():.3g} x tolerance"
+    sigma = np.sqrt((d * d / 12.0) @ (w * w).T)
+    err = np.abs(y - ref) / (6 * sigma + 1e-4 * mag + 1e-30)
+    assert err.max() <= 1, f"{what}: q8 error vs exact x {err.max():.3g} x tolerance"
+
+
+# ---- dequantize ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_bit_exact(ext, name):
+    q = quant_type(name)
+    rng = np.random.default_rng(q.type_id)
+    rows, cols = 7, _cols(name, 24)
+    blocks = random_tensor(q, (rows, cols), rng)
+    ref = dequantize_reference(blocks, q, (rows, cols))
+    # rows 6 bytes apart from each other beyond the row: exercises src_row_stride
+    padded = np.zeros((rows, blocks.shape[1] + 6), np.uint8)
+    padded[:, :blocks.shape[1]] = blocks
+    for data, stride in ((blocks, blocks.shape[1]), (padded, padded.shape[1])):
+        src = _dev(data)
+        out = _nan(rows, cols)
+        ext.dequantize(q.type_id, src.data_ptr(), rows, cols, stride, out.data_ptr(), 0, _stream())
+        _sync()
+        got = out.cpu().numpy()
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), \
+            f"{name}: {(got != ref).sum()} of {ref.size} values differ (stride {stride})"
+    for dtype, ggml_id in ((torch.float16, 1), (torch.bfloat16, 30)):
+        out = torch.full((rows, cols), float("nan"), dtype=dtype, device=DEVICE)
+        src = _dev(blocks)
+        ext.dequantize(q.type_id, src.data_ptr(), rows, cols, blocks.shape[1], out.data_ptr(),
+                       ggml_id, _stream())
+        _sync()
+        want = torch.from_numpy(ref).to(dtype)
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"{name} -> {dtype}"
+
+
+# ---- matmul (decode: 1..8 tokens) -------------------------------------------------------------------
+
+def _run_matmul(ext, name: str, n_out: int, units: int, n_tok: int, seed: int) -> None:
+    q = quant_type(name)
+    rng = np.random.default_rng(seed)
+    h = _cols(name, units)
+    blocks = random_tensor(q, (n_out, h), rng)
+    w = dequantize_reference(blocks, q, (n_out, h)).astype(np.float64)
+    x = rng.standard_normal((n_tok, h), dtype=np.float32)
+    wd, xd, y = _dev(blocks), _dev(x), _nan(n_tok, n_out)
+    ext.matmul(q.type_id, wd.data_ptr(), n_out, h, blocks.shape[1], xd.data_ptr(), n_tok,
+               y.data_ptr(), _stream())
+    _sync()
+    check_matmul(y.cpu().numpy(), x, w, ext.matmul_accum()[name],
+                 f"{name} O={n_out} H={h} T={n_tok}")
+
+
+@pytest.mark.parametrize("n_tok", range(1, 9))
+@pytest.mark.parametrize("name", TYPES)
+def test_matmul_tokens(ext, name, n_tok):
+    _run_matmul(ext, name, n_out=67, units=72, n_tok=n_tok, seed=100 + n_tok)
+
+
+# Row lengths that exercise every chunking: one unit, rows packed 2..32 per chunk, rows of 24
+# units (lanes idle), whole chunks, and a partial last chunk.
+@pytest.mark.parametrize("units", [1, 3, 8, 16, 24, 32, 40, 64])
+@pytest.mark.parametrize("name", TYPES)
+def test_matmul_shapes(ext, name, units):
+    if _cols(name, units) != 32 * units:
+        pytest.skip("not a whole number of blocks")
+    _run_matmul(ext, name, n_out=33, units=units, n_tok=3, seed=7 * units)
+
+
+@pytest.mark.parametrize("name", HOT + ["Q8_0", "F16"])
+def test_matmul_many_tokens_and_large(ext, name):
+    _run_matmul(ext, name, n_out=19, units=64, n_tok=13, seed=3)      # 8 + 5 token groups
+    _run_matmul(ext, name, n_out=2053, units=64, n_tok=1, seed=4)     # many tiles per warp
+
+
+def test_matmul_rejects_bad_arguments(ext):
+    blocks = _dev(np.zeros((4, 144), np.uint8))
+    x, y = _nan(1, 256), _nan(1, 4)
+    with pytest.raises(ValueError):
+        ext.matmul(12, blocks.data_ptr(), 4, 250, 144, x.data_ptr(), 1, y.data_ptr(), _stream())
+    with pytest.raises(ValueError):
+        ext.matmul(5, blocks.data_ptr(), 4, 256, 144, x.data_ptr(), 1, y.data_ptr(), _stream())
+
+
+def test_tables_sizes_and_types(ext):
+    assert ext.tables_ready()
+    assert ext.block_sizes() == {n: (q.block_elems, q.block_bytes) for n, q in QUANT_TYPES.items()}
+    for op in ("dequantize_types", "matmul_types", "moe_ffn_types"):
+        assert sorted(getattr(ext, op)()) == sorted(TYPES)
+    assert set(ext.matmul_accum().values()) <= {"f32", "q8"}
+    assert all(ext.matmul_accum()[n] == "q8" for n in HOT)
