@@ -83,18 +83,29 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_long_calls_release_the_gil():
+    """While a native call runs in one thread, Python code runs in another: the main thread must
+    make progress strictly inside the middle of the worker's call window."""
     rng = rng_for("gil")
     w = _bank("IQ3_S", 1, 2048, 2048, rng).expert(0)
     x = torch.randn(64, 2048)
-    start = time.perf_counter()
-    ops.matmul(x, w)
-    calls = max(1, int(0.1 / max(time.perf_counter() - start, 1e-4)))  # ~0.1 s of native work
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: ([ops.matmul(x, w) for _ in range(calls)], done.set()))
-    spins = 0
+    window = []
+
+    def work():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:  # >= 0.3 s inside native calls, one window each
+            a = time.perf_counter()
+            ops.matmul(x, w)
+            window.append((a, time.perf_counter()))
+
+    stamps = []
+    worker = threading.Thread(target=work)
     worker.start()
-    while not done.is_set():  # spins only while the worker does not hold the GIL
-        spins += 1
+    while worker.is_alive():
+        stamps.append(time.perf_counter())
         time.sleep(0)
     worker.join()
-    assert spins > 10, spins
+    inside = 0
+    for a, b in window:
+        lo, hi = a + 0.2 * (b - a), b - 0.2 * (b - a)
+        inside += sum(lo < t < hi for t in stamps)
+    assert inside >= 3, (inside, len(stamps), len(window))
