@@ -1,6 +1,6 @@
 // A persistent thread pool: N-1 workers plus the calling thread split every parallel_for.
-// Workers spin briefly after a job (decode calls come back-to-back, 40 layers per token) and then
-// sleep on a condition variable, so an idle pool costs no CPU.
+// Workers spin (then yield) briefly after a job (decode calls come back-to-back, 40 layers per
+// token) and then sleep on a condition variable, so an idle pool costs no CPU.
 #include <sched.h>
 
 #include <atomic>
@@ -31,6 +31,13 @@ int cores_available() {
     return n ? int(n) : 1;
 }
 
+// Waiting: a short spin (the other threads are usually microseconds away), then yield, so that on
+// a busy machine a preempted pool thread (or the Python thread driving the GPU) gets the core.
+inline void relax(int i) {
+    if (i < 512) FT_PAUSE();
+    else std::this_thread::yield();
+}
+
 class Pool {
   public:
     explicit Pool(int n_threads) {
@@ -59,7 +66,7 @@ class Pool {
         }
         cv_.notify_all();
         work();
-        while (pending_.load(std::memory_order_acquire) != 0) FT_PAUSE();
+        for (int i = 0; pending_.load(std::memory_order_acquire) != 0; ++i) relax(i);
     }
 
   private:
@@ -77,7 +84,7 @@ class Pool {
             uint64_t g = gen_.load(std::memory_order_acquire);
             const auto t0 = std::chrono::steady_clock::now();
             for (int i = 0; g == seen; ++i) {
-                FT_PAUSE();
+                relax(i);
                 g = gen_.load(std::memory_order_acquire);
                 if ((i & 255) == 255 && std::chrono::steady_clock::now() - t0 > kSpin) break;
             }
