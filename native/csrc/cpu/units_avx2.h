@@ -106,76 +106,130 @@ template <> struct Unit<QType::Q8_0> : UnitBase {
     }
 };
 
+// 8 / 16 small ints (bytes) -> float * d, stored: the per-block scale tables of the prologues
+inline void scale8(__m128i bytes, bool is_signed, float d, float* out) {
+    const __m256i v = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(v)));
+}
+inline void scale16(__m128i bytes, bool is_signed, float d, float* out) {
+    scale8(bytes, is_signed, d, out);
+    scale8(_mm_srli_si128(bytes, 8), is_signed, d, out + 8);
+}
+inline void negate8(float* p) {
+    _mm256_store_ps(p, _mm256_xor_ps(_mm256_load_ps(p), _mm256_set1_ps(-0.f)));
+}
+
 // ---- K types ---------------------------------------------------------------------------------------
 template <> struct Unit<QType::Q2_K> : UnitBase {
     static constexpr bool has_min = true;
     static constexpr bool per16 = true;
-    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+    struct State {
+        alignas(32) float s[16], m[16];  // d*scale and -(dmin*min) of every 16 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
         const BlockQ2_K& b = *reinterpret_cast<const BlockQ2_K*>(blk);
-        const float d = h2f(b.d), dmin = h2f(b.dmin);
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales));
+        scale16(_mm_and_si128(sc, _mm_set1_epi8(0x0F)), false, h2f(b.d), st.s);
+        scale16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(0x0F)), false, h2f(b.dmin), st.m);
+        negate8(st.m);
+        negate8(st.m + 8);
+    }
+    static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
+        const BlockQ2_K& b = *reinterpret_cast<const BlockQ2_K*>(blk);
         u.q = field32(b.qs + 32 * (s / 4), 2 * (s % 4), 3);
-        for (int h = 0; h < 2; ++h) {
-            const uint8_t sc = b.scales[2 * s + h];
-            u.s[h] = d * float(sc & 0xF);
-            u.m[h] = -(dmin * float(sc >> 4));
-        }
+        u.s[0] = st.s[2 * s], u.s[1] = st.s[2 * s + 1];
+        u.m[0] = st.m[2 * s], u.m[1] = st.m[2 * s + 1];
     }
 };
 template <> struct Unit<QType::Q3_K> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = true;
-    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+    struct State {
+        alignas(32) float s[16];  // d * (scale - 32) of every 16 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
         const BlockQ3_K& b = *reinterpret_cast<const BlockQ3_K*>(blk);
-        const float d = h2f(b.d);
+        // scale i: low 4 bits = nibble i/8 of scales[i%8]; high 2 bits = bits 2*(i/4) of scales[8+i%4]
+        const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales));
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(lo8, m4), _mm_and_si128(_mm_srli_epi16(lo8, 4), m4));
+        const uint32_t h = ld_u32(b.scales + 8);
+        const __m128i hi = _mm_setr_epi32(int(h & 0x03030303u), int((h >> 2) & 0x03030303u),
+                                          int((h >> 4) & 0x03030303u), int((h >> 6) & 0x03030303u));
+        const __m128i sc = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+        scale16(sc, true, h2f(b.d), st.s);
+    }
+    static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
+        const BlockQ3_K& b = *reinterpret_cast<const BlockQ3_K*>(blk);
         const __m256i lo = field32(b.qs + 32 * (s / 4), 2 * (s % 4), 3);
         const __m256i hbit = field32(b.hmask, s, 1);  // 1: no offset, 0: minus 4
         const __m256i off = _mm256_andnot_si256(_mm256_slli_epi16(hbit, 2), _mm256_set1_epi8(4));
         u.q = _mm256_sub_epi8(lo, off);
-        for (int h = 0; h < 2; ++h) {
-            const int i = 2 * s + h;
-            const int sc = ((b.scales[i % 8] >> (4 * (i / 8))) & 0xF) |
-                           (((b.scales[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
-            u.s[h] = d * float(sc - 32);
-        }
+        u.s[0] = st.s[2 * s], u.s[1] = st.s[2 * s + 1];
     }
 };
 template <> struct Unit<QType::Q4_K> : UnitBase {
     static constexpr bool has_min = true;
     static constexpr bool per16 = false;
-    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+    struct State {
+        alignas(32) float s[8], m[8];  // d*scale and -(dmin*min) of every 32 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        // 6-bit scales/mins (quants.h k4_scale_min), four at a time in 32-bit words
+        const uint32_t u0 = ld_u32(blk + 4), u1 = ld_u32(blk + 8), u2 = ld_u32(blk + 12);
+        const uint32_t sc_lo = u0 & 0x3F3F3F3Fu, sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u);
+        const uint32_t mn_lo = u1 & 0x3F3F3F3Fu, mn_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
+        scale8(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0), false, h2f(ld_u16(blk)), st.s);
+        scale8(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0), false, h2f(ld_u16(blk + 2)), st.m);
+        negate8(st.m);
+    }
+    static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
         const BlockQ4_K& b = *reinterpret_cast<const BlockQ4_K*>(blk);
-        int sc, mn;
-        k4_scale_min(b.scales, s, sc, mn);
         u.q = field32(b.qs + 32 * (s / 2), 4 * (s % 2), 0xF);
-        scale(u, h2f(b.d) * float(sc));
-        u.m[0] = u.m[1] = -(h2f(b.dmin) * float(mn));
+        scale(u, st.s[s]);
+        u.m[0] = u.m[1] = st.m[s];
     }
 };
 template <> struct Unit<QType::Q5_K> : UnitBase {
     static constexpr bool has_min = true;
     static constexpr bool per16 = false;
-    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+    struct State {
+        alignas(32) float s[8], m[8];  // d*scale and -(dmin*min) of every 32 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        // 6-bit scales/mins (quants.h k4_scale_min), four at a time in 32-bit words
+        const uint32_t u0 = ld_u32(blk + 4), u1 = ld_u32(blk + 8), u2 = ld_u32(blk + 12);
+        const uint32_t sc_lo = u0 & 0x3F3F3F3Fu, sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u);
+        const uint32_t mn_lo = u1 & 0x3F3F3F3Fu, mn_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
+        scale8(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0), false, h2f(ld_u16(blk)), st.s);
+        scale8(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0), false, h2f(ld_u16(blk + 2)), st.m);
+        negate8(st.m);
+    }
+    static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
         const BlockQ5_K& b = *reinterpret_cast<const BlockQ5_K*>(blk);
-        int sc, mn;
-        k4_scale_min(b.scales, s, sc, mn);
         const __m256i hi = _mm256_slli_epi16(field32(b.qh, s, 1), 4);
         u.q = _mm256_or_si256(field32(b.qs + 32 * (s / 2), 4 * (s % 2), 0xF), hi);
-        scale(u, h2f(b.d) * float(sc));
-        u.m[0] = u.m[1] = -(h2f(b.dmin) * float(mn));
+        scale(u, st.s[s]);
+        u.m[0] = u.m[1] = st.m[s];
     }
 };
 template <> struct Unit<QType::Q6_K> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = true;
-    static void decode(const uint8_t* blk, int s, const Grids&, const State&, Sub& u) {
+    struct State {
+        alignas(32) float s[16];  // d * scale of every 16 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        const BlockQ6_K& b = *reinterpret_cast<const BlockQ6_K*>(blk);
+        scale16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)), true, h2f(b.d), st.s);
+    }
+    static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
         const BlockQ6_K& b = *reinterpret_cast<const BlockQ6_K*>(blk);
         const int half = s / 4, r = s % 4;
         const __m256i lo = field32(b.ql + 64 * half + 32 * (r % 2), 4 * (r / 2), 0xF);
         const __m256i hi = _mm256_slli_epi16(field32(b.qh + 32 * half, 2 * r, 3), 4);
         u.q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-        const float d = h2f(b.d);
-        u.s[0] = d * float(b.scales[2 * s]);
-        u.s[1] = d * float(b.scales[2 * s + 1]);
+        u.s[0] = st.s[2 * s], u.s[1] = st.s[2 * s + 1];
     }
 };
 
@@ -333,11 +387,22 @@ template <> struct Unit<QType::IQ4_NL> : UnitBase {
 template <> struct Unit<QType::IQ4_XS> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = false;
-    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+    struct State {
+        alignas(32) float s[8];  // d * (ls - 32) of every 32 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
         const BlockIQ4_XS& b = *reinterpret_cast<const BlockIQ4_XS*>(blk);
-        const int ls = ((b.scales_l[s / 2] >> (4 * (s % 2))) & 0xF) | (((b.scales_h >> (2 * s)) & 3) << 4);
+        // ls of sub s: nibble s%2 of scales_l[s/2], plus bits 2s..2s+1 of scales_h as bits 4..5
+        const __m128i l4 = _mm_cvtsi32_si128(int(ld_u32(b.scales_l)));
+        const __m128i lo = _mm_and_si128(_mm_unpacklo_epi8(l4, _mm_srli_epi16(l4, 4)), _mm_set1_epi8(0x0F));
+        const uint64_t hi = _pdep_u64(b.scales_h, 0x3030303030303030ull);  // 2 bits -> bits 4..5 of byte s
+        const __m128i ls = _mm_sub_epi8(_mm_or_si128(lo, _mm_cvtsi64_si128(int64_t(hi))), _mm_set1_epi8(32));
+        scale8(ls, true, h2f(b.d), st.s);
+    }
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
+        const BlockIQ4_XS& b = *reinterpret_cast<const BlockIQ4_XS*>(blk);
         u.q = lookup16(nibbles16(b.qs + 16 * s), g.kvalues_iq4nl);
-        scale(u, h2f(b.d) * float(ls - 32));
+        scale(u, st.s[s]);
     }
 };
 
