@@ -252,33 +252,65 @@ inline __m256i iq1_values(__m256i grid, int neg0, int neg1, int neg2, int neg3) 
 template <> struct Unit<QType::IQ1_S> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = false;
-    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+    struct State {
+        alignas(32) uint16_t idx[32];  // 11-bit grid index of every 8 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        const BlockIQ1_S& b = *reinterpret_cast<const BlockIQ1_S*>(blk);
+        // entry 4s+k: qs byte | bits 3k..3k+2 of qh[s] as bits 8..10; per 16 entries (4 subs)
+        const __m256i rep = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                             4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+        const __m256i shl = _mm256_setr_epi16(256, 32, 4, 0, 256, 32, 4, 0, 256, 32, 4, 0, 256, 32, 4, 0);
+        const __m256i shr = _mm256_setr_epi16(0, 0, 0, -32768, 0, 0, 0, -32768, 0, 0, 0, -32768, 0, 0, 0, -32768);
+        for (int c = 0; c < 2; ++c) {
+            uint64_t q4;
+            std::memcpy(&q4, b.qh + 4 * c, 8);
+            const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi64x(int64_t(q4)), rep);
+            const __m256i hi = _mm256_and_si256(_mm256_or_si256(_mm256_mullo_epi16(v, shl), _mm256_mulhi_epu16(v, shr)),
+                                                _mm256_set1_epi16(0x700));
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * c)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + 16 * c), _mm256_or_si256(lo, hi));
+        }
+    }
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
         const BlockIQ1_S& b = *reinterpret_cast<const BlockIQ1_S*>(blk);
         const uint16_t qh = b.qh[s];
-        const uint8_t* qs = b.qs + 4 * s;
-        const __m256i grid = grid8x4(g.iq1s, qs[0] | ((qh << 8) & 0x700), qs[1] | ((qh << 5) & 0x700),
-                                     qs[2] | ((qh << 2) & 0x700), qs[3] | ((qh >> 1) & 0x700));
+        const uint16_t* i = st.idx + 4 * s;
         const int neg = qh >> 15;
-        u.q = iq1_values(grid, neg, neg, neg, neg);
+        u.q = iq1_values(grid8x4(g.iq1s, i[0], i[1], i[2], i[3]), neg, neg, neg, neg);
         scale(u, h2f(b.d) * float(2 * ((qh >> 12) & 7) + 1) * 0.125f);
     }
 };
 template <> struct Unit<QType::IQ1_M> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = true;
-    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+    struct State {
+        alignas(32) uint16_t idx[32];  // 11-bit grid index of every 8 weights
+        float d;
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
         const BlockIQ1_M& b = *reinterpret_cast<const BlockIQ1_M*>(blk);
-        const uint16_t dbits = uint16_t((b.scales[0] >> 12) | ((b.scales[1] >> 8) & 0x00F0) |
-                                        ((b.scales[2] >> 4) & 0x0F00) | (b.scales[3] & 0xF000));
-        const float d = h2f(dbits);
-        const uint8_t* qs = b.qs + 4 * s;
-        const int h0 = b.qh[2 * s], h1 = b.qh[2 * s + 1];  // nibbles of groups 4s..4s+3
-        const __m256i grid = grid8x4(g.iq1s, qs[0] | ((h0 & 7) << 8), qs[1] | ((h0 & 0x70) << 4),
-                                     qs[2] | ((h1 & 7) << 8), qs[3] | ((h1 & 0x70) << 4));
-        u.q = iq1_values(grid, h0 & 8, h0 & 0x80, h1 & 8, h1 & 0x80);
+        st.d = h2f(uint16_t((b.scales[0] >> 12) | ((b.scales[1] >> 8) & 0x00F0) |
+                            ((b.scales[2] >> 4) & 0x0F00) | (b.scales[3] & 0xF000)));
+        // entry grp: qs byte | (nibble grp%2 of qh[grp/2]) & 7 as bits 8..10
+        const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qh));
+        const __m128i m7 = _mm_set1_epi8(7);
+        const __m128i nl = _mm_and_si128(qh, m7), nh = _mm_and_si128(_mm_srli_epi16(qh, 4), m7);
+        const __m128i nib[2] = {_mm_unpacklo_epi8(nl, nh), _mm_unpackhi_epi8(nl, nh)};  // per entry
+        for (int c = 0; c < 2; ++c) {
+            const __m256i hi = _mm256_slli_epi16(_mm256_cvtepu8_epi16(nib[c]), 8);
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * c)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + 16 * c), _mm256_or_si256(lo, hi));
+        }
+    }
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
+        const BlockIQ1_M& b = *reinterpret_cast<const BlockIQ1_M*>(blk);
+        const uint16_t* i = st.idx + 4 * s;
+        const int h0 = b.qh[2 * s], h1 = b.qh[2 * s + 1];  // delta signs: bit 3 of each nibble
+        u.q = iq1_values(grid8x4(g.iq1s, i[0], i[1], i[2], i[3]), h0 & 8, h0 & 0x80, h1 & 8, h1 & 0x80);
         for (int h = 0; h < 2; ++h) {
             const int sc = (b.scales[s / 2] >> (6 * (s % 2) + 3 * h)) & 7;
-            u.s[h] = d * float(2 * sc + 1) * 0.125f;
+            u.s[h] = st.d * float(2 * sc + 1) * 0.125f;
         }
     }
 };
@@ -298,10 +330,20 @@ template <> struct Unit<QType::IQ2_XXS> : UnitBase {
 template <> struct Unit<QType::IQ2_XS> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = true;
-    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+    struct State {
+        alignas(32) uint16_t idx[32];  // 9-bit grid index of every 8 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        for (int c = 0; c < 2; ++c) {
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 + 32 * c));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + 16 * c), _mm256_and_si256(q, _mm256_set1_epi16(511)));
+        }
+    }
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
         const BlockIQ2_XS& b = *reinterpret_cast<const BlockIQ2_XS*>(blk);
         const uint16_t* q = b.qs + 4 * s;
-        u.q = apply_signs(grid8x4(g.iq2xs, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
+        const uint16_t* i = st.idx + 4 * s;
+        u.q = apply_signs(grid8x4(g.iq2xs, i[0], i[1], i[2], i[3]),
                           uint32_t(g.ksigns[q[0] >> 9]) | (uint32_t(g.ksigns[q[1] >> 9]) << 8) |
                               (uint32_t(g.ksigns[q[2] >> 9]) << 16) | (uint32_t(g.ksigns[q[3] >> 9]) << 24));
         const float d = h2f(b.d);
@@ -312,13 +354,26 @@ template <> struct Unit<QType::IQ2_XS> : UnitBase {
 template <> struct Unit<QType::IQ2_S> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = true;
-    static void decode(const uint8_t* blk, int s, const Grids& g, const State&, Sub& u) {
+    struct State {
+        alignas(32) uint16_t idx[32];  // 10-bit grid index of every 8 weights
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
         const BlockIQ2_S& b = *reinterpret_cast<const BlockIQ2_S*>(blk);
-        const uint8_t* q = b.qs + 4 * s;
-        const int qh = b.qh[s];
-        u.q = apply_signs(grid8x4(g.iq2s, q[0] | ((qh << 8) & 0x300), q[1] | ((qh << 6) & 0x300),
-                                  q[2] | ((qh << 4) & 0x300), q[3] | ((qh << 2) & 0x300)),
-                          ld_u32(b.signs + 4 * s));
+        // entry 4s+k: qs byte | bits 2k..2k+1 of qh[s] as bits 8..9 (left shifts by 8-2k)
+        const __m256i rep = _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 1, -1, 1, -1, 1, -1, 1, -1,
+                                             2, -1, 2, -1, 2, -1, 2, -1, 3, -1, 3, -1, 3, -1, 3, -1);
+        const __m256i shl = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4);
+        for (int c = 0; c < 2; ++c) {
+            const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int(ld_u32(b.qh + 4 * c))), rep);
+            const __m256i hi = _mm256_and_si256(_mm256_mullo_epi16(v, shl), _mm256_set1_epi16(0x300));
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16 * c)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + 16 * c), _mm256_or_si256(lo, hi));
+        }
+    }
+    static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
+        const BlockIQ2_S& b = *reinterpret_cast<const BlockIQ2_S*>(blk);
+        const uint16_t* i = st.idx + 4 * s;
+        u.q = apply_signs(grid8x4(g.iq2s, i[0], i[1], i[2], i[3]), ld_u32(b.signs + 4 * s));
         const float d = h2f(b.d);
         u.s[0] = d * (0.5f + float(b.scales[s] & 0xF)) * 0.25f;
         u.s[1] = d * (0.5f + float(b.scales[s] >> 4)) * 0.25f;
