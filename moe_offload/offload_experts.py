@@ -29,8 +29,10 @@ MAX_FETCH = 64  # plan kernel's selection limit (T * K)
 
 
 def _pool_args(pool: torch.Tensor, lay) -> tuple:
+    """(type, address, slot bytes) of gate, up, down inside a pool of [gate|up|down] slots, flat."""
     base = pool.data_ptr()
-    return tuple((p.qtype.type_id, base + p.offset, pool.shape[1]) for p in (lay.gate, lay.up, lay.down))
+    return tuple(v for p in (lay.gate, lay.up, lay.down)
+                 for v in (p.qtype.type_id, base + p.offset, pool.shape[1]))
 
 
 class OffloadEngine:
@@ -122,11 +124,11 @@ class OffloadEngine:
         if pool.shape[0]:
             on.fetch(self.fetch_list, host, pool, min(MAX_FETCH, T * self.top_k))
         y = torch.empty_like(x)
-        g, u, d = _pool_args(pool, self.bank.layouts[L])
         _cuda.moe_ffn_pool(x.data_ptr(), T, self.hidden, self.ff, ids32.data_ptr(), w.data_ptr(),
                            self.top_k, self.cache.slot_of_expert[L].data_ptr(), self.cache.n_expert,
-                           pool.shape[0], g, u, d, y.data_ptr(), 0, self.moe_scratch.data_ptr(),
-                           self.moe_scratch.numel(), torch.cuda.current_stream().cuda_stream)
+                           pool.shape[0], *_pool_args(pool, self.bank.layouts[L]), y.data_ptr(), 0,
+                           self.moe_scratch.data_ptr(), self.moe_scratch.numel(),
+                           torch.cuda.current_stream().cuda_stream)
         on.wait_add(ex, L, self.step, y, self.timeout_s, self.error)
         return y
 
@@ -176,11 +178,11 @@ class OffloadEngine:
 
     def _moe_bank(self, x, slot_ids, w, pool, lay, y) -> None:
         """y += experts over a slot pool for every (token, k) whose slot id is >= 0."""
-        g, u, d = _pool_args(pool, lay)
         out = torch.empty_like(y)
+        slot_ids = slot_ids.to(torch.int32).contiguous()
         _cuda.moe_ffn(x.data_ptr(), x.shape[0], self.hidden, self.ff, pool.shape[0],
-                      slot_ids.to(torch.int32).contiguous().data_ptr(), w.data_ptr(), self.top_k,
-                      g, u, d, out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                      slot_ids.data_ptr(), w.data_ptr(), self.top_k, *_pool_args(pool, lay),
+                      out.data_ptr(), torch.cuda.current_stream().cuda_stream)
         y.add_(out)
 
 

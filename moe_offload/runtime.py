@@ -179,7 +179,8 @@ class OffloadRuntime:
             ids = torch.arange(K, dtype=torch.int32).view(1, K)
             w = torch.full((1, K), 1.0 / K)
             y = torch.empty(1, self.config.n_embd)
-            args = [(p.qtype.type_id, host.data_ptr() + p.offset, eb) for p in (lay.gate, lay.up, lay.down)]
+            args = [v for p in (lay.gate, lay.up, lay.down)
+                    for v in (p.qtype.type_id, host.data_ptr() + p.offset, eb)]
 
             def run():
                 _cpu.moe_ffn(x.data_ptr(), 1, self.config.n_embd, self.config.n_ff_exp,

@@ -41,10 +41,14 @@
 //   set_threads(n) (n <= 0: all cores), threads() -> int
 //   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2"; the env
 //       FTPATCH_CPU_ISA picks the start value, default: the best this CPU runs)
+#include <memory>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "cpu/cpu.h"
+#include "cpu/offload_worker.h"
+#include "offload_bindings.h"
 
 namespace py = pybind11;
 using namespace ft;
@@ -137,4 +141,32 @@ PYBIND11_MODULE(_cpu, m) {
     m.def("isa", [] { return std::string(cpu::kernels().name); });
     m.def("available_isas", &cpu::available_isas);
     m.def("set_isa", &cpu::set_isa, py::arg("name"));
+
+    // ---- offload runtime: the CPU worker of the decode step (csrc/cpu/offload_worker.h) --------
+    //   OffloadWorker(exchange: dict, layers: [dict], timeout_ms)   starts the thread
+    //       layers[L] = {"gate"|"up"|"down": (type_id, base, expert_stride), "ff", "n_experts"}
+    //   .begin_step(step, n_tok)   arm for a step (non-blocking)
+    //   .wait_step()               block until done (GIL released); raises the worker's error
+    //   .busy_ns(), .experts()     per-layer cumulative compute time and experts computed
+    py::class_<cpu::OffloadWorker>(m, "OffloadWorker")
+        .def(py::init([](const py::dict& exchange, const py::list& layers, int64_t timeout_ms) {
+                 std::vector<cpu::WorkerLayer> ls;
+                 for (auto item : layers) {
+                     const py::dict d = py::reinterpret_borrow<py::dict>(item);
+                     auto bank = [&](const char* k) {
+                         auto t = d[k].cast<std::tuple<int, uintptr_t, int64_t>>();
+                         return cpu::Bank{std::get<0>(t), ptr<const uint8_t>(std::get<1>(t)),
+                                          std::get<2>(t)};
+                     };
+                     ls.push_back({bank("gate"), bank("up"), bank("down"), d["ff"].cast<int64_t>(),
+                                   d["n_experts"].cast<int64_t>()});
+                 }
+                 return std::make_unique<cpu::OffloadWorker>(exchange_from(exchange), std::move(ls),
+                                                             timeout_ms);
+             }),
+             py::arg("exchange"), py::arg("layers"), py::arg("timeout_ms"))
+        .def("begin_step", &cpu::OffloadWorker::begin_step, py::arg("step"), py::arg("n_tok"))
+        .def("wait_step", &cpu::OffloadWorker::wait_step, release)
+        .def("busy_ns", &cpu::OffloadWorker::busy_ns)
+        .def("experts", &cpu::OffloadWorker::experts);
 }

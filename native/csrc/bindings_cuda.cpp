@@ -50,6 +50,9 @@
 //       moe_ffn uses the same rule per projection (the down input h is rounded the same way).
 //   device_limits() -> {"sms": int, "smem_optin": int}   of the current device
 #include <pybind11/pybind11.h>
+
+#include "offload_bindings.h"
+#include "cuda/offload_api.h"
 #include <pybind11/stl.h>
 
 #include "cuda/api.h"
@@ -156,4 +159,52 @@ PYBIND11_MODULE(_cuda, m) {
         return out;
     });
     m.def("device_limits", &cuda::device_limits);
+
+    // ---- offload runtime: decode-step kernels (csrc/cuda/offload.cu; protocol and tables in
+    // csrc/offload_exchange.h; Python side native/offload_native.py) ---------------------------------
+    //   pin_host(addr, nbytes) / unpin_host(addr)        page-lock + map host memory (sync, GIL held)
+    //   offload_step_begin(step, stream)                  step counter += 1 on the device
+    //   offload_plan(tables: dict, exchange: dict, layer, ids, w, x, step, fetch_fraction,
+    //                fetch_list, stream)                  hits / fetches / CPU misses of one layer
+    //   offload_fetch(fetch_list, host_bank, pool, expert_bytes, slot_bytes, max_fetch, stream)
+    //   offload_wait_add(exchange: dict, layer, step, y, timeout_ns, error_flag, stream)
+    m.def("pin_host", [](uintptr_t p, size_t n) { cuda::pin_host(reinterpret_cast<void*>(p), n); },
+          py::arg("addr"), py::arg("nbytes"));
+    m.def("unpin_host", [](uintptr_t p) { cuda::unpin_host(reinterpret_cast<void*>(p)); },
+          py::arg("addr"));
+    m.def("offload_step_begin", [](uintptr_t step, uintptr_t stream) {
+        cuda::offload_step_begin(reinterpret_cast<int32_t*>(step), stream);
+    }, py::arg("step"), py::arg("stream"));
+    m.def("offload_plan",
+          [](const py::dict& tables, const py::dict& exchange, int layer, uintptr_t ids, uintptr_t w,
+             uintptr_t x, uintptr_t step, uintptr_t fetch_fraction, uintptr_t fetch_list,
+             uintptr_t stream) {
+              cuda::offload_plan(cache_tables_from(tables), exchange_from(exchange), layer,
+                                 reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(w),
+                                 reinterpret_cast<const float*>(x), reinterpret_cast<const int32_t*>(step),
+                                 reinterpret_cast<const float*>(fetch_fraction),
+                                 reinterpret_cast<int32_t*>(fetch_list), stream);
+          },
+          py::arg("tables"), py::arg("exchange"), py::arg("layer"), py::arg("ids"), py::arg("w"),
+          py::arg("x"), py::arg("step"), py::arg("fetch_fraction"), py::arg("fetch_list"),
+          py::arg("stream"));
+    m.def("offload_fetch",
+          [](uintptr_t fetch_list, uintptr_t host_bank, uintptr_t pool, int64_t expert_bytes,
+             int64_t slot_bytes, int max_fetch, uintptr_t stream) {
+              cuda::offload_fetch(reinterpret_cast<const int32_t*>(fetch_list),
+                                  reinterpret_cast<const void*>(host_bank),
+                                  reinterpret_cast<void*>(pool), expert_bytes, slot_bytes, max_fetch,
+                                  stream);
+          },
+          py::arg("fetch_list"), py::arg("host_bank"), py::arg("pool"), py::arg("expert_bytes"),
+          py::arg("slot_bytes"), py::arg("max_fetch"), py::arg("stream"));
+    m.def("offload_wait_add",
+          [](const py::dict& exchange, int layer, uintptr_t step, uintptr_t y, int64_t timeout_ns,
+             uintptr_t error_flag, uintptr_t stream) {
+              cuda::offload_wait_add(exchange_from(exchange), layer,
+                                     reinterpret_cast<const int32_t*>(step), reinterpret_cast<float*>(y),
+                                     timeout_ns, reinterpret_cast<int32_t*>(error_flag), stream);
+          },
+          py::arg("exchange"), py::arg("layer"), py::arg("step"), py::arg("y"), py::arg("timeout_ns"),
+          py::arg("error_flag"), py::arg("stream"));
 }

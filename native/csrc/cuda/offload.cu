@@ -12,10 +12,13 @@
 // device, ft::Exchange in page-locked host memory, the fetch list in device scratch.
 // Every entry point is asynchronous on the given stream and capturable.
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
-#include "offload_exchange.h"
+#include "offload_api.h"
 
 namespace ft {
 namespace {
@@ -183,35 +186,62 @@ __global__ void wait_add_kernel(Exchange ex, int layer, const int32_t* __restric
 
 }  // namespace
 
-// ---- launchers (called from bindings_cuda.cpp) -------------------------------------------------
-cudaError_t offload_step_begin(int32_t* step, cudaStream_t stream) {
-    step_begin_kernel<<<1, 1, 0, stream>>>(step);
-    return cudaGetLastError();
+// ---- entry points (declared in offload_api.h, wrapped by bindings_cuda.cpp) ----------------------
+namespace cuda {
+namespace {
+void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+}  // namespace
+
+void offload_step_begin(int32_t* step, uintptr_t stream) {
+    step_begin_kernel<<<1, 1, 0, as_stream(stream)>>>(step);
+    check(cudaGetLastError(), "offload_step_begin");
 }
 
-cudaError_t offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
-                         const float* w, const float* x, const int32_t* step,
-                         const float* fetch_fraction, int32_t* fetch_list, cudaStream_t stream) {
-    if (ex.n_tok * ex.top_k > kMaxSel || ex.n_tok > ex.max_tok) return cudaErrorInvalidValue;
-    plan_kernel<<<1, kPlanThreads, 0, stream>>>(tab, ex, layer, ids, w, x, step, fetch_fraction,
-                                                fetch_list);
-    return cudaGetLastError();
+void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
+                  const float* w, const float* x, const int32_t* step, const float* fetch_fraction,
+                  int32_t* fetch_list, uintptr_t stream) {
+    if (ex.n_tok < 1 || ex.n_tok * ex.top_k > kMaxSel || ex.n_tok > ex.max_tok)
+        throw std::invalid_argument("offload_plan: n_tok * top_k must be in [1, 64] and n_tok <= max_tok");
+    plan_kernel<<<1, kPlanThreads, 0, as_stream(stream)>>>(tab, ex, layer, ids, w, x, step,
+                                                           fetch_fraction, fetch_list);
+    check(cudaGetLastError(), "offload_plan");
 }
 
-cudaError_t offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
-                          int64_t expert_bytes, int64_t slot_bytes, int max_fetch,
-                          cudaStream_t stream) {
-    if (expert_bytes % 16 || slot_bytes % 16 || max_fetch > kMaxSel) return cudaErrorInvalidValue;
-    const int chunks = (int)((expert_bytes / 16 + 255) / 256 < 96 ? (expert_bytes / 16 + 255) / 256 : 96);
-    fetch_kernel<<<dim3(chunks, max_fetch), 256, 0, stream>>>(
+void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
+                   int64_t expert_bytes, int64_t slot_bytes, int max_fetch, uintptr_t stream) {
+    if (expert_bytes % 16 || slot_bytes % 16 || expert_bytes > slot_bytes || max_fetch < 1 ||
+        max_fetch > kMaxSel)
+        throw std::invalid_argument("offload_fetch: sizes must be multiples of 16, expert <= slot, "
+                                    "1 <= max_fetch <= 64");
+    const int64_t n16 = expert_bytes / 16;
+    const int chunks = (int)std::min<int64_t>(96, (n16 + 255) / 256);
+    fetch_kernel<<<dim3(chunks, max_fetch), 256, 0, as_stream(stream)>>>(
         fetch_list, (const uint4*)host_bank, (uint4*)pool, expert_bytes, slot_bytes);
-    return cudaGetLastError();
+    check(cudaGetLastError(), "offload_fetch");
 }
 
-cudaError_t offload_wait_add(const Exchange& ex, int layer, const int32_t* step, float* y,
-                             int64_t timeout_ns, int32_t* error_flag, cudaStream_t stream) {
-    wait_add_kernel<<<ex.n_tok, 256, 0, stream>>>(ex, layer, step, y, timeout_ns, error_flag);
-    return cudaGetLastError();
+void offload_wait_add(const Exchange& ex, int layer, const int32_t* step, float* y,
+                      int64_t timeout_ns, int32_t* error_flag, uintptr_t stream) {
+    wait_add_kernel<<<ex.n_tok, 256, 0, as_stream(stream)>>>(ex, layer, step, y, timeout_ns,
+                                                             error_flag);
+    check(cudaGetLastError(), "offload_wait_add");
 }
 
+void pin_host(void* p, size_t nbytes) {
+    check(cudaHostRegister(p, nbytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
+          "cudaHostRegister (page-locking host memory)");
+    void* dev = nullptr;
+    check(cudaHostGetDevicePointer(&dev, p, 0), "cudaHostGetDevicePointer");
+    if (dev != p) {  // the kernels use host addresses directly (unified virtual addressing)
+        cudaHostUnregister(p);
+        throw std::runtime_error("this GPU maps pinned host memory at another address (no UVA)");
+    }
+}
+
+void unpin_host(void* p) { check(cudaHostUnregister(p), "cudaHostUnregister"); }
+
+}  // namespace cuda
 }  // namespace ft

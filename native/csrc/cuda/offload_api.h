@@ -1,0 +1,34 @@
+// Host entry points of the offload decode-step kernels (csrc/cuda/offload.cu), free of CUDA types
+// so bindings_cuda.cpp compiles with the host compiler. Conventions of api.h: device (or mapped
+// host) pointers owned by the caller, `stream` a cudaStream_t as an integer, enqueue-only and
+// capturable; bad arguments throw std::invalid_argument, launch failures std::runtime_error.
+// The shared-memory protocol and table layouts: csrc/offload_exchange.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "offload_exchange.h"
+
+namespace ft::cuda {
+
+// *step += 1 on the device: the first node of every decode step.
+void offload_step_begin(int32_t* step, uintptr_t stream);
+// Layer `layer`: hits / fetches / CPU misses for ids [T, K] (int32), weights [T, K], x [T, H];
+// updates the residency tables, writes the fetch list ([1 + 2*64] int32) and the CPU hand-off.
+void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
+                  const float* w, const float* x, const int32_t* step, const float* fetch_fraction,
+                  int32_t* fetch_list, uintptr_t stream);
+// Copies each listed expert (expert_bytes) from the host bank [E, expert_bytes] to its slot
+// of the pool [S, slot_bytes]; grid sized for max_fetch entries.
+void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
+                   int64_t expert_bytes, int64_t slot_bytes, int max_fetch, uintptr_t stream);
+// Waits (at most timeout_ns; then *error_flag = layer + 1 and the CPU part is dropped) for the
+// CPU worker's layer result and adds it: y [T, H] += y_host[layer].
+void offload_wait_add(const Exchange& ex, int layer, const int32_t* step, float* y,
+                      int64_t timeout_ns, int32_t* error_flag, uintptr_t stream);
+// Page-lock (and map) host memory for zero-copy GPU reads; requires device address == host
+// address (UVA), else throws. Synchronous.
+void pin_host(void* p, size_t nbytes);
+void unpin_host(void* p);
+
+}  // namespace ft::cuda

@@ -1,0 +1,43 @@
+// Python dict -> offload descriptor structs, shared by bindings_cpu.cpp and bindings_cuda.cpp.
+// native/offload_native.py builds the dicts (addresses as ints) once per layout.
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include "offload_exchange.h"
+
+namespace ft {
+
+template <class T> T* dict_ptr(const pybind11::dict& d, const char* key) {
+    return reinterpret_cast<T*>(d[key].cast<uintptr_t>());
+}
+
+inline CacheTables cache_tables_from(const pybind11::dict& d) {
+    CacheTables t;
+    t.slot_of_expert = dict_ptr<int32_t>(d, "slot_of_expert");
+    t.expert_of_slot = dict_ptr<int32_t>(d, "expert_of_slot");
+    t.slot_last_use = dict_ptr<int32_t>(d, "slot_last_use");
+    t.slot_pinned = dict_ptr<int32_t>(d, "slot_pinned");
+    t.expert_freq = dict_ptr<int32_t>(d, "expert_freq");
+    t.n_slots = dict_ptr<int32_t>(d, "n_slots");
+    t.stats = dict_ptr<int32_t>(d, "stats");
+    t.n_experts = d["n_experts"].cast<int>();
+    t.max_slots = d["max_slots"].cast<int>();
+    return t;
+}
+
+inline Exchange exchange_from(const pybind11::dict& d) {
+    Exchange e;
+    e.gpu_flag = dict_ptr<int32_t>(d, "gpu_flag");
+    e.cpu_flag = dict_ptr<int32_t>(d, "cpu_flag");
+    e.cpu_ids = dict_ptr<int32_t>(d, "cpu_ids");
+    e.cpu_w = dict_ptr<float>(d, "cpu_w");
+    e.x_host = dict_ptr<float>(d, "x_host");
+    e.y_host = dict_ptr<float>(d, "y_host");
+    e.n_tok = d["n_tok"].cast<int>();
+    e.max_tok = d["max_tok"].cast<int>();
+    e.top_k = d["top_k"].cast<int>();
+    e.hidden = d["hidden"].cast<int>();
+    return e;
+}
+
+}  // namespace ft
