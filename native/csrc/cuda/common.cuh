@@ -46,8 +46,9 @@ struct DeviceInfo {
 };
 const DeviceInfo& device_info();  // of the current device, read once per device
 
-// The IQ tables on the current device (uploaded on first use there); throws if never set.
-const Grids& device_grids();
+// The IQ tables on the current device (uploaded on first use there). Throws if they were never
+// set and `needed` (quants.h UsesGrids<T>); otherwise returns null pointers for unset tables.
+const Grids& device_grids(bool needed);
 
 // Largest power of two <= v (v >= 1) and smallest >= v.
 inline int floor_pow2(int v) { int p = 1; while (p * 2 <= v) p *= 2; return p; }

@@ -72,7 +72,7 @@ void launch_dequant(const uint8_t* src, int64_t n_rows, int64_t nkb, int64_t str
     const bool vec = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
     auto kernel = dequant_kernel<T, Out>;
     FT_LAUNCH(kernel, dim3(unsigned(blocks)), kDequantThreads, 0, stream, src, n_rows, nkb, stride,
-              dst, vec, device_grids());
+              dst, vec, device_grids(UsesGrids<T>::value));
     check_launch("dequant_kernel");
 }
 

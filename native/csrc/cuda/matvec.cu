@@ -6,6 +6,8 @@
 // allocation; capturable. x is read (and for q8 types rounded to int8) by every CTA into shared
 // memory, so T * H * 1.25 bytes (q8) or T * H * 4.5 bytes (f32) must fit next to the stages;
 // larger T are split into more launches.
+#include <cstdlib>
+
 #include "cuda/rows.cuh"
 
 namespace ft::cuda {
@@ -97,6 +99,16 @@ std::string matmul_accum(int type_id) {
     std::string out;
     visit_type(type_id, [&](auto tag) { out = uses_q8<decltype(tag)::type>() ? "q8" : "f32"; });
     return out;
+}
+
+int grid_copies() {
+    if (const char* env = std::getenv("FTPATCH_IQ_GRID_COPIES")) {
+        const int v = std::atoi(env);
+        require(v >= 1 && v <= 32 && (v & (v - 1)) == 0,
+                "FTPATCH_IQ_GRID_COPIES must be 1, 2, 4, 8, 16 or 32");
+        return v;
+    }
+    return device_info().smem_optin >= 200 * 1024 ? 16 : 4;
 }
 
 int ctas_per_sm(const void* kernel, size_t smem) {

@@ -143,7 +143,24 @@ struct Geom {
     int P;             // lanes per segment: a power of two, G * P <= 32
     int seg_stride;    // bytes of shared memory per segment (multiple of 16)
     int stage_stride;  // G * seg_stride
+    int grid_copies;   // copies of the policy's lookup table in shared memory (power of two)
     int x_off, stage_off;  // shared memory offsets (tables at 0)
+};
+
+// Position of a chunk in a warp's sequence: tile, first row of the chunk, chunk within the row.
+struct ChunkPos {
+    int tile, ri0, ck;
+    // The next chunk (rows advance after cpr chunks, tiles after ceil(R / G) rows).
+    __device__ __forceinline__ void next(const Geom& geo, int R, int W) {
+        if (++ck == geo.cpr) {
+            ck = 0;
+            ri0 += geo.G;
+            if (ri0 >= R) {
+                ri0 = 0;
+                tile += W;
+            }
+        }
+    }
 };
 
 // Map interface (device): kSingle; n_tiles(), rows_per_tile(), nt() (x vectors per row, = tokens
@@ -164,22 +181,14 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
     const int n_chunks = n_my * cpt;
     const int np_max = geo.seg_stride >> 4;
 
-    // chunk c of this warp -> tile, first row of the chunk, chunk within the row
-    auto locate = [&](int c, int& tile, int& ri0, int& ck) {
-        const int tl = c / cpt, cl = c - tl * cpt;
-        tile = gw + tl * W;
-        ri0 = cl / geo.cpr * geo.G;
-        ck = cl - cl / geo.cpr * geo.cpr;
-    };
-    auto issue = [&](int c) {
-        int tile, ri0, ck;
-        locate(c, tile, ri0, ck);
-        uint8_t* buf = ring + (c % S) * geo.stage_stride;
-        const int b0 = ck * geo.bpc, n = min(geo.bpc, geo.nkb - b0) * kbB;
+    // Copy chunk `p` into stage `slot`: lane l takes 16-byte pieces l, l+32, ... of its segments.
+    auto issue = [&](const ChunkPos& p, int slot) {
+        uint8_t* buf = ring + slot * geo.stage_stride;
+        const int b0 = p.ck * geo.bpc, n = min(geo.bpc, geo.nkb - b0) * kbB;
         for (int l = lane; l < geo.G * np_max; l += 32) {
-            const int j = l / np_max, pc = l - j * np_max;
+            const int j = geo.G == 1 ? 0 : l / np_max, pc = l - j * np_max;
             Seg sg;
-            if (ri0 + j >= R || !map.row(tile, ri0 + j, sg)) continue;
+            if (p.ri0 + j >= R || !map.row(p.tile, p.ri0 + j, sg)) continue;
             const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
             if (pc >= int(((a & 15) + n + 15) >> 4)) continue;
             copy_piece(buf + j * geo.seg_stride + 16 * pc, (a & ~uintptr_t(15)) + 16 * pc, sg.lo, sg.hi);
@@ -187,16 +196,20 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
     };
 
     // Start the weight stream before the prologue: it does not depend on x.
+    ChunkPos ip{gw, 0, 0};  // next chunk to issue
+    int islot = 0;
 #pragma unroll 1
     for (int c = 0; c < S - 1; ++c) {
-        if (c < n_chunks) issue(c);
+        if (c < n_chunks) issue(ip, islot);
         cp_async_commit();
+        ip.next(geo, R, W);
+        islot = islot + 1 == S ? 0 : islot + 1;
     }
-    Pol::load_tables(smem, grids);
+    Pol::load_tables(smem, grids, geo.grid_copies);
     map.template prep<Pol>(smem + geo.x_off);
     __syncthreads();  // the last block-wide barrier: warps run independently from here
 
-    const Pol pol(smem, grids);
+    const Pol pol(smem, grids, geo.grid_copies, lane);
     const XView xv = map.xview(smem + geo.x_off);
     const int nt = map.nt();
     const int j = lane / geo.P, u = lane - j * geo.P;  // segment and unit of this lane
@@ -204,26 +217,28 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.f;
 
+    ChunkPos cp{gw, 0, 0};  // chunk to compute
+    int cslot = 0;
 #pragma unroll 1
     for (int c = 0; c < n_chunks; ++c) {
-        if (c + S - 1 < n_chunks) issue(c + S - 1);
+        if (c + S - 1 < n_chunks) issue(ip, islot);
         cp_async_commit();
+        ip.next(geo, R, W);
+        islot = islot + 1 == S ? 0 : islot + 1;
         cp_async_wait<S - 1>();  // this lane's pieces of chunk c have landed
         __syncwarp();            // ... and every other lane's
 
-        int tile, ri0, ck;
-        locate(c, tile, ri0, ck);
-        const uint8_t* buf = ring + (c % S) * geo.stage_stride;
-        const int b0 = ck * geo.bpc, nb = min(geo.bpc, geo.nkb - b0);
+        const uint8_t* buf = ring + cslot * geo.stage_stride;
+        const int b0 = cp.ck * geo.bpc, nb = min(geo.bpc, geo.nkb - b0);
         Seg sg;
-        const bool have = j < geo.G && ri0 + j < R && map.row(tile, ri0 + j, sg);
+        const bool have = j < geo.G && cp.ri0 + j < R && map.row(cp.tile, cp.ri0 + j, sg);
         if (have && u < nb * subs) {
             const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
             const uint8_t* blk = buf + j * geo.seg_stride + (a & 15) + (u / subs) * kbB;
             pol.template dot<NT>(blk, u % subs, xv, sg.xvec, nt, b0 * subs + u, sg.scale, acc);
         }
-        const bool row_end = ck == geo.cpr - 1;
-        const bool tile_end = c % cpt == cpt - 1;
+        const bool row_end = cp.ck == geo.cpr - 1;
+        const bool tile_end = row_end && cp.ri0 + geo.G >= R;
         if (Map::kSingle ? tile_end : row_end) {
             const int width = Map::kSingle ? 32 : geo.P;
 #pragma unroll
@@ -233,19 +248,27 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
                 acc[t] = v;
             }
             if (Map::kSingle) {
-                if (lane == 0) map.store(tile, 0, acc);
+                if (lane == 0) map.store(cp.tile, 0, acc);
             } else if (have && u == 0) {
-                map.store(tile, ri0 + j, acc);
+                map.store(cp.tile, cp.ri0 + j, acc);
             }
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.f;
         }
+        cp.next(geo, R, W);
+        cslot = cslot + 1 == S ? 0 : cslot + 1;
         __syncwarp();  // everyone is done with this stage before it is refilled
     }
     cp_async_wait<0>();
 }
 
 // ---- host side -----------------------------------------------------------------------------------------
+
+// Copies of a policy's lookup table (IQ3_S grid) in shared memory: lane l reads copy l % copies,
+// which spreads 32 random lookups over more banks (expected worst bank ~3.5-way with 1 copy,
+// 2-way with 16). 16 where an SM has >= 200 KiB of shared memory, else 4;
+// FTPATCH_IQ_GRID_COPIES (1, 2, 4, 8, 16 or 32) overrides, for tuning.
+int grid_copies();
 
 // Chunking for rows of nkb kernel blocks and the shared memory layout for `x_bytes` of x.
 template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes) {
@@ -266,7 +289,8 @@ template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes) {
     }
     g.seg_stride = int(16 * cdiv(15 + int64_t(g.bpc) * kbB, 16));
     g.stage_stride = g.G * g.seg_stride;
-    g.x_off = int(cdiv(Pol::kTableBytes, 16) * 16);
+    g.grid_copies = Pol::kTableBytes ? grid_copies() : 1;
+    g.x_off = int(cdiv(int64_t(Pol::kTableBytes) * g.grid_copies, 16) * 16);
     g.stage_off = int(g.x_off + cdiv(int64_t(x_bytes), 16) * 16);
     return g;
 }
@@ -281,6 +305,7 @@ int ctas_per_sm(const void* kernel, size_t smem);
 // Enqueue rows_kernel<Pol, NT, Map> over `n_tiles` tiles (per blockIdx.y of `grid_y`).
 template <class Pol, int NT, class Map>
 void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int grid_y, cudaStream_t stream) {
+    const Grids& grids = device_grids(UsesGrids<Pol::kType>::value);
     if (n_tiles <= 0 || grid_y <= 0) return;
     auto kernel = rows_kernel<Pol, NT, Map>;
     const size_t smem = smem_bytes<Pol>(geo);
@@ -295,7 +320,7 @@ void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int grid_y, c
     const int64_t want = cdiv(n_tiles, kWarps);
     const int64_t cap = int64_t(per_sm) * dev.sms;
     const dim3 grid(unsigned(want < cap ? want : cap), unsigned(grid_y));
-    FT_LAUNCH(kernel, grid, kThreads, smem, stream, map, geo, device_grids());
+    FT_LAUNCH(kernel, grid, kThreads, smem, stream, map, geo, grids);
     check_launch("rows_kernel");
 }
 

@@ -96,13 +96,16 @@ const DeviceInfo& device_info() {
     return s.info[dev];
 }
 
-const Grids& device_grids() {
+const Grids& device_grids(bool needed) {
+    static const Grids none{};
     Store& s = store();
     const int dev = current_device();
     std::lock_guard<std::mutex> lock(s.mu);
-    if (s.host.empty())
-        throw std::invalid_argument("native._cuda: set_tables(loaders.quants.iq_tables()) must run "
-                                    "before any kernel (native.ops does it at import)");
+    if (s.host.empty()) {
+        if (!needed) return none;
+        throw std::invalid_argument("native._cuda: this type needs the IQ tables: call "
+                                    "set_tables(loaders.quants.iq_tables()) first (native.ops does)");
+    }
     upload(s, dev);
     return s.dev[dev].grids;
 }

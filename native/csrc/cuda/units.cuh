@@ -59,13 +59,14 @@ FT_HD uint32_t lut16(uint32_t idx, const uint32_t (&kv)[4]) {
 
 // Bytes of `w` negated where bit j of the nibble `sn` is set (w's bytes must be 1..127).
 FT_HD uint32_t apply_signs4(uint32_t w, uint32_t sn) {
-    const uint32_t m = ((sn * 0x00204081u) & 0x01010101u) * 0xFFu;  // bit j -> byte j = 0xFF
-    return (w ^ m) + (m & 0x01010101u);                               // ~w + 1 per negated byte
+    const uint32_t b = (sn * 0x00204081u) & 0x01010101u;  // bit j -> bit 0 of byte j
+    return (w ^ (b * 0xFFu)) + b;                          // ~w + 1 per negated byte, no carries
 }
 
 // Tables a Q8Unit reads: grids copied to shared memory, small ones held in registers.
 struct Q8Tables {
-    const uint32_t* iq3s = nullptr;  // shared copy of Grids::iq3s [512]
+    const uint32_t* iq3s = nullptr;  // Grids::iq3s [512]: entry i at iq3s[i * iq3s_stride]
+    int iq3s_stride = 1;             // (shared memory holds interleaved copies, see rows.cuh)
     uint32_t kv[4] = {0, 0, 0, 0};   // kvalues_iq4nl as 4 words
 };
 
@@ -164,7 +165,7 @@ template <> struct Q8Unit<QType::IQ3_S> {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const uint32_t idx = ((qs[k >> 2] >> (8 * (k & 3))) & 0xFF) | (((qh >> k) & 1) << 8);
-            q[k] = apply_signs4(tab.iq3s[idx], (sg >> (4 * k)) & 0xF);
+            q[k] = apply_signs4(tab.iq3s[idx * tab.iq3s_stride], (sg >> (4 * k)) & 0xF);
         }
         d0 = d1 = half_bits_to_f32(ld16(blk)) * float(1 + 2 * int(sc));
         m = 0.f;
@@ -182,6 +183,7 @@ struct XView {
 
 template <QType T> struct Q8Policy {
     using U = Q8Unit<T>;
+    static constexpr QType kType = T;
     static constexpr bool kQ8 = true;
     static constexpr int kStages = 4;
     static constexpr int kKbBytes = Traits<T>::kb_bytes, kSubs = Traits<T>::subs;
@@ -189,17 +191,21 @@ template <QType T> struct Q8Policy {
     static constexpr int kAlign = U::kAlign;
     Q8Tables tab;
 
-    // Block-cooperative copy of the tables this type reads into shared memory `dst`.
-    __device__ static void load_tables(uint8_t* dst, const Grids& g) {
+    // Block-cooperative: `copies` interleaved copies of the table this type reads (entry i of
+    // copy c at word i * copies + c) into shared memory `dst`.
+    __device__ static void load_tables(uint8_t* dst, const Grids& g, int copies) {
         if constexpr (kTableBytes > 0) {
             static_assert(T == QType::IQ3_S, "only IQ3_S keeps a table in shared memory");
-            const uint4* src = reinterpret_cast<const uint4*>(g.iq3s);
-            for (int i = threadIdx.x; i < kTableBytes / 16; i += blockDim.x)
-                reinterpret_cast<uint4*>(dst)[i] = __ldg(src + i);
+            uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+            int sh = 0;  // copies is a power of two
+            while ((1 << sh) < copies) ++sh;
+            for (int i = threadIdx.x; i < (kTableBytes / 4) << sh; i += blockDim.x)
+                d[i] = __ldg(g.iq3s + (i >> sh));
         }
     }
-    __device__ Q8Policy(const uint8_t* tables, const Grids& g) {
-        tab.iq3s = reinterpret_cast<const uint32_t*>(tables);
+    __device__ Q8Policy(const uint8_t* tables, const Grids& g, int copies, int lane) {
+        tab.iq3s = reinterpret_cast<const uint32_t*>(tables) + (lane & (copies - 1));
+        tab.iq3s_stride = copies;
         if (g.kvalues_iq4nl) {
             const uint32_t* kv = reinterpret_cast<const uint32_t*>(g.kvalues_iq4nl);
 #pragma unroll
@@ -241,6 +247,7 @@ template <QType T> struct Q8Policy {
 };
 
 template <QType T> struct F32Policy {
+    static constexpr QType kType = T;
     static constexpr bool kQ8 = false;
     static constexpr int kKbBytes = Traits<T>::kb_bytes, kSubs = Traits<T>::subs;
     // Wide blocks (F32 weights: 4 KiB per 32-unit chunk) keep fewer chunks in flight.
@@ -251,8 +258,8 @@ template <QType T> struct F32Policy {
     static constexpr int kAlign = kKbBytes % 2 ? 1 : 2;
     Grids grids;
 
-    __device__ static void load_tables(uint8_t*, const Grids&) {}
-    __device__ F32Policy(const uint8_t*, const Grids& g) : grids(g) {}
+    __device__ static void load_tables(uint8_t*, const Grids&, int) {}
+    __device__ F32Policy(const uint8_t*, const Grids& g, int, int) : grids(g) {}
 
     template <int NT>
     __device__ __forceinline__ void dot(const uint8_t* blk, int sub, const XView& xv, int xvec,
