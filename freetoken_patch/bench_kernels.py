@@ -12,6 +12,9 @@ Method (printed by --help):
   * CPU: native.ops.matmul on CPU tensors (native._cpu, all cores unless --cpu-threads), wall time,
     median of --cpu-iters calls, copies rotated past 3x 64 MiB of cache. Ceiling: a 1 GiB float32
     torch.sum with all threads, read bytes / time.
+  * Prefill (GPU, --prefill-tokens, default 512): native.ops.cuda_prefill_matmul = dequantize W to
+    bf16 (native._cuda) + one cuBLAS GEMM, per shape, same timing; reported as time and weight GB/s
+    next to the bf16 GEMM alone on an already dequantized W (the dequantize cost is the difference).
   * MoE: moe_ffn_pool (GPU; all E = 256 experts resident, identity slot map) and native.ops.moe_ffn
     (CPU) at T = 1, K = 8, H = 2048, F = 512; bytes = the 8 chosen experts' gate + up + down; a new
     random top-8 for every call.
@@ -57,6 +60,7 @@ def add_arguments(parser) -> None:
     add("--warmup", type=int, default=3, help="untimed GPU calls first (default 3)")
     add("--cpu-iters", type=int, default=5, help="timed CPU calls per point (default 5)")
     add("--cpu-threads", type=int, default=0, help="CPU kernel threads (default: all cores)")
+    add("--prefill-tokens", type=int, default=512, help="tokens of the prefill point (0 skips)")
     add("--moe-types", help=f"types for the MoE path (default {','.join(MOE_TYPES)}; 'none' skips)")
     add("--no-cpu", action="store_true", help="GPU only")
     add("--no-gpu", action="store_true", help="CPU only")
@@ -163,6 +167,29 @@ def gpu_matmul(ext, ring: Ring, n_tok: int, iters: int, warmup: int) -> float:
             events[i - warmup][1].record()
     torch.cuda.synchronize()
     return _median([a.elapsed_time(b) / 1e3 for a, b in events])
+
+
+def gpu_prefill(ring: Ring, n_tok: int, iters: int, warmup: int) -> tuple[float, float]:
+    """Median seconds of dequantize + GEMM, and of the GEMM alone."""
+    from native import ops
+    x = torch.randn(n_tok, ring.cols, device="cuda")
+    workspace = torch.empty(ring.rows * ring.cols * 2, dtype=torch.uint8, device="cuda")
+    wt = workspace.view(torch.bfloat16).view(ring.rows, ring.cols)
+    xb = x.to(torch.bfloat16)
+    full, gemm = [], []
+    for i in range(warmup + iters):
+        w = ops.QTensor(ring.view(i), ring.q, (ring.rows, ring.cols))
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        ops.cuda_prefill_matmul(x, w, workspace)
+        e[1].record()
+        torch.mm(xb, wt.T)
+        e[2].record()
+        if i >= warmup:
+            full.append(e)
+    torch.cuda.synchronize()
+    return (_median([a.elapsed_time(b) / 1e3 for a, b, _ in full]),
+            _median([b.elapsed_time(c) / 1e3 for _, b, c in full]))
 
 
 def cpu_matmul(ring: Ring, n_tok: int, iters: int) -> float:
@@ -281,6 +308,12 @@ def run(args: argparse.Namespace, console) -> int:
                 t = gpu_matmul(ops._cuda, ring, n_tok, iters, warmup)
                 point.update(gpu_us=t * 1e6, gpu_GBps=ring.bytes / t / 1e9,
                              gpu_pct=100 * ring.bytes / t / 1e9 / dev_bw)
+                n_pre = int(getattr(args, "prefill_tokens", 0) or 0)
+                if n_pre > 0 and o * h <= (1 << 28):
+                    t, tg = gpu_prefill(ring, n_pre, max(3, iters // 4), 1)
+                    point.update(prefill_tokens=n_pre, prefill_us=t * 1e6, prefill_gemm_us=tg * 1e6,
+                                 prefill_GBps=ring.bytes / t / 1e9,
+                                 prefill_TFLOPs=2 * n_pre * o * h / t / 1e12)
                 del ring
             if use_cpu:
                 ring = Ring(q, o, h, 3 * HOST_CACHE, "cpu", pool)
@@ -338,6 +371,20 @@ def _print(result: dict, console, use_gpu: bool, use_cpu: bool) -> None:
             label = f"{name} ({acc})" if acc and side == "gpu" else name
             t.add_row(label, *[f"{_num(cells[s][side + '_GBps'])} ({cells[s][side + '_pct']:.0f}%)"
                                if s in cells else "-" for s in shapes])
+        console.print(t)
+    pre = [p for p in result["matmul"] if "prefill_us" in p]
+    if pre:
+        t = Table(title=f"GPU prefill, T={pre[0]['prefill_tokens']}: dequantize to bf16 + cuBLAS, "
+                        "us (GEMM alone us), TFLOP/s")
+        t.add_column("type")
+        for s in shapes:
+            t.add_column(s, justify="right")
+        rows = {}
+        for p in pre:
+            rows.setdefault(p["type"], {})[p["shape"]] = p
+        for name, cells in rows.items():
+            t.add_row(name, *[f"{cells[s]['prefill_us']:.0f} ({cells[s]['prefill_gemm_us']:.0f}) "
+                              f"{cells[s]['prefill_TFLOPs']:.0f}" if s in cells else "-" for s in shapes])
         console.print(t)
     if result["moe"]:
         t = Table(title="MoE decode, T=1 K=8 H=2048 F=512: us per call (GB/s of the 8 experts)")

@@ -281,3 +281,33 @@ def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None) -> torch.Tensor:
         ext.moe_ffn(x32.data_ptr(), t, h, f, e, ids32.data_ptr(), w32.data_ptr(), k, *banks,
                     out.data_ptr(), _stream(x.device))
     return out
+
+
+# ---- CUDA prefill: dequantize to 16 bits + one GEMM (CUDA only; kept apart from the dispatch) ----
+# The decode kernels read W once per 8 tokens; for prefill (T > 8) a tensor-core GEMM on dequantized
+# weights is far faster. W [O, H] -> `dtype` (gguf-py's values rounded to nearest even) in
+# `workspace`, x rounded to `dtype`, float32 accumulation (and float32 output where torch has it).
+
+def cuda_prefill_matmul(x: torch.Tensor, w: QTensor, workspace: torch.Tensor | None = None,
+                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y [T, O] float32 = x [T, H] @ W [O, H]^T on CUDA via native._cuda.dequantize + cuBLAS.
+    `workspace`: a contiguous CUDA tensor of >= O*H*2 bytes, reused across calls (else allocated)."""
+    if _cuda is None or x.device.type != "cuda" or w.device != x.device or len(w.shape) != 2:
+        raise NativeError(f"{w.name}: cuda_prefill_matmul needs native._cuda and x, W [O, H] on one "
+                          f"CUDA device (x on {x.device}, W {list(w.shape)} on {w.device})")
+    (o, h), data = w.shape, _rows(w)
+    ggml_dtype = {torch.float16: 1, torch.bfloat16: 30}[dtype]
+    if workspace is None:
+        wt = torch.empty(o, h, dtype=dtype, device=x.device)
+    else:
+        if workspace.device != x.device or not workspace.is_contiguous() or workspace.nbytes < o * h * 2:
+            raise NativeError(f"{w.name}: workspace needs {o * h * 2} contiguous bytes on {x.device}")
+        wt = workspace.reshape(-1).view(torch.uint8)[:o * h * 2].view(dtype).view(o, h)
+    _cuda.dequantize(w.qtype.type_id, data.data_ptr(), o, h, w.row_bytes, wt.data_ptr(), ggml_dtype,
+                     _stream(x.device))
+    x2 = x.reshape(-1, h).to(dtype)
+    try:
+        y = torch.mm(x2, wt.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        y = torch.mm(x2, wt.T).float()
+    return y.reshape(*x.shape[:-1], o)

@@ -121,6 +121,10 @@ if hot and "cpu_GBps" in next(iter(rows[hot[0]].values())):
         cells = rows[name]
         print(f"  {name}".ljust(24) + "".join((f"{cells[s]['cpu_GBps']:.1f} ({cells[s]['cpu_pct']:.0f}%)"
               if s in cells else "-").rjust(14) for s in shapes))
+for p in r["matmul"]:
+    if "prefill_us" in p and p["type"] in ("Q4_K", "Q6_K", "IQ3_S", "IQ4_XS") and p["shape"] == "2048x8192":
+        print(f"prefill T={p['prefill_tokens']} {p['type']} 2048x8192: {p['prefill_us']:.0f} us "
+              f"(GEMM alone {p['prefill_gemm_us']:.0f} us), {p['prefill_TFLOPs']:.0f} TFLOP/s")
 for p in r["moe"]:
     g = f"GPU {p['gpu_us']:.1f} us ({p['gpu_GBps']:.0f} GB/s)" if "gpu_us" in p else ""
     c = f"CPU {p['cpu_us']:.0f} us ({p['cpu_GBps']:.1f} GB/s)" if "cpu_us" in p else ""

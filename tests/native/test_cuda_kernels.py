@@ -175,3 +175,31 @@ def test_tables_sizes_and_types(ext):
         assert sorted(getattr(ext, op)()) == sorted(TYPES)
     assert set(ext.matmul_accum().values()) <= {"f32", "q8"}
     assert all(ext.matmul_accum()[n] == "q8" for n in HOT)
+
+
+# ---- prefill: dequantize to 16 bits + cuBLAS (native.ops.cuda_prefill_matmul) ------------------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", HOT + ["Q8_0", "F16", "IQ2_XXS"])
+def test_cuda_prefill_matmul(ext, name, dtype):
+    """Tolerance: both operands rounded to 16 bits (unit roundoff u), errors random per product:
+    |y - ref| <= 6 u sqrt(sum (w x)^2) + u |ref| (a 16-bit output) + 1e-5 sum |w x|."""
+    if DEVICE != "cuda":
+        pytest.skip("torch GEMM on a CUDA device")
+    from native import ops
+    q, dt = quant_type(name), getattr(torch, dtype)
+    u = 2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -11
+    rng = np.random.default_rng(5)
+    n_out, h, n_tok = 300, _cols(name, 64), 67
+    blocks = random_tensor(q, (n_out, h), rng)
+    w = dequantize_reference(blocks, q, (n_out, h)).astype(np.float64)
+    x = rng.standard_normal((n_tok, h), dtype=np.float32)
+    wq = ops.QTensor(_dev(blocks), q, (n_out, h), name)
+    workspace = torch.empty(n_out * h * 2 + 64, dtype=torch.uint8, device=DEVICE)
+    y = ops.cuda_prefill_matmul(_dev(x), wq, workspace, dt).cpu().numpy()
+    assert y.dtype == np.float32 and y.shape == (n_tok, n_out) and np.isfinite(y).all()
+    x64 = x.astype(np.float64)
+    ref = x64 @ w.T
+    tol = 6 * u * np.sqrt((x64 * x64) @ (w * w).T) + u * np.abs(ref) + 1e-5 * (np.abs(x64) @ np.abs(w).T)
+    err = np.abs(y - ref) / tol
+    assert err.max() <= 1, f"{name} {dtype}: error {err.max():.3g} x tolerance"
