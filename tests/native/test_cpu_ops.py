@@ -109,3 +109,18 @@ def test_long_calls_release_the_gil():
         lo, hi = a + 0.2 * (b - a), b - 0.2 * (b - a)
         inside += sum(lo < t < hi for t in stamps)
     assert inside >= 3, (inside, len(stamps), len(window))
+
+
+def test_isa_env_override_and_bad_names():
+    import os
+    import subprocess
+    import sys
+    code = "import native._cpu as c; print(c.isa())"
+    env = dict(os.environ, FTPATCH_CPU_ISA="generic")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "generic"
+    env.pop("FTPATCH_CPU_ISA")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ops._cpu.available_isas()[-1]  # default: the best this CPU runs
+    with pytest.raises(ValueError, match="not available"):
+        ops._cpu.set_isa("avx1024")
