@@ -149,6 +149,7 @@ class OffloadEngine:
             return y
         self.prefill_streamed[L] += len(missing)
         host = self.bank.banks[L]
+        self.copy_stream.wait_stream(stream)  # staging buffers are free once earlier work is done
         n_stage = self.staging[0].shape[0]
         groups = [missing[i:i + n_stage] for i in range(0, len(missing), n_stage)]
         ready = [torch.cuda.Event() for _ in groups]

@@ -44,6 +44,7 @@ class RuntimeOptions:
     prefill_chunk: int = PREFILL_CHUNK
     staging_experts: int = 32              # per prefill staging buffer (two are kept)
     cpu_threads: int | None = None
+    cache_slots: int | None = None         # per layer; None: as many as the budget allows
     device: str = "cuda"
 
 
@@ -109,6 +110,8 @@ class OffloadRuntime:
         staging = 2 * opts.staging_experts * max(lay.expert_bytes for lay in layouts)
         self.budget.reserve("prefill staging", staging, "lower --vram use elsewhere")
         slots = ExpertCache.plan_slots(layouts, self.budget.left, c.n_expert)
+        if opts.cache_slots is not None:  # a smaller cache on purpose (tests, experiments)
+            slots = [min(s, opts.cache_slots) for s in slots]
         self.cache = ExpertCache(layouts, slots, c.n_expert, dev)
         self.budget.reserve("expert cache", self.cache.nbytes)
         rep.slots_per_layer = slots
@@ -258,9 +261,10 @@ class OffloadRuntime:
         eng = self.engine
         tok_in = tokens.clone()
         # warm up once eagerly (lazy inits, allocator) -- this is a real step, so rewind after
-        snap = state.snapshot()
+        snap, stats = state.snapshot(), self.cache.stats.clone()
         self._eager_step(tok_in, state)
         state.restore(snap)
+        self.cache.stats.copy_(stats)  # the warm-up is not a step of the run
         g = torch.cuda.CUDAGraph()
         n_past = state.n_past
         eng.in_step = True
