@@ -73,9 +73,10 @@ stage others 90 "$OUT/pytest_other.log" $PY -m pytest -m gpu -q -p no:cacheprovi
     --ignore=tests/native
 
 # ---- kernel benchmark ---------------------------------------------------------------------------
-bench() {
-    if command -v ftpatch > /dev/null; then ftpatch bench kernels --json "$@"
-    else $PY -m freetoken_patch.cli bench kernels --json "$@"; fi
+bench() {  # the CLI; its standalone module if the CLI cannot start (e.g. a wheel missing)
+    if command -v ftpatch > /dev/null && ftpatch bench kernels --json "$@"; then return 0; fi
+    echo "ftpatch bench kernels failed or is missing: running freetoken_patch.bench_kernels" >&2
+    $PY -m freetoken_patch.bench_kernels --json "$@"
 }
 export -f bench
 if [[ "$SKIP" != *" bench "* ]]; then

@@ -63,6 +63,21 @@ FT_HD uint32_t apply_signs4(uint32_t w, uint32_t sn) {
     return (w ^ (b * 0xFFu)) + b;                          // ~w + 1 per negated byte, no carries
 }
 
+// 6-bit scale and min of sub-block s of Q4_K/Q5_K from the 12 scale bytes in words a, b, c.
+FT_HD void k4_scale_min_words(uint32_t a, uint32_t b, uint32_t c, int s, int& sc, int& mn) {
+    auto sb = [&](int j) -> int {
+        const uint32_t w = j < 4 ? a : (j < 8 ? b : c);
+        return int((w >> (8 * (j & 3))) & 0xFF);
+    };
+    if (s < 4) {
+        sc = sb(s) & 63;
+        mn = sb(s + 4) & 63;
+    } else {
+        sc = (sb(s + 4) & 0xF) | ((sb(s - 4) >> 6) << 4);
+        mn = (sb(s + 4) >> 4) | ((sb(s) >> 6) << 4);
+    }
+}
+
 // Tables a Q8Unit reads: grids copied to shared memory, small ones held in registers.
 struct Q8Tables {
     const uint32_t* iq3s = nullptr;  // Grids::iq3s [512]: entry i at iq3s[i * iq3s_stride]
@@ -92,18 +107,8 @@ template <> struct Q8Unit<QType::Q4_K> {
         q[2] = (a.z >> sh) & 0x0F0F0F0Fu; q[3] = (a.w >> sh) & 0x0F0F0F0Fu;
         q[4] = (b.x >> sh) & 0x0F0F0F0Fu; q[5] = (b.y >> sh) & 0x0F0F0F0Fu;
         q[6] = (b.z >> sh) & 0x0F0F0F0Fu; q[7] = (b.w >> sh) & 0x0F0F0F0Fu;
-        auto sb = [&](int j) -> int {  // byte j of scales[12]
-            const uint32_t w = j < 4 ? h.y : (j < 8 ? h.z : h.w);
-            return int((w >> (8 * (j & 3))) & 0xFF);
-        };
-        int sc, mn;  // 6-bit scale and min (quants.h k4_scale_min)
-        if (s < 4) {
-            sc = sb(s) & 63;
-            mn = sb(s + 4) & 63;
-        } else {
-            sc = (sb(s + 4) & 0xF) | ((sb(s - 4) >> 6) << 4);
-            mn = (sb(s + 4) >> 4) | ((sb(s) >> 6) << 4);
-        }
+        int sc, mn;
+        k4_scale_min_words(h.y, h.z, h.w, s, sc, mn);
         d0 = d1 = half_bits_to_f32(h.x & 0xFFFF) * float(sc);
         m = half_bits_to_f32(h.x >> 16) * float(mn);
     }
@@ -168,6 +173,105 @@ template <> struct Q8Unit<QType::IQ3_S> {
             q[k] = apply_signs4(tab.iq3s[idx * tab.iq3s_stride], (sg >> (4 * k)) & 0xF);
         }
         d0 = d1 = half_bits_to_f32(ld16(blk)) * float(1 + 2 * int(sc));
+        m = 0.f;
+    }
+};
+
+// Per-byte v - c for bytes v in 0..127 and c <= 0x7F (no borrow crosses a byte).
+FT_HD uint32_t sub_bytes(uint32_t v, uint32_t c) { return ((v | 0x80808080u) - c) ^ 0x80808080u; }
+
+template <> struct Q8Unit<QType::Q8_0> {
+    static constexpr bool kAvailable = true, kTwoScales = false, kMin = false;
+    static constexpr int kAlign = 2, kTableBytes = 0;
+    FT_HD static void load(const uint8_t* blk, int, const Q8Tables&, uint32_t (&q)[8], float& d0,
+                           float& d1, float& m) {
+        ld32n_a2<8>(blk + 2, q);  // the int8 weights as they are
+        d0 = d1 = half_bits_to_f32(ld16(blk));
+        m = 0.f;
+    }
+};
+
+template <> struct Q8Unit<QType::Q4_0> {
+    static constexpr bool kAvailable = true, kTwoScales = false, kMin = false;
+    static constexpr int kAlign = 2, kTableBytes = 0;
+    FT_HD static void load(const uint8_t* blk, int, const Q8Tables&, uint32_t (&q)[8], float& d0,
+                           float& d1, float& m) {
+        uint32_t w[4];
+        ld32n_a2<4>(blk + 2, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // low nibbles: weights 0..15, high: 16..31; value - 8
+            q[i] = sub_bytes(w[i] & 0x0F0F0F0Fu, 0x08080808u);
+            q[4 + i] = sub_bytes((w[i] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+        }
+        d0 = d1 = half_bits_to_f32(ld16(blk));
+        m = 0.f;
+    }
+};
+
+template <> struct Q8Unit<QType::IQ4_NL> {
+    static constexpr bool kAvailable = true, kTwoScales = false, kMin = false;
+    static constexpr int kAlign = 2, kTableBytes = 0;
+    FT_HD static void load(const uint8_t* blk, int, const Q8Tables& tab, uint32_t (&q)[8],
+                           float& d0, float& d1, float& m) {
+        uint32_t w[4];
+        ld32n_a2<4>(blk + 2, w);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = lut16(w[i] & 0x0F0F0F0Fu, tab.kv);
+            q[4 + i] = lut16((w[i] >> 4) & 0x0F0F0F0Fu, tab.kv);
+        }
+        d0 = d1 = half_bits_to_f32(ld16(blk));
+        m = 0.f;
+    }
+};
+
+template <> struct Q8Unit<QType::Q5_K> {
+    static constexpr bool kAvailable = true, kTwoScales = false, kMin = true;
+    static constexpr int kAlign = 16, kTableBytes = 0;
+    FT_HD static void load(const uint8_t* blk, int s, const Q8Tables&, uint32_t (&q)[8], float& d0,
+                           float& d1, float& m) {
+        const uint4 h = *reinterpret_cast<const uint4*>(blk);  // d, dmin | scales[0..11]
+        const uint4* hp = reinterpret_cast<const uint4*>(blk + 16);            // qh[32]
+        const uint4* qp = reinterpret_cast<const uint4*>(blk + 48 + 32 * (s >> 1));
+        const uint4 h0 = hp[0], h1 = hp[1], a = qp[0], b = qp[1];
+        const uint32_t lo[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const uint32_t hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const int sh = 4 * (s & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            q[i] = ((lo[i] >> sh) & 0x0F0F0F0Fu) | (((hi[i] >> s) & 0x01010101u) << 4);
+        int sc, mn;
+        k4_scale_min_words(h.y, h.z, h.w, s, sc, mn);
+        d0 = d1 = half_bits_to_f32(h.x & 0xFFFF) * float(sc);
+        m = half_bits_to_f32(h.x >> 16) * float(mn);
+    }
+};
+
+template <> struct Q8Unit<QType::Q3_K> {
+    static constexpr bool kAvailable = true, kTwoScales = true, kMin = false;
+    static constexpr int kAlign = 2, kTableBytes = 0;
+    FT_HD static void load(const uint8_t* blk, int s, const Q8Tables&, uint32_t (&q)[8], float& d0,
+                           float& d1, float& m) {
+        uint32_t hm[8], qs[8], sw[3];
+        ld32n_a2<8>(blk, hm);                    // hmask[32]: bit s = high bit of weight l
+        ld32n_a2<8>(blk + 32 + 32 * (s >> 2), qs);  // 2-bit values, shift 2 * (s % 4)
+        ld32n_a2<3>(blk + 96, sw);               // 16 6-bit scales, packed
+        const int sh = 2 * (s & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // q2 - (hbit ? 0 : 4) = (q2 | hbit << 2) - 4
+            const uint32_t v = ((qs[i] >> sh) & 0x03030303u) | (((hm[i] >> s) & 0x01010101u) << 2);
+            q[i] = sub_bytes(v, 0x04040404u);
+        }
+        auto sb = [&](int j) -> int {
+            const uint32_t w = j < 4 ? sw[0] : (j < 8 ? sw[1] : sw[2]);
+            return int((w >> (8 * (j & 3))) & 0xFF);
+        };
+        auto scale = [&](int i) -> int {  // low 4 bits in byte i%8 (nibble i/8), high 2 in 8 + i%4
+            return (((sb(i % 8) >> (4 * (i / 8))) & 0xF) | (((sb(8 + i % 4) >> (2 * (i / 4))) & 3) << 4)) - 32;
+        };
+        const float d = half_bits_to_f32(ld16(blk + 108));
+        d0 = d * float(scale(2 * s));
+        d1 = d * float(scale(2 * s + 1));
         m = 0.f;
     }
 };
