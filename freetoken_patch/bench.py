@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     # -- prefill -------------------------------------------------------------------------------
     for n in sizes:
+        rt.reset_stats()
         times = []
         for r in range(args.reps + 1):
             st = rt.new_state(1, args.ctx)
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 times.append(n / (time.perf_counter() - t))
             del st
         result[f"pp{n}"] = _spread(times)
+        result[f"pp{n}"]["streamed_experts_per_run"] = rt.stats()["prefill_streamed"] // (args.reps + 1)
         console.print(f"pp{n}: {statistics.median(times):.0f} tok/s (min {min(times):.0f}, "
                       f"max {max(times):.0f}, {args.reps} reps)")
 
@@ -174,7 +176,6 @@ def run(args: argparse.Namespace) -> int:
         "cpu_experts_per_token": round(stats["cpu"] / per_tok, 2),
         "cpu_ms_per_token": round(stats["cpu_expert_s"] / per_tok * 1e3, 3),
         "fetch_fraction": round(stats["fetch_fraction"], 3), "rates": stats["rates"],
-        "prefill_streamed_experts": stats["prefill_streamed"],
     }
     if trace_params is None:
         result["routing_stats"] = routing_stats(rec.cpu().numpy(), c.n_expert).as_dict()

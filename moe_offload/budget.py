@@ -54,8 +54,9 @@ class VramBudget:
 
 def cap_allocator(cap: int, device: torch.device) -> None:
     """Make torch's allocator refuse to grow past `cap` bytes on `device` (our hard stop)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
 
 
 class SmiPeak:

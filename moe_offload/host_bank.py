@@ -174,8 +174,14 @@ class HostExpertBank:
         """Expert `e` of `layer` as its uint8 bytes [expert_bytes] (a view)."""
         return self.banks[layer][e]
 
+    def __del__(self) -> None:  # pages must be unlocked before torch frees the memory
+        try:
+            self.close()
+        except Exception:
+            pass
+
     def close(self) -> None:
-        if self.pinned:
+        if getattr(self, "pinned", False):
             from native import offload_native
             for bank in self.banks:
                 offload_native.unpin_host(bank, missing_ok=True)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from native import offload_native as on
-from native.ops import _cuda
+from native import ops
+from native.ops import QTensor, _cuda
 
 from .errors import OffloadError
 from .expert_cache import ExpertCache
@@ -179,12 +180,10 @@ class OffloadEngine:
 
     def _moe_bank(self, x, slot_ids, w, pool, lay, y) -> None:
         """y += experts over a slot pool for every (token, k) whose slot id is >= 0."""
-        out = torch.empty_like(y)
-        slot_ids = slot_ids.to(torch.int32).contiguous()
-        _cuda.moe_ffn(x.data_ptr(), x.shape[0], self.hidden, self.ff, pool.shape[0],
-                      slot_ids.data_ptr(), w.data_ptr(), self.top_k, *_pool_args(pool, lay),
-                      out.data_ptr(), torch.cuda.current_stream().cuda_stream)
-        y.add_(out)
+        S = pool.shape[0]
+        views = [QTensor(pool[:, p.offset:p.offset + p.nbytes].view(S, p.rows, -1), p.qtype,
+                         (S, p.rows, p.cols)) for p in (lay.gate, lay.up, lay.down)]
+        y.add_(ops.moe_ffn(x, *views, slot_ids.to(torch.int32), w))
 
 
 class LayerExperts:

@@ -63,6 +63,17 @@ def _gib(n: float) -> str:
 class OffloadRuntime:
     def __init__(self, loaded: LoadedModel, opts: RuntimeOptions,
                  progress: Callable[[str, int, int], None] | None = None):
+        try:
+            self._build(loaded, opts, progress)
+        except BaseException:   # leave nothing behind: the allocator cap, pinned pages
+            if torch.cuda.is_available():
+                torch.cuda.set_per_process_memory_fraction(1.0, torch.device(opts.device).index or 0)
+            bank = getattr(self, "bank", None)
+            if bank is not None:
+                bank.close()
+            raise
+
+    def _build(self, loaded: LoadedModel, opts: RuntimeOptions, progress) -> None:
         if not torch.cuda.is_available():
             raise OffloadError("--vram needs a CUDA GPU and none is visible; run without --vram "
                                "to use the CPU")
@@ -74,6 +85,15 @@ class OffloadRuntime:
         self.budget = VramBudget(opts.vram)
         torch.cuda.reset_peak_memory_stats(dev)
         self.smi = SmiPeak()
+        # The CUDA context, cuBLAS and kernel images live outside torch's allocator but count in
+        # nvidia-smi: measure them once everything is initialised and keep them inside the cap.
+        torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = self.smi.sample() or (total - free)
+        outside = max(0, outside - torch.cuda.memory_reserved(dev)) + (64 << 20)
+        self.budget.reserve("CUDA context + libraries", outside,
+                            "the GPU runtime alone needs this much before any weight")
         base = torch.cuda.memory_allocated(dev)
         if opts.cpu_threads:
             from native.ops import _cpu
@@ -87,7 +107,7 @@ class OffloadRuntime:
         rep.seconds["dense upload"] = time.perf_counter() - t0
         self.budget.reserve("dense weights", dense,
                             "the always-active weights alone exceed the cap; use a smaller quant")
-        cap_allocator(opts.vram, dev)
+        cap_allocator(opts.vram - outside, dev)
 
         # 2. per-sequence state for the requested context (B = 1)
         probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
@@ -133,6 +153,7 @@ class OffloadRuntime:
         self._calibrate()
         self._graphs: dict[tuple, tuple] = {}
         self._states: dict[int, State] = {}
+        self.reset_stats()
         self._graph_pool = torch.cuda.graph_pool_handle()
         rep.budget = self.budget.summary()
         rep.seconds["total"] = time.perf_counter() - t0
@@ -279,9 +300,10 @@ class OffloadRuntime:
 
     # -- statistics ------------------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Cache and CPU statistics since the last reset_stats()."""
         s = self.cache.read_stats()
-        busy = np.asarray(self.engine.worker.busy_ns()) / 1e9
-        cpu_experts = np.asarray(self.engine.worker.experts())
+        busy = (np.asarray(self.engine.worker.busy_ns()) - self._busy0) / 1e9
+        cpu_experts = np.asarray(self.engine.worker.experts()) - self._experts0
         per_layer = [{"layer": i, "hits": int(s.hits[i]), "fetched": int(s.fetched[i]),
                       "cpu": int(s.cpu[i]), "cpu_s": float(busy[i])} for i in range(len(s.hits))]
         eb = self.bank.layouts[0].expert_bytes
@@ -300,6 +322,8 @@ class OffloadRuntime:
     def reset_stats(self) -> None:
         self.cache.reset_stats()
         self.engine.prefill_streamed.zero_()
+        self._busy0 = np.asarray(self.engine.worker.busy_ns())
+        self._experts0 = np.asarray(self.engine.worker.experts())
 
     def vram_peaks(self) -> dict:
         d = allocator_peaks(self.device)
@@ -308,5 +332,8 @@ class OffloadRuntime:
         return d
 
     def close(self) -> None:
+        """Give back what the runtime took: the allocator cap, pinned pages, the worker."""
         self.smi.stop()
+        self._graphs.clear()
         self.bank.close()
+        torch.cuda.set_per_process_memory_fraction(1.0, self.device.index or 0)

@@ -207,9 +207,25 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     if x.shape[-1] != w.shape[-1]:
         raise NativeError(f"{w.name}: input has {x.shape[-1]} features, weight expects {w.shape[-1]}")
     ext = _ext_for(x.device)
+    if x.device.type == "cuda" and w.qtype.family == "float" and len(w.shape) == 2:
+        return _float_matmul(x, w)  # cuBLAS reads F32/F16/BF16 weights at full bandwidth
     if _ext_supports(ext, w.qtype, "matmul", int(w.shape[-1])):
+        if ext is _cuda and x.numel() // x.shape[-1] > DECODE_MAX_TOKENS and len(w.shape) == 2:
+            return cuda_prefill_matmul(x, w, dtype=PREFILL_DTYPE)
         return ext_matmul(ext, x, w)
     return matmul_ref(x, w)
+
+
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _float_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x @ W^T for a float-typed weight, its bytes viewed as the float type (no copy)."""
+    o, h = w.shape
+    wt = _rows(w).view(_FLOAT_DTYPES[w.qtype.name]).view(o, h)
+    x2 = x.reshape(-1, h).to(torch.float32)
+    y = x2 @ (wt if wt.dtype == torch.float32 else wt.float()).T
+    return y.reshape(*x.shape[:-1], o)
 
 
 def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
@@ -232,6 +248,9 @@ def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
         raise NativeError("moe_ffn: x, ids, weights and the three banks must be on one device")
     ext = _ext_for(x.device)
     if all(_ext_supports(ext, q.qtype, "moe_ffn", int(q.shape[-1])) for q in (gate, up, down)):
+        if ext is _cuda and t > DECODE_MAX_TOKENS and PREFILL_DTYPE == torch.bfloat16:
+            y = cuda_prefill_moe(x, gate, up, down, ids, weights)
+            return y if out is None else out.copy_(y)
         return ext_moe_ffn(ext, x, gate, up, down, ids, weights, out)
     y = moe_ffn_ref(x, gate, up, down, ids, weights)
     return y if out is None else out.copy_(y)
@@ -283,6 +302,13 @@ def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None) -> torch.Tensor:
     return out
 
 
+# Above this many tokens a CUDA matmul dequantizes W and runs one GEMM (the decode kernels re-read W
+# for every 8 tokens). PREFILL_DTYPE: bfloat16 (tensor cores; x and W rounded to bf16), or float32
+# for exact comparisons in tests.
+DECODE_MAX_TOKENS = 8
+PREFILL_DTYPE = torch.bfloat16
+
+
 # ---- CUDA prefill: dequantize to 16 bits + one GEMM (CUDA only; kept apart from the dispatch) ----
 # The decode kernels read W once per 8 tokens; for prefill (T > 8) a tensor-core GEMM on dequantized
 # weights is far faster. W [O, H] -> `dtype` (gguf-py's values rounded to nearest even) in
@@ -296,18 +322,80 @@ def cuda_prefill_matmul(x: torch.Tensor, w: QTensor, workspace: torch.Tensor | N
         raise NativeError(f"{w.name}: cuda_prefill_matmul needs native._cuda and x, W [O, H] on one "
                           f"CUDA device (x on {x.device}, W {list(w.shape)} on {w.device})")
     (o, h), data = w.shape, _rows(w)
-    ggml_dtype = {torch.float16: 1, torch.bfloat16: 30}[dtype]
+    ggml_dtype = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}[dtype]
+    size = o * h * torch.finfo(dtype).bits // 8
     if workspace is None:
         wt = torch.empty(o, h, dtype=dtype, device=x.device)
     else:
-        if workspace.device != x.device or not workspace.is_contiguous() or workspace.nbytes < o * h * 2:
-            raise NativeError(f"{w.name}: workspace needs {o * h * 2} contiguous bytes on {x.device}")
-        wt = workspace.reshape(-1).view(torch.uint8)[:o * h * 2].view(dtype).view(o, h)
+        if workspace.device != x.device or not workspace.is_contiguous() or workspace.nbytes < size:
+            raise NativeError(f"{w.name}: workspace needs {size} contiguous bytes on {x.device}")
+        wt = workspace.reshape(-1).view(torch.uint8)[:size].view(dtype).view(o, h)
     _cuda.dequantize(w.qtype.type_id, data.data_ptr(), o, h, w.row_bytes, wt.data_ptr(), ggml_dtype,
                      _stream(x.device))
     x2 = x.reshape(-1, h).to(dtype)
+    if dtype == torch.float32:
+        return torch.mm(x2, wt.T).reshape(*x.shape[:-1], o)
     try:
         y = torch.mm(x2, wt.T, out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         y = torch.mm(x2, wt.T).float()
     return y.reshape(*x.shape[:-1], o)
+
+
+def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, ids: torch.Tensor,
+                     weights: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Routed experts for many tokens on CUDA: tokens sorted by expert, each group of `group`
+    experts dequantized to bf16 in one launch per projection, then grouped GEMMs (tensor cores).
+    x [T, H]; gate/up [E, F, H], down [E, H, F] banks (expert stride may exceed the expert's
+    bytes: cache pools); ids/weights [T, K]; ids outside [0, E) are skipped. -> [T, H] float32.
+    One host sync (the per-expert token counts)."""
+    (t, h), (e, f), k = x.shape, gate.shape[:2], ids.shape[1]
+    flat = ids.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < e), flat, e)              # invalid ids sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=e + 1)[:e]
+    counts_h = counts.tolist()
+    starts = [0]
+    for c in counts_h:
+        starts.append(starts[-1] + c)
+    tok = order[:starts[-1]] // k
+    wts = weights.reshape(-1)[order[:starts[-1]]].float()
+    xs = x.index_select(0, tok).to(torch.bfloat16)                   # [N, H] grouped by expert
+    y = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    stream = _stream(x.device)
+    for g0 in range(0, e, group):
+        g1 = min(e, g0 + group)
+        r0, r1 = starts[g0], starts[g1]
+        if r0 == r1:
+            continue
+        n = g1 - g0
+        mats = []
+        for q, rows, cols in ((gate, f, h), (up, f, h), (down, h, f)):
+            wq = torch.empty(n, rows, cols, dtype=torch.bfloat16, device=x.device)
+            _cuda.dequantize(q.qtype.type_id, q.data.data_ptr() + g0 * q.expert_stride, n,
+                             rows * cols, q.expert_stride, wq.data_ptr(), 30, stream)
+            mats.append(wq)
+        offs = torch.tensor(starts[g0 + 1:g1 + 1], dtype=torch.int32, device=x.device) - r0
+        a = xs[r0:r1]
+        hg = _grouped_mm(a, mats[0], offs)
+        hu = _grouped_mm(a, mats[1], offs)
+        act = (torch.nn.functional.silu(hg.float()) * hu.float()).to(torch.bfloat16)
+        out = _grouped_mm(act, mats[2], offs)                        # [rows, H]
+        y.index_add_(0, tok[r0:r1], out.float() * wts[r0:r1, None])
+    return y
+
+
+def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[r] = a[r] @ w[g]^T for the rows r of group g (offs: cumulative row ends, int32).
+    a [N, in] bf16, w [G, out, in] bf16 -> [N, out]. torch._grouped_mm where it runs, else a loop."""
+    try:
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        ends = offs.tolist()
+        out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                out[start:end] = a[start:end] @ w[g].T
+            start = end
+        return out

@@ -37,9 +37,10 @@ $PY -c "import native.ops as o; print('cuda ext', o._cuda is not None, 'cpu ext'
 
 if [[ "$STAGES" == *" tests "* ]]; then
   t0=$SECONDS
-  timeout 330 $PY -m pytest -m gpu -q -p no:cacheprovider -rfE -x --durations=8 tests > "$OUT/pytest_gpu.log" 2>&1
+  timeout ${TEST_LIMIT:-330} $PY -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=8 \
+    ${TESTS:-tests/native tests/moe_offload tests/freetoken_patch} > "$OUT/pytest_gpu.log" 2>&1
   note "gpu tests rc=$? in $((SECONDS - t0)) s: $(grep -E 'passed|failed|error' "$OUT/pytest_gpu.log" | tail -1)"
-  grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" | head -10
+  grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" | head -30
 fi
 if [[ "$STAGES" == *" kbench "* ]]; then
   t0=$SECONDS

