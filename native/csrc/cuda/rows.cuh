@@ -266,7 +266,7 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
 // Copies of a policy's lookup table (IQ3_S grid) in shared memory: lane l reads copy l % copies,
 // which spreads 32 random lookups over more banks (expected worst bank ~3.5-way with 1 copy,
-// 2-way with 16). 16 where an SM has >= 200 KiB of shared memory, else 4;
+// 2-way with 16). Default 1 (measured fastest on the H200, see matvec.cu);
 // FTPATCH_IQ_GRID_COPIES (1, 2, 4, 8, 16 or 32) overrides, for tuning.
 int grid_copies();
 
