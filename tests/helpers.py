@@ -104,3 +104,18 @@ def rewrite(src: str | Path, dst: str | Path, *, drop: Iterable[str] = (),
     out = Path(dst)
     out.write_bytes(build_gguf(kv, tensors, alignment=f.alignment))
     return out
+
+
+def fused_gate_up(src: str | Path) -> tuple[dict, list[str]]:
+    """(add, drop) for `rewrite`: every layer's gate and up expert banks as one fused
+    ffn_gate_up_exps tensor (per expert: gate rows first, then up), as --fuse-gate-up-exps writes."""
+    f = open_gguf(src)
+    add, drop = {}, []
+    layers = sorted({int(t.name.split(".")[1]) for t in f if t.name.endswith("ffn_gate_exps.weight")})
+    for i in layers:
+        g, u = f.tensors[f"blk.{i}.ffn_gate_exps.weight"], f.tensors[f"blk.{i}.ffn_up_exps.weight"]
+        E, Fe = g.ne[2], g.ne[1]
+        fused = np.concatenate([f.data(g.name).reshape(E, Fe, -1), f.data(u.name).reshape(E, Fe, -1)], 1)
+        add[f"blk.{i}.ffn_gate_up_exps.weight"] = ((g.ne[0], 2 * Fe, E), g.type_id, fused.tobytes())
+        drop += [g.name, u.name]
+    return add, drop

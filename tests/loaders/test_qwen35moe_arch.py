@@ -3,7 +3,7 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers import rewrite
+from helpers import fused_gate_up, rewrite
 from loaders import GGUFError, get_architecture, open_gguf, open_model, supported_architectures
 from loaders.quants import QUANT_TYPES, random_tensor
 
@@ -82,15 +82,7 @@ def test_unsupported_type_is_named(tiny_model, tmp_path):
 
 def test_fused_alternatives_load(tiny_model, tmp_path):
     f = open_gguf(tiny_model)
-    add, drop = {}, []
-    for i in range(4):
-        g, u = f.tensors[f"blk.{i}.ffn_gate_exps.weight"], f.tensors[f"blk.{i}.ffn_up_exps.weight"]
-        E, Fe = g.ne[2], g.ne[1]
-        gd = f.data(g.name).reshape(E, Fe, -1)
-        ud = f.data(u.name).reshape(E, Fe, -1)
-        fused = np.concatenate([gd, ud], axis=1)  # gate rows first, then up
-        add[f"blk.{i}.ffn_gate_up_exps.weight"] = ((g.ne[0], 2 * Fe, E), g.type_id, fused.tobytes())
-        drop += [g.name, u.name]
+    add, drop = fused_gate_up(tiny_model)
     q, k, v = (f.tensors[f"blk.3.attn_{x}.weight"] for x in "qkv")
     qkv = np.concatenate([f.data(q.name), f.data(k.name), f.data(v.name)], axis=0)
     add["blk.3.attn_qkv.weight"] = ((q.ne[0], q.ne[1] + k.ne[1] + v.ne[1]), q.type_id, qkv.tobytes())

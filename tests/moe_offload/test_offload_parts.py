@@ -39,16 +39,8 @@ def test_host_bank_holds_each_expert_contiguously(mixed):
 
 
 def test_host_bank_splits_fused_gate_up(tiny_model, tmp_path):
-    from helpers import rewrite
-    from loaders import open_gguf
-    f = open_gguf(tiny_model)
-    add, drop = {}, []
-    for i in range(4):
-        g, u = f.tensors[f"blk.{i}.ffn_gate_exps.weight"], f.tensors[f"blk.{i}.ffn_up_exps.weight"]
-        E, Fe = g.ne[2], g.ne[1]
-        fused = np.concatenate([f.data(g.name).reshape(E, Fe, -1), f.data(u.name).reshape(E, Fe, -1)], 1)
-        add[f"blk.{i}.ffn_gate_up_exps.weight"] = ((g.ne[0], 2 * Fe, E), g.type_id, fused.tobytes())
-        drop += [g.name, u.name]
+    from helpers import fused_gate_up, rewrite
+    add, drop = fused_gate_up(tiny_model)
     fused_model = open_model(rewrite(tiny_model, tmp_path / "f.gguf", drop=drop, add=add))
     a = HostExpertBank(open_model(tiny_model), pin=False, threads=1)
     b = HostExpertBank(fused_model, pin=False, threads=2)
