@@ -153,6 +153,7 @@ class OffloadRuntime:
         self._calibrate()
         self._graphs: dict[tuple, tuple] = {}
         self._states: dict[int, State] = {}
+        self._since_observe, self._obs_busy, self._obs_experts = 0, 0, 0
         self.reset_stats()
         self._graph_pool = torch.cuda.graph_pool_handle()
         rep.budget = self.budget.summary()
@@ -263,8 +264,23 @@ class OffloadRuntime:
         graph.replay()
         self.engine.collect()
         state.n_past += 1       # the captured step advanced the device position only
-        out = logits.clone()
-        return out
+        self._observe()
+        return logits.clone()
+
+    def _observe(self, every: int = 16) -> None:
+        """Every `every` steps, fold the CPU worker's measured rate into the scheduler (the plan
+        kernel reads the new split from device memory: no re-capture)."""
+        self._since_observe += 1
+        if self._since_observe < every:
+            return
+        self._since_observe = 0
+        busy = sum(self.engine.worker.busy_ns())
+        n = sum(self.engine.worker.experts())
+        d_busy, d_n = busy - self._obs_busy, n - self._obs_experts
+        self._obs_busy, self._obs_experts = busy, n
+        if d_n >= 4 * every:  # enough CPU work in the window to trust the rate
+            eb = float(np.mean([lay.expert_bytes for lay in self.bank.layouts]))
+            self.scheduler.observe_cpu(d_busy / 1e9, d_n * eb)
 
     def _eager_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         eng = self.engine
@@ -276,6 +292,7 @@ class OffloadRuntime:
         finally:
             eng.in_step = False
         eng.collect()
+        self._observe()
         return out
 
     def _capture(self, tokens: torch.Tensor, state: State):
