@@ -60,8 +60,8 @@ def vocab_from_metadata(md: Mapping[str, Any], where: str = "model") -> VocabSpe
     """The tokenizer tables of a GGUF's metadata; a clear error when they are absent."""
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is None:
-        raise GGUFError(f"{where} has no tokenizer (no tokenizer.ggml.tokens); pass token ids "
-                        "with --tokens instead of text")
+        raise GGUFError(f"{where} has no tokenizer (no tokenizer.ggml.tokens), so it cannot read "
+                        "text; give token ids instead where the command takes --tokens")
     model = md.get("tokenizer.ggml.model", "gpt2")
     types = md.get("tokenizer.ggml.token_type")
     types = np.full(len(tokens), NORMAL, np.int32) if types is None else np.asarray(types, np.int32)
