@@ -117,10 +117,12 @@ def test_isa_env_override_and_bad_names():
     import sys
     code = "import native._cpu as c; print(c.isa())"
     env = dict(os.environ, FTPATCH_CPU_ISA="generic")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    run = dict(env=env, capture_output=True, text=True, check=True, cwd=os.path.dirname(ops.__file__) + "/..")
+    # cwd: the directory holding the imported package, so `python -c` finds the same build
+    out = subprocess.run([sys.executable, "-c", code], **run)
     assert out.stdout.strip() == "generic"
     env.pop("FTPATCH_CPU_ISA")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], **run)
     assert out.stdout.strip() == ops._cpu.available_isas()[-1]  # default: the best this CPU runs
     with pytest.raises(ValueError, match="not available"):
         ops._cpu.set_isa("avx1024")
