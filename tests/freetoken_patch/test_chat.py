@@ -104,12 +104,14 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(monkeypatch, capsys):
 
 
 def test_prompt_longer_than_the_context_then_the_session_goes_on(monkeypatch, capsys):
-    rc, out, err = chat(monkeypatch, capsys, "word " * 80 + "\nhi\n", "--ctx", "40", "-n", "3")
+    rc, out, err = chat(monkeypatch, capsys, "word " * 80 + "\nhi\n", "--ctx", "40", "-n", "3",
+                        "--seed", "1")
     assert rc == 0
     errors = [line for line in err.splitlines() if line.startswith("ftpatch: error: ")]
     assert len(errors) == 1 and "do not fit the context of 40" in errors[0]
     assert "--ctx" in errors[0] and "Traceback" not in err
-    assert len(out.splitlines()) == 1 and "answer 3 tok" in err
+    # the second message was answered (random weights: the 3 tokens may hold newlines)
+    assert out.strip() and err.count("answer 3 tok") == 1
 
 
 def _no_tokenizer(cache_dir):
