@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .errors import CLIError
+from .model_args import size_arg
 
 EPILOG = """\
 examples:
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
                        description="Measure prefill (pp) and decode (tg) throughput of a model "
                                    "under a hard VRAM cap, with cache and routing statistics.")
     s.add_argument("model", help="GGUF model, or the word 'kernels' for the kernel benchmark")
-    s.add_argument("--vram", default="8GiB", help="VRAM cap (default 8GiB)")
+    s.add_argument("--vram", default="8GiB", type=size_arg, help="VRAM cap (default 8GiB)")
     s.add_argument("-p", "--prompt-sizes", default="512,2048", help="prefill sizes (default 512,2048)")
     s.add_argument("-n", "--gen", type=int, default=128, help="decode tokens (default 128)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
@@ -77,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
         from . import bench_kernels
         return bench_kernels.run(args, console)
     from loaders import open_model
-    from loaders.synth import parse_size
     from moe_offload.runtime import OffloadRuntime, RuntimeOptions
     from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
     if not torch.cuda.is_available():
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         sizes = [int(x) for x in args.prompt_sizes.split(",") if x.strip()]
     except ValueError:
         raise CLIError(f"-p {args.prompt_sizes!r}: give sizes like 512,2048") from None
-    vram = parse_size(args.vram)
+    vram = args.vram
     t0 = time.perf_counter()
     loaded = open_model(args.model)
     c = loaded.config

@@ -5,21 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .model_args import size_arg
+
 EPILOG = """\
 examples:
   ftpatch chat                                  chat with the embedded default (random weights)
   ftpatch synth --preset tiny -o tiny.gguf      write a small synthetic qwen35moe model
   ftpatch inspect model.gguf --vram 8GiB        what is in a model, and how it fits 8 GiB
 """
-
-
-def _size(text: str) -> int:
-    from loaders.synth import parse_size
-    from loaders import GGUFError
-    try:
-        return parse_size(text)
-    except GGUFError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -48,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "per-layer table, kernel support, and a VRAM plan sketch.")
     s.add_argument("model", help="GGUF file, any shard of a split set, or a folder")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    s.add_argument("--vram", type=_size, metavar="SIZE",
+    s.add_argument("--vram", type=size_arg, metavar="SIZE",
                    help="sketch the plan for this much VRAM (e.g. 8GiB)")
     s.add_argument("--ctx", type=int, default=8192, help="context length for the plan (default 8192)")
     s.set_defaults(func=cmd_inspect)
 
     from . import synth_cmd
-    synth_cmd.add_parser(sub, _size)
+    synth_cmd.add_parser(sub, size_arg)
     s = sub.choices["synth"]
     s.set_defaults(func=cmd_synth)
 

@@ -170,7 +170,8 @@ def render(d: dict[str, Any], console) -> None:
         p = d["plan"]
         console.print(f"[bold]plan for {_gib(p['vram_bytes'])} of VRAM[/] (context {p['n_ctx']:,}):")
         console.print(f"  dense weights {_gib(p['dense_bytes'])}, KV {_gib(p['kv_bytes'])}, "
-                      f"delta-net state {_gib(p['state_bytes'])}, workspace {_gib(p['workspace_bytes'])}")
+                      f"delta-net state {_gib(p['state_bytes'])}, workspaces + staging + CUDA "
+                      f"context (est.) {_gib(p['workspace_bytes'])}")
         if not p["fits"]:
             console.print("  [red]the dense part does not fit: raise --vram or keep the head on the host[/]")
         console.print(f"  left for experts {_gib(p['expert_budget_bytes'])}: {p['experts_fit']:,} of "

@@ -205,17 +205,28 @@ def random_blocks(qtype: str | int | QuantType, n_blocks: int, rng: np.random.Ge
     q = quant_type(qtype)
     if q.family == "float":
         w = rng.standard_normal(n_blocks, dtype=np.float32) * np.float32(scale)
-        dt = {"F32": np.float32, "F16": np.float16}.get(q.name)
-        if dt is not None:
-            return w.astype(dt).view(np.uint8).reshape(n_blocks, q.block_bytes)
-        bits = w.view(np.uint32)  # BF16: round to nearest even on the top 16 bits
-        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        return bits.astype(np.uint16).view(np.uint8).reshape(n_blocks, 2)
+        return float_bytes(w, q).reshape(n_blocks, q.block_bytes)
     raw = _random_raw(q, n_blocks, rng)
     unit_rms, ratio = _unit_stats(q.name)
     d = (scale / unit_rms) * rng.uniform(1 - jitter, 1 + jitter, n_blocks).astype(np.float32)
     _set_scales(q, raw, d, d * ratio)
     return raw
+
+
+def float_bytes(values: np.ndarray, qtype: str | QuantType) -> np.ndarray:
+    """float32 values -> the raw bytes of a float type (F32, F16, or BF16 rounded to nearest
+    even), same shape with the last dimension in bytes."""
+    q = quant_type(qtype)
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    if q.name == "F32":
+        return v.view(np.uint8)
+    if q.name == "F16":
+        return v.astype(np.float16).view(np.uint8)
+    if q.name != "BF16":
+        raise GGUFError(f"{q.name} is not a float type; expected F32, F16 or BF16")
+    bits = v.view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return bits.astype(np.uint16).view(np.uint8)
 
 
 def random_tensor(qtype: str | int | QuantType, shape: Sequence[int], rng: np.random.Generator,

@@ -19,7 +19,7 @@ import numpy as np
 
 from .archs.qwen35moe import Qwen35MoeConfig, tensor_schema
 from .errors import GGUFError
-from .quants import QuantType, quant_type, random_tensor
+from .quants import QuantType, float_bytes, quant_type, random_tensor
 from .registry import TensorSpec
 from .vocab import VocabSpec, builtin_vocab, read_vocab, vocab_metadata
 
@@ -106,12 +106,8 @@ def _config(p: Preset, n_vocab: int, n_layer: int) -> Qwen35MoeConfig:
         tied_output=False)
 
 
-def _f32(values: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint8)
-
-
 def _vector_maker(spec: TensorSpec, c: Qwen35MoeConfig, skew: float) -> Callable[[np.random.Generator], np.ndarray]:
-    """F32 tensors: values in the ranges a trained model's tensors have (as GGUF stores them)."""
+    """float32 values (stored as F32/F16/BF16): values in the ranges a trained model's tensors have (as GGUF stores them)."""
     n = spec.name
     shape = spec.shape
 
@@ -131,7 +127,7 @@ def _vector_maker(spec: TensorSpec, c: Qwen35MoeConfig, skew: float) -> Callable
                 v *= ((1.0 + rank) ** -skew * shape[0] ** skew / 4)[:, None]
         else:                                   # shared-expert gate and anything else
             v = 0.02 * rng.standard_normal(shape)
-        return _f32(np.asarray(v, np.float64).astype(np.float32))
+        return np.asarray(v, np.float64).astype(np.float32)
     return make
 
 
@@ -167,21 +163,11 @@ def plan_tensors(opts: SynthOptions, c: Qwen35MoeConfig, extra: list[TensorSpec]
             if qt.family != "float":
                 raise GGUFError(f"{name} holds values, not weights; store it as F32, F16 or BF16")
             vm = _vector_maker(spec, c, opts.routing_skew)
-            make = (lambda vm, qt: lambda rng: _convert_f32(vm(rng), qt))(vm, qt)
+            make = (lambda vm, qt: lambda rng: float_bytes(vm(rng), qt))(vm, qt)
         else:
             make = (lambda qt, shape: lambda rng: random_tensor(qt, shape, rng))(qt, spec.shape)
         plans.append(_Plan(name, spec.shape, qt, make))
     return plans
-
-
-def _convert_f32(raw_f32: np.ndarray, qt: QuantType) -> np.ndarray:
-    v = raw_f32.view(np.float32)
-    if qt.name == "F32":
-        return raw_f32
-    if qt.name == "F16":
-        return v.astype(np.float16).view(np.uint8)
-    b = v.view(np.uint32)  # BF16, round to nearest even
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)
 
 
 def _mtp_specs(c: Qwen35MoeConfig) -> list[TensorSpec]:

@@ -53,6 +53,11 @@ class ExpertLayout:
     down: ProjLayout
     expert_bytes: int  # gate + up + down, each aligned
 
+    def banks(self, base: int, stride: int) -> tuple[tuple[int, int, int], ...]:
+        """(type id, address, expert stride) of gate, up and down for experts laid out from
+        address `base`, one every `stride` bytes (a host bank row, a cache slot, a staging row)."""
+        return tuple((p.qtype.type_id, base + p.offset, stride) for p in (self.gate, self.up, self.down))
+
     @property
     def key(self) -> tuple:
         """Layers with equal keys can share a slot pool."""

@@ -31,9 +31,7 @@ MAX_FETCH = 64  # plan kernel's selection limit (T * K)
 
 def _pool_args(pool: torch.Tensor, lay) -> tuple:
     """(type, address, slot bytes) of gate, up, down inside a pool of [gate|up|down] slots, flat."""
-    base = pool.data_ptr()
-    return tuple(v for p in (lay.gate, lay.up, lay.down)
-                 for v in (p.qtype.type_id, base + p.offset, pool.shape[1]))
+    return tuple(v for bank in lay.banks(pool.data_ptr(), pool.shape[1]) for v in bank)
 
 
 class OffloadEngine:
@@ -62,11 +60,8 @@ class OffloadEngine:
                                          cache.slot_last_use, cache.slot_pinned,
                                          cache.expert_freq, cache.n_slots, cache.stats).as_dict()
         layers = []
-        for Lx, (lay, host) in enumerate(zip(bank.layouts, bank.banks)):
-            base, stride = host.data_ptr(), lay.expert_bytes
-            layers.append({"gate": (lay.gate.qtype.type_id, base + lay.gate.offset, stride),
-                           "up": (lay.up.qtype.type_id, base + lay.up.offset, stride),
-                           "down": (lay.down.qtype.type_id, base + lay.down.offset, stride),
+        for lay, host in zip(bank.layouts, bank.banks):
+            layers.append({**dict(zip(("gate", "up", "down"), lay.banks(host.data_ptr(), lay.expert_bytes))),
                            "ff": ff, "n_experts": cache.n_expert})
         self.worker = on.make_worker(self._ex[self.max_tok], layers, timeout_s)
         self.in_step = False

@@ -48,7 +48,7 @@ class PlanSketch:
     dense_bytes: int          # every non-expert weight, kept quantized
     kv_bytes: int
     state_bytes: int
-    workspace_bytes: int
+    workspace_bytes: int      # workspaces, prefill staging and the CUDA context (estimated)
     expert_budget_bytes: int  # what is left for the expert cache (0 if it does not fit)
     expert_bytes_mean: int
     experts_total: int
@@ -65,12 +65,27 @@ class PlanSketch:
         return d
 
 
-def workspace_estimate(model: LoadedModel, n_tokens: int = 512) -> int:
-    """Activations and scratch for a prefill chunk of `n_tokens`, plus logits for one row; rough."""
-    c = model.config
-    widest = max(2 * c.n_head * c.head_dim, c.ssm_conv_dim, c.n_expert * 4, c.n_embd * 4)
-    act = n_tokens * widest * 4 * 6
-    return act + c.n_vocab * 4 * 2 + (64 << 20)  # + CUDA context-independent slack
+PREFILL_CHUNK = 2048           # tokens per prefill chunk (the runtime's default)
+STAGING_EXPERTS = 32           # experts per prefill staging buffer (two are kept)
+CUDA_CONTEXT_ESTIMATE = 768 << 20  # context + cuBLAS + kernel images (measured ~740 MiB, H200)
+
+
+def gpu_workspace_bytes(c, n_ctx: int, prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """GPU workspaces for config `c`: prefill activations and attention scores for one chunk,
+    chunked delta-rule blocks, logits, and the pools of the captured decode graphs."""
+    T = prefill_chunk
+    widest = max(2 * c.n_head * c.head_dim, c.ssm_conv_dim, c.n_embd * 2, c.ssm_d_inner * 2)
+    act = T * widest * 4 * 8                                  # a few live [T, widest] f32
+    attn = c.n_head * T * min(T, n_ctx) * 4 * 2               # scores of one chunk
+    delta = c.ssm_n_v_heads * T * 64 * 4 * 4                  # chunked delta-rule blocks
+    logits = c.n_vocab * 4 * 4
+    graphs = 96 << 20                                          # decode graph pools
+    return int(act + attn + delta + logits + graphs)
+
+
+def staging_bytes(expert_bytes: int, staging_experts: int = STAGING_EXPERTS) -> int:
+    """The two prefill staging buffers, each `staging_experts` of the largest expert."""
+    return 2 * staging_experts * expert_bytes
 
 
 def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanSketch:
@@ -78,8 +93,9 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanS
     dense = sum(w.nbytes for w in model.weights.values() if not is_expert_tensor(w.name))
     kv = kv_bytes_per_token(model) * n_ctx
     state = recurrent_state_bytes(model)
-    work = workspace_estimate(model)
     per_layer = expert_bytes_per_layer(model)
+    work = gpu_workspace_bytes(model.config, n_ctx) + CUDA_CONTEXT_ESTIMATE + \
+        staging_bytes(max(per_layer.values(), default=0))
     n_layers = len(per_layer)
     total_experts = n_layers * model.config.n_expert
     mean = sum(per_layer.values()) // n_layers if n_layers else 0

@@ -26,11 +26,11 @@ from .host_bank import HostExpertBank
 from .models import Qwen35Moe
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
+from .placement import PREFILL_CHUNK, STAGING_EXPERTS, gpu_workspace_bytes, staging_bytes
 from .scheduler import Rates, Scheduler
 from .state import State
 
 GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
-PREFILL_CHUNK = 2048        # tokens per prefill chunk
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RuntimeOptions:
     fetch_fraction: float | None = None    # force the PCIe share of misses (None: from rates)
     use_graphs: bool = True
     prefill_chunk: int = PREFILL_CHUNK
-    staging_experts: int = 32              # per prefill staging buffer (two are kept)
+    staging_experts: int = STAGING_EXPERTS  # per prefill staging buffer (two are kept)
     cpu_threads: int | None = None
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
     device: str = "cuda"
@@ -114,7 +114,7 @@ class OffloadRuntime:
         self.budget.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
 
         # 3. workspaces: prefill activations + attention for one chunk, graphs, staging
-        ws = self._workspace_bytes(opts)
+        ws = gpu_workspace_bytes(c, opts.n_ctx, opts.prefill_chunk)
         self.budget.reserve("workspace", ws, "lower --ctx or the prefill chunk")
 
         # 4. host expert banks
@@ -127,7 +127,7 @@ class OffloadRuntime:
 
         # 5. the expert cache from what is left
         layouts = self.bank.layouts
-        staging = 2 * opts.staging_experts * max(lay.expert_bytes for lay in layouts)
+        staging = staging_bytes(max(lay.expert_bytes for lay in layouts), opts.staging_experts)
         self.budget.reserve("prefill staging", staging, "lower --vram use elsewhere")
         slots = ExpertCache.plan_slots(layouts, self.budget.left, c.n_expert)
         if opts.cache_slots is not None:  # a smaller cache on purpose (tests, experiments)
@@ -160,17 +160,6 @@ class OffloadRuntime:
         rep.seconds["total"] = time.perf_counter() - t0
 
     # -- sizing ----------------------------------------------------------------------------------------
-    def _workspace_bytes(self, opts: RuntimeOptions) -> int:
-        c = self.config
-        T = opts.prefill_chunk
-        widest = max(2 * c.n_head * c.head_dim, c.ssm_conv_dim, c.n_embd * 2, c.ssm_d_inner * 2)
-        act = T * widest * 4 * 8                                  # a few live [T, widest] f32
-        attn = c.n_head * T * min(T, opts.n_ctx) * 4 * 2          # scores of one chunk
-        delta = c.ssm_n_v_heads * T * 64 * 4 * 4                  # chunked delta-rule blocks
-        logits = c.n_vocab * 4 * 4
-        graphs = 96 << 20                                          # decode graph pools
-        return int(act + attn + delta + logits + graphs)
-
     def _calibrate(self) -> None:
         """Measure the link (fetch kernel) and CPU (expert FFN) rates with this model's experts."""
         from native import offload_native as on
@@ -204,8 +193,7 @@ class OffloadRuntime:
             ids = torch.arange(K, dtype=torch.int32).view(1, K)
             w = torch.full((1, K), 1.0 / K)
             y = torch.empty(1, self.config.n_embd)
-            args = [v for p in (lay.gate, lay.up, lay.down)
-                    for v in (p.qtype.type_id, host.data_ptr() + p.offset, eb)]
+            args = [v for b in lay.banks(host.data_ptr(), eb) for v in b]
 
             def run():
                 _cpu.moe_ffn(x.data_ptr(), 1, self.config.n_embd, self.config.n_ff_exp,
@@ -344,7 +332,8 @@ class OffloadRuntime:
 
     def vram_peaks(self) -> dict:
         d = allocator_peaks(self.device)
-        d["nvidia_smi_peak"] = self.smi.sample() and self.smi.peak_bytes
+        self.smi.sample()
+        d["nvidia_smi_peak"] = self.smi.peak_bytes
         d["cap"] = self.opts.vram
         return d
 
