@@ -74,7 +74,8 @@ def gpu_workspace_bytes(c, n_ctx: int, prefill_chunk: int = PREFILL_CHUNK) -> in
     """GPU workspaces for config `c`: prefill activations and attention scores for one chunk,
     chunked delta-rule blocks, logits, and the pools of the captured decode graphs."""
     T = prefill_chunk
-    widest = max(2 * c.n_head * c.head_dim, c.ssm_conv_dim, c.n_embd * 2, c.ssm_d_inner * 2)
+    fused_ssm_in = c.ssm_conv_dim + c.ssm_d_inner + 2 * c.ssm_n_v_heads  # qwen35moe.SSM_IN as one
+    widest = max(2 * c.n_head * c.head_dim, fused_ssm_in, c.n_embd * 2, c.ssm_d_inner * 2)
     act = T * widest * 4 * 8                                  # a few live [T, widest] f32
     attn = c.n_head * T * min(T, n_ctx) * 4 * 2               # scores of one chunk
     delta = c.ssm_n_v_heads * T * 64 * 4 * 4                  # chunked delta-rule blocks

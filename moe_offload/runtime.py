@@ -24,6 +24,7 @@ from .errors import OffloadError
 from .expert_cache import ExpertCache, load_profile
 from .host_bank import HostExpertBank
 from .models import Qwen35Moe
+from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
 from .placement import PREFILL_CHUNK, STAGING_EXPERTS, gpu_workspace_bytes, staging_bytes
@@ -101,7 +102,7 @@ class OffloadRuntime:
                 _cpu.set_threads(opts.cpu_threads)
 
         # 1. dense weights, quantized, on the GPU (experts stay in the file's memory map)
-        tensors, _ = upload_weights(loaded, dev, experts_device="cpu")
+        tensors, _ = upload_weights(loaded, dev, experts_device="cpu", fuse=FUSED_PROJECTIONS)
         torch.cuda.synchronize(dev)
         dense = torch.cuda.memory_allocated(dev) - base
         rep.seconds["dense upload"] = time.perf_counter() - t0

@@ -35,13 +35,16 @@ class QTensor:
     `shape` is torch order (last dim = input features, stored in blocks). For expert banks
     shape is [E, O, H] and rows = E*O; a bank may also hold a strided view `data` [E, O, row_bytes]
     (rows contiguous inside an expert), e.g. the gate or up half of a fused gate_up bank
-    (see `rows`). `name` is the GGUF name (errors, statistics, caches).
+    (see `rows`). `name` is the GGUF name (errors, statistics, caches). `parts`: for weights
+    that several projections of one input were concatenated into (one matmul instead of
+    several), the output rows of each, in order.
     """
 
     data: torch.Tensor
     qtype: QuantType
     shape: tuple[int, ...]
     name: str = ""
+    parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         rows = int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
@@ -76,7 +79,7 @@ class QTensor:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "QTensor":
         return QTensor(self.data.to(device, non_blocking=non_blocking), self.qtype, self.shape,
-                       self.name)
+                       self.name, self.parts)
 
     def expert(self, e: int) -> "QTensor":
         """Expert `e` of a bank [E, O, H] as a 2-D weight [O, H] (a view)."""
@@ -399,3 +402,105 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
                 out[start:end] = a[start:end] @ w[g].T
             start = end
         return out
+
+
+# ---- decode-step kernels (CUDA only; csrc/cuda/step.cu) --------------------------------------------
+# One launch each for a step's small operations; moe_offload.models.layers dispatches to them and
+# holds their torch references. Inputs are float32 CUDA tensors; 2-D arguments may be row-strided
+# views (a slice of a fused projection's output) as long as each row is contiguous.
+
+def step_kernels_available(t: torch.Tensor) -> bool:
+    return t.is_cuda and _cuda is not None and hasattr(_cuda, "delta_rule_step")
+
+
+def _ld(t: torch.Tensor, what: str) -> int:
+    """Row stride (in floats) of a float32 matrix whose rows are contiguous."""
+    if t.dtype != torch.float32 or t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise NativeError(f"{what}: needs float32 rows with unit stride, got {t.dtype} "
+                          f"{list(t.shape)} strides {t.stride()}")
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def cuda_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Tensor | None = None,
+                           b: torch.Tensor | None = None, s: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H] (contiguous) += a + sigmoid(s) * b in place (b, s optional); -> rms_norm(x) * w."""
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        raise NativeError("residual_rms_norm: x must be contiguous float32")
+    n, h = x.shape
+    out = torch.empty_like(x)
+    pa, lda = (a.data_ptr(), _ld(a, "residual_rms_norm a")) if a is not None else (0, 0)
+    pb, ldb = (b.data_ptr(), _ld(b, "residual_rms_norm b")) if b is not None else (0, 0)
+    ps, lds = (s.data_ptr(), _ld(s, "residual_rms_norm s")) if s is not None else (0, 0)
+    _cuda.residual_rms_norm(x.data_ptr(), n, h, pa, lda, pb, ldb, ps, lds, w.data_ptr(), eps,
+                            out.data_ptr(), _stream(x.device))
+    return out
+
+
+def cuda_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One token: x [B, C] -> silu(causal conv) [B, C]; conv_state [B, C, Kc-1] shifts in place."""
+    bsz, ch = x.shape
+    y = torch.empty(bsz, ch, dtype=torch.float32, device=x.device)
+    _cuda.conv_silu_step(x.data_ptr(), _ld(x, "conv_silu_step x"), conv_state.data_ptr(),
+                         w.data_ptr(), bsz, ch, w.shape[1], y.data_ptr(), _stream(x.device))
+    return y
+
+
+def cuda_delta_rule_step(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
+                         alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+                         S: torch.Tensor, norm_w: torch.Tensor, n_k_heads: int,
+                         eps: float) -> torch.Tensor:
+    """One token of the gated delta rule + gated norm (api.h): y [B, q|k|v] after the conv,
+    z [B, Hv*dv], beta_raw / alpha_raw [B, Hv], S [B, Hv, dk, dv] updated -> [B, Hv*dv]."""
+    bsz, hv, dk, dv = S.shape
+    ldg = _ld(beta_raw, "delta_rule_step beta")
+    if _ld(alpha_raw, "delta_rule_step alpha") != ldg:
+        raise NativeError("delta_rule_step: beta and alpha need the same row stride")
+    out = torch.empty(bsz, hv * dv, dtype=torch.float32, device=y.device)
+    _cuda.delta_rule_step(y.data_ptr(), _ld(y, "delta_rule_step y"), z.data_ptr(),
+                          _ld(z, "delta_rule_step z"), beta_raw.data_ptr(), alpha_raw.data_ptr(), ldg,
+                          ssm_a.data_ptr(), dt_bias.data_ptr(), S.data_ptr(), norm_w.data_ptr(), bsz,
+                          n_k_heads, hv, dk, dv, eps, out.data_ptr(), _stream(y.device))
+    return out
+
+
+def cuda_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> ids [N, k] int32, weights [N, k]: softmax, top-k, renormalised (floor)."""
+    n, e = logits.shape
+    ids = torch.empty(n, k, dtype=torch.int32, device=logits.device)
+    w = torch.empty(n, k, dtype=torch.float32, device=logits.device)
+    _cuda.route_topk(logits.data_ptr(), n, _ld(logits, "route_topk"), e, k, floor, ids.data_ptr(),
+                     w.data_ptr(), _stream(logits.device))
+    return ids, w
+
+
+def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                        k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int) -> torch.Tensor:
+    """One token of gated attention (api.h): qg [B, Hq*2d] (q | gate per head), k, v [B, Hkv*d];
+    caches [B, n_ctx, Hkv, d] (F32 or F16; d 64, 128, 256 or 512) written at pos (int64 device
+    scalar) -> [B, Hq*d]."""
+    bsz, n_ctx, hkv, d = k_cache.shape
+    dtypes = {torch.float32: 0, torch.float16: 1}
+    if k_cache.dtype not in dtypes or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous() or pos.dtype != torch.int64:
+        raise NativeError("attention_step: caches must be contiguous F32 or F16, pos int64")
+    ldkv = _ld(k, "attention_step k")
+    if _ld(v, "attention_step v") != ldkv:
+        raise NativeError("attention_step: k and v need the same row stride")
+    out = torch.empty(bsz, n_head * d, dtype=torch.float32, device=qg.device)
+    _cuda.attention_step(qg.data_ptr(), _ld(qg, "attention_step qg"), k.data_ptr(), v.data_ptr(), ldkv,
+                         q_norm.data_ptr(), k_norm.data_ptr(), eps, pos.data_ptr(), n_rot, base,
+                         k_cache.data_ptr(), v_cache.data_ptr(), dtypes[k_cache.dtype], n_ctx, bsz,
+                         n_head, hkv, d, out.data_ptr(), _stream(qg.device))
+    return out
+
+
+def cuda_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [N, F] views with the same row stride."""
+    n, f = gate.shape
+    ld = _ld(gate, "swiglu gate")
+    if _ld(up, "swiglu up") != ld:
+        raise NativeError("swiglu: gate and up need the same row stride")
+    out = torch.empty(n, f, dtype=torch.float32, device=gate.device)
+    _cuda.swiglu(gate.data_ptr(), up.data_ptr(), ld, n, f, out.data_ptr(), _stream(gate.device))
+    return out

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: set up (wheels, prebuilt or freshly built extensions), then the stages named in
 # $STAGES (default "tests kbench"): tests = every GPU test; kbench = ftpatch bench kernels;
+# resident = every weight on the GPU (no cap): decode/prefill ceiling + a decode kernel profile;
 # offload = synthetic 35B-A3B IQ3_S + ftpatch bench under VRAM caps (see $CAPS, $REGIMES).
 # Logs and JSON go to $OUT; a short summary is printed last.
 set -u -o pipefail
@@ -47,10 +48,17 @@ if [[ "$STAGES" == *" kbench "* ]]; then
   timeout 150 $PY -m freetoken_patch.cli bench kernels --json > "$OUT/kbench.json" 2> "$OUT/kbench.log"
   note "kernel bench rc=$? in $((SECONDS - t0)) s"
 fi
-if [[ "$STAGES" == *" offload "* ]]; then
+if [[ "$STAGES" == *" offload "* || "$STAGES" == *" resident "* ]]; then
   t0=$SECONDS
   $PY -m freetoken_patch.cli synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf > "$OUT/synth.log" 2>&1
   note "synth 35b: $(tail -1 "$OUT/synth.log") ($((SECONDS - t0)) s)"
+fi
+if [[ "$STAGES" == *" resident "* ]]; then
+  t0=$SECONDS
+  timeout 300 $PY scripts/dev/resident_decode.py /tmp/35b.gguf ${RESIDENT_ARGS:-} > "$OUT/resident.log" 2>&1
+  note "resident rc=$? in $((SECONDS - t0)) s: $(head -2 "$OUT/resident.log" | tr '\n' ' ')"
+fi
+if [[ "$STAGES" == *" offload "* ]]; then
   for cap in ${CAPS:-8GiB}; do
     for regime in ${REGIMES:-model}; do
       extra=""; [[ $regime == trace ]] && extra="--trace"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import OffloadError
-from .qwen35moe import Qwen35Moe
+from .qwen35moe import FUSED_PROJECTIONS, Qwen35Moe
 from .weights import Experts, ResidentExperts, split_gate_up, upload_weights
 
 MODELS = {"qwen35moe": Qwen35Moe}
@@ -26,7 +26,8 @@ def build_model(loaded, device: torch.device | str = "cpu",
                            f"runnable: {', '.join(MODELS)}")
     if loaded.problems:
         raise OffloadError(f"{loaded.file.path}: {loaded.problems[0]}")
-    tensors, experts = upload_weights(loaded, device, experts_device)
+    fuse = FUSED_PROJECTIONS if torch.device(device).type != "cpu" else None  # no copies on the CPU
+    tensors, experts = upload_weights(loaded, device, experts_device, fuse=fuse)
     return cls(loaded.config, tensors, experts)
 
 

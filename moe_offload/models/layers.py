@@ -4,13 +4,26 @@ Plain device-agnostic torch in float32; no host syncs (no `.item()`, no data-dep
 so a decode step built from these can be captured in a CUDA graph. Formulas follow
 shared/docs/qwen35moe.md §4. Legend: B batch, T new tokens, L attended positions, H heads,
 d head dim, C conv channels, Kc conv kernel.
+
+A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for one token,
+`route_topk`, `swiglu`)
+run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
+each, and launches, not bytes, bound a decode step. The torch code here is their reference;
+`STEP_KERNELS = False` forces it everywhere (the GPU tests compare the two).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from native import ops
+
 EXPERT_WEIGHT_FLOOR = 6.103515625e-5  # llama.cpp clamps the top-k renormalisation denominator
+STEP_KERNELS = True
+
+
+def _kernel_for(t: torch.Tensor) -> bool:
+    return STEP_KERNELS and ops.step_kernels_available(t)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,12 +36,26 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Tensor | None = None,
+                      b: torch.Tensor | None = None, s: torch.Tensor | None = None) -> torch.Tensor:
+    """The residual stream's add-then-norm: x += a + sigmoid(s) * b in place (a, b, s optional;
+    b is the shared expert's output, s its gate logit), then rms_norm(x, w).
+    x [N, H] contiguous; a, b [N, H]; s [N, 1]."""
+    if _kernel_for(x):
+        return ops.cuda_residual_rms_norm(x, w, eps, a, b, s)
+    if a is not None:
+        x += a if b is None else a + torch.sigmoid(s) * b
+    return rms_norm(x, w, eps)
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Norm before gate: rms_norm(x) * w * silu(z)."""
     return rms_norm(x, w, eps) * F.silu(z)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.dim() == 2 and _kernel_for(gate):
+        return ops.cuda_swiglu(gate, up)
     return F.silu(gate) * up
 
 
@@ -68,6 +95,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, d)
 
 
+def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_attn: int) -> torch.Tensor:
+    """The full-attention mixer between its projections (doc §4.3).
+
+    qg [B, T, Hq*2d] (per head: d query rows, then d gate rows), k, v [B, T, Hkv*d]; q and k are
+    RMS-normed and roped, k and v written into the caches [B, n_ctx, Hkv, d] at pos [T]; the first
+    n_attn cache rows are attended. Returns attention * sigmoid(gate), [B, T, Hq*d].
+    """
+    B, T, _ = qg.shape
+    hkv, d = k_cache.shape[2:]
+    hq = qg.shape[-1] // (2 * d)
+    if T == 1 and _kernel_for(qg) and k_cache.dtype in (torch.float16, torch.float32) \
+            and d in (64, 128, 256, 512):
+        o = ops.cuda_attention_step(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
+                                    base, k_cache, v_cache, hq)
+        return o.view(B, 1, hq * d)
+    qg = qg.view(B, T, hq, 2, d)
+    q, gate = qg[..., 0, :], qg[..., 1, :]
+    q = rope_neox(rms_norm(q, q_norm, eps), pos, n_rot, base)
+    k = rope_neox(rms_norm(k.view(B, T, hkv, d), k_norm, eps), pos, n_rot, base)
+    k_cache.index_copy_(1, pos, k.to(k_cache.dtype))
+    v_cache.index_copy_(1, pos, v.view(B, T, hkv, d).to(v_cache.dtype))
+    k_pos = torch.arange(n_attn, device=qg.device)
+    o = attention(q, k_cache[:, :n_attn].float(), v_cache[:, :n_attn].float(), pos, k_pos)
+    return o.reshape(B, T, hq * d) * torch.sigmoid(gate.reshape(B, T, hq * d))
+
+
 # ---- gated delta-net pieces --------------------------------------------------------------------------
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -82,6 +137,39 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> t
     # Kc shifted multiply-adds: exact float32 everywhere (cuDNN's conv may use TF32)
     y = sum(xs[:, :, j:j + T] * w[:, j, None] for j in range(Kc))
     return y.transpose(1, 2)
+
+
+def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
+                    alpha_raw: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                    conv_w: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+                    norm_w: torch.Tensor, n_k_heads: int, eps: float, chunk: int = 64) -> torch.Tensor:
+    """The delta-net mixer between its input and output projections (doc §4.4).
+
+    mix [B, T, C] raw q|k|v projections, z [B, T, Hv*dv], beta_raw / alpha_raw [B, T, Hv];
+    conv_state [B, C, Kc-1] and ssm_state [B, Hv, dk, dv] are updated in place. Value head j
+    reads q/k head j mod Hk (tiled, not interleaved). Returns [B, T, Hv*dv].
+    """
+    B, T, _ = mix.shape
+    hv, dk, dv = ssm_state.shape[1:]
+    hk = n_k_heads
+    if T == 1 and _kernel_for(mix):
+        y = ops.cuda_conv_silu_step(mix[:, 0], conv_state, conv_w)
+        o = ops.cuda_delta_rule_step(y, z[:, 0], beta_raw[:, 0], alpha_raw[:, 0], ssm_a, dt_bias,
+                                     ssm_state, norm_w, hk, eps)
+        return o.view(B, 1, hv * dv)
+    beta = torch.sigmoid(beta_raw)
+    g = ssm_a * F.softplus(alpha_raw + dt_bias)
+    y = F.silu(causal_conv(mix, conv_state, conv_w))
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    r = hv // hk
+    q = l2_norm(q.reshape(B, T, hk, dk), eps).repeat(1, 1, r, 1) * dk ** -0.5
+    k = l2_norm(k.reshape(B, T, hk, dk), eps).repeat(1, 1, r, 1)
+    if T == 1:
+        o = delta_rule_recurrent(q, k, v.reshape(B, T, hv, dv), g, beta, ssm_state)
+    else:
+        o = delta_rule_chunked(q, k, v.reshape(B, T, hv, dv), g, beta, ssm_state, chunk)
+    o = gated_rms_norm(o, z.reshape(B, T, hv, dv), norm_w, eps)             # [B, T, Hv, dv]
+    return o.reshape(B, T, hv * dv)
 
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -140,7 +228,10 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def route_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts (f32), top-k, renormalise. logits [N, E] -> ids, weights [N, K]."""
+    """Softmax over all experts (f32), top-k, renormalise. logits [N, E] -> ids, weights [N, K]
+    (ids int32 from the CUDA kernel, int64 from torch: consumers take either)."""
+    if _kernel_for(logits) and logits.dtype == torch.float32:
+        return ops.cuda_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
     p = torch.softmax(logits.float(), dim=-1)
     w, ids = p.topk(k, dim=-1)
     return ids, w / w.sum(-1, keepdim=True).clamp(min=EXPERT_WEIGHT_FLOOR)

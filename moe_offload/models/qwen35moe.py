@@ -11,18 +11,24 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from native import ops
 from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
-from .layers import (attention, causal_conv, delta_rule_chunked, delta_rule_recurrent,
-                     gated_rms_norm, l2_norm, rms_norm, rope_neox, route_topk, swiglu)
+from .layers import gated_attention, gated_delta_net, residual_rms_norm, route_topk, swiglu
 from .weights import Experts
 
 DELTA_CHUNK = 64
+
+# Projections that read the same input. Uploaded to a GPU as one weight when their types match
+# (weights.upload_weights(fuse=FUSED_PROJECTIONS)), they cost one matmul launch instead of 2-4.
+SSM_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
+ATTN_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+SHEXP_IN = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")
+ROUTER = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+FUSED_PROJECTIONS = {"+".join(g): g for g in (SSM_IN, ATTN_IN, SHEXP_IN, ROUTER)}
 
 
 def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -56,25 +62,28 @@ class Qwen35Moe:
         """tokens [B, T] int64 on the model's device -> logits [B, T or 1, V]; advances state."""
         c = self.config
         B, T = tokens.shape
+        H, eps = c.n_embd, c.rms_eps
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)
-        x = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype,
-                           (B * T, c.n_embd)).view(B, T, c.n_embd)          # [B, T, H]
+        # the residual stream [B*T, H], a fresh tensor updated in place
+        x = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype, (B * T, H))
+        moe_out: tuple = ()   # the previous layer's (routed, shared, shared gate), added by the next norm
         for i, L in enumerate(self.blk):
-            a = rms_norm(x, L["attn_norm.weight"], c.rms_eps)
+            a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, T, H)
             if c.recurrent[i]:
-                x = x + self._delta_net(L, a, state.conv[i], state.ssm[i])
+                m = self._delta_net(L, a, state.conv[i], state.ssm[i])
             else:
-                x = x + self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
-            f = rms_norm(x, L["post_attention_norm.weight"], c.rms_eps)
-            x = x + self._moe(L, self.experts[i], f.view(B * T, c.n_embd)).view(B, T, c.n_embd)
+                m = self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
+            f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B * T, H))
+            moe_out = self._moe(L, self.experts[i], f)
+        h = residual_rms_norm(x, self.out_norm, eps, *moe_out).view(B, T, H)
         state.advance(T)
         if last_only:
-            x = x[:, -1:]
-        return _mm(rms_norm(x, self.out_norm, c.rms_eps), self.head)
+            h = h[:, -1:]
+        return _mm(h, self.head)
 
     def prefill(self, tokens: torch.Tensor, state: State, chunk: int = 512,
                 all_logits: bool = False) -> torch.Tensor:
@@ -93,51 +102,44 @@ class Qwen35Moe:
     def _attention(self, L, a, k_cache, v_cache, pos, n_attn) -> torch.Tensor:
         """Gated full attention (doc §4.3). a [B, T, H]; caches [B, n_ctx, Hkv, d]."""
         c = self.config
-        B, T, _ = a.shape
         hq, hkv, d = c.n_head, c.n_head_kv, c.head_dim
         if "attn_qkv.weight" in L:  # fused variant: rows [q|gate interleaved, k, v]
             qg, k, v = _mm(a, L["attn_qkv.weight"]).split([2 * hq * d, hkv * d, hkv * d], -1)
         else:
-            qg, k, v = (_mm(a, L[f"attn_{n}.weight"]) for n in "qkv")
-        qg = qg.view(B, T, hq, 2, d)                       # per head: d query rows, d gate rows
-        q, gate = qg[..., 0, :], qg[..., 1, :]
-        q = rope_neox(rms_norm(q, L["attn_q_norm.weight"], c.rms_eps), pos, c.n_rot, c.rope_base)
-        k = rope_neox(rms_norm(k.view(B, T, hkv, d), L["attn_k_norm.weight"], c.rms_eps), pos,
-                      c.n_rot, c.rope_base)
-        k_cache.index_copy_(1, pos, k.to(k_cache.dtype))
-        v_cache.index_copy_(1, pos, v.view(B, T, hkv, d).to(v_cache.dtype))
-        k_pos = torch.arange(n_attn, device=a.device)
-        o = attention(q, k_cache[:, :n_attn].float(), v_cache[:, :n_attn].float(), pos, k_pos)
-        o = o.reshape(B, T, hq * d) * torch.sigmoid(gate.reshape(B, T, hq * d))
+            qg, k, v = self._proj(L, ATTN_IN, a)
+        o = gated_attention(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"], c.rms_eps,
+                            pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn)
         return _mm(o, L["attn_output.weight"])
 
     def _delta_net(self, L, a, conv_state, ssm_state) -> torch.Tensor:
         """Gated delta-net (doc §4.4). a [B, T, H]; value head j reads q/k head j mod Hk."""
         c = self.config
-        B, T, _ = a.shape
-        hk, hv, dk, dv = c.ssm_n_k_heads, c.ssm_n_v_heads, c.ssm_d_state, c.ssm_head_v_dim
-        mix = _mm(a, L["attn_qkv.weight"])                                    # [B, T, conv_dim]
-        z = _mm(a, L["attn_gate.weight"]).view(B, T, hv, dv)
-        beta = torch.sigmoid(_mm(a, L["ssm_beta.weight"]))                    # [B, T, Hv]
-        g = L["ssm_a"] * F.softplus(_mm(a, L["ssm_alpha.weight"]) + L["ssm_dt.bias"])
-        y = F.silu(causal_conv(mix, conv_state, L["ssm_conv1d.weight"]))
-        q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        r = hv // hk                                                          # tile, not interleave
-        q = l2_norm(q.reshape(B, T, hk, dk), c.rms_eps).repeat(1, 1, r, 1) * dk ** -0.5
-        k = l2_norm(k.reshape(B, T, hk, dk), c.rms_eps).repeat(1, 1, r, 1)
-        rule = delta_rule_recurrent if T == 1 else delta_rule_chunked
-        o = rule(q, k, v.reshape(B, T, hv, dv), g, beta, ssm_state)           # [B, T, Hv, dv]
-        o = gated_rms_norm(o, z, L["ssm_norm.weight"], c.rms_eps)
-        return _mm(o.reshape(B, T, hv * dv), L["ssm_out.weight"])
+        mix, z, beta_raw, alpha_raw = self._proj(L, SSM_IN, a)  # [B, T, C | Hv*dv | Hv | Hv]
+        o = gated_delta_net(mix, z, beta_raw, alpha_raw, conv_state, ssm_state,
+                            L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
+                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, DELTA_CHUNK)
+        return _mm(o, L["ssm_out.weight"])
 
     # -- experts ------------------------------------------------------------------------------------
 
-    def _moe(self, L, experts: Experts, f: torch.Tensor) -> torch.Tensor:
-        """Routed top-k experts + sigmoid-gated shared expert (doc §4.5). f [N, H] -> [N, H]."""
-        ids, w = route_topk(_mm(f, L["ffn_gate_inp.weight"]), self.config.n_expert_used)
+    def _moe(self, L, experts: Experts, f: torch.Tensor) -> tuple:
+        """Routed top-k experts + sigmoid-gated shared expert (doc §4.5). f [N, H] ->
+        (routed [N, H],) or (routed, shared [N, H], shared gate logit [N, 1]): the residual
+        stream gets routed + sigmoid(logit) * shared (added by the next residual_rms_norm)."""
+        E = self.config.n_expert
+        shared = SHEXP_IN[0] in L or "+".join(SHEXP_IN) in L
+        logits = self._proj(L, ROUTER, f) if shared else (_mm(f, L[ROUTER[0]]),)
+        ids, w = route_topk(logits[0][:, :E], self.config.n_expert_used)
         y = experts(f, ids, w)
-        if "ffn_gate_shexp.weight" in L:
-            s = torch.sigmoid(_mm(f, L["ffn_gate_inp_shexp.weight"]))          # [N, 1]
-            h = swiglu(_mm(f, L["ffn_gate_shexp.weight"]), _mm(f, L["ffn_up_shexp.weight"]))
-            y = y + s * _mm(h, L["ffn_down_shexp.weight"])
-        return y
+        if not shared:
+            return (y,)
+        gate, up = self._proj(L, SHEXP_IN, f)
+        return y, _mm(swiglu(gate, up), L["ffn_down_shexp.weight"]), logits[1]
+
+    def _proj(self, L, names: tuple[str, ...], a: torch.Tensor) -> list[torch.Tensor]:
+        """The projections `names` of one input a [..., H]: one matmul split in parts if they
+        were fused at upload (views of its output), else one matmul each."""
+        fused = L.get("+".join(names))
+        if fused is not None:
+            return list(_mm(a, fused).split(fused.parts, dim=-1))
+        return [_mm(a, L[n]) for n in names]

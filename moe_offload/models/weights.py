@@ -10,8 +10,9 @@ The expert interface the offload runtime implements (one object per layer):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Mapping, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from loaders import LoadedModel
@@ -64,19 +65,50 @@ def split_gate_up(gate_up: QTensor) -> tuple[QTensor, QTensor]:
                  for s, part in ((0, "gate"), (half, "up")))
 
 
+def _fuse_rows(model: LoadedModel, fuse: Mapping[str, Sequence[str]]
+               ) -> tuple[dict[str, QTensor], set[str]]:
+    """({"blk.N.<key>": QTensor}, the member names it replaces) for every layer holding all projections of a `fuse` group
+    (key -> member names) with one type and input width: their rows concatenated on the host,
+    so one matmul replaces several and the device never holds both forms."""
+    out: dict[str, QTensor] = {}
+    replaced: set[str] = set()
+    for layer in range(model.config.n_layer):
+        p = f"blk.{layer}."
+        for key, members in fuse.items():
+            ws = [model.weights.get(p + m) for m in members]
+            if any(w is None for w in ws) or len({(w.qtype.name, w.shape[-1]) for w in ws}) != 1:
+                continue
+            rows = [int(np.prod(w.shape[:-1], dtype=np.int64)) if len(w.shape) > 1 else 1 for w in ws]
+            data = np.concatenate([np.asarray(w.data).view(np.uint8).reshape(r, -1)
+                                   for w, r in zip(ws, rows)])
+            out[p + key] = QTensor(torch.from_numpy(data), ws[0].qtype,
+                                   (sum(rows), int(ws[0].shape[-1])), p + key, tuple(rows))
+            replaced.update(p + m for m in members)
+    return out, replaced
+
+
 def upload_weights(model: LoadedModel, device: torch.device | str = "cpu",
-                   experts_device: torch.device | str | None = None
+                   experts_device: torch.device | str | None = None,
+                   fuse: Mapping[str, Sequence[str]] | None = None
                    ) -> tuple[dict[str, QTensor | torch.Tensor], list[ResidentExperts]]:
     """LoadedModel -> ({GGUF name: QTensor or f32 vector}, per-layer ResidentExperts).
 
     Dense weights go to `device` (zero-copy from the file's memory map on the CPU); expert
     banks to `experts_device` (default: the same device; "cpu" keeps them in host RAM).
+    `fuse` (key -> names of projections of one input): such groups are uploaded as one weight
+    "blk.N.<key>" (QTensor.parts gives the split) in place of their members; on the CPU that
+    copies them out of the memory map, so callers fuse for GPUs only.
     """
     device = torch.device(device)
     edev = torch.device(experts_device) if experts_device is not None else device
     tensors: dict[str, QTensor | torch.Tensor] = {}
     banks: dict[int, dict[str, QTensor]] = {}
+    fused, members = _fuse_rows(model, fuse) if fuse else ({}, set())
+    for name, q in fused.items():
+        tensors[name] = q.to(device)
     for name, w in model.weights.items():
+        if name in members:
+            continue
         if name.endswith(_EXPERTS):
             layer, kind = int(name.split(".")[1]), name.split(".")[2]
             banks.setdefault(layer, {})[kind] = QTensor.from_weight(w, edev)

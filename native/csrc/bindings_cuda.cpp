@@ -38,6 +38,8 @@
 //       gate/up, [H, F] for down). T <= 8, top_k <= 16. scratch: >= moe_scratch_bytes(T, K, F)
 //       bytes, 16-byte aligned, caller-owned, not read before it is written.
 //   moe_scratch_bytes(n_tok, top_k, ff) -> int
+//   residual_rms_norm, conv_silu_step, delta_rule_step, route_topk, attention_step, swiglu: the decode-step
+//       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0).
 // Table and control functions (hold the GIL, cheap):
 //   set_tables(dict name -> buffer)   IQ grids from loaders.quants.iq_tables(); uploaded now to the
 //       current device (other devices at first use: do that outside capture). Needed before any
@@ -133,6 +135,74 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("scratch"), py::arg("scratch_bytes"), py::arg("stream") = 0, release);
     m.def("moe_scratch_bytes", &cuda::moe_scratch_bytes, py::arg("n_tok"), py::arg("top_k"),
           py::arg("ff"));
+
+    // decode-step kernels (csrc/cuda/step.cu, documented in csrc/cuda/api.h)
+    m.def("residual_rms_norm",
+          [](uintptr_t x, int64_t rows, int64_t n, uintptr_t a, int64_t lda, uintptr_t b,
+             int64_t ldb, uintptr_t s, int64_t lds, uintptr_t w, float eps, uintptr_t out,
+             uintptr_t stream) {
+              cuda::residual_rms_norm(ptr<float>(x), rows, n, ptr<const float>(a), lda,
+                                      ptr<const float>(b), ldb, ptr<const float>(s), lds,
+                                      ptr<const float>(w), eps, ptr<float>(out), stream);
+          },
+          py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("a"), py::arg("lda"), py::arg("b"),
+          py::arg("ldb"), py::arg("s"), py::arg("lds"), py::arg("w"), py::arg("eps"),
+          py::arg("out"), py::arg("stream") = 0, release);
+    m.def("conv_silu_step",
+          [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch,
+             int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {
+              cuda::conv_silu_step(ptr<const float>(x), ldx, ptr<float>(state), ptr<const float>(w),
+                                   batch, channels, kc, ptr<float>(y), stream);
+          },
+          py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
+          py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("delta_rule_step",
+          [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
+             uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias, uintptr_t S,
+             uintptr_t norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+             float eps, uintptr_t out, uintptr_t stream) {
+              cuda::delta_rule_step(ptr<const float>(y), ldy, ptr<const float>(z), ldz,
+                                    ptr<const float>(beta_raw), ptr<const float>(alpha_raw), ldg,
+                                    ptr<const float>(ssm_a), ptr<const float>(dt_bias), ptr<float>(S),
+                                    ptr<const float>(norm_w), batch, hk, hv, dk, dv, eps,
+                                    ptr<float>(out), stream);
+          },
+          py::arg("y"), py::arg("ldy"), py::arg("z"), py::arg("ldz"), py::arg("beta_raw"),
+          py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"), py::arg("S"),
+          py::arg("norm_w"), py::arg("batch"), py::arg("hk"), py::arg("hv"), py::arg("dk"),
+          py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("route_topk",
+          [](uintptr_t logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
+             float floor, uintptr_t ids, uintptr_t weights, uintptr_t stream) {
+              cuda::route_topk(ptr<const float>(logits), rows, ld, n_experts, top_k, floor,
+                               ptr<int32_t>(ids), ptr<float>(weights), stream);
+          },
+          py::arg("logits"), py::arg("rows"), py::arg("ld"), py::arg("n_experts"), py::arg("top_k"),
+          py::arg("floor"), py::arg("ids"), py::arg("weights"), py::arg("stream") = 0, release);
+    m.def("attention_step",
+          [](uintptr_t qg, int64_t ldq, uintptr_t k, uintptr_t v, int64_t ldkv, uintptr_t q_norm,
+             uintptr_t k_norm, float eps, uintptr_t pos, int64_t n_rot, float base,
+             uintptr_t k_cache, uintptr_t v_cache, int cache_dtype, int64_t n_ctx, int64_t batch,
+             int64_t hq, int64_t hkv, int64_t d, uintptr_t out, uintptr_t stream) {
+              cuda::attention_step(ptr<const float>(qg), ldq, ptr<const float>(k), ptr<const float>(v),
+                                   ldkv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps,
+                                   ptr<const int64_t>(pos), n_rot, base, ptr<void>(k_cache),
+                                   ptr<void>(v_cache), cache_dtype, n_ctx, batch, hq, hkv, d,
+                                   ptr<float>(out), stream);
+          },
+          py::arg("qg"), py::arg("ldq"), py::arg("k"), py::arg("v"), py::arg("ldkv"),
+          py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("pos"), py::arg("n_rot"),
+          py::arg("base"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"),
+          py::arg("n_ctx"), py::arg("batch"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
+          py::arg("out"), py::arg("stream") = 0, release);
+    m.def("swiglu",
+          [](uintptr_t gate, uintptr_t up, int64_t ld, int64_t rows, int64_t n, uintptr_t out,
+             uintptr_t stream) {
+              cuda::swiglu(ptr<const float>(gate), ptr<const float>(up), ld, rows, n, ptr<float>(out),
+                           stream);
+          },
+          py::arg("gate"), py::arg("up"), py::arg("ld"), py::arg("rows"), py::arg("n"),
+          py::arg("out"), py::arg("stream") = 0, release);
 
     m.def("set_tables", [](const py::dict& tables) {
         std::map<std::string, std::vector<uint8_t>> copy;

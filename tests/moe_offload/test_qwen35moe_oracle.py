@@ -15,7 +15,8 @@ from hf_oracle import build_hf_model, hf_logits
 from helpers import rewrite
 from loaders import open_model
 from moe_offload.errors import OffloadError
-from moe_offload.models import ResidentExperts, build_model
+from moe_offload.models import Qwen35Moe, ResidentExperts, build_model, upload_weights
+from moe_offload.models.qwen35moe import FUSED_PROJECTIONS
 from moe_offload.models.layers import delta_rule_chunked, delta_rule_recurrent
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
@@ -94,6 +95,37 @@ def test_tied_head_and_fused_tensors_match_hf(synth_model, tmp_path):
     fused = open_model(path)
     assert fused.config.tied_output and "blk.0.ffn_gate_up_exps.weight" in fused.weights
     model, ref, toks = _setup(path)
+    assert _max_diff(model.forward(toks, model.new_state()), ref) < ATOL
+
+
+@pytest.mark.parametrize("quant", ["IQ3_S", "mixed"])
+def test_fused_projections_match_hf(synth_model, quant):
+    """Projections of one input uploaded as one weight (what GPUs get) give the same logits."""
+    path = synth_model(**QUANTS[quant])
+    _, ref, toks = _setup(path)
+    loaded = open_model(path)
+    tensors, experts = upload_weights(loaded, "cpu", fuse=FUSED_PROJECTIONS)
+    names = set(tensors)
+    for i, recurrent in enumerate(loaded.config.recurrent):
+        group = "attn_qkv.weight+attn_gate.weight+ssm_beta.weight+ssm_alpha.weight" if recurrent \
+            else "attn_q.weight+attn_k.weight+attn_v.weight"
+        assert f"blk.{i}.{group}" in names and f"blk.{i}.ffn_gate_shexp.weight" not in names
+        router = tensors[f"blk.{i}.ffn_gate_inp.weight+ffn_gate_inp_shexp.weight"]
+        assert router.parts == (loaded.config.n_expert, 1)
+    model = Qwen35Moe(loaded.config, tensors, experts)
+    assert _max_diff(model.forward(toks, model.new_state()), ref) < ATOL
+    assert _max_diff(_decode_all(model, toks), ref) < ATOL
+
+
+def test_projections_of_different_types_stay_apart(synth_model):
+    path = synth_model(type="Q4_K", tensor_types=((r"attn_gate\.weight", "Q8_0"),
+                                                  (r"ffn_up_shexp", "Q6_K")))
+    _, ref, toks = _setup(path)
+    loaded = open_model(path)
+    tensors, experts = upload_weights(loaded, "cpu", fuse=FUSED_PROJECTIONS)
+    assert "blk.0.attn_gate.weight" in tensors and "blk.0.ffn_up_shexp.weight" in tensors
+    assert "blk.3.attn_q.weight+attn_k.weight+attn_v.weight" in tensors  # attention: all Q4_K
+    model = Qwen35Moe(loaded.config, tensors, experts)
     assert _max_diff(model.forward(toks, model.new_state()), ref) < ATOL
 
 

@@ -66,6 +66,54 @@ void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t 
              const int32_t* ids, const float* weights, int64_t top_k, const Pool& gate,
              const Pool& up, const Pool& down, float* y, uintptr_t stream);
 
+// ---- decode-step kernels (step.cu): one launch each for what torch does in 5-10 ------------------
+// Row-major float32 rows; `ld*` are row strides in floats (a slice of a fused projection's output
+// can be passed without a copy). Optional inputs are nullptr.
+
+// x [rows, n] (contiguous) += a + sigmoid(s) * b (a: [rows, lda]; b, s optional: [rows, ldb], s
+// one logit per row at s + r*lds); out [rows, n] = x * rsqrt(mean(x^2) + eps) * w[n]. With a ==
+// nullptr x is only read. out may be x.
+void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_t lda,
+                       const float* b, int64_t ldb, const float* s, int64_t lds, const float* w,
+                       float eps, float* out, uintptr_t stream);
+
+// One token of a depthwise causal conv + SiLU: y [batch, channels] = silu(sum_j xs[j] * w[c, j]),
+// xs = (conv_state[b, c, 0 .. kc-2], x[b, c]); conv_state [batch, channels, kc-1] shifts by one.
+void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                    int64_t channels, int64_t kc, float* y, uintptr_t stream);
+
+// One token of the gated delta rule + gated RMS norm (qwen35moe's delta-net after the conv):
+// y [batch, ldy] holds q (hk*dk) | k (hk*dk) | v (hv*dv) after conv + SiLU; value head j reads key
+// head j % hk. q, k are L2-normed (eps), q scaled by dk^-0.5; decay = exp(ssm_a * softplus(alpha
+// + dt_bias)), beta = sigmoid(beta_raw) (alpha_raw, beta_raw: [batch, ldg]); S [batch, hv, dk, dv]
+// is updated in place (S = decay*S; u = beta*(v - S^T k); S += k u^T; o = S^T q);
+// out [batch, hv*dv] = rms_norm(o per head) * norm_w[dv] * silu(z) (z: [batch, ldz]).
+void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                     float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv,
+                     int64_t dk, int64_t dv, float eps, float* out, uintptr_t stream);
+
+// Router: p = softmax(logits[r, 0:E]) (rows at logits + r*ld), the top_k largest (ties: lower id
+// first, in descending order) -> ids [rows, top_k] int32, weights = p / max(sum of the k, floor).
+void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
+                float floor, int32_t* ids, float* weights, uintptr_t stream);
+
+// One token of gated full attention (qwen35moe): per batch row b (rows of qg at qg + b*ldq, of k and
+// v at + b*ldkv): q of head h = qg[h*2d : h*2d+d], its gate = qg[h*2d+d : (h+1)*2d]; k, v of kv head
+// h / (hq/hkv). q and k are RMS-normed (q_norm, k_norm [d], eps) and NEOX-roped on the first n_rot
+// dims at position *pos (device int64); k, v are written to the caches [batch, n_ctx, hkv, d]
+// (cache_dtype 0 F32, 1 F16) at *pos; softmax attention over positions 0..*pos (scale d^-0.5);
+// out [batch, hq*d] = attention * sigmoid(gate).
+void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
+                    const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
+                    int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
+                    int64_t n_ctx, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float* out,
+                    uintptr_t stream);
+
+// out [rows, n] = silu(gate) * up (gate, up: [rows, ld]).
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out,
+            uintptr_t stream);
+
 // IQ tables (loaders.quants.iq_tables()): copied to the host, uploaded to the current device now
 // and to other devices at their first use. Every kernel call needs them set (ops.py sets them at
 // import).

@@ -1,0 +1,598 @@
+// The small per-token operations of a decode step, one launch each (api.h documents the entry
+// points). In a CUDA graph a launch costs ~2-3 us however little it does, and torch spends 5-10
+// launches on each of these (an RMS norm alone is pow, mean, add, rsqrt, mul, mul), so a decode
+// step of qwen35moe was ~3,000 launches; these kernels cut it to ~15 per layer. Each one has a
+// torch reference in moe_offload/models/layers.py that the GPU tests compare with.
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "cuda/api.h"
+#include "cuda/common.cuh"
+
+namespace ft::cuda {
+namespace {
+
+constexpr int kNormThreads = 256;
+constexpr int kRouteThreads = 256;
+constexpr int kRouteValues = 8;  // experts per thread: E <= 2048
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+__device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
+
+// Sum over the block (blockDim a multiple of 32, <= 1024); every thread gets the same value,
+// added in the same order. `red` holds 32 floats of shared memory.
+__device__ float block_sum(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int tid = threadIdx.x + threadIdx.y * blockDim.x;
+    const int nw = (blockDim.x * blockDim.y) >> 5;
+    __syncthreads();  // `red` may still be read from a previous call
+    if ((tid & 31) == 0) red[tid >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int w = 0; w < nw; ++w) t += red[w];
+    return t;
+}
+
+// ---- x += a + sigmoid(s) * b; out = rms_norm(x) * w ------------------------------------------------
+// Block per row; thread t holds elements t, t + 256, ... (V of them) in registers, so all loads
+// are issued before the first use: a decode-sized row costs one memory round trip, not four.
+template <int V>
+__global__ void __launch_bounds__(kNormThreads)
+residual_norm_kernel(float* x, int n, const float* a, int64_t lda, const float* b, int64_t ldb,
+                     const float* s, int64_t lds, const float* w, float eps, float* out) {
+    __shared__ float red[32];
+    const int64_t r = blockIdx.x;
+    float* xr = x + r * n;
+    float v[V], wv[V], av[V], bv[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const int i = threadIdx.x + k * kNormThreads;
+        const bool ok = i < n;
+        v[k] = ok ? xr[i] : 0.f;
+        wv[k] = ok ? w[i] : 0.f;
+        av[k] = ok && a ? a[r * lda + i] : 0.f;
+        bv[k] = ok && b ? b[r * ldb + i] : 0.f;
+    }
+    const float gate = (b && s) ? sigmoid(s[r * lds]) : 1.f;
+    float sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        if (a) v[k] += b ? av[k] + gate * bv[k] : av[k];
+        sq += v[k] * v[k];
+    }
+    const float scale = rsqrtf(block_sum(sq, red) / float(n) + eps);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const int i = threadIdx.x + k * kNormThreads;
+        if (i < n) {
+            if (a) xr[i] = v[k];
+            out[r * n + i] = v[k] * scale * wv[k];
+        }
+    }
+}
+
+// ---- depthwise causal conv of one token + SiLU, shifting the conv state --------------------------
+__global__ void conv_silu_kernel(const float* x, int64_t ldx, float* state, const float* w,
+                                 int batch, int channels, int kc, float* y) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= int64_t(batch) * channels) return;
+    const int64_t bi = i / channels, c = i - bi * channels;
+    float* st = state + i * (kc - 1);
+    const float* wc = w + c * kc;
+    const float cur = x[bi * ldx + c];
+    float acc = 0.f;
+    for (int j = 0; j < kc - 1; ++j) acc += st[j] * wc[j];
+    acc += cur * wc[kc - 1];
+    for (int j = 0; j + 1 < kc - 1; ++j) st[j] = st[j + 1];
+    if (kc > 1) st[kc - 2] = cur;
+    y[bi * channels + c] = silu(acc);
+}
+
+// ---- gated delta rule for one token, then the gated RMS norm -------------------------------------
+// Block (vh, b): dv x R threads; thread (c, r) owns value column c of S for key rows
+// [r*dk/R, (r+1)*dk/R), so the 64 KiB of a head's state is read by R times more warps.
+__global__ void delta_step_kernel(const float* y, int64_t ldy, const float* z, int64_t ldz,
+                                  const float* beta_raw, const float* alpha_raw, int64_t ldg,
+                                  const float* ssm_a, const float* dt_bias, float* S,
+                                  const float* norm_w, int hk, int hv, int dk, int dv, float eps,
+                                  float* out) {
+    extern __shared__ float sm[];
+    float* qs = sm;               // [dk]
+    float* ks = qs + dk;          // [dk]
+    float* part = ks + dk;        // [R, dv]
+    __shared__ float red[32];
+    const int vh = blockIdx.x, b = blockIdx.y, kh = vh % hk;
+    const int c = threadIdx.x, r = threadIdx.y, R = blockDim.y;
+    const int tid = c + r * dv, nthreads = dv * R;
+    const float* yb = y + int64_t(b) * ldy;
+
+    float sq = 0.f, sk = 0.f;
+    for (int i = tid; i < dk; i += nthreads) {
+        const float qv = yb[kh * dk + i], kv = yb[hk * dk + kh * dk + i];
+        qs[i] = qv;
+        ks[i] = kv;
+        sq += qv * qv;
+        sk += kv * kv;
+    }
+    const float nq = rsqrtf(block_sum(sq, red) + eps), nk = rsqrtf(block_sum(sk, red) + eps);
+    const float qscale = rsqrtf(float(dk));
+    for (int i = tid; i < dk; i += nthreads) {
+        qs[i] = qs[i] * nq * qscale;
+        ks[i] = ks[i] * nk;
+    }
+    __syncthreads();
+
+    const float graw = alpha_raw[int64_t(b) * ldg + vh] + dt_bias[vh];
+    const float decay = expf(ssm_a[vh] * (graw > 20.f ? graw : log1pf(expf(graw))));
+    const float beta = sigmoid(beta_raw[int64_t(b) * ldg + vh]);
+    float* Sh = S + (int64_t(b) * hv + vh) * dk * dv + c;
+    const int rows = dk / R, i0 = r * rows;
+
+    float kvp = 0.f;  // (S^T k)[c] over this thread's rows, S already decayed
+#pragma unroll 8
+    for (int i = i0; i < i0 + rows; ++i) kvp += ks[i] * (Sh[int64_t(i) * dv] * decay);
+    part[r * dv + c] = kvp;
+    __syncthreads();
+    float kv = 0.f;
+    for (int j = 0; j < R; ++j) kv += part[j * dv + c];
+    const float u = beta * (yb[2 * hk * dk + vh * dv + c] - kv);
+    __syncthreads();  // every thread has read `part`
+
+    float op = 0.f;
+#pragma unroll 8
+    for (int i = i0; i < i0 + rows; ++i) {
+        const float sv = Sh[int64_t(i) * dv] * decay + ks[i] * u;
+        Sh[int64_t(i) * dv] = sv;
+        op += qs[i] * sv;
+    }
+    part[r * dv + c] = op;
+    __syncthreads();
+    float o = 0.f;
+    for (int j = 0; j < R; ++j) o += part[j * dv + c];
+
+    const float ss = block_sum(r == 0 ? o * o : 0.f, red);
+    if (r == 0) {
+        const float zv = z[int64_t(b) * ldz + vh * dv + c];
+        out[(int64_t(b) * hv + vh) * dv + c] = o * rsqrtf(ss / float(dv) + eps) * norm_w[c] * silu(zv);
+    }
+}
+
+// ---- router: softmax over E, top-k, renormalised weights -----------------------------------------
+struct Best {
+    float v;
+    int i;
+};
+__device__ __forceinline__ Best better(Best a, Best b) {
+    return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+__global__ void __launch_bounds__(kRouteThreads)
+route_kernel(const float* logits, int64_t ld, int E, int K, float floor, int32_t* ids, float* wout) {
+    __shared__ float red[32];
+    __shared__ Best wbest[32];
+    __shared__ float sel[32];
+    const int64_t row = blockIdx.x;
+    const float* lg = logits + row * ld;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    float p[kRouteValues];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kRouteValues; ++j) {
+        const int e = tid + j * blockDim.x;
+        p[j] = e < E ? lg[e] : -INFINITY;
+        mx = fmaxf(mx, p[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+    for (int w = 1; w < nw; ++w) mx = fmaxf(mx, red[w]);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRouteValues; ++j) {
+        p[j] = tid + j * blockDim.x < E ? expf(p[j] - mx) : -1.f;  // -1: never selected
+        sum += p[j] > 0.f ? p[j] : 0.f;
+    }
+    const float inv = 1.f / block_sum(sum, red);
+#pragma unroll
+    for (int j = 0; j < kRouteValues; ++j)
+        if (p[j] >= 0.f) p[j] *= inv;
+
+    for (int k = 0; k < K; ++k) {
+        Best bst{-2.f, 0x7fffffff};
+#pragma unroll
+        for (int j = 0; j < kRouteValues; ++j) bst = better(bst, Best{p[j], tid + j * int(blockDim.x)});
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const Best other{__shfl_xor_sync(0xffffffffu, bst.v, o), __shfl_xor_sync(0xffffffffu, bst.i, o)};
+            bst = better(bst, other);
+        }
+        if (lane == 0) wbest[warp] = bst;
+        __syncthreads();
+        Best win = wbest[0];
+        for (int w = 1; w < nw; ++w) win = better(win, wbest[w]);
+        __syncthreads();  // wbest is rewritten next round
+#pragma unroll
+        for (int j = 0; j < kRouteValues; ++j)
+            if (tid + j * int(blockDim.x) == win.i) p[j] = -1.f;
+        if (tid == 0) {
+            sel[k] = win.v;
+            ids[row * K + k] = win.i;
+        }
+    }
+    __syncthreads();
+    if (tid < K) {
+        float tot = 0.f;
+        for (int k = 0; k < K; ++k) tot += sel[k];
+        wout[row * K + tid] = sel[tid] / fmaxf(tot, floor);
+    }
+}
+
+// One warp per row for E <= 32 * V: the K rounds of arg-max are shuffles only (no block barriers).
+template <int V>
+__global__ void route_warp_kernel(const float* logits, int64_t ld, int64_t rows, int E, int K,
+                                  float floor, int32_t* ids, float* wout) {
+    const int lane = threadIdx.x & 31;
+    const int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float* lg = logits + row * ld;
+    float p[V];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < E ? lg[e] : -INFINITY;
+        mx = fmaxf(mx, p[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        p[j] = lane + 32 * j < E ? expf(p[j] - mx) : -1.f;  // -1: never selected
+        sum += p[j] > 0.f ? p[j] : 0.f;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float inv = 1.f / sum;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (p[j] >= 0.f) p[j] *= inv;
+    float mine = 0.f;  // lane k keeps the k-th selected probability
+    for (int k = 0; k < K; ++k) {
+        Best bst{-2.f, 0x7fffffff};
+#pragma unroll
+        for (int j = 0; j < V; ++j) bst = better(bst, Best{p[j], lane + 32 * j});
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const Best other{__shfl_xor_sync(0xffffffffu, bst.v, o), __shfl_xor_sync(0xffffffffu, bst.i, o)};
+            bst = better(bst, other);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (lane + 32 * j == bst.i) p[j] = -1.f;
+        if (lane == k) {
+            mine = bst.v;
+            ids[row * K + k] = bst.i;
+        }
+    }
+    float tot = 0.f;  // the K probabilities summed in selection order, as the block kernel does
+    for (int k = 0; k < K; ++k) tot += __shfl_sync(0xffffffffu, mine, k);
+    if (lane < K) wout[row * K + lane] = mine / fmaxf(tot, floor);
+}
+
+// ---- silu(gate) * up ----------------------------------------------------------------------------------
+__global__ void swiglu_kernel(const float* g, const float* u, int64_t ld, int rows, int n, float* out) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= int64_t(rows) * n) return;
+    const int64_t r = i / n, j = i - r * n;
+    out[i] = silu(g[r * ld + j]) * u[r * ld + j];
+}
+
+// ---- gated attention for one token (qwen35moe's full-attention layers) -----------------------------
+// Block (h, b), 8 warps. Phase 1: q of head h and k, v of its kv head: RMS-normed, NEOX RoPE,
+// into shared memory (k, v rounded to the cache type, as the reference reads them back); the
+// first q head of each group writes k, v into the caches at `pos`. Phase 2: warp w takes
+// positions in runs of kAttnRun (w*kAttnRun .., then + 8*kAttnRun, ...) up to pos, loading a
+// run's rows at once (latency, not bandwidth, bounds this loop), lane l holding dims
+// [l*PER, (l+1)*PER); an online softmax per warp, then the warps' partial results are merged.
+// Position pos is read from shared memory: another block may still be writing it.
+constexpr int kAttnWarps = 8;
+constexpr int kAttnRun = 8;
+
+template <class C> __device__ __forceinline__ C store_c(float v) { return C(v); }
+template <> __device__ __forceinline__ __half store_c(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+
+// PER consecutive cache values (16-byte loads where PER allows; rows are 64-byte aligned).
+template <int PER> __device__ __forceinline__ void load_row(const float* p, float (&out)[PER]) {
+    if constexpr (PER % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < PER; j += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(p + j);
+            out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) out[j] = p[j];
+    }
+}
+template <int PER> __device__ __forceinline__ void load_row(const __half* p, float (&out)[PER]) {
+    if constexpr (PER % 8 == 0) {
+#pragma unroll
+        for (int j = 0; j < PER; j += 8) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p + j);
+            const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const float2 f = __half22float2(h[t]);
+                out[j + 2 * t] = f.x;
+                out[j + 2 * t + 1] = f.y;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) out[j] = __half2float(p[j]);
+    }
+}
+
+// rms_norm(x[0:d]) * w then NEOX RoPE on the first n_rot dims, in place (shared memory).
+__device__ void norm_rope(float* x, const float* w, int d, float eps, float pos, int n_rot, float base,
+                          float* red) {
+    float sq = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) sq += x[i] * x[i];
+    const float r = rsqrtf(block_sum(sq, red) / float(d) + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[i] = x[i] * r * w[i];
+    __syncthreads();
+    const int half = n_rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        // the reference's float32 inverse frequency and angle, then an accurate cos/sin of it
+        // (fast-math sinf loses digits at angles of thousands of radians)
+        const float inv = float(pow(double(base), -double(2 * i) / double(n_rot)));
+        const float ang = pos * inv;
+        const float c = float(cos(double(ang))), s = float(sin(double(ang)));
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c - x2 * s;
+        x[i + half] = x2 * c + x1 * s;
+    }
+    __syncthreads();
+}
+
+template <class C, int PER>
+__global__ void __launch_bounds__(32 * kAttnWarps)
+attention_step_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
+                      const float* q_norm, const float* k_norm, float eps, const int64_t* pos_p,
+                      int n_rot, float base, C* k_cache, C* v_cache, int64_t n_ctx, int hq, int hkv,
+                      float* out) {
+    constexpr int d = 32 * PER;
+    __shared__ float qs[d], ks[d], vs[d], accs[kAttnWarps][d];
+    __shared__ float red[32], wm[kAttnWarps], wl[kAttnWarps];
+    const int h = blockIdx.x, b = blockIdx.y, group = hq / hkv, kh = h / group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t pos = *pos_p;
+    const float* qb = qg + int64_t(b) * ldq + int64_t(h) * 2 * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        qs[i] = qb[i];
+        ks[i] = kin[int64_t(b) * ldkv + int64_t(kh) * d + i];
+        vs[i] = vin[int64_t(b) * ldkv + int64_t(kh) * d + i];
+    }
+    __syncthreads();
+    norm_rope(qs, q_norm, d, eps, float(pos), n_rot, base, red);
+    norm_rope(ks, k_norm, d, eps, float(pos), n_rot, base, red);
+    const int64_t row_stride = int64_t(hkv) * d;              // cache [B, n_ctx, Hkv, d]
+    const C* kbase = k_cache + (int64_t(b) * n_ctx * hkv + kh) * d + lane * PER;
+    const C* vbase = v_cache + (int64_t(b) * n_ctx * hkv + kh) * d + lane * PER;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const C kc = store_c<C>(ks[i]), vc = store_c<C>(vs[i]);
+        if (h % group == 0) {
+            k_cache[((int64_t(b) * n_ctx + pos) * hkv + kh) * d + i] = kc;
+            v_cache[((int64_t(b) * n_ctx + pos) * hkv + kh) * d + i] = vc;
+        }
+        ks[i] = to_f(kc);
+        vs[i] = to_f(vc);
+    }
+    __syncthreads();
+
+    float q[PER], acc[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        q[j] = qs[lane * PER + j];
+        acc[j] = 0.f;
+    }
+    const float scale = rsqrtf(float(d));
+    float m = -INFINITY, l = 0.f;
+    for (int64_t p0 = int64_t(warp) * kAttnRun; p0 <= pos; p0 += kAttnWarps * kAttnRun) {
+        float rows[kAttnRun][PER], s[kAttnRun];
+#pragma unroll
+        for (int u = 0; u < kAttnRun; ++u) {
+            const int64_t p = p0 + u;
+            if (p < pos) {
+                load_row<PER>(kbase + p * row_stride, rows[u]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? ks[lane * PER + j] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kAttnRun; ++u) {
+            float dot = 0.f;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) dot += q[j] * rows[u][j];
+            s[u] = dot;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int u = 0; u < kAttnRun; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < kAttnRun; ++u) {
+            s[u] = p0 + u <= pos ? s[u] * scale : -INFINITY;
+            mn = fmaxf(mn, s[u]);
+        }
+        const float corr = expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int u = 0; u < kAttnRun; ++u) {
+            s[u] = expf(s[u] - mn);
+            l += s[u];
+        }
+#pragma unroll
+        for (int u = 0; u < kAttnRun; ++u) {
+            const int64_t p = p0 + u;
+            if (p < pos) {
+                load_row<PER>(vbase + p * row_stride, rows[u]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? vs[lane * PER + j] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            float a = acc[j] * corr;
+#pragma unroll
+            for (int u = 0; u < kAttnRun; ++u) a += s[u] * rows[u][j];
+            acc[j] = a;
+        }
+        m = mn;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) accs[warp][lane * PER + j] = acc[j];
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, wm[w]);
+    float L = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) L += wm[w] == -INFINITY ? 0.f : wl[w] * expf(wm[w] - M);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < kAttnWarps; ++w)
+            if (wm[w] != -INFINITY) o += accs[w][i] * expf(wm[w] - M);
+        out[(int64_t(b) * hq + h) * d + i] = o / L * sigmoid(qb[d + i]);
+    }
+}
+
+template <class C>
+void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, int64_t ldq,
+                      const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
+                      float eps, const int64_t* pos, int n_rot, float base, void* kc, void* vc,
+                      int64_t n_ctx, int hq, int hkv, float* out) {
+    auto go = [&](auto per) {
+        attention_step_kernel<C, decltype(per)::value><<<grid, 32 * kAttnWarps, 0, st>>>(
+            qg, ldq, k, v, ldkv, qn, kn, eps, pos, n_rot, base, static_cast<C*>(kc),
+            static_cast<C*>(vc), n_ctx, hq, hkv, out);
+    };
+    switch (d) {
+        case 64: go(std::integral_constant<int, 2>{}); break;
+        case 128: go(std::integral_constant<int, 4>{}); break;
+        case 256: go(std::integral_constant<int, 8>{}); break;
+        default: go(std::integral_constant<int, 16>{}); break;  // 512
+    }
+}
+
+unsigned blocks_for(int64_t n, int per) { return unsigned((n + per - 1) / per); }
+
+}  // namespace
+
+void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_t lda,
+                       const float* b, int64_t ldb, const float* s, int64_t lds, const float* w,
+                       float eps, float* out, uintptr_t stream) {
+    require(n > 0 && n <= 32 * kNormThreads, "residual_rms_norm: rows of 1..8192 values");
+    require(!b || a, "residual_rms_norm: a gated term needs the plain term too");
+    if (rows <= 0) return;
+    const int per = int((n + kNormThreads - 1) / kNormThreads);
+    auto go = [&](auto v) {
+        residual_norm_kernel<decltype(v)::value><<<unsigned(rows), kNormThreads, 0, to_stream(stream)>>>(
+            x, int(n), a, lda, b, ldb, s, lds, w, eps, out);
+    };
+    if (per <= 1) go(std::integral_constant<int, 1>{});
+    else if (per <= 2) go(std::integral_constant<int, 2>{});
+    else if (per <= 4) go(std::integral_constant<int, 4>{});
+    else if (per <= 8) go(std::integral_constant<int, 8>{});
+    else if (per <= 16) go(std::integral_constant<int, 16>{});
+    else go(std::integral_constant<int, 32>{});
+    FT_CUDA_CHECK(cudaGetLastError());
+}
+
+void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                    int64_t channels, int64_t kc, float* y, uintptr_t stream) {
+    require(kc >= 1 && kc <= 16, "conv_silu_step: kernel width must be 1..16");
+    const int64_t n = batch * channels;
+    if (n <= 0) return;
+    conv_silu_kernel<<<blocks_for(n, 256), 256, 0, to_stream(stream)>>>(
+        x, ldx, conv_state, w, int(batch), int(channels), int(kc), y);
+    FT_CUDA_CHECK(cudaGetLastError());
+}
+
+void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                     float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv,
+                     int64_t dk, int64_t dv, float eps, float* out, uintptr_t stream) {
+    require(hk > 0 && hv % hk == 0, "delta_rule_step: value heads must be a multiple of key heads");
+    require(dv >= 32 && dv <= 1024 && dv % 32 == 0 && dk >= 1 && dk <= 4096,
+            "delta_rule_step: head dims must be dv = 32..1024 (multiple of 32), dk <= 4096");
+    int R = 1;
+    while (R < 8 && dv * R * 2 <= 512 && dk % (R * 2) == 0) R *= 2;
+    if (batch <= 0) return;
+    const size_t smem = size_t(2 * dk + R * dv) * sizeof(float);
+    require(smem <= 48 * 1024, "delta_rule_step: head dims too large for shared memory");
+    delta_step_kernel<<<dim3(unsigned(hv), unsigned(batch)), dim3(unsigned(dv), unsigned(R)), smem,
+                        to_stream(stream)>>>(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias,
+                                             S, norm_w, int(hk), int(hv), int(dk), int(dv), eps, out);
+    FT_CUDA_CHECK(cudaGetLastError());
+}
+
+void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
+                float floor, int32_t* ids, float* weights, uintptr_t stream) {
+    require(n_experts >= 1 && n_experts <= kRouteThreads * kRouteValues,
+            "route_topk: 1..2048 experts");
+    require(top_k >= 1 && top_k <= 32 && top_k <= n_experts, "route_topk: top_k must be 1..32 and <= E");
+    if (rows <= 0) return;
+    if (n_experts <= 256 && top_k <= 32) {  // a warp per row, 4 rows per block
+        route_warp_kernel<8><<<unsigned((rows + 3) / 4), 128, 0, to_stream(stream)>>>(
+            logits, ld, rows, int(n_experts), int(top_k), floor, ids, weights);
+    } else {
+        route_kernel<<<unsigned(rows), kRouteThreads, 0, to_stream(stream)>>>(
+            logits, ld, int(n_experts), int(top_k), floor, ids, weights);
+    }
+    FT_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
+                    const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
+                    int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
+                    int64_t n_ctx, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float* out,
+                    uintptr_t stream) {
+    require(hkv > 0 && hq % hkv == 0, "attention_step: query heads must be a multiple of kv heads");
+    require(d == 64 || d == 128 || d == 256 || d == 512, "attention_step: head dim must be 64, 128, 256 or 512");
+    require(n_rot % 2 == 0 && n_rot <= d, "attention_step: n_rot must be even and <= head dim");
+    require(cache_dtype == 0 || cache_dtype == 1, "attention_step: cache must be F32 (0) or F16 (1)");
+    if (batch <= 0) return;
+    const dim3 grid{unsigned(hq), unsigned(batch)};
+    if (cache_dtype == 0)
+        launch_attention<float>(grid, to_stream(stream), d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps,
+                                pos, int(n_rot), base, k_cache, v_cache, n_ctx, int(hq), int(hkv), out);
+    else
+        launch_attention<__half>(grid, to_stream(stream), d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps,
+                                 pos, int(n_rot), base, k_cache, v_cache, n_ctx, int(hq), int(hkv), out);
+    FT_CUDA_CHECK(cudaGetLastError());
+}
+
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out,
+            uintptr_t stream) {
+    if (rows <= 0 || n <= 0) return;
+    swiglu_kernel<<<blocks_for(rows * n, 256), 256, 0, to_stream(stream)>>>(gate, up, ld, int(rows),
+                                                                           int(n), out);
+    FT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ft::cuda

@@ -1,0 +1,145 @@
+"""The decode-step CUDA kernels (native/csrc/cuda/step.cu) against their torch references in
+moe_offload.models.layers (STEP_KERNELS = False), on fresh random inputs, including the row-strided
+views that a fused projection's output gives. GPU only; the references run in CI through the
+model's oracle tests.
+
+Tolerances: float32 with different summation orders and --use_fast_math exp/rsqrt: relative 2e-5
+of each output's scale.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.models import layers
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _need_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from native import ops
+    if not ops.step_kernels_available(torch.zeros(1, device=DEV)):
+        pytest.skip("native._cuda lacks the decode-step kernels")
+
+
+def _reference(fn, *args, **kw):
+    old = layers.STEP_KERNELS
+    layers.STEP_KERNELS = False
+    try:
+        return fn(*args, **kw)
+    finally:
+        layers.STEP_KERNELS = old
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-5) -> None:
+    scale = max(float(b.abs().max()), 1e-6)
+    err = float((a.float() - b.float()).abs().max())
+    assert err <= rel * scale, f"max |diff| {err:.3g} vs scale {scale:.3g}"
+
+
+def _rand(*shape, g, scale=1.0):
+    return torch.randn(*shape, generator=g, device=DEV) * scale
+
+
+@pytest.mark.parametrize("rows,n", [(1, 2048), (5, 96), (3, 1000)])
+@pytest.mark.parametrize("terms", ["none", "a", "a+b"])
+def test_residual_rms_norm(rows, n, terms):
+    g = torch.Generator(DEV).manual_seed(rows * n)
+    x = _rand(rows, n, g=g)
+    w = _rand(n, g=g) * 0.1 + 1
+    wide = _rand(rows, 3 * n + 1, g=g)              # a, b, s as views of one wider output
+    a, b, s = wide[:, :n], wide[:, n + 1:2 * n + 1], wide[:, n:n + 1]
+    args = {"none": (), "a": (a,), "a+b": (a, b, s)}[terms]
+    x_ref = x.clone()
+    ref = _reference(layers.residual_rms_norm, x_ref, w, 1e-6, *args)
+    out = layers.residual_rms_norm(x, w, 1e-6, *args)
+    _close(x, x_ref, 1e-6)
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dims", [(2, 4, 32, 64, 4), (16, 32, 128, 128, 4)])
+def test_gated_delta_net_one_token(batch, dims):
+    hk, hv, dk, dv, kc = dims
+    g = torch.Generator(DEV).manual_seed(batch * hv)
+    C = 2 * hk * dk + hv * dv
+    proj = _rand(batch, 1, C + hv * dv + 2 * hv, g=g)           # mix | z | beta | alpha
+    mix, z, beta_raw, alpha_raw = proj.split([C, hv * dv, hv, hv], dim=-1)
+    conv_w, ssm_a = _rand(C, kc, g=g, scale=0.5), -torch.rand(hv, generator=g, device=DEV) * 2
+    dt_bias, norm_w = _rand(hv, g=g), _rand(dv, g=g) * 0.1 + 1
+    conv0, ssm0 = _rand(batch, C, kc - 1, g=g), _rand(batch, hv, dk, dv, g=g, scale=0.1)
+    conv_r, ssm_r, conv_k, ssm_k = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
+    args = (conv_w, ssm_a, dt_bias, norm_w, hk, 1e-6)
+    ref = _reference(layers.gated_delta_net, mix, z, beta_raw, alpha_raw, conv_r, ssm_r, *args)
+    out = layers.gated_delta_net(mix, z, beta_raw, alpha_raw, conv_k, ssm_k, *args)
+    assert out.shape == ref.shape == (batch, 1, hv * dv)
+    _close(out, ref, 1e-4)     # through a norm: relative errors of o are amplified by ~1/rms(o)
+    _close(conv_k, conv_r, 0)  # the shift is a copy
+    _close(ssm_k, ssm_r)
+
+
+def test_gated_delta_net_steps_accumulate_like_the_reference():
+    """Twenty tokens in a row: the state the kernel leaves is what the next step reads."""
+    hk, hv, dk, dv, kc = 2, 4, 32, 64, 4
+    g = torch.Generator(DEV).manual_seed(7)
+    C = 2 * hk * dk + hv * dv
+    conv_w, ssm_a = _rand(C, kc, g=g, scale=0.5), -torch.rand(hv, generator=g, device=DEV)
+    dt_bias, norm_w = _rand(hv, g=g), torch.ones(dv, device=DEV)
+    conv_r, ssm_r = torch.zeros(1, C, kc - 1, device=DEV), torch.zeros(1, hv, dk, dv, device=DEV)
+    conv_k, ssm_k = conv_r.clone(), ssm_r.clone()
+    for _ in range(20):
+        mix, z = _rand(1, 1, C, g=g), _rand(1, 1, hv * dv, g=g)
+        br, ar = _rand(1, 1, hv, g=g), _rand(1, 1, hv, g=g)
+        args = (conv_w, ssm_a, dt_bias, norm_w, hk, 1e-6)
+        ref = _reference(layers.gated_delta_net, mix, z, br, ar, conv_r, ssm_r, *args)
+        out = layers.gated_delta_net(mix, z, br, ar, conv_k, ssm_k, *args)
+        _close(out, ref, 1e-4)
+    _close(ssm_k, ssm_r, 1e-4)
+
+
+@pytest.mark.parametrize("rows,E,k", [(1, 256, 8), (4, 256, 8), (3, 64, 4), (2, 2048, 16)])
+def test_route_topk(rows, E, k):
+    g = torch.Generator(DEV).manual_seed(E + k)
+    logits = _rand(rows, E + 1, g=g, scale=3.0)[:, :E]          # a view, as the fused router gives
+    ids_r, w_r = _reference(layers.route_topk, logits, k)
+    ids, w = layers.route_topk(logits, k)
+    assert ids.dtype == torch.int32 and ids.shape == (rows, k)
+    assert torch.equal(ids.long(), ids_r)                        # same experts, same order
+    _close(w, w_r)
+    _close(w.sum(-1), torch.ones(rows, device=DEV), 1e-6)
+
+
+def test_swiglu_on_a_fused_output():
+    g = torch.Generator(DEV).manual_seed(3)
+    gu = _rand(3, 2 * 512, g=g, scale=4.0)
+    gate, up = gu[:, :512], gu[:, 512:]
+    _close(layers.swiglu(gate, up), _reference(layers.swiglu, gate, up))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dims,batch,pos", [((4, 2, 64, 32), 1, 0), ((4, 2, 64, 32), 2, 37),
+                                            ((16, 2, 256, 64), 1, 3000)])
+def test_gated_attention_one_token(cache_dtype, dims, batch, pos):
+    hq, hkv, d, n_rot = dims
+    n_ctx = 4096 if pos > 64 else 64
+    g = torch.Generator(DEV).manual_seed(pos + batch)
+    proj = _rand(batch, 1, hq * 2 * d + 2 * hkv * d, g=g)           # qg | k | v, as fused
+    qg, k, v = proj.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    q_norm, k_norm = _rand(d, g=g) * 0.1 + 1, _rand(d, g=g) * 0.1 + 1
+    cache0 = [_rand(batch, n_ctx, hkv, d, g=g).to(cache_dtype) for _ in range(2)]
+    kr, vr, kk, vk = cache0[0].clone(), cache0[1].clone(), cache0[0].clone(), cache0[1].clone()
+    p = torch.tensor([pos], device=DEV)
+    n_attn = min(n_ctx, (pos // 64 + 1) * 64)                        # a bucket past pos: masked
+    args = (q_norm, k_norm, 1e-6, p, n_rot, 1e7)
+    ref = _reference(layers.gated_attention, qg, k, v, *args, kr, vr, n_attn)
+    out = layers.gated_attention(qg, k, v, *args, kk, vk, n_attn)
+    assert out.shape == ref.shape == (batch, 1, hq * d)
+    _close(out, ref, 1e-4)
+    # row pos: one f16 rounding step apart at most; in f32, RoPE angles of pos * inv_freq differ
+    # by pos ulps (torch's float32 pow is not correctly rounded; the kernel's is)
+    _close(kk.float(), kr.float(), 2e-3 if cache_dtype == torch.float16 else 1e-5 + pos * 1e-8)
+    _close(vk.float(), vr.float(), 0)
