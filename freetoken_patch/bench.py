@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
     s.add_argument("--fetch-fraction", type=float, default=None,
                    help="force the share of misses fetched over PCIe (0: CPU only, 1: PCIe only)")
     s.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    s.add_argument("--no-prefetch", action="store_true",
+                   help="do not guess the next layer's experts (decode); off anyway with --trace")
+    s.add_argument("--prefetch-k", type=int, default=None,
+                   help="experts guessed per token for the next layer (default: the model's top-k)")
     s.add_argument("--profile", help="warm-start the cache from a routing profile (JSON)")
     s.add_argument("--save-profile", help="write the routing profile seen during the run")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
     opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
                           fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
+                          prefetch=not args.no_prefetch, prefetch_k=args.prefetch_k,
                           prefill_chunk=args.chunk)
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         rt = OffloadRuntime(loaded, opts)
@@ -176,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
         "cpu_experts_per_token": round(stats["cpu"] / per_tok, 2),
         "cpu_ms_per_token": round(stats["cpu_expert_s"] / per_tok * 1e3, 3),
         "fetch_fraction": round(stats["fetch_fraction"], 3), "rates": stats["rates"],
+        "prefetch": rt.engine.predict is not None and trace_params is None,
+        "prefetched_per_token": round(stats["prefetched"] / per_tok, 2),
+        "prefetch_precision": round(stats["prefetch_precision"], 4),
+        "prefetch_recall": round(stats["prefetch_recall"], 4),
     }
     if trace_params is None:
         result["routing_stats"] = routing_stats(rec.cpu().numpy(), c.n_expert).as_dict()
@@ -183,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"tg{args.gen}: {statistics.median(tg):.1f} tok/s (min {min(tg):.1f}, max "
                   f"{max(tg):.1f}, {args.reps} reps); TTFT {statistics.median(ttft[1:]) * 1e3:.0f} ms; "
                   f"hit rate {stats['hit_rate']:.1%}; regime: {result['regime']}")
+    if result["cache"]["prefetch"]:
+        console.print(f"prefetch: {stats['prefetched'] / per_tok:.1f} experts/token guessed, precision "
+                      f"{stats['prefetch_precision']:.1%}, recall {stats['prefetch_recall']:.1%}")
     v = result["vram"]
     console.print(f"VRAM peak: allocator {v['reserved_peak'] / 2**30:.2f} GiB reserved, "
                   f"nvidia-smi {(v['nvidia_smi_peak'] or 0) / 2**30:.2f} GiB (cap {vram / 2**30:.2f} GiB)")

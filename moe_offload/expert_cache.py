@@ -19,14 +19,28 @@ import torch
 from .errors import OffloadError
 from .host_bank import ExpertLayout, HostExpertBank
 
-STATS = ("hits", "fetched", "cpu", "prefetch_hits")
+STATS = ("hits", "fetched", "cpu", "prefetch_hits", "prefetched")  # csrc/offload_exchange.h
 
 
 @dataclass
 class CacheStats:
-    hits: np.ndarray      # [L] expert selections served from VRAM
+    hits: np.ndarray      # [L] expert selections served from VRAM (prefetched ones included)
     fetched: np.ndarray   # [L] misses fetched over PCIe into a slot
     cpu: np.ndarray       # [L] misses computed on the CPU
+    prefetched: np.ndarray     # [L] experts copied in ahead of their layer on a guess
+    prefetch_hits: np.ndarray  # [L] selections served by such a copy
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Share of prefetched experts that their layer then used."""
+        n = int(self.prefetched.sum())
+        return float(self.prefetch_hits.sum()) / n if n else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Share of the would-be misses (prefetch hits + misses) that prefetching turned into hits."""
+        n = int(self.prefetch_hits.sum() + self.fetched.sum() + self.cpu.sum())
+        return float(self.prefetch_hits.sum()) / n if n else 0.0
 
     @property
     def selections(self) -> int:
@@ -114,7 +128,8 @@ class ExpertCache:
     # -- statistics --------------------------------------------------------------------------------
     def read_stats(self) -> CacheStats:
         s = self.stats.cpu().numpy().astype(np.int64)
-        return CacheStats(hits=s[:, 0], fetched=s[:, 1], cpu=s[:, 2])
+        return CacheStats(hits=s[:, 0], fetched=s[:, 1], cpu=s[:, 2], prefetch_hits=s[:, 3],
+                          prefetched=s[:, 4])
 
     def reset_stats(self) -> None:
         self.stats.zero_()

@@ -6,6 +6,11 @@ Two paths, chosen by the number of tokens:
   kernel copies experts from the pinned host bank into their slots; the pool kernel computes
   hits + fetched on the GPU while the CPU worker computes its share; the wait kernel adds the
   CPU's sum. No host round trip.
+- prefetch (decode, optional): when layer L starts, a side stream applies layer L+1's router to
+  L's input (the residual stream changes little from one layer to the next), gives the guessed
+  experts slots (`prefetch` kernel) and copies them once L's own fetches are done, while L and
+  L+1's mixer compute; layer L+1's plan then finds them resident. Guesses cost link bandwidth,
+  so precision and recall are counted (stats prefetched / prefetch_hits).
 - prefill (a chunk of many tokens): experts the chunk routes to but the cache lacks are streamed
   from the host bank into a double-buffered staging area (copies on a side stream, overlapped
   with compute) and computed there; the cache itself is untouched, so a long prompt does not
@@ -73,6 +78,28 @@ class OffloadEngine:
                         for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(dev)
         self.prefill_streamed = torch.zeros(L, dtype=torch.int64)  # experts streamed per layer
+        # prefetch (set_predictor): per layer a list (count, (expert, slot)...) and two events
+        self.predict = None
+        self.prefetch_k = top_k
+        self.prefetch_lists = torch.zeros((L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
+        self.prefetch_stream = torch.cuda.Stream(dev)
+        self._guessed = [torch.cuda.Event() for _ in range(L)]     # tables updated
+        self._prefetched = [torch.cuda.Event() for _ in range(L)]  # experts copied
+        self._fetched = [torch.cuda.Event() for _ in range(L)]
+
+    def set_predictor(self, predict, k: int | None = None) -> None:
+        """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
+        k experts per token are guessed (default top_k)."""
+        k = k or self.top_k
+        if not 1 <= k <= MAX_FETCH // self.max_tok:
+            raise OffloadError(f"prefetch_k {k}: guess 1..{MAX_FETCH // self.max_tok} experts a token")
+        self.predict = predict
+        self.prefetch_k = k
+
+    def _prefetching(self, L: int) -> bool:
+        """Whether layer L+1's experts are guessed during layer L (never while replaying a trace:
+        the router cannot guess replayed ids)."""
+        return self.predict is not None and self.trace is None and L + 1 < self.cache.n_layer
 
     @property
     def staging_bytes(self) -> int:
@@ -114,11 +141,21 @@ class OffloadEngine:
         ids32 = ids.to(torch.int32).contiguous()
         w = w.float().contiguous()
         x = x.contiguous()
+        main = torch.cuda.current_stream()
+        guessed = L > 0 and self._prefetching(L - 1)
+        if guessed:   # layer L's guesses hold their slots: the plan sees them as resident
+            main.wait_event(self._guessed[L])
+        if self._prefetching(L):
+            self._guess_next(L, x, main)
         on.plan(self.tables, ex, L, ids32, w, x, self.step, self.scheduler.fetch_fraction,
-                self.fetch_list)
+                self.fetch_list, self.prefetch_lists[L] if guessed else None)
         pool, host = self.cache.pools[L], self.bank.banks[L]
         if pool.shape[0]:
             on.fetch(self.fetch_list, host, pool, min(MAX_FETCH, T * self.top_k))
+        if self._prefetching(L):
+            self._copy_guesses(L, main)
+        if guessed:   # ... and their bytes have landed (copied while this layer's own fetches ran)
+            main.wait_event(self._prefetched[L])
         y = torch.empty_like(x)
         _cuda.moe_ffn_pool(x.data_ptr(), T, self.hidden, self.ff, ids32.data_ptr(), w.data_ptr(),
                            self.top_k, self.cache.slot_of_expert[L].data_ptr(), self.cache.n_expert,
@@ -127,6 +164,29 @@ class OffloadEngine:
                            torch.cuda.current_stream().cuda_stream)
         on.wait_add(ex, L, self.step, y, self.timeout_s, self.error)
         return y
+
+    def _guess_next(self, L: int, x: torch.Tensor, main) -> None:
+        """On the side stream: layer L+1's router on x -> slots for its guessed experts."""
+        from .models.layers import route_topk
+        side = self.prefetch_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            guess, _ = route_topk(self.predict(L + 1, x), self.prefetch_k)
+            on.prefetch(self.tables, L + 1, guess.to(torch.int32).reshape(-1), x.shape[0] * self.top_k,
+                        self.step, self.prefetch_lists[L + 1])
+            self._guessed[L + 1].record(side)
+
+    def _copy_guesses(self, L: int, main) -> None:
+        """On the side stream, after layer L's own fetches (they are on its critical path): copy
+        layer L+1's guessed experts; layer L+1 waits for the event before its plan."""
+        side = self.prefetch_stream
+        self._fetched[L].record(main)
+        side.wait_event(self._fetched[L])
+        with torch.cuda.stream(side):
+            if self.cache.pools[L + 1].shape[0]:
+                on.fetch(self.prefetch_lists[L + 1], self.bank.banks[L + 1], self.cache.pools[L + 1],
+                         min(MAX_FETCH, self.max_tok * self.prefetch_k))
+            self._prefetched[L + 1].record(side)
 
     def prefill_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         cache, lay = self.cache, self.bank.layouts[L]

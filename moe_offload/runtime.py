@@ -46,6 +46,8 @@ class RuntimeOptions:
     staging_experts: int = STAGING_EXPERTS  # per prefill staging buffer (two are kept)
     cpu_threads: int | None = None
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
+    prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
+    prefetch_k: int | None = None          # experts guessed per token (None: the model's top-k)
     device: str = "cuda"
 
 
@@ -151,6 +153,8 @@ class OffloadRuntime:
                                     hidden=c.n_embd, ff=c.n_ff_exp,
                                     staging_experts=opts.staging_experts)
         self.model = Qwen35Moe(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
+        if opts.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
+            self.engine.set_predictor(self.model.router_logits, opts.prefetch_k)
         self._calibrate()
         self._graphs: dict[tuple, tuple] = {}
         self._states: dict[int, State] = {}
@@ -320,6 +324,8 @@ class OffloadRuntime:
             "cpu_experts": int(cpu_experts.sum()),
             "prefill_streamed": int(self.engine.prefill_streamed.sum()),
             "fetch_fraction": self.scheduler.q(),
+            "prefetched": int(s.prefetched.sum()), "prefetch_hits": int(s.prefetch_hits.sum()),
+            "prefetch_precision": s.prefetch_precision, "prefetch_recall": s.prefetch_recall,
             "rates": {"link_GBps": self.scheduler.rates.link_bytes_per_s / 1e9,
                       "cpu_GBps": self.scheduler.rates.cpu_bytes_per_s / 1e9},
             "per_layer": per_layer,

@@ -106,9 +106,18 @@ def step_begin(step: torch.Tensor) -> None:
 
 def plan(tables: dict, exchange: dict, layer: int, ids32: torch.Tensor, w: torch.Tensor,
          x: torch.Tensor, step: torch.Tensor, fetch_fraction: torch.Tensor,
-         fetch_list: torch.Tensor) -> None:
+         fetch_list: torch.Tensor, prefetched: torch.Tensor | None = None) -> None:
     _need(_cuda, "offload").offload_plan(tables, exchange, layer, ptr(ids32), ptr(w), ptr(x),
-                                         ptr(step), ptr(fetch_fraction), ptr(fetch_list), _stream())
+                                         ptr(step), ptr(fetch_fraction), ptr(fetch_list),
+                                         ptr(prefetched), _stream())
+
+
+def prefetch(tables: dict, layer: int, guess32: torch.Tensor, reserve: int, step: torch.Tensor,
+             prefetch_list: torch.Tensor) -> None:
+    """Slots for layer `layer`'s guessed experts (int32, flat) not yet resident -> prefetch_list,
+    leaving `reserve` evictable slots for the layer's own misses."""
+    _need(_cuda, "offload").offload_prefetch(tables, layer, ptr(guess32), guess32.numel(), reserve,
+                                             ptr(step), ptr(prefetch_list), _stream())
 
 
 def fetch(fetch_list: torch.Tensor, host_bank: torch.Tensor, pool: torch.Tensor,

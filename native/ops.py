@@ -475,10 +475,11 @@ def cuda_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.T
 
 def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                         k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int,
+                        n_attn: int) -> torch.Tensor:
     """One token of gated attention (api.h): qg [B, Hq*2d] (q | gate per head), k, v [B, Hkv*d];
     caches [B, n_ctx, Hkv, d] (F32 or F16; d 64, 128, 256 or 512) written at pos (int64 device
-    scalar) -> [B, Hq*d]."""
+    scalar, < n_attn) -> [B, Hq*d]."""
     bsz, n_ctx, hkv, d = k_cache.shape
     dtypes = {torch.float32: 0, torch.float16: 1}
     if k_cache.dtype not in dtypes or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() \
@@ -488,10 +489,12 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     if _ld(v, "attention_step v") != ldkv:
         raise NativeError("attention_step: k and v need the same row stride")
     out = torch.empty(bsz, n_head * d, dtype=torch.float32, device=qg.device)
+    work = torch.empty(bsz * n_head * _cuda.attention_splits(n_attn) * (d + 2), dtype=torch.float32,
+                       device=qg.device)
     _cuda.attention_step(qg.data_ptr(), _ld(qg, "attention_step qg"), k.data_ptr(), v.data_ptr(), ldkv,
                          q_norm.data_ptr(), k_norm.data_ptr(), eps, pos.data_ptr(), n_rot, base,
-                         k_cache.data_ptr(), v_cache.data_ptr(), dtypes[k_cache.dtype], n_ctx, bsz,
-                         n_head, hkv, d, out.data_ptr(), _stream(qg.device))
+                         k_cache.data_ptr(), v_cache.data_ptr(), dtypes[k_cache.dtype], n_ctx, n_attn,
+                         bsz, n_head, hkv, d, work.data_ptr(), out.data_ptr(), _stream(qg.device))
     return out
 
 

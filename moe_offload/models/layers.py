@@ -110,7 +110,7 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     if T == 1 and _kernel_for(qg) and k_cache.dtype in (torch.float16, torch.float32) \
             and d in (64, 128, 256, 512):
         o = ops.cuda_attention_step(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
-                                    base, k_cache, v_cache, hq)
+                                    base, k_cache, v_cache, hq, n_attn)
         return o.view(B, 1, hq * d)
     qg = qg.view(B, T, hq, 2, d)
     q, gate = qg[..., 0, :], qg[..., 1, :]

@@ -136,6 +136,13 @@ class Qwen35Moe:
         gate, up = self._proj(L, SHEXP_IN, f)
         return y, _mm(swiglu(gate, up), L["ffn_down_shexp.weight"]), logits[1]
 
+    def router_logits(self, layer: int, f: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s router on f [N, H] -> logits [N, E]: how the offload runtime guesses
+        the next layer's experts from the current hidden state."""
+        L = self.blk[layer]
+        fused = L.get("+".join(ROUTER))
+        return _mm(f, fused if fused is not None else L[ROUTER[0]])[:, :self.config.n_expert]
+
     def _proj(self, L, names: tuple[str, ...], a: torch.Tensor) -> list[torch.Tensor]:
         """The projections `names` of one input a [..., H]: one matmul split in parts if they
         were fused at upload (views of its output), else one matmul each."""

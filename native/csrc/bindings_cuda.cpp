@@ -182,19 +182,21 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("attention_step",
           [](uintptr_t qg, int64_t ldq, uintptr_t k, uintptr_t v, int64_t ldkv, uintptr_t q_norm,
              uintptr_t k_norm, float eps, uintptr_t pos, int64_t n_rot, float base,
-             uintptr_t k_cache, uintptr_t v_cache, int cache_dtype, int64_t n_ctx, int64_t batch,
-             int64_t hq, int64_t hkv, int64_t d, uintptr_t out, uintptr_t stream) {
+             uintptr_t k_cache, uintptr_t v_cache, int cache_dtype, int64_t n_ctx, int64_t n_attn,
+             int64_t batch, int64_t hq, int64_t hkv, int64_t d, uintptr_t workspace, uintptr_t out,
+             uintptr_t stream) {
               cuda::attention_step(ptr<const float>(qg), ldq, ptr<const float>(k), ptr<const float>(v),
                                    ldkv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps,
                                    ptr<const int64_t>(pos), n_rot, base, ptr<void>(k_cache),
-                                   ptr<void>(v_cache), cache_dtype, n_ctx, batch, hq, hkv, d,
-                                   ptr<float>(out), stream);
+                                   ptr<void>(v_cache), cache_dtype, n_ctx, n_attn, batch, hq, hkv, d,
+                                   ptr<float>(workspace), ptr<float>(out), stream);
           },
           py::arg("qg"), py::arg("ldq"), py::arg("k"), py::arg("v"), py::arg("ldkv"),
           py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("pos"), py::arg("n_rot"),
           py::arg("base"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"),
-          py::arg("n_ctx"), py::arg("batch"), py::arg("hq"), py::arg("hkv"), py::arg("d"),
-          py::arg("out"), py::arg("stream") = 0, release);
+          py::arg("n_ctx"), py::arg("n_attn"), py::arg("batch"), py::arg("hq"), py::arg("hkv"),
+          py::arg("d"), py::arg("workspace"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("attention_splits", &cuda::attention_splits, py::arg("n_attn"));
     m.def("swiglu",
           [](uintptr_t gate, uintptr_t up, int64_t ld, int64_t rows, int64_t n, uintptr_t out,
              uintptr_t stream) {
@@ -235,7 +237,9 @@ PYBIND11_MODULE(_cuda, m) {
     //   pin_host(addr, nbytes) / unpin_host(addr)        page-lock + map host memory (sync, GIL held)
     //   offload_step_begin(step, stream)                  step counter += 1 on the device
     //   offload_plan(tables: dict, exchange: dict, layer, ids, w, x, step, fetch_fraction,
-    //                fetch_list, stream)                  hits / fetches / CPU misses of one layer
+    //                fetch_list, prefetched, stream)      hits / fetches / CPU misses of one layer
+    //   offload_prefetch(tables, layer, guess, n_guess, reserve, step, list, stream)
+    //                                                     slots for a layer's guessed experts
     //   offload_fetch(fetch_list, host_bank, pool, expert_bytes, slot_bytes, max_fetch, stream)
     //   offload_wait_add(exchange: dict, layer, step, y, timeout_ns, error_flag, stream)
     m.def("pin_host", [](uintptr_t p, size_t n) { cuda::pin_host(reinterpret_cast<void*>(p), n); },
@@ -248,16 +252,27 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("offload_plan",
           [](const py::dict& tables, const py::dict& exchange, int layer, uintptr_t ids, uintptr_t w,
              uintptr_t x, uintptr_t step, uintptr_t fetch_fraction, uintptr_t fetch_list,
-             uintptr_t stream) {
+             uintptr_t prefetched, uintptr_t stream) {
               cuda::offload_plan(cache_tables_from(tables), exchange_from(exchange), layer,
                                  reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(w),
                                  reinterpret_cast<const float*>(x), reinterpret_cast<const int32_t*>(step),
                                  reinterpret_cast<const float*>(fetch_fraction),
-                                 reinterpret_cast<int32_t*>(fetch_list), stream);
+                                 reinterpret_cast<int32_t*>(fetch_list),
+                                 reinterpret_cast<const int32_t*>(prefetched), stream);
           },
           py::arg("tables"), py::arg("exchange"), py::arg("layer"), py::arg("ids"), py::arg("w"),
           py::arg("x"), py::arg("step"), py::arg("fetch_fraction"), py::arg("fetch_list"),
-          py::arg("stream"));
+          py::arg("prefetched"), py::arg("stream"));
+    m.def("offload_prefetch",
+          [](const py::dict& tables, int layer, uintptr_t guess, int n_guess, int reserve,
+             uintptr_t step, uintptr_t list, uintptr_t stream) {
+              cuda::offload_prefetch(cache_tables_from(tables), layer,
+                                     reinterpret_cast<const int32_t*>(guess), n_guess, reserve,
+                                     reinterpret_cast<const int32_t*>(step),
+                                     reinterpret_cast<int32_t*>(list), stream);
+          },
+          py::arg("tables"), py::arg("layer"), py::arg("guess"), py::arg("n_guess"),
+          py::arg("reserve"), py::arg("step"), py::arg("list"), py::arg("stream"));
     m.def("offload_fetch",
           [](uintptr_t fetch_list, uintptr_t host_bank, uintptr_t pool, int64_t expert_bytes,
              int64_t slot_bytes, int max_fetch, uintptr_t stream) {

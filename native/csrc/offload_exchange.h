@@ -28,7 +28,9 @@ struct CacheTables {
     int max_slots;            // S (row stride of the slot arrays)
 };
 
-enum StatsCol { kHits = 0, kFetched = 1, kCpu = 2, kPrefetchHits = 3, kStatsCols = 4 };
+// kPrefetched: experts copied in ahead of their layer on a guess (offload_prefetch); kPrefetchHits:
+// selections served by such a copy in the same step.
+enum StatsCol { kHits = 0, kFetched = 1, kCpu = 2, kPrefetchHits = 3, kPrefetched = 4, kStatsCols = 5 };
 
 // Host-side exchange area (page-locked), one row per layer.
 struct Exchange {

@@ -84,6 +84,32 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
         rt.close()
 
 
+def test_prefetch_changes_placement_not_results(loaded, reference):
+    """Guessing the next layer's experts moves experts earlier; the logits stay those of the
+    all-on-GPU model, and the guesses are counted."""
+    prompt, toks, ref = reference
+    outs, stats = {}, {}
+    for pf in (False, True):
+        rt = _runtime(loaded, prefetch=pf)
+        try:
+            outs[pf], stats[pf] = _follow(rt, prompt, toks), rt.stats()
+        finally:
+            rt.close()
+    for i, (a, b) in enumerate(zip(outs[True], ref)):
+        _close(a, b, f"step {i} (prefetch)")
+    off, on = stats[False], stats[True]
+    assert off["prefetched"] == 0 and on["prefetched"] > 0
+    assert 0 < on["prefetch_hits"] <= on["prefetched"]
+    assert 0 < on["prefetch_precision"] <= 1 and 0 < on["prefetch_recall"] <= 1
+    assert on["hits"] + on["fetched"] + on["cpu"] == on["selections"] == off["selections"]
+    rt = _runtime(loaded, fetch_fraction=0.0)   # CPU-only misses: nothing may cross the link
+    try:
+        _follow(rt, prompt, toks[:4])
+        assert rt.engine.predict is None and rt.stats()["prefetched"] == 0
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.0, 1.0])
 def test_offloaded_layers_match_reference(loaded, fraction):
     """One decode step at a time, every MoE layer through the device-side path (plan, fetch,

@@ -101,14 +101,16 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 // One token of gated full attention (qwen35moe): per batch row b (rows of qg at qg + b*ldq, of k and
 // v at + b*ldkv): q of head h = qg[h*2d : h*2d+d], its gate = qg[h*2d+d : (h+1)*2d]; k, v of kv head
 // h / (hq/hkv). q and k are RMS-normed (q_norm, k_norm [d], eps) and NEOX-roped on the first n_rot
-// dims at position *pos (device int64); k, v are written to the caches [batch, n_ctx, hkv, d]
-// (cache_dtype 0 F32, 1 F16) at *pos; softmax attention over positions 0..*pos (scale d^-0.5);
-// out [batch, hq*d] = attention * sigmoid(gate).
+// dims at position *pos (device int64, < n_attn); k, v are written to the caches
+// [batch, n_ctx, hkv, d] (cache_dtype 0 F32, 1 F16; d 64, 128, 256 or 512) at *pos; softmax
+// attention over positions 0..*pos (scale d^-0.5); out [batch, hq*d] = attention * sigmoid(gate).
+// workspace: >= batch * hq * attention_splits(n_attn) * (d + 2) floats. Two launches.
 void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                     const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
                     int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
-                    int64_t n_ctx, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float* out,
-                    uintptr_t stream);
+                    int64_t n_ctx, int64_t n_attn, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                    float* workspace, float* out, uintptr_t stream);
+int64_t attention_splits(int64_t n_attn);
 
 // out [rows, n] = silu(gate) * up (gate, up: [rows, ld]).
 void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out,

@@ -295,15 +295,18 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t ld, int ro
 }
 
 // ---- gated attention for one token (qwen35moe's full-attention layers) -----------------------------
-// Block (h, b), 8 warps. Phase 1: q of head h and k, v of its kv head: RMS-normed, NEOX RoPE,
-// into shared memory (k, v rounded to the cache type, as the reference reads them back); the
-// first q head of each group writes k, v into the caches at `pos`. Phase 2: warp w takes
-// positions in runs of kAttnRun (w*kAttnRun .., then + 8*kAttnRun, ...) up to pos, loading a
-// run's rows at once (latency, not bandwidth, bounds this loop), lane l holding dims
-// [l*PER, (l+1)*PER); an online softmax per warp, then the warps' partial results are merged.
-// Position pos is read from shared memory: another block may still be writing it.
+// Two kernels. attention_part: block (h, b, split) with 8 warps. Phase 1: q of head h and k, v of
+// its kv head: RMS-normed, NEOX RoPE, into shared memory (k, v rounded to the cache type, as the
+// reference reads them back); block (first q head of the group, split 0) writes k, v into the
+// caches at `pos`. Phase 2: the split's kAttnChunk positions (those <= pos), warp w taking runs of
+// kAttnRun positions whose rows it loads at once (latency, not bandwidth, bounds this loop), lane
+// l holding dims [l*PER, (l+1)*PER); an online softmax per warp, merged over the warps into the
+// split's (max, sum, acc[d]) in a workspace. Position pos comes from shared memory: another block
+// may still be writing it. attention_merge: block (h, b) merges the splits and applies the gate.
+// Splits keep the GPU busy at long contexts (16 heads alone would use 16 SMs).
 constexpr int kAttnWarps = 8;
 constexpr int kAttnRun = 8;
+constexpr int kAttnChunk = 2 * kAttnWarps * kAttnRun;  // positions per split
 
 template <class C> __device__ __forceinline__ C store_c(float v) { return C(v); }
 template <> __device__ __forceinline__ __half store_c(float v) { return __float2half_rn(v); }
@@ -366,10 +369,10 @@ __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos,
 
 template <class C, int PER>
 __global__ void __launch_bounds__(32 * kAttnWarps)
-attention_step_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
+attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
                       const float* q_norm, const float* k_norm, float eps, const int64_t* pos_p,
                       int n_rot, float base, C* k_cache, C* v_cache, int64_t n_ctx, int hq, int hkv,
-                      float* out) {
+                      float* part) {
     constexpr int d = 32 * PER;
     __shared__ float qs[d], ks[d], vs[d], accs[kAttnWarps][d];
     __shared__ float red[32], wm[kAttnWarps], wl[kAttnWarps];
@@ -390,7 +393,7 @@ attention_step_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     const C* vbase = v_cache + (int64_t(b) * n_ctx * hkv + kh) * d + lane * PER;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const C kc = store_c<C>(ks[i]), vc = store_c<C>(vs[i]);
-        if (h % group == 0) {
+        if (h % group == 0 && blockIdx.z == 0) {
             k_cache[((int64_t(b) * n_ctx + pos) * hkv + kh) * d + i] = kc;
             v_cache[((int64_t(b) * n_ctx + pos) * hkv + kh) * d + i] = vc;
         }
@@ -407,7 +410,9 @@ attention_step_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     }
     const float scale = rsqrtf(float(d));
     float m = -INFINITY, l = 0.f;
-    for (int64_t p0 = int64_t(warp) * kAttnRun; p0 <= pos; p0 += kAttnWarps * kAttnRun) {
+    const int64_t first = int64_t(blockIdx.z) * kAttnChunk;
+    const int64_t last = min(pos, first + kAttnChunk - 1);
+    for (int64_t p0 = first + int64_t(warp) * kAttnRun; p0 <= last; p0 += kAttnWarps * kAttnRun) {
         float rows[kAttnRun][PER], s[kAttnRun];
 #pragma unroll
         for (int u = 0; u < kAttnRun; ++u) {
@@ -473,11 +478,39 @@ attention_step_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, wm[w]);
     float L = 0.f;
     for (int w = 0; w < kAttnWarps; ++w) L += wm[w] == -INFINITY ? 0.f : wl[w] * expf(wm[w] - M);
+    // workspace row (b, h, split): acc[d] (unnormalised, relative to M), M, L
+    float* pr = part + ((int64_t(b) * hq + h) * gridDim.z + blockIdx.z) * (d + 2);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float o = 0.f;
         for (int w = 0; w < kAttnWarps; ++w)
             if (wm[w] != -INFINITY) o += accs[w][i] * expf(wm[w] - M);
-        out[(int64_t(b) * hq + h) * d + i] = o / L * sigmoid(qb[d + i]);
+        pr[i] = o;
+    }
+    if (threadIdx.x == 0) {
+        pr[d] = M;
+        pr[d + 1] = L;
+    }
+}
+
+__global__ void attention_merge_kernel(const float* part, int splits, int d, const float* qg,
+                                       int64_t ldq, int hq, float* out) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    const float* pr = part + (int64_t(b) * hq + h) * splits * (d + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, pr[s * (d + 2) + d]);
+    float L = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float ms = pr[s * (d + 2) + d];
+        if (ms != -INFINITY) L += pr[s * (d + 2) + d + 1] * expf(ms - M);
+    }
+    const float* gate = qg + int64_t(b) * ldq + int64_t(h) * 2 * d + d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float o = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float ms = pr[s * (d + 2) + d];
+            if (ms != -INFINITY) o += pr[s * (d + 2) + i] * expf(ms - M);
+        }
+        out[(int64_t(b) * hq + h) * d + i] = o / L * sigmoid(gate[i]);
     }
 }
 
@@ -485,11 +518,11 @@ template <class C>
 void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, int64_t ldq,
                       const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
                       float eps, const int64_t* pos, int n_rot, float base, void* kc, void* vc,
-                      int64_t n_ctx, int hq, int hkv, float* out) {
+                      int64_t n_ctx, int hq, int hkv, float* part) {
     auto go = [&](auto per) {
-        attention_step_kernel<C, decltype(per)::value><<<grid, 32 * kAttnWarps, 0, st>>>(
+        attention_part_kernel<C, decltype(per)::value><<<grid, 32 * kAttnWarps, 0, st>>>(
             qg, ldq, k, v, ldkv, qn, kn, eps, pos, n_rot, base, static_cast<C*>(kc),
-            static_cast<C*>(vc), n_ctx, hq, hkv, out);
+            static_cast<C*>(vc), n_ctx, hq, hkv, part);
     };
     switch (d) {
         case 64: go(std::integral_constant<int, 2>{}); break;
@@ -567,23 +600,31 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
     FT_CUDA_CHECK(cudaGetLastError());
 }
 
+int64_t attention_splits(int64_t n_attn) { return n_attn < 1 ? 1 : (n_attn + kAttnChunk - 1) / kAttnChunk; }
+
 void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                     const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
                     int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
-                    int64_t n_ctx, int64_t batch, int64_t hq, int64_t hkv, int64_t d, float* out,
-                    uintptr_t stream) {
+                    int64_t n_ctx, int64_t n_attn, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                    float* workspace, float* out, uintptr_t stream) {
     require(hkv > 0 && hq % hkv == 0, "attention_step: query heads must be a multiple of kv heads");
     require(d == 64 || d == 128 || d == 256 || d == 512, "attention_step: head dim must be 64, 128, 256 or 512");
     require(n_rot % 2 == 0 && n_rot <= d, "attention_step: n_rot must be even and <= head dim");
     require(cache_dtype == 0 || cache_dtype == 1, "attention_step: cache must be F32 (0) or F16 (1)");
+    require(n_attn >= 1 && n_attn <= n_ctx, "attention_step: n_attn must be in [1, n_ctx]");
     if (batch <= 0) return;
-    const dim3 grid{unsigned(hq), unsigned(batch)};
+    const int64_t splits = attention_splits(n_attn);
+    const dim3 grid{unsigned(hq), unsigned(batch), unsigned(splits)};
+    const cudaStream_t st = to_stream(stream);
     if (cache_dtype == 0)
-        launch_attention<float>(grid, to_stream(stream), d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps,
-                                pos, int(n_rot), base, k_cache, v_cache, n_ctx, int(hq), int(hkv), out);
+        launch_attention<float>(grid, st, d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps, pos, int(n_rot),
+                                base, k_cache, v_cache, n_ctx, int(hq), int(hkv), workspace);
     else
-        launch_attention<__half>(grid, to_stream(stream), d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps,
-                                 pos, int(n_rot), base, k_cache, v_cache, n_ctx, int(hq), int(hkv), out);
+        launch_attention<__half>(grid, st, d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps, pos, int(n_rot),
+                                 base, k_cache, v_cache, n_ctx, int(hq), int(hkv), workspace);
+    FT_CUDA_CHECK(cudaGetLastError());
+    attention_merge_kernel<<<dim3{unsigned(hq), unsigned(batch)}, 256, 0, st>>>(
+        workspace, int(splits), int(d), qg, ldq, int(hq), out);
     FT_CUDA_CHECK(cudaGetLastError());
 }
 
