@@ -96,14 +96,16 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
             if (int64_t(out.size()) < 2 * gr.n) out.resize(2 * gr.n);
             const uint8_t* wd = down.base + gr.e * down.expert_stride;
             const Act he = ha.at(gr.off);
-            for (int64_t r = r0; r < r1; r += 2) {  // rows in pairs (dot_pair), an odd last one alone
-                const int64_t nr = std::min<int64_t>(2, r1 - r);
-                if (nr == 2)
-                    dot_pair(kd, wd + r * rb_d, wd + (r + 1) * rb_d, nkb_d, he, int(gr.n), out.data(), out.data() + gr.n, 1, g);
-                else
-                    kd.dot_row(wd + r * rb_d, nkb_d, he, int(gr.n), out.data(), 1, g);
-                for (int64_t i = 0; i < nr; ++i)
-                    for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r + i] += wt[gr.off + s] * out[i * gr.n + s];
+            auto add = [&](int64_t r, const float* o) {
+                for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r] += wt[gr.off + s] * o[s];
+            };
+            // rows r and r + h in pairs, as in matmul (two sequential streams); r1 - r0 is even:
+            // H, a whole number of kernel blocks of the gate rows, is a multiple of 32
+            const int64_t h = (r1 - r0) / 2;
+            for (int64_t r = r0; r < r0 + h; ++r) {
+                dot_pair(kd, wd + r * rb_d, wd + (r + h) * rb_d, nkb_d, he, int(gr.n), out.data(), out.data() + gr.n, 1, g);
+                add(r, out.data());
+                add(r + h, out.data() + gr.n);
             }
         }
     });
