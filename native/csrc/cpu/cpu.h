@@ -52,6 +52,10 @@ using DecodeRowFn = void (*)(const uint8_t* row, int64_t nkb, float* out, const 
 using DotRowFn = void (*)(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* out,
                           int64_t ldo, const Grids& g);
 
+// dot_row of two rows (same nkb) into out0 / out1, sharing the activation loads.
+using DotRow2Fn = void (*)(const uint8_t* row0, const uint8_t* row1, int64_t nkb, const Act& a, int nt,
+                           float* out0, float* out1, int64_t ldo, const Grids& g);
+
 struct TypeKernels {
     DecodeRowFn decode_row = nullptr;
     DotRowFn dot_row = nullptr;
@@ -62,7 +66,16 @@ struct TypeKernels {
     // float x; "i16" = exact weights times the int16 activations above, exact integer sums per
     // 16/32 weights, scaled and summed in float32.
     const char* accumulation = "f32";
+    DotRow2Fn dot_row2 = nullptr;  // null: no gain over two dot_row calls (callers use dot_pair)
 };
+
+// Two rows of type k against the same activations: dot_row2 where the type has one.
+inline void dot_pair(const TypeKernels& k, const uint8_t* row0, const uint8_t* row1, int64_t nkb,
+                     const Act& a, int nt, float* out0, float* out1, int64_t ldo, const Grids& g) {
+    if (k.dot_row2) return k.dot_row2(row0, row1, nkb, a, nt, out0, out1, ldo, g);
+    k.dot_row(row0, nkb, a, nt, out0, ldo, g);
+    k.dot_row(row1, nkb, a, nt, out1, ldo, g);
+}
 
 struct IsaKernels {
     const char* name = nullptr;

@@ -23,8 +23,13 @@ void matmul(int type_id, const uint8_t* w, int64_t n_out, int64_t n_in, int64_t 
         for (int64_t t0 = 0; t0 < n_tok; t0 += kTokenTile) {
             const Act at = a.at(t0);
             const int nt = int(std::min(kTokenTile, n_tok - t0));
-            for (int64_t o = o0; o < o1; ++o)
-                k.dot_row(w + o * w_row_stride, nkb, at, nt, y + t0 * n_out + o, n_out, g);
+            // rows in pairs from the two halves of the chunk: two sequential streams (adjacent rows
+            // interleave their blocks, which the hardware prefetch follows worse than one row)
+            float* yt = y + t0 * n_out;
+            const int64_t h = (o1 - o0) / 2;
+            for (int64_t o = o0; o < o0 + h; ++o)
+                dot_pair(k, w + o * w_row_stride, w + (o + h) * w_row_stride, nkb, at, nt, yt + o, yt + o + h, n_out, g);
+            if ((o1 - o0) % 2) k.dot_row(w + (o1 - 1) * w_row_stride, nkb, at, nt, yt + o1 - 1, n_out, g);
         }
     });
 }

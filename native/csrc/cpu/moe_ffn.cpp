@@ -71,8 +71,12 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
             float* ge = hg.data() + gr.off * F;
             float* ue = hu.data() + gr.off * F;
             for (int64_t f = f0; f < f1; ++f) {
-                kg.dot_row(wg + f * rb_g, nkb_g, xe, int(gr.n), ge + f, F, g);
-                ku.dot_row(wu + f * rb_u, nkb_u, xe, int(gr.n), ue + f, F, g);
+                if (&kg == &ku) {  // one type: the gate and up rows share the activation loads
+                    dot_pair(kg, wg + f * rb_g, wu + f * rb_u, nkb_g, xe, int(gr.n), ge + f, ue + f, F, g);
+                } else {
+                    kg.dot_row(wg + f * rb_g, nkb_g, xe, int(gr.n), ge + f, F, g);
+                    ku.dot_row(wu + f * rb_u, nkb_u, xe, int(gr.n), ue + f, F, g);
+                }
             }
             for (int64_t t = 0; t < gr.n; ++t)
                 for (int64_t f = f0; f < f1; ++f) {
@@ -89,12 +93,19 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
         thread_local std::vector<float> out;
         for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + r0, y + t * H + r1, 0.f);
         for (const Group& gr : groups) {
-            if (int64_t(out.size()) < gr.n) out.resize(gr.n);
+            if (int64_t(out.size()) < 2 * gr.n) out.resize(2 * gr.n);
             const uint8_t* wd = down.base + gr.e * down.expert_stride;
             const Act he = ha.at(gr.off);
-            for (int64_t r = r0; r < r1; ++r) {
-                kd.dot_row(wd + r * rb_d, nkb_d, he, int(gr.n), out.data(), 1, g);
-                for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r] += wt[gr.off + s] * out[s];
+            auto add = [&](int64_t r, const float* o) {
+                for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r] += wt[gr.off + s] * o[s];
+            };
+            // rows r and r + h in pairs, as in matmul (two sequential streams); r1 - r0 is even:
+            // H, a whole number of kernel blocks of the gate rows, is a multiple of 32
+            const int64_t h = (r1 - r0) / 2;
+            for (int64_t r = r0; r < r0 + h; ++r) {
+                dot_pair(kd, wd + r * rb_d, wd + (r + h) * rb_d, nkb_d, he, int(gr.n), out.data(), out.data() + gr.n, 1, g);
+                add(r, out.data());
+                add(r + h, out.data() + gr.n);
             }
         }
     });
