@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     s.add_argument("--no-prefetch", action="store_true",
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
-                   help="experts guessed per token for the next layer (default: the model's top-k)")
+                   help="experts guessed per token for the next layer (default: half the top-k)")
     s.add_argument("--profile", help="warm-start the cache from a routing profile (JSON)")
     s.add_argument("--save-profile", help="write the routing profile seen during the run")
     s.add_argument("--json", action="store_true", help="print one JSON object")

@@ -217,6 +217,9 @@ def stats_text(conv: Conversation) -> str:
         lines.append(f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, "
                      f"{m.get('hits', 0)} hits, {fetched + cpu} misses ({fetched} fetched over "
                      f"PCIe, {cpu} run on the CPU)")
+        if m.get("prefetched"):
+            lines.append(f"prefetch: {m['prefetched']} experts guessed ahead, precision "
+                         f"{100 * m['prefetch_precision']:.0f}%, recall {100 * m['prefetch_recall']:.0f}%")
     return "\n".join(lines)
 
 

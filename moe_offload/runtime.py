@@ -32,6 +32,10 @@ from .scheduler import Rates, Scheduler
 from .state import State
 
 GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
+# Device memory that appears outside torch's allocator after the context is measured: kernel
+# images loaded lazily at their first launch (ours and cuBLAS's), the prefetch stream's cuBLAS
+# state. 64 MiB was 10 MiB short at a 6 GiB cap on the H200 (nvidia-smi 6.01 GiB).
+CONTEXT_MARGIN = 192 << 20
 
 
 @dataclass
@@ -47,7 +51,7 @@ class RuntimeOptions:
     cpu_threads: int | None = None
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
-    prefetch_k: int | None = None          # experts guessed per token (None: the model's top-k)
+    prefetch_k: int | None = None          # experts guessed per token (None: half the top-k)
     device: str = "cuda"
 
 
@@ -94,7 +98,7 @@ class OffloadRuntime:
         torch.cuda.synchronize(dev)
         free, total = torch.cuda.mem_get_info(dev)
         outside = self.smi.sample() or (total - free)
-        outside = max(0, outside - torch.cuda.memory_reserved(dev)) + (64 << 20)
+        outside = max(0, outside - torch.cuda.memory_reserved(dev)) + CONTEXT_MARGIN
         self.budget.reserve("CUDA context + libraries", outside,
                             "the GPU runtime alone needs this much before any weight")
         base = torch.cuda.memory_allocated(dev)
@@ -154,7 +158,10 @@ class OffloadRuntime:
                                     staging_experts=opts.staging_experts)
         self.model = Qwen35Moe(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
         if opts.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
-            self.engine.set_predictor(self.model.router_logits, opts.prefetch_k)
+            # half the top-k by default: on the 35B at 8 GiB, 4 guesses were 88% right and as fast
+            # as none; 8 guesses, 73% right, cost more link time than they saved (BENCHMARKS.md)
+            self.engine.set_predictor(self.model.router_logits,
+                                      opts.prefetch_k or max(1, c.n_expert_used // 2))
         self._calibrate()
         self._graphs: dict[tuple, tuple] = {}
         self._states: dict[int, State] = {}
@@ -320,7 +327,8 @@ class OffloadRuntime:
         return {
             "hit_rate": s.hit_rate, "selections": s.selections,
             "hits": int(s.hits.sum()), "fetched": int(s.fetched.sum()), "cpu": int(s.cpu.sum()),
-            "pcie_bytes": int(s.fetched.sum()) * eb, "cpu_expert_s": float(busy.sum()),
+            "pcie_bytes": int(s.fetched.sum() + s.prefetched.sum()) * eb,
+            "cpu_expert_s": float(busy.sum()),
             "cpu_experts": int(cpu_experts.sum()),
             "prefill_streamed": int(self.engine.prefill_streamed.sum()),
             "fetch_fraction": self.scheduler.q(),
