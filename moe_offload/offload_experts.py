@@ -29,6 +29,7 @@ from native.ops import QTensor, _cuda
 from .errors import OffloadError
 from .expert_cache import ExpertCache
 from .host_bank import HostExpertBank
+from .models.layers import route_topk
 from .scheduler import Scheduler
 
 MAX_FETCH = 64  # plan kernel's selection limit (T * K)
@@ -89,7 +90,7 @@ class OffloadEngine:
 
     def set_predictor(self, predict, k: int | None = None) -> None:
         """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
-        k experts per token are guessed (default top_k)."""
+        k experts per token are guessed (default top_k; the runtime passes its own default)."""
         k = k or self.top_k
         if not 1 <= k <= MAX_FETCH // self.max_tok:
             raise OffloadError(f"prefetch_k {k}: guess 1..{MAX_FETCH // self.max_tok} experts a token")
@@ -167,9 +168,9 @@ class OffloadEngine:
 
     def _guess_next(self, L: int, x: torch.Tensor, main) -> None:
         """On the side stream: layer L+1's router on x -> slots for its guessed experts."""
-        from .models.layers import route_topk
         side = self.prefetch_stream
         side.wait_stream(main)
+        x.record_stream(side)  # x's memory must not be reused on main before the side has read it
         with torch.cuda.stream(side):
             guess, _ = route_topk(self.predict(L + 1, x), self.prefetch_k)
             on.prefetch(self.tables, L + 1, guess.to(torch.int32).reshape(-1), x.shape[0] * self.top_k,
@@ -178,7 +179,7 @@ class OffloadEngine:
 
     def _copy_guesses(self, L: int, main) -> None:
         """On the side stream, after layer L's own fetches (they are on its critical path): copy
-        layer L+1's guessed experts; layer L+1 waits for the event before its plan."""
+        layer L+1's guessed experts; layer L+1 waits for them before its pool kernel."""
         side = self.prefetch_stream
         self._fetched[L].record(main)
         side.wait_event(self._fetched[L])

@@ -196,7 +196,8 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("base"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"),
           py::arg("n_ctx"), py::arg("n_attn"), py::arg("batch"), py::arg("hq"), py::arg("hkv"),
           py::arg("d"), py::arg("workspace"), py::arg("out"), py::arg("stream") = 0, release);
-    m.def("attention_splits", &cuda::attention_splits, py::arg("n_attn"));
+    m.def("attention_splits", [](int64_t n_attn) { return cuda::attention_splits(n_attn); },
+          py::arg("n_attn"));  // a call, not an address: the CPU emulator resolves it lazily
     m.def("swiglu",
           [](uintptr_t gate, uintptr_t up, int64_t ld, int64_t rows, int64_t n, uintptr_t out,
              uintptr_t stream) {
