@@ -21,8 +21,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 from .errors import CLIError
-from .model_args import (add_model_args, add_sampling_args, context_size, parse_device,
-                         sampling_params, size_arg)
+from .model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for,
+                         context_size, device_for, offload_stats_lines, sampling_params)
 
 DESCRIPTION = """\
 Chat with MODEL in the terminal. Without MODEL it runs the embedded default: a tiny synthetic
@@ -75,9 +75,7 @@ def add_parser(sub) -> None:
     s.add_argument("--system", metavar="TEXT", help="system prompt (change it with /system)")
     s.add_argument("--no-think", action="store_true",
                    help="ask the chat template to skip the reasoning block (enable_thinking=false)")
-    s.add_argument("--vram", type=size_arg, metavar="SIZE",
-                   help="run under the offload runtime with this VRAM cap (e.g. 8GiB): dense "
-                        "weights and hot experts on the GPU, the rest in host RAM")
+    add_vram_arg(s)
 
 
 # ---- the conversation (no I/O) ------------------------------------------------------------------
@@ -212,14 +210,7 @@ def stats_text(conv: Conversation) -> str:
     lines.append(f"context: {st.n_past} of {st.n_ctx} tokens in use")
     model_stats = getattr(conv.session.model, "stats", None)
     if callable(model_stats):
-        m = model_stats()
-        fetched, cpu = int(m.get("fetched", 0)), int(m.get("cpu", 0))
-        lines.append(f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, "
-                     f"{m.get('hits', 0)} hits, {fetched + cpu} misses ({fetched} fetched over "
-                     f"PCIe, {cpu} run on the CPU)")
-        if m.get("prefetched"):
-            lines.append(f"prefetch: {m['prefetched']} experts guessed ahead, precision "
-                         f"{100 * m['prefetch_precision']:.0f}%, recall {100 * m['prefetch_recall']:.0f}%")
+        lines += offload_stats_lines(model_stats())
     return "\n".join(lines)
 
 
@@ -264,16 +255,12 @@ def command(conv: Conversation, screen, line: str) -> bool:
 
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     """The model, its session and the banner lines; bad input raises one clear error."""
-    import torch
     from loaders import open_model
     from loaders.chat_template import ChatTemplate
     from loaders.synth import default_model_path, ensure_default_model
     from loaders.tokenizer import Tokenizer
     from moe_offload.generate import Session
-    if args.vram is not None and not torch.cuda.is_available():
-        raise CLIError("--vram puts the hot experts on a GPU and torch sees no CUDA device; "
-                       "run without --vram to use the CPU")
-    dev = parse_device(args.device or ("cuda" if args.vram is not None else "cpu"))
+    dev = device_for(args.device, args.vram)
     embedded = args.model is None
     if args.n_predict is None:
         args.n_predict = 128 if embedded else 1024
@@ -294,7 +281,7 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
         tok = Tokenizer.from_metadata(md, str(path))
         template = ChatTemplate.from_metadata(md, str(path))
         n_ctx = context_size(args.ctx, loaded.config.n_ctx_train)
-        model = _build_model(loaded, dev, n_ctx, args.vram)
+        model = build_for(loaded, dev, n_ctx, args.vram)
         session = Session(model, model.new_state(1, n_ctx), tok, template)
     conv = Conversation(session, params, args.system, False if args.no_think else None)
     where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"
@@ -310,22 +297,6 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
         banner.append("note: this model's chat template has no thinking switch; --no-think "
                       "changes nothing")
     return conv, banner
-
-
-def _build_model(loaded, dev, n_ctx: int, vram: int | None):
-    """The plain model on one device, or (with --vram) the offload runtime, which presents the
-    same interface (new_state / prefill / decode) plus stats()."""
-    if vram is None:
-        from moe_offload.models import build_model
-        return build_model(loaded, dev)
-    if dev.type != "cuda":
-        raise CLIError(f"--vram caps GPU memory, so it needs a CUDA device, not --device {dev}")
-    try:
-        from moe_offload.runtime import OffloadRuntime, RuntimeOptions
-    except ImportError as e:
-        raise CLIError(f"--vram needs the offload runtime (moe_offload.runtime), which does not "
-                       f"import here ({e}); run without --vram") from None
-    return OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=n_ctx, device=str(dev)))
 
 
 # ---- screens: piped (plain lines) and terminal (prompt_toolkit + rich) ------------------------------

@@ -1,5 +1,6 @@
 """Argparse helpers shared by the commands that load a model and generate (`run`, `chat`):
-the model / device / context flags, the sampling flags, and the checks behind them."""
+the model / device / context / VRAM flags, the sampling flags, the checks behind them, and the
+model (plain or offload runtime) those flags ask for."""
 from __future__ import annotations
 
 import argparse
@@ -102,3 +103,45 @@ def check_fits(ids: list[int], ctx: int | None, n_ctx_train: int) -> int:
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_params", "size_arg", "parse_device", "context_size",
            "check_fits"]
+
+
+def add_vram_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--vram", type=size_arg, metavar="SIZE",
+                   help="run under the offload runtime with this VRAM cap (e.g. 8GiB): dense "
+                        "weights and hot experts on the GPU, the rest in host RAM")
+
+
+def device_for(device: str | None, vram: int | None):
+    """--device, defaulting to cuda under --vram; --vram without a CUDA device is refused."""
+    import torch
+    if vram is not None and not torch.cuda.is_available():
+        raise CLIError("--vram puts the hot experts on a GPU and torch sees no CUDA device; "
+                       "run without --vram to use the CPU")
+    return parse_device(device or ("cuda" if vram is not None else "cpu"))
+
+
+def build_for(loaded, dev, n_ctx: int, vram: int | None):
+    """The plain model on one device, or (with --vram) the offload runtime, which presents the
+    same interface (new_state / prefill / decode) plus stats()."""
+    if vram is None:
+        from moe_offload.models import build_model
+        return build_model(loaded, dev)
+    if dev.type != "cuda":
+        raise CLIError(f"--vram caps GPU memory, so it needs a CUDA device, not --device {dev}")
+    try:
+        from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+    except ImportError as e:
+        raise CLIError(f"--vram needs the offload runtime (moe_offload.runtime), which does not "
+                       f"import here ({e}); run without --vram") from None
+    return OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=n_ctx, device=str(dev)))
+
+
+def offload_stats_lines(m: dict) -> list[str]:
+    """The offload runtime's stats() as lines for people (chat's /stats, run's summary)."""
+    fetched, cpu = int(m.get("fetched", 0)), int(m.get("cpu", 0))
+    lines = [f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, {m.get('hits', 0)} "
+             f"hits, {fetched + cpu} misses ({fetched} fetched over PCIe, {cpu} run on the CPU)"]
+    if m.get("prefetched"):
+        lines.append(f"prefetch: {m['prefetched']} experts guessed ahead, precision "
+                     f"{100 * m['prefetch_precision']:.0f}%, recall {100 * m['prefetch_recall']:.0f}%")
+    return lines

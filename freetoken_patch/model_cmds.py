@@ -1,12 +1,13 @@
-"""`ftpatch logits` and `ftpatch run`: a model end to end on one device (no offload yet)."""
+"""`ftpatch logits` and `ftpatch run`: a model end to end on one device (`run --vram`: under the
+offload runtime)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from .errors import CLIError
-from .model_args import (add_model_args, add_sampling_args, check_fits, parse_device,
-                         sampling_params)
+from .model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for, check_fits,
+                         device_for, offload_stats_lines, parse_device, sampling_params)
 
 LOGITS_DESCRIPTION = """\
 Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
@@ -19,12 +20,14 @@ examples:
 
 RUN_DESCRIPTION = """\
 Generate text after PROMPT and stream it to standard output; the prompt and decode speeds
-(tokens per second) and the time to first token follow on standard error. Sampling runs in
-llama.cpp's order: penalties, top-k, top-p, min-p, temperature. --temp 0 is greedy.
+(tokens per second) and the time to first token follow on standard error, and under --vram the
+expert cache's statistics. Sampling runs in llama.cpp's order: penalties, top-k, top-p, min-p,
+temperature. --temp 0 is greedy.
 
 examples:
   ftpatch run model.gguf -p "Once upon a time" -n 64
   ftpatch run model.gguf -p "Write a haiku about GPUs" --chat --temp 0.7 --seed 1
+  ftpatch run 35b.gguf -p "Explain PCIe" --chat --vram 8GiB   a model bigger than the GPU
 """
 
 
@@ -43,8 +46,11 @@ def add_run_parser(sub) -> None:
     s = sub.add_parser("run", help="generate text after a prompt, streaming it",
                        description=RUN_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(s)
+    add_model_args(s, device_default=None,
+                   device_help="cpu (default; the whole model in RAM) or cuda / cuda:N (the whole "
+                               "model in VRAM; with --vram: the GPU the runtime uses)")
     s.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="the prompt")
+    add_vram_arg(s)
     s.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
     add_sampling_args(s, n_default=128)
@@ -99,8 +105,7 @@ def run_run(args: argparse.Namespace) -> int:
     from loaders.chat_template import ChatTemplate
     from loaders.tokenizer import Tokenizer
     from moe_offload.generate import DoneEvent, Session
-    from moe_offload.models import build_model
-    device = parse_device(args.device)
+    device = device_for(args.device, args.vram)
     params = sampling_params(args)
     if not args.prompt:
         raise CLIError("the prompt is empty; give some text with -p")
@@ -117,16 +122,23 @@ def run_run(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
     n_ctx = check_fits(ids, args.ctx, loaded.config.n_ctx_train)
-    model = build_model(loaded, device)
-    session = Session(model, model.new_state(1, n_ctx), tok, template)
-    with torch.inference_mode():
-        for ev in session.generate(ids, params):
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-            if isinstance(ev, DoneEvent):
-                done = ev
-    print()
-    print(f"{done.timings.summary()} | stop: {done.reason}", file=sys.stderr)
+    model = build_for(loaded, device, n_ctx, args.vram)
+    try:
+        session = Session(model, model.new_state(1, n_ctx), tok, template)
+        with torch.inference_mode():
+            for ev in session.generate(ids, params):
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                if isinstance(ev, DoneEvent):
+                    done = ev
+        print()
+        print(f"{done.timings.summary()} | stop: {done.reason}", file=sys.stderr)
+        if callable(getattr(model, "stats", None)):
+            for line in offload_stats_lines(model.stats()):
+                print(line, file=sys.stderr)
+    finally:
+        if callable(getattr(model, "close", None)):
+            model.close()   # the offload runtime gives back pinned pages and the allocator cap
     return 0
 
 

@@ -116,6 +116,27 @@ def test_cuda_without_cuda(tiny_model, capsys):
     assert "no CUDA device" in _err(capsys)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_run_vram_without_cuda(tiny_model, capsys):
+    assert main(["run", str(tiny_model), "-p", "hi", "--vram", "8GiB"]) == 1
+    assert _err(capsys) == ("ftpatch: error: --vram puts the hot experts on a GPU and torch sees "
+                            "no CUDA device; run without --vram to use the CPU")
+
+
+def test_run_vram_on_the_cpu_is_refused(tiny_model, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the CUDA check
+    assert main(["run", str(tiny_model), "-p", "hi", "--vram", "8GiB", "--device", "cpu"]) == 1
+    assert "--vram caps GPU memory, so it needs a CUDA device, not --device cpu" in _err(capsys)
+
+
+@pytest.mark.gpu
+def test_run_under_the_offload_runtime_reports_the_cache(tiny_model, capsys):
+    assert main(["run", str(tiny_model), "-p", "Once upon a time", "-n", "8", "--temp", "0",
+                 "--vram", "2GiB"]) == 0
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "expert cache: hit rate" in err
+
+
 @pytest.mark.gpu
 def test_logits_on_cuda_match_cpu(tiny_model, tmp_path, capsys):
     cpu, gpu = tmp_path / "c.npy", tmp_path / "g.npy"
