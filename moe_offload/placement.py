@@ -67,7 +67,12 @@ class PlanSketch:
 
 PREFILL_CHUNK = 2048           # tokens per prefill chunk (the runtime's default)
 STAGING_EXPERTS = 32           # experts per prefill staging buffer (two are kept)
-CUDA_CONTEXT_ESTIMATE = 768 << 20  # context + cuBLAS + kernel images (measured ~740 MiB, H200)
+# Device memory that appears outside torch's allocator after the runtime measures the context:
+# kernel images loaded lazily at their first launch (ours and cuBLAS's), the prefetch stream's
+# cuBLAS state. 64 MiB was 10 MiB short at a 6 GiB cap on the H200 (nvidia-smi 6.01 GiB).
+CONTEXT_MARGIN = 192 << 20
+# context + cuBLAS as the runtime measures them (~676 MiB on the H200) plus that margin
+CUDA_CONTEXT_ESTIMATE = (680 << 20) + CONTEXT_MARGIN
 
 
 def gpu_workspace_bytes(c, n_ctx: int, prefill_chunk: int = PREFILL_CHUNK) -> int:

@@ -27,15 +27,12 @@ from .models import Qwen35Moe
 from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
-from .placement import PREFILL_CHUNK, STAGING_EXPERTS, gpu_workspace_bytes, staging_bytes
+from .placement import (CONTEXT_MARGIN, PREFILL_CHUNK, STAGING_EXPERTS, gpu_workspace_bytes,
+                        staging_bytes)
 from .scheduler import Rates, Scheduler
 from .state import State
 
 GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
-# Device memory that appears outside torch's allocator after the context is measured: kernel
-# images loaded lazily at their first launch (ours and cuBLAS's), the prefetch stream's cuBLAS
-# state. 64 MiB was 10 MiB short at a 6 GiB cap on the H200 (nvidia-smi 6.01 GiB).
-CONTEXT_MARGIN = 192 << 20
 
 
 @dataclass
