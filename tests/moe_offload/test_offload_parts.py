@@ -76,6 +76,24 @@ def test_cache_admit_warm_start_and_profile(mixed, tmp_path):
         load_profile(tmp_path / "bad.json", c.n_layer, c.n_expert)
 
 
+def test_cache_stats_columns_and_prefetch_rates(mixed):
+    """The stats table's columns as the kernels write them (csrc/offload_exchange.h), and the
+    prefetch precision / recall derived from them."""
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    cache = ExpertCache(bank.layouts, [5] * c.n_layer, c.n_expert, torch.device("cpu"))
+    assert cache.read_stats().prefetch_precision == 0.0 == cache.read_stats().prefetch_recall
+    # layer 0: 30 hits (6 of them on prefetched experts), 3 fetched, 1 on the CPU; 8 prefetched
+    cache.stats[0] = torch.tensor([30, 3, 1, 6, 8], dtype=torch.int32)
+    s = cache.read_stats()
+    assert (s.hits[0], s.fetched[0], s.cpu[0], s.prefetch_hits[0], s.prefetched[0]) == (30, 3, 1, 6, 8)
+    assert s.selections == 34 and s.hit_rate == 30 / 34
+    assert s.prefetch_precision == 6 / 8
+    assert s.prefetch_recall == 6 / (6 + 3 + 1)   # the misses there would have been without it
+    cache.reset_stats()
+    assert cache.read_stats().selections == 0
+
+
 def test_plan_slots_respects_budget(mixed):
     bank = HostExpertBank(mixed, pin=False, threads=2)
     per = max(lay.expert_bytes for lay in bank.layouts)
