@@ -1,7 +1,8 @@
 """The GPU expert cache: per-layer slot pools and the residency tables the kernels index.
 
-Placement only: it holds memory and answers small questions (`resident`, `admit`, `pin`,
-`resize`); the scheduler and the device-side plan kernel decide what moves. The tables live on
+Placement only: it holds memory and answers small questions (`resident`, `admit`, `warm_start`
+with pinning); the scheduler and the device-side plan and prefetch kernels decide what moves.
+Sizes are fixed at start (elastic resizing is not built yet). The tables live on
 the device so a captured decode step can look experts up and replace them with no host round
 trip (recency first, frequency as tie-breaker; pinned slots hold a warm-start hot set).
 

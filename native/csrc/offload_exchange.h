@@ -22,7 +22,7 @@ struct CacheTables {
     int32_t* slot_last_use;   // [L, S]  step of last use (recency)
     int32_t* slot_pinned;     // [L, S]  1: never evicted (warm-start hot set)
     int32_t* expert_freq;     // [L, E]  selections seen (frequency, for ties and fetch choice)
-    int32_t* n_slots;         // [L]     usable slots now (elastic: may shrink or grow)
+    int32_t* n_slots;         // [L]     usable slots (victims are searched below it; fixed today)
     int32_t* stats;           // [L, kStatsCols] counters, see below
     int n_experts;            // E
     int max_slots;            // S (row stride of the slot arrays)
