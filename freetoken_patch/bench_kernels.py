@@ -243,21 +243,28 @@ def gpu_moe(ext, q: QuantType, iters: int, warmup: int, rng: np.random.Generator
     return _median([a.elapsed_time(b) / 1e3 for a, b in events]), K * sum(b[0].numel() for b, _, _ in banks)
 
 
+def time_cpu_moe(banks: list, x: torch.Tensor, n_experts: int, k: int, iters: int,
+                 warmup: int = 1) -> float:
+    """Median wall time of native.ops.moe_ffn over CPU banks (gate, up, down QTensors) for one
+    token x [1, H], a new random top-k of n_experts per call; the first `warmup` calls untimed."""
+    from native import ops
+    times = []
+    for i in range(iters + warmup):
+        ids = torch.randperm(n_experts)[:k].view(1, k).to(torch.int32)
+        w = torch.softmax(torch.randn(1, k), -1)
+        t = time.perf_counter()
+        ops.moe_ffn(x, *banks, ids, w)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return _median(times)
+
+
 def cpu_moe(q: QuantType, iters: int, rng: np.random.Generator) -> tuple[float, int]:
     from native import ops
     E, H, F, K = MOE["E"], MOE["H"], MOE["F"], MOE["K"]
     banks = _moe_banks(q, "cpu", rng)
     qts = [ops.QTensor(b.reshape(E * rows, -1), q, (E, rows, cols)) for b, rows, cols in banks]
-    x = torch.randn(1, H)
-    times = []
-    for i in range(iters + 1):
-        ids = torch.randperm(E)[:K].view(1, K).to(torch.int32)
-        w = torch.softmax(torch.randn(1, K), -1)
-        t = time.perf_counter()
-        ops.moe_ffn(x, *qts, ids, w)
-        if i:
-            times.append(time.perf_counter() - t)
-    return _median(times), K * sum(b[0].numel() for b, _, _ in banks)
+    return time_cpu_moe(qts, torch.randn(1, H), E, K, iters), K * sum(b[0].numel() for b, _, _ in banks)
 
 
 # ---- run ----------------------------------------------------------------------------------------

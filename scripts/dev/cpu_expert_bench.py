@@ -6,12 +6,11 @@ GB/s = the K experts' gate + up + down bytes / median wall time. matmul: 2048x81
 rotated past 3x 64 MiB (bench_kernels' Ring). The 16-expert banks (~22 MB at IQ3_S) fit in a
 32 MiB L3, so these numbers are the kernel's compute rate more than DRAM's."""
 import sys
-import time
 
 import numpy as np
 import torch
 
-from freetoken_patch.bench_kernels import HOST_CACHE, Ring, _median, _pool, cpu_matmul
+from freetoken_patch.bench_kernels import HOST_CACHE, Ring, _pool, cpu_matmul, time_cpu_moe
 from loaders.quants import quant_type
 from native import ops
 
@@ -29,15 +28,7 @@ x = torch.randn(1, H)
 for threads in (1, 2):
     ops._cpu.set_threads(threads)
     for k in (1, 2, 8):
-        times = []
-        for i in range(reps + 2):
-            ids = torch.randperm(E)[:k].view(1, k).to(torch.int32)
-            w = torch.softmax(torch.randn(1, k), -1)
-            t = time.perf_counter()
-            ops.moe_ffn(x, *banks, ids, w)
-            if i >= 2:
-                times.append(time.perf_counter() - t)
-        t = _median(times)
+        t = time_cpu_moe(banks, x, E, k, reps, warmup=2)
         print(f"{q.name} moe_ffn threads={threads} K={k}: {t * 1e6:8.0f} us "
               f"{k * expert_bytes / t / 1e9:6.2f} GB/s")
     t = cpu_matmul(mm, 1, reps)
