@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from loaders import open_model
     from moe_offload.runtime import OffloadRuntime, RuntimeOptions
     from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
+    if args.prefetch_k is not None and args.prefetch_k < 1:
+        raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
+                       "turn guessing off with --no-prefetch")
     if not torch.cuda.is_available():
         raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     try:

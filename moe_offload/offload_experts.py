@@ -91,7 +91,7 @@ class OffloadEngine:
     def set_predictor(self, predict, k: int | None = None) -> None:
         """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
         k experts per token are guessed (default top_k; the runtime passes its own default)."""
-        k = k or self.top_k
+        k = self.top_k if k is None else k
         if not 1 <= k <= MAX_FETCH // self.max_tok:
             raise OffloadError(f"prefetch_k {k}: guess 1..{MAX_FETCH // self.max_tok} experts a token")
         self.predict = predict

@@ -158,7 +158,8 @@ class OffloadRuntime:
             # half the top-k by default: on the 35B at 8 GiB, 4 guesses were 88% right and as fast
             # as none; 8 guesses, 73% right, cost more link time than they saved (BENCHMARKS.md)
             self.engine.set_predictor(self.model.router_logits,
-                                      opts.prefetch_k or max(1, c.n_expert_used // 2))
+                                      opts.prefetch_k if opts.prefetch_k is not None
+                                      else max(1, c.n_expert_used // 2))
         self._calibrate()
         self._graphs: dict[tuple, tuple] = {}
         self._states: dict[int, State] = {}

@@ -123,6 +123,11 @@ def test_run_vram_without_cuda(tiny_model, capsys):
                             "no CUDA device; run without --vram to use the CPU")
 
 
+def test_bench_refuses_zero_guesses(tiny_model, capsys):
+    assert main(["bench", str(tiny_model), "--prefetch-k", "0"]) == 1
+    assert "--prefetch-k 0: guess at least 1 expert a token" in _err(capsys)
+
+
 def test_run_vram_on_the_cpu_is_refused(tiny_model, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the CUDA check
     assert main(["run", str(tiny_model), "-p", "hi", "--vram", "8GiB", "--device", "cpu"]) == 1
