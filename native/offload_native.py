@@ -46,6 +46,89 @@ def unpin_host(t: torch.Tensor, missing_ok: bool = False) -> None:
             raise
 
 
+class _CudaMemory:
+    """A CUDA array-interface descriptor: lets torch wrap memory it did not allocate (it keeps a
+    reference to `owner`, so the memory outlives every tensor that views it)."""
+
+    def __init__(self, addr: int, shape: tuple[int, ...], owner) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "|u1",
+                                         "data": (addr, False), "version": 3, "strides": None}
+
+
+def device_view(addr: int, shape: tuple[int, ...], owner) -> torch.Tensor:
+    """A uint8 CUDA tensor over `addr`: device memory we mapped, or page-locked host memory
+    (pin_host: the GPU reads it over PCIe at the same address)."""
+    return torch.as_tensor(_CudaMemory(addr, shape, owner), device="cuda")
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA view of a pinned (pin_host) contiguous CPU tensor: torch kernels launched on it read
+    the host memory over PCIe (zero-copy); same shape, dtype uint8 rows."""
+    return device_view(t.data_ptr(), tuple(t.view(torch.uint8).shape), t)
+
+
+# ---- elastic device memory ----------------------------------------------------------------------
+
+def elastic_supported() -> bool:
+    return _cuda is not None and torch.cuda.is_available() and _cuda.vmm_supported()
+
+
+def elastic_chunk() -> int:
+    """Bytes an elastic buffer maps at a time (the driver's granularity)."""
+    return int(_need(_cuda, "elastic device memory").vmm_granularity())
+
+
+class ElasticBuffer:
+    """Device memory that grows and shrinks in place: `capacity` bytes of address space reserved
+    at once, physical memory mapped behind its first `mapped` bytes in chunks of the driver's
+    granularity (csrc/cuda/vmm.cu). `view` is a uint8 tensor over the whole range; only its first
+    `mapped` bytes may be touched. Not thread-safe; the caller makes sure no kernel reads the
+    tail it unmaps (synchronize first)."""
+
+    def __init__(self, capacity: int, initial: int = 0):
+        self.chunk = elastic_chunk()
+        self.capacity = -(-max(1, capacity) // self.chunk) * self.chunk
+        self.addr = int(_cuda.vmm_reserve(self.capacity))
+        self._handles: list[int] = []       # one per mapped chunk, in address order
+        try:
+            self.resize(max(initial, 1))    # torch needs a mapped first byte to wrap the range
+            self.view = device_view(self.addr, (self.capacity,), self)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def mapped(self) -> int:
+        return len(self._handles) * self.chunk
+
+    def resize(self, nbytes: int) -> int:
+        """Map or unmap chunks so that at least `nbytes` (at most `capacity`, at least one chunk)
+        are backed; returns the mapped size."""
+        want = min(self.capacity // self.chunk, max(1, -(-int(nbytes) // self.chunk))) * self.chunk
+        while self.mapped < want:
+            off = self.mapped
+            self._handles.append(int(_cuda.vmm_map(self.addr + off, self.chunk)))
+        while self.mapped > want:
+            h = self._handles.pop()
+            _cuda.vmm_unmap(self.addr + self.mapped, self.chunk, h)
+        return self.mapped
+
+    def __del__(self) -> None:   # unreachable: no view of it is left
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        while self._handles:
+            h = self._handles.pop()
+            _cuda.vmm_unmap(self.addr + self.mapped, self.chunk, h)
+        if self.addr:
+            _cuda.vmm_free(self.addr, self.capacity)
+            self.addr = 0
+
+
 # ---- shared descriptors ---------------------------------------------------------------------------
 
 @dataclass
@@ -59,11 +142,12 @@ class CacheTablesPtrs:
     expert_freq: torch.Tensor
     n_slots: torch.Tensor
     stats: torch.Tensor
+    cpu_pending: torch.Tensor
 
     def as_dict(self) -> dict[str, int]:
         d = {k: ptr(getattr(self, k)) for k in ("slot_of_expert", "expert_of_slot",
                                                  "slot_last_use", "slot_pinned", "expert_freq",
-                                                 "n_slots", "stats")}
+                                                 "n_slots", "stats", "cpu_pending")}
         d["n_experts"] = self.slot_of_expert.shape[1]
         d["max_slots"] = self.expert_of_slot.shape[1]
         return d
@@ -126,9 +210,9 @@ def fetch(fetch_list: torch.Tensor, host_bank: torch.Tensor, pool: torch.Tensor,
                                           host_bank.shape[1], pool.shape[1], max_fetch, _stream())
 
 
-def wait_add(exchange: dict, layer: int, step: torch.Tensor, y: torch.Tensor, timeout_s: float,
-             error: torch.Tensor) -> None:
-    _need(_cuda, "offload").offload_wait_add(exchange, layer, ptr(step), ptr(y),
+def wait_add(exchange: dict, layer: int, step: torch.Tensor, cpu_pending: torch.Tensor,
+             y: torch.Tensor, timeout_s: float, error: torch.Tensor) -> None:
+    _need(_cuda, "offload").offload_wait_add(exchange, layer, ptr(step), ptr(cpu_pending), ptr(y),
                                              int(timeout_s * 1e9), ptr(error), _stream())
 
 

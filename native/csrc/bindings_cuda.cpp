@@ -242,7 +242,16 @@ PYBIND11_MODULE(_cuda, m) {
     //   offload_prefetch(tables, layer, guess, n_guess, reserve, step, list, stream)
     //                                                     slots for a layer's guessed experts
     //   offload_fetch(fetch_list, host_bank, pool, expert_bytes, slot_bytes, max_fetch, stream)
-    //   offload_wait_add(exchange: dict, layer, step, y, timeout_ns, error_flag, stream)
+    //   offload_wait_add(exchange: dict, layer, step, cpu_pending, y, timeout_ns, error_flag, stream)
+    //   vmm_supported() / vmm_granularity() / vmm_reserve(nbytes) -> addr / vmm_free(addr, nbytes)
+    //   vmm_map(addr, nbytes) -> handle / vmm_unmap(addr, nbytes, handle)
+    //                                                     elastic pools (csrc/cuda/vmm.cu; sync)
+    m.def("vmm_supported", &cuda::vmm_supported);
+    m.def("vmm_granularity", &cuda::vmm_granularity);
+    m.def("vmm_reserve", &cuda::vmm_reserve, py::arg("nbytes"));
+    m.def("vmm_free", &cuda::vmm_free, py::arg("addr"), py::arg("nbytes"));
+    m.def("vmm_map", &cuda::vmm_map, py::arg("addr"), py::arg("nbytes"));
+    m.def("vmm_unmap", &cuda::vmm_unmap, py::arg("addr"), py::arg("nbytes"), py::arg("handle"));
     m.def("pin_host", [](uintptr_t p, size_t n) { cuda::pin_host(reinterpret_cast<void*>(p), n); },
           py::arg("addr"), py::arg("nbytes"));
     m.def("unpin_host", [](uintptr_t p) { cuda::unpin_host(reinterpret_cast<void*>(p)); },
@@ -285,12 +294,14 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("fetch_list"), py::arg("host_bank"), py::arg("pool"), py::arg("expert_bytes"),
           py::arg("slot_bytes"), py::arg("max_fetch"), py::arg("stream"));
     m.def("offload_wait_add",
-          [](const py::dict& exchange, int layer, uintptr_t step, uintptr_t y, int64_t timeout_ns,
-             uintptr_t error_flag, uintptr_t stream) {
+          [](const py::dict& exchange, int layer, uintptr_t step, uintptr_t cpu_pending, uintptr_t y,
+             int64_t timeout_ns, uintptr_t error_flag, uintptr_t stream) {
               cuda::offload_wait_add(exchange_from(exchange), layer,
-                                     reinterpret_cast<const int32_t*>(step), reinterpret_cast<float*>(y),
-                                     timeout_ns, reinterpret_cast<int32_t*>(error_flag), stream);
+                                     reinterpret_cast<const int32_t*>(step),
+                                     reinterpret_cast<const int32_t*>(cpu_pending),
+                                     reinterpret_cast<float*>(y), timeout_ns,
+                                     reinterpret_cast<int32_t*>(error_flag), stream);
           },
-          py::arg("exchange"), py::arg("layer"), py::arg("step"), py::arg("y"), py::arg("timeout_ns"),
-          py::arg("error_flag"), py::arg("stream"));
+          py::arg("exchange"), py::arg("layer"), py::arg("step"), py::arg("cpu_pending"), py::arg("y"),
+          py::arg("timeout_ns"), py::arg("error_flag"), py::arg("stream"));
 }

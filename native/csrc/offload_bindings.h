@@ -20,6 +20,7 @@ inline CacheTables cache_tables_from(const pybind11::dict& d) {
     t.expert_freq = dict_ptr<int32_t>(d, "expert_freq");
     t.n_slots = dict_ptr<int32_t>(d, "n_slots");
     t.stats = dict_ptr<int32_t>(d, "stats");
+    t.cpu_pending = dict_ptr<int32_t>(d, "cpu_pending");
     t.n_experts = d["n_experts"].cast<int>();
     t.max_slots = d["max_slots"].cast<int>();
     return t;

@@ -5,11 +5,12 @@
 // directly (UVA: the device address equals the host address).
 //
 // Protocol for layer L of step s (s > 0 increases by one every step):
-//   GPU plan kernel  : decides hits / fetches / CPU misses, writes cpu_ids/cpu_w and x_host,
-//                      fences, then sets gpu_flag[L] = s
+//   GPU plan kernel  : decides hits / fetches / CPU misses, writes cpu_ids/cpu_w (and x_host
+//                      when the CPU has work), cpu_pending[L], fences, then sets gpu_flag[L] = s
 //   CPU worker       : waits for gpu_flag[L] >= s, computes its experts into y_host, fences,
-//                      sets cpu_flag[L] = s
-//   GPU wait kernel  : waits for cpu_flag[L] >= s (bounded), adds y_host into the layer output
+//                      sets cpu_flag[L] = s (also when it had nothing to do)
+//   GPU wait kernel  : if cpu_pending[L] > 0, waits for cpu_flag[L] >= s (bounded) and adds
+//                      y_host into the layer output; else returns at once (no PCIe round trip)
 #pragma once
 #include <cstdint>
 
@@ -22,8 +23,9 @@ struct CacheTables {
     int32_t* slot_last_use;   // [L, S]  step of last use (recency)
     int32_t* slot_pinned;     // [L, S]  1: never evicted (warm-start hot set)
     int32_t* expert_freq;     // [L, E]  selections seen (frequency, for ties and fetch choice)
-    int32_t* n_slots;         // [L]     usable slots (victims are searched below it; fixed today)
+    int32_t* n_slots;         // [L]     usable slots (victims are searched below it; elastic)
     int32_t* stats;           // [L, kStatsCols] counters, see below
+    int32_t* cpu_pending;     // [L]     experts handed to the CPU this step (0: nothing to wait for)
     int n_experts;            // E
     int max_slots;            // S (row stride of the slot arrays)
 };

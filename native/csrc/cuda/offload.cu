@@ -141,6 +141,7 @@ plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__
 
     int32_t* cpu_ids = ex.cpu_ids + (size_t)layer * ex.max_tok * ex.top_k;
     float* cpu_w = ex.cpu_w + (size_t)layer * ex.max_tok * ex.top_k;
+    __shared__ int n_cpu_s;
     if (tid == 0) {
         fetch_list[0] = fetched;
         int n_cpu = 0;
@@ -152,11 +153,16 @@ plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__
         }
         stats[kFetched] += fetched;
         stats[kCpu] += n_cpu;
+        tab.cpu_pending[layer] = n_cpu;
+        n_cpu_s = n_cpu;
     }
-    // hand the layer input to the CPU
-    const int n_x = ex.n_tok * ex.hidden;
-    float* xh = ex.x_host + (size_t)layer * ex.max_tok * ex.hidden;
-    for (int i = tid; i < n_x; i += kPlanThreads) xh[i] = x[i];
+    __syncthreads();
+    // hand the layer input to the CPU (only when it has work: the copy crosses PCIe)
+    if (n_cpu_s > 0) {
+        const int n_x = ex.n_tok * ex.hidden;
+        float* xh = ex.x_host + (size_t)layer * ex.max_tok * ex.hidden;
+        for (int i = tid; i < n_x; i += kPlanThreads) xh[i] = x[i];
+    }
     __threadfence_system();
     __syncthreads();
     if (tid == 0) *(volatile int32_t*)(ex.gpu_flag + layer) = step;
@@ -256,10 +262,13 @@ fetch_kernel(const int32_t* __restrict__ fetch_list, const uint4* __restrict__ h
     }
 }
 
-// grid (T): waits for the CPU's result for this layer, then y[t] += y_host[t].
+// grid (T): waits for the CPU's result for this layer, then y[t] += y_host[t]; returns at once
+// when the plan gave the CPU nothing (the worker still answers, nobody waits for it).
 __global__ void wait_add_kernel(Exchange ex, int layer, const int32_t* __restrict__ step_ptr,
-                                float* __restrict__ y, int64_t timeout_ns, int32_t* error_flag) {
+                                const int32_t* __restrict__ cpu_pending, float* __restrict__ y,
+                                int64_t timeout_ns, int32_t* error_flag) {
     __shared__ int ok;
+    if (cpu_pending[layer] == 0) return;
     const int32_t step = *step_ptr;
     if (threadIdx.x == 0) {
         volatile int32_t* flag = ex.cpu_flag + layer;
@@ -326,10 +335,11 @@ void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
     check(cudaGetLastError(), "offload_fetch");
 }
 
-void offload_wait_add(const Exchange& ex, int layer, const int32_t* step, float* y,
-                      int64_t timeout_ns, int32_t* error_flag, uintptr_t stream) {
-    wait_add_kernel<<<ex.n_tok, 256, 0, as_stream(stream)>>>(ex, layer, step, y, timeout_ns,
-                                                             error_flag);
+void offload_wait_add(const Exchange& ex, int layer, const int32_t* step,
+                      const int32_t* cpu_pending, float* y, int64_t timeout_ns,
+                      int32_t* error_flag, uintptr_t stream) {
+    wait_add_kernel<<<ex.n_tok, 256, 0, as_stream(stream)>>>(ex, layer, step, cpu_pending, y,
+                                                             timeout_ns, error_flag);
     check(cudaGetLastError(), "offload_wait_add");
 }
 

@@ -32,12 +32,25 @@ void offload_prefetch(const CacheTables& tab, int layer, const int32_t* guess, i
 void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
                    int64_t expert_bytes, int64_t slot_bytes, int max_fetch, uintptr_t stream);
 // Waits (at most timeout_ns; then *error_flag = layer + 1 and the CPU part is dropped) for the
-// CPU worker's layer result and adds it: y [T, H] += y_host[layer].
-void offload_wait_add(const Exchange& ex, int layer, const int32_t* step, float* y,
-                      int64_t timeout_ns, int32_t* error_flag, uintptr_t stream);
+// CPU worker's layer result and adds it: y [T, H] += y_host[layer]. Nothing when the layer's plan
+// handed the CPU no expert (cpu_pending[layer] == 0, CacheTables::cpu_pending).
+void offload_wait_add(const Exchange& ex, int layer, const int32_t* step,
+                      const int32_t* cpu_pending, float* y, int64_t timeout_ns,
+                      int32_t* error_flag, uintptr_t stream);
 // Page-lock (and map) host memory for zero-copy GPU reads; requires device address == host
 // address (UVA), else throws. Synchronous.
 void pin_host(void* p, size_t nbytes);
 void unpin_host(void* p);
+
+// Elastic device memory (csrc/cuda/vmm.cu, CUDA virtual memory management): an address range
+// reserved once, physical memory mapped into it and unmapped at run time, so a pool grows and
+// shrinks without moving. Sizes and offsets are multiples of vmm_granularity(); memory is on the
+// current device, readable and writable by it. Synchronous; errors throw std::runtime_error.
+bool vmm_supported();
+size_t vmm_granularity();
+uintptr_t vmm_reserve(size_t bytes);             // the range; nothing mapped
+void vmm_free(uintptr_t va, size_t bytes);       // after every chunk is unmapped
+uint64_t vmm_map(uintptr_t va, size_t bytes);    // new memory mapped at va -> its handle
+void vmm_unmap(uintptr_t va, size_t bytes, uint64_t handle);  // unmapped and freed
 
 }  // namespace ft::cuda
