@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .errors import CLIError
-from .model_args import size_arg
+from .model_args import add_placement_args, placement_options, size_arg
 
 EPILOG = """\
 examples:
@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
                    help="experts guessed per token for the next layer (default: half the top-k)")
+    s.add_argument("--no-elastic", action="store_true",
+                   help="keep the expert cache at its prefill size while decoding (by default it "
+                        "grows into the prefill workspace between prompts)")
+    add_placement_args(s)
     s.add_argument("--profile", help="warm-start the cache from a routing profile (JSON)")
     s.add_argument("--save-profile", help="write the routing profile seen during the run")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
                           fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
                           prefetch=not args.no_prefetch, prefetch_k=args.prefetch_k,
-                          prefill_chunk=args.chunk)
+                          prefill_chunk=args.chunk, elastic=not args.no_elastic,
+                          **placement_options(args))
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         rt = OffloadRuntime(loaded, opts)
     load_s = time.perf_counter() - t0
@@ -115,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
                   "synthetic": "ftpatch.synth.preset" in loaded.metadata},
         "vram_cap": vram, "ctx": args.ctx, "load_s": round(load_s, 2),
         "load_breakdown_s": {k: round(v, 2) for k, v in rt.report.seconds.items()},
-        "budget": rt.report.budget, "slots_per_layer": rt.report.slots_per_layer[:1],
-        "pinned": rt.report.pinned,
+        "budget": rt.report.budget, "elastic": rt.cache.elastic,
+        "slots_per_layer": {"prefill": rt.report.slots_per_layer[0],
+                            "decode": rt.report.decode_slots_per_layer[0]},
+        "pinned": rt.report.pinned, "host_weights": rt.report.host_weights,
     }
     trace_params = None
     if args.trace:
@@ -177,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     stats = rt.stats()
     per_tok = max(1, args.gen)
     result["cache"] = {
-        "hit_rate": round(stats["hit_rate"], 4), "slots_per_layer": rt.report.slots_per_layer[0],
+        "hit_rate": round(stats["hit_rate"], 4), "slots_per_layer": stats["cache_slots"][0],
         "experts_per_layer": c.n_expert,
         "pcie_MB_per_token": round(stats["pcie_bytes"] / per_tok / 1e6, 2),
         "fetched_per_token": round(stats["fetched"] / per_tok, 2),
@@ -192,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if trace_params is None:
         result["routing_stats"] = routing_stats(rec.cpu().numpy(), c.n_expert).as_dict()
     result["vram"] = rt.vram_peaks()
+    result["prefill_memory"] = rt.prefill_memory[-8:]   # torch's use vs the elastic estimate
     console.print(f"tg{args.gen}: {statistics.median(tg):.1f} tok/s (min {min(tg):.1f}, max "
                   f"{max(tg):.1f}, {args.reps} reps); TTFT {statistics.median(ttft[1:]) * 1e3:.0f} ms; "
                   f"hit rate {stats['hit_rate']:.1%}; regime: {result['regime']}")
@@ -199,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"prefetch: {stats['prefetched'] / per_tok:.1f} experts/token guessed, precision "
                       f"{stats['prefetch_precision']:.1%}, recall {stats['prefetch_recall']:.1%}")
     v = result["vram"]
-    console.print(f"VRAM peak: allocator {v['reserved_peak'] / 2**30:.2f} GiB reserved, "
-                  f"nvidia-smi {(v['nvidia_smi_peak'] or 0) / 2**30:.2f} GiB (cap {vram / 2**30:.2f} GiB)")
+    cache = (f"expert cache {v['cache_peak'] / 2**30:.2f} GiB" if rt.cache.outside_torch else
+             "expert cache included")
+    console.print(f"VRAM peak: allocator {v['reserved_peak'] / 2**30:.2f} GiB reserved ({cache}; "
+                  f"{stats['cache_slots'][0]} slots a layer now), nvidia-smi {(v['nvidia_smi_peak'] or 0) / 2**30:.2f} GiB (cap {vram / 2**30:.2f} GiB)")
     if args.save_profile:
         from moe_offload.expert_cache import save_profile
         save_profile(args.save_profile, rt.cache.routing_counts(), str(loaded.metadata.get("general.name")))

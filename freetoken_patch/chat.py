@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 
 from .errors import CLIError
 from .model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for,
-                         context_size, device_for, offload_stats_lines, sampling_params)
+                         context_size, device_for, offload_stats_lines, placement_options,
+                         sampling_params)
 
 DESCRIPTION = """\
 Chat with MODEL in the terminal. Without MODEL it runs the embedded default: a tiny synthetic
@@ -281,7 +282,7 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
         tok = Tokenizer.from_metadata(md, str(path))
         template = ChatTemplate.from_metadata(md, str(path))
         n_ctx = context_size(args.ctx, loaded.config.n_ctx_train)
-        model = build_for(loaded, dev, n_ctx, args.vram)
+        model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
         session = Session(model, model.new_state(1, n_ctx), tok, template)
     conv = Conversation(session, params, args.system, False if args.no_think else None)
     where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"

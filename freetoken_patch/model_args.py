@@ -109,6 +109,23 @@ def add_vram_arg(s: argparse.ArgumentParser) -> None:
     s.add_argument("--vram", type=size_arg, metavar="SIZE",
                    help="run under the offload runtime with this VRAM cap (e.g. 8GiB): dense "
                         "weights and hot experts on the GPU, the rest in host RAM")
+    add_placement_args(s)
+
+
+def add_placement_args(s: argparse.ArgumentParser) -> None:
+    """Where the offload runtime keeps the embedding and the output head (with --vram)."""
+    s.add_argument("--host-head", action="store_true",
+                   help="with --vram: keep the output head in host RAM too; frees its VRAM for "
+                        "experts, but every token reads it over PCIe (for very small GPUs)")
+    s.add_argument("--gpu-embedding", action="store_true",
+                   help="with --vram: keep the token embedding in VRAM (by default it stays in "
+                        "pinned host RAM: a token reads one row of it)")
+
+
+def placement_options(args) -> dict:
+    """RuntimeOptions fields of add_placement_args' flags."""
+    return {"host_head": bool(getattr(args, "host_head", False)),
+            "host_embedding": not getattr(args, "gpu_embedding", False)}
 
 
 def device_for(device: str | None, vram: int | None):
@@ -120,10 +137,13 @@ def device_for(device: str | None, vram: int | None):
     return parse_device(device or ("cuda" if vram is not None else "cpu"))
 
 
-def build_for(loaded, dev, n_ctx: int, vram: int | None):
+def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None = None):
     """The plain model on one device, or (with --vram) the offload runtime, which presents the
     same interface (new_state / prefill / decode) plus stats()."""
     if vram is None:
+        if placement and (placement.get("host_head") or not placement.get("host_embedding", True)):
+            raise CLIError("--host-head and --gpu-embedding place weights for the offload "
+                           "runtime; add --vram SIZE")
         from moe_offload.models import build_model
         return build_model(loaded, dev)
     if dev.type != "cuda":
@@ -133,7 +153,8 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None):
     except ImportError as e:
         raise CLIError(f"--vram needs the offload runtime (moe_offload.runtime), which does not "
                        f"import here ({e}); run without --vram") from None
-    return OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=n_ctx, device=str(dev)))
+    return OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=n_ctx, device=str(dev),
+                                                 **(placement or {})))
 
 
 def offload_stats_lines(m: dict) -> list[str]:
@@ -141,6 +162,9 @@ def offload_stats_lines(m: dict) -> list[str]:
     fetched, cpu = int(m.get("fetched", 0)), int(m.get("cpu", 0))
     lines = [f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, {m.get('hits', 0)} "
              f"hits, {fetched + cpu} misses ({fetched} fetched over PCIe, {cpu} run on the CPU)"]
+    if m.get("cache_slots"):
+        lines.append(f"cache size: {m['cache_slots'][0]} slots a layer now, "
+                     f"{m['cache_bytes'] / 2**30:.2f} GiB of VRAM")
     if m.get("prefetched"):
         lines.append(f"prefetch: {m['prefetched']} experts guessed ahead, precision "
                      f"{100 * m['prefetch_precision']:.0f}%, recall {100 * m['prefetch_recall']:.0f}%")

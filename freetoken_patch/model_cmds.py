@@ -7,7 +7,8 @@ import sys
 
 from .errors import CLIError
 from .model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for, check_fits,
-                         device_for, offload_stats_lines, parse_device, sampling_params)
+                         device_for, offload_stats_lines, parse_device, placement_options,
+                         sampling_params)
 
 LOGITS_DESCRIPTION = """\
 Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
@@ -122,7 +123,7 @@ def run_run(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
     n_ctx = check_fits(ids, args.ctx, loaded.config.n_ctx_train)
-    model = build_for(loaded, device, n_ctx, args.vram)
+    model = build_for(loaded, device, n_ctx, args.vram, placement_options(args))
     try:
         session = Session(model, model.new_state(1, n_ctx), tok, template)
         with torch.inference_mode():

@@ -1,8 +1,8 @@
 """The GPU expert cache: per-layer slot pools and the residency tables the kernels index.
 
 Placement only: it holds memory and answers small questions (`resident`, `admit`, `warm_start`
-with pinning); the scheduler and the device-side plan and prefetch kernels decide what moves.
-Sizes are fixed at start (elastic resizing is not built yet). The tables live on
+with pinning, `resize`); the scheduler and the device-side plan and prefetch kernels decide what
+moves, the runtime decides the size. The tables live on
 the device so a captured decode step can look experts up and replace them with no host round
 trip (recency first, frequency as tie-breaker; pinned slots hold a warm-start hot set).
 
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from native import offload_native as on
 
 from .errors import OffloadError
 from .host_bank import ExpertLayout, HostExpertBank
@@ -54,38 +56,145 @@ class CacheStats:
 
 
 class ExpertCache:
+    """`slots[L]` usable slots per layer, in `pools[L]` ([capacity, expert bytes] uint8 views).
+
+    Elastic (the default on GPUs that support CUDA virtual memory): each pool reserves address
+    space for every expert of its layer and maps memory only behind the slots in use, so
+    `resize` can give VRAM back (to a prefill's workspace) and take it again (for decode) while
+    kernels and captured graphs keep the pool's address. Otherwise the pools are fixed tensors.
+    On the CPU an elastic cache is simulated with full-size tensors (tests of the bookkeeping).
+    """
+
     def __init__(self, layouts: list[ExpertLayout], slots: list[int], n_expert: int,
-                 device: torch.device):
+                 device: torch.device, elastic: bool | None = None):
         self.layouts, self.n_expert, self.device = layouts, n_expert, device
         self.n_layer = len(layouts)
-        self.max_slots = max(1, max(slots))
-        self.pools = [torch.empty((s, lay.expert_bytes), dtype=torch.uint8, device=device)
-                      for s, lay in zip(slots, layouts)]
-        L, E, S = self.n_layer, n_expert, self.max_slots
+        if elastic is None:
+            elastic = device.type == "cuda" and on.elastic_supported()
+        self.elastic = elastic
+        self._buffers: list[on.ElasticBuffer] = []
+        self.pools: list[torch.Tensor] = []
+        self._slots: list[int] = []
+        try:
+            for s, lay in zip(slots, layouts):
+                s = min(int(s), n_expert)
+                if elastic and device.type == "cuda":
+                    buf = on.ElasticBuffer(n_expert * lay.expert_bytes, s * lay.expert_bytes)
+                    self._buffers.append(buf)
+                    self.pools.append(buf.view[:n_expert * lay.expert_bytes].view(n_expert, -1))
+                else:
+                    rows = n_expert if elastic else s
+                    self.pools.append(torch.empty((rows, lay.expert_bytes), dtype=torch.uint8,
+                                                  device=device))
+                self._slots.append(s)
+        except BaseException:
+            self.close()
+            raise
+        L, E, S = self.n_layer, n_expert, max(1, max(p.shape[0] for p in self.pools))
+        self.max_slots = S
         i32 = dict(dtype=torch.int32, device=device)
         self.slot_of_expert = torch.full((L, E), -1, **i32)
         self.expert_of_slot = torch.full((L, S), -1, **i32)
         self.slot_last_use = torch.zeros((L, S), **i32)
         self.slot_pinned = torch.zeros((L, S), **i32)
         self.expert_freq = torch.zeros((L, E), **i32)
-        self.n_slots = torch.tensor(slots, **i32)
+        self.n_slots = torch.tensor(self._slots, **i32)
         self.stats = torch.zeros((L, len(STATS)), **i32)
+        self.cpu_pending = torch.zeros(L, **i32)   # experts the plan gave the CPU this step
+
+    def close(self) -> None:
+        """Give the elastic pools' memory and address space back (the cache is unusable after)."""
+        for b in self._buffers:
+            b.close()
+        self._buffers = []
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
     def slots(self) -> list[int]:
+        """Usable slots per layer now."""
+        return list(self._slots)
+
+    @property
+    def capacity(self) -> list[int]:
+        """Most slots each layer can have (its pool's rows)."""
         return [p.shape[0] for p in self.pools]
 
     @property
+    def outside_torch(self) -> bool:
+        """Whether the pools' memory is ours (mapped by us) rather than torch's allocator's."""
+        return bool(self._buffers)
+
+    @property
     def nbytes(self) -> int:
+        """Device memory the pools hold now."""
+        if self._buffers:
+            return sum(b.mapped for b in self._buffers)
+        if self.elastic:  # CPU simulation: count what a device would map
+            return sum(s * lay.expert_bytes for s, lay in zip(self._slots, self.layouts))
         return sum(p.numel() for p in self.pools)
 
+    def _usable(self, L: int, want: int) -> int:
+        return max(0, min(int(want), self.capacity[L]))
+
+    def resize(self, slots: list[int]) -> list[int]:
+        """Give each layer `slots[L]` slots (at most its capacity; a fixed cache cannot grow) and
+        return what each has now. Elastic pools map whole chunks, so up to a chunk a layer may
+        be mapped and unused. Shrinking keeps a layer's most valuable experts -- pinned, then
+        most recently used, then most often -- moving them into the slots that remain; the others
+        leave the cache. Growing adds empty slots, which misses fill. Synchronizes the device:
+        call it between steps."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        eos = self.expert_of_slot.cpu().numpy()
+        soe = self.slot_of_expert.cpu().numpy()
+        last = self.slot_last_use.cpu().numpy()
+        pin = self.slot_pinned.cpu().numpy()
+        freq = self.expert_freq.cpu().numpy()
+        for L, want in enumerate(slots):
+            new = self._usable(L, want)
+            if new < self._slots[L]:
+                self._compact(L, new, eos[L], soe[L], last[L], pin[L], freq[L])
+            if self._buffers:
+                self._buffers[L].resize(new * self.layouts[L].expert_bytes)
+            self._slots[L] = new
+        for t, a in ((self.expert_of_slot, eos), (self.slot_of_expert, soe),
+                     (self.slot_last_use, last), (self.slot_pinned, pin)):
+            t.copy_(torch.from_numpy(a))
+        self.n_slots.copy_(torch.tensor(self._slots, dtype=torch.int32))
+        return self.slots
+
+    def _compact(self, L: int, n: int, eos, soe, last, pin, freq) -> None:
+        """Keep layer L's n most valuable experts in slots [0, n) (tables edited in place)."""
+        pool = self.pools[L]
+        occupied = [s for s in range(self._slots[L]) if eos[s] >= 0]
+        occupied.sort(key=lambda s: (-pin[s], -last[s], -freq[eos[s]], s))
+        for s in occupied[n:]:          # leave the cache
+            soe[eos[s]] = -1
+            eos[s], last[s], pin[s] = -1, 0, 0
+        movers = [s for s in occupied[:n] if s >= n]
+        holes = [s for s in range(n) if eos[s] < 0]
+        for src, dst in zip(movers, holes):
+            pool[dst].copy_(pool[src])
+            e = eos[src]
+            eos[dst], last[dst], pin[dst], soe[e] = e, last[src], pin[src], dst
+            eos[src], last[src], pin[src] = -1, 0, 0
+        eos[n:], last[n:], pin[n:] = -1, 0, 0
+
     @staticmethod
-    def plan_slots(layouts: list[ExpertLayout], budget_bytes: int, n_expert: int) -> list[int]:
-        """Split a byte budget into per-layer slot counts, evenly by count, capped at E."""
+    def plan_slots(layouts: list[ExpertLayout], budget_bytes: int, n_expert: int,
+                   chunk: int = 0) -> list[int]:
+        """Split a byte budget into per-layer slot counts, evenly by count, capped at E; with
+        pools mapped in `chunk`-byte pieces, each layer's rounding up is paid from the budget."""
         per_layer = max(lay.expert_bytes for lay in layouts)
-        n = min(n_expert, budget_bytes // (per_layer * len(layouts)))
-        return [int(n)] * len(layouts)
+        L = len(layouts)
+        n = min(n_expert, max(0, budget_bytes) // (per_layer * L))
+
+        def cost(k: int) -> int:
+            return sum(max(1, -(-k * lay.expert_bytes // chunk)) * chunk if chunk else
+                       k * lay.expert_bytes for lay in layouts)
+        while n > 0 and cost(n) > budget_bytes:
+            n -= 1
+        return [int(n)] * L
 
     # -- host-driven placement (warm start, tests) -------------------------------------------------
     def resident(self, layer: int) -> np.ndarray:

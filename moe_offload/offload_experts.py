@@ -64,7 +64,8 @@ class OffloadEngine:
         self._ex = {t: self.exchange.as_dict(t) for t in range(1, self.max_tok + 1)}
         self.tables = on.CacheTablesPtrs(cache.slot_of_expert, cache.expert_of_slot,
                                          cache.slot_last_use, cache.slot_pinned,
-                                         cache.expert_freq, cache.n_slots, cache.stats).as_dict()
+                                         cache.expert_freq, cache.n_slots, cache.stats,
+                                         cache.cpu_pending).as_dict()
         layers = []
         for lay, host in zip(bank.layouts, bank.banks):
             layers.append({**dict(zip(("gate", "up", "down"), lay.banks(host.data_ptr(), lay.expert_bytes))),
@@ -163,7 +164,7 @@ class OffloadEngine:
                            pool.shape[0], *_pool_args(pool, self.bank.layouts[L]), y.data_ptr(), 0,
                            self.moe_scratch.data_ptr(), self.moe_scratch.numel(),
                            torch.cuda.current_stream().cuda_stream)
-        on.wait_add(ex, L, self.step, y, self.timeout_s, self.error)
+        on.wait_add(ex, L, self.step, self.cache.cpu_pending, y, self.timeout_s, self.error)
         return y
 
     def _guess_next(self, L: int, x: torch.Tensor, main) -> None:
@@ -198,9 +199,9 @@ class OffloadEngine:
         soe = cache.slot_of_expert[L]
         slot_ids = soe[ids]                                               # [T, K] int32, -1 = miss
         y = torch.zeros_like(x)
-        pool = cache.pools[L]
-        if pool.shape[0]:
-            self._moe_bank(x, slot_ids, w, pool, lay, y)
+        n_slots = cache.slots[L]
+        if n_slots:   # only the usable slots: an elastic pool's tail may have no memory behind it
+            self._moe_bank(x, slot_ids, w, cache.pools[L][:n_slots], lay, y)
         missing = torch.unique(ids[slot_ids < 0]).tolist()                # one sync per layer
         if not missing:
             return y
@@ -244,6 +245,12 @@ class OffloadEngine:
 
 class LayerExperts:
     """experts[layer](x, ids, w) for the model: decode path inside a step, else prefill."""
+
+    @property
+    def overlap_shared(self) -> bool:
+        """Decode: the model may run its shared expert on a side stream while the routed ones
+        wait for PCIe and the CPU."""
+        return self.engine.in_step
 
     def __init__(self, engine: OffloadEngine, layer: int):
         self.engine, self.layer = engine, layer

@@ -75,18 +75,38 @@ CONTEXT_MARGIN = 192 << 20
 CUDA_CONTEXT_ESTIMATE = (680 << 20) + CONTEXT_MARGIN
 
 
-def gpu_workspace_bytes(c, n_ctx: int, prefill_chunk: int = PREFILL_CHUNK) -> int:
-    """GPU workspaces for config `c`: prefill activations and attention scores for one chunk,
-    chunked delta-rule blocks, logits, and the pools of the captured decode graphs."""
-    T = prefill_chunk
+DECODE_GRAPHS = 96 << 20        # pools of the captured decode graphs (one per attention bucket)
+# What torch may still need during decode once the elastic cache has grown: the graph pools, the
+# eager warm-up step before each capture, logits and sampling.
+DECODE_HEADROOM = DECODE_GRAPHS + (64 << 20)
+
+
+def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = False) -> int:
+    """Torch memory one prefill chunk of `n_tokens` needs beyond the weights and state, attending
+    over `kv_len` positions. The phases of a layer do not overlap, so it is what lives through the
+    layer plus the largest phase; +25% and 64 MiB for the allocator's rounding and fragmentation
+    (a 2,048-token prefill at 8 GiB failed with 298 MiB reserved but unusable). Measured on the
+    35B (peak allocated above the start): 194 MiB at 16 tokens, 790 MiB at 2,048 (the runtime
+    records both for every prefill: `prefill_memory`)."""
+    T, H = n_tokens, c.n_embd
     fused_ssm_in = c.ssm_conv_dim + c.ssm_d_inner + 2 * c.ssm_n_v_heads  # qwen35moe.SSM_IN as one
     widest = max(2 * c.n_head * c.head_dim, fused_ssm_in, c.n_embd * 2, c.ssm_d_inner * 2)
-    act = T * widest * 4 * 8                                  # a few live [T, widest] f32
-    attn = c.n_head * T * min(T, n_ctx) * 4 * 2               # scores of one chunk
-    delta = c.ssm_n_v_heads * T * 64 * 4 * 4                  # chunked delta-rule blocks
-    logits = c.n_vocab * 4 * 4
-    graphs = 96 << 20                                          # decode graph pools
-    return int(act + attn + delta + logits + graphs)
+    live = T * H * 4 * 4                                       # residual stream, norms, mixer out
+    proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
+    attn = (T * 6 + kv_len * 4) * c.n_head * c.head_dim * 4 + T * kv_len * 4   # fused kernel
+    delta = c.ssm_n_v_heads * T * 64 * 4 * 4 + T * fused_ssm_in * 4 * 2       # chunked blocks
+    # routed experts (native.ops.cuda_prefill_moe): a group of 32 experts dequantized to bf16,
+    # the T*K token copies (bf16 in, f32 out), their gate/up/activation rows
+    N, F = T * c.n_expert_used, c.n_ff_exp
+    moe = 3 * 32 * F * H * 2 + N * H * 12 + N * F * 12
+    logits = c.n_vocab * 4 * (T if all_logits else 4)
+    return int(1.25 * (live + max(proj, attn, delta, moe)) + logits + (64 << 20))
+
+
+def gpu_workspace_bytes(c, n_ctx: int, prefill_chunk: int = PREFILL_CHUNK) -> int:
+    """The workspace a cap must always leave besides the expert cache: the worst prefill chunk
+    (a full chunk attending over the whole context) and the decode graph pools."""
+    return prefill_workspace_bytes(c, min(prefill_chunk, n_ctx), n_ctx) + DECODE_GRAPHS
 
 
 def staging_bytes(expert_bytes: int, staging_experts: int = STAGING_EXPERTS) -> int:

@@ -10,6 +10,7 @@ attention-length bucket) so a step is one launch with no per-layer host work.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,6 +20,8 @@ import torch
 
 from loaders import LoadedModel
 
+from native import offload_native as on
+
 from .budget import SmiPeak, VramBudget, allocator_peaks, cap_allocator
 from .errors import OffloadError
 from .expert_cache import ExpertCache, load_profile
@@ -27,8 +30,8 @@ from .models import Qwen35Moe
 from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
-from .placement import (CONTEXT_MARGIN, PREFILL_CHUNK, STAGING_EXPERTS, gpu_workspace_bytes,
-                        staging_bytes)
+from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, PREFILL_CHUNK, STAGING_EXPERTS,
+                        gpu_workspace_bytes, prefill_workspace_bytes, staging_bytes)
 from .scheduler import Rates, Scheduler
 from .state import State
 
@@ -47,6 +50,9 @@ class RuntimeOptions:
     staging_experts: int = STAGING_EXPERTS  # per prefill staging buffer (two are kept)
     cpu_threads: int | None = None
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
+    elastic: bool = True                   # lend the cache's VRAM to prefill, take it back for decode
+    host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
+    host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
     prefetch_k: int | None = None          # experts guessed per token (None: half the top-k)
     device: str = "cuda"
@@ -56,8 +62,10 @@ class RuntimeOptions:
 class LoadReport:
     seconds: dict[str, float] = field(default_factory=dict)
     budget: dict[str, int] = field(default_factory=dict)
-    slots_per_layer: list[int] = field(default_factory=list)
+    slots_per_layer: list[int] = field(default_factory=list)          # kept through any prefill
+    decode_slots_per_layer: list[int] = field(default_factory=list)   # elastic: while decoding
     pinned: bool = False
+    host_weights: dict[str, int] = field(default_factory=dict)   # name -> bytes kept in host RAM
 
 
 def _gib(n: float) -> str:
@@ -72,9 +80,10 @@ class OffloadRuntime:
         except BaseException:   # leave nothing behind: the allocator cap, pinned pages
             if torch.cuda.is_available():
                 torch.cuda.set_per_process_memory_fraction(1.0, torch.device(opts.device).index or 0)
-            bank = getattr(self, "bank", None)
-            if bank is not None:
-                bank.close()
+            for part in (getattr(self, "cache", None), getattr(self, "bank", None)):
+                if part is not None:
+                    part.close()
+            self._unpin_weights()
             raise
 
     def _build(self, loaded: LoadedModel, opts: RuntimeOptions, progress) -> None:
@@ -96,6 +105,7 @@ class OffloadRuntime:
         free, total = torch.cuda.mem_get_info(dev)
         outside = self.smi.sample() or (total - free)
         outside = max(0, outside - torch.cuda.memory_reserved(dev)) + CONTEXT_MARGIN
+        self._outside = outside
         self.budget.reserve("CUDA context + libraries", outside,
                             "the GPU runtime alone needs this much before any weight")
         base = torch.cuda.memory_allocated(dev)
@@ -104,8 +114,15 @@ class OffloadRuntime:
             if _cpu is not None:
                 _cpu.set_threads(opts.cpu_threads)
 
-        # 1. dense weights, quantized, on the GPU (experts stay in the file's memory map)
-        tensors, _ = upload_weights(loaded, dev, experts_device="cpu", fuse=FUSED_PROJECTIONS)
+        # 1. dense weights, quantized, on the GPU (experts stay in the file's memory map); the
+        # embedding (and on request the head) in pinned host RAM, read by the GPU over PCIe
+        on_host = self._host_weight_names(loaded, opts)
+        tensors, _ = upload_weights(loaded, dev, experts_device="cpu", fuse=FUSED_PROJECTIONS,
+                                    keep_on_host=on_host)
+        self._pinned_weights: list[torch.Tensor] = []
+        for name in on_host:
+            tensors[name] = self._pin_weight(tensors[name])
+            rep.host_weights[name] = tensors[name].data.numel()
         torch.cuda.synchronize(dev)
         dense = torch.cuda.memory_allocated(dev) - base
         rep.seconds["dense upload"] = time.perf_counter() - t0
@@ -113,9 +130,12 @@ class OffloadRuntime:
                             "the always-active weights alone exceed the cap; use a smaller quant")
         cap_allocator(opts.vram - outside, dev)
 
-        # 2. per-sequence state for the requested context (B = 1)
+        # 2. per-sequence state for the requested context (B = 1), allocated now so that the
+        # cache is sized around it
         probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
         self.budget.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
+        self._states: dict[int, State] = {
+            1: State(c, 1, opts.n_ctx, dev, opts.kv_dtype, GRAPH_BUCKET)}
 
         # 3. workspaces: prefill activations + attention for one chunk, graphs, staging
         ws = gpu_workspace_bytes(c, opts.n_ctx, opts.prefill_chunk)
@@ -129,21 +149,21 @@ class OffloadRuntime:
         rep.seconds["pin"] = self.bank.pin_seconds
         rep.pinned = self.bank.pinned
 
-        # 5. the expert cache from what is left
+        # 5. the expert cache from what is left: this many slots even during the largest prefill
+        # chunk; while decoding (elastic) it also borrows the prefill workspace
         layouts = self.bank.layouts
         staging = staging_bytes(max(lay.expert_bytes for lay in layouts), opts.staging_experts)
         self.budget.reserve("prefill staging", staging, "lower --vram use elsewhere")
-        slots = ExpertCache.plan_slots(layouts, self.budget.left, c.n_expert)
+        elastic = opts.elastic and on.elastic_supported()
+        self._chunk = on.elastic_chunk() if elastic else 0
+        slots = ExpertCache.plan_slots(layouts, self.budget.left, c.n_expert, self._chunk)
         if opts.cache_slots is not None:  # a smaller cache on purpose (tests, experiments)
             slots = [min(s, opts.cache_slots) for s in slots]
-        self.cache = ExpertCache(layouts, slots, c.n_expert, dev)
+        self.cache = ExpertCache(layouts, slots, c.n_expert, dev, elastic=elastic)
         self.budget.reserve("expert cache", self.cache.nbytes)
         rep.slots_per_layer = slots
-        profile = load_profile(opts.profile, c.n_layer, c.n_expert) if opts.profile else None
-        t2 = time.perf_counter()
-        self.cache.warm_start(self.bank, profile)
-        torch.cuda.synchronize(dev)
-        rep.seconds["warm start"] = time.perf_counter() - t2
+        self._cap_torch()
+        self._cache_peak = self.cache.nbytes
 
         # 6. scheduler rates, engine, model
         fraction = opts.fetch_fraction
@@ -161,18 +181,88 @@ class OffloadRuntime:
                                       opts.prefetch_k if opts.prefetch_k is not None
                                       else max(1, c.n_expert_used // 2))
         self._calibrate()
+        self._grow_pending = False
+        self._torch_peak = 0
+        self.prefill_memory: list[dict] = []
+        if self.cache.elastic:
+            self._fit_cache(DECODE_HEADROOM, grow=True)
+        rep.decode_slots_per_layer = self.cache.slots
+        profile = load_profile(opts.profile, c.n_layer, c.n_expert) if opts.profile else None
+        t2 = time.perf_counter()
+        self.cache.warm_start(self.bank, profile)
+        torch.cuda.synchronize(dev)
+        rep.seconds["warm start"] = time.perf_counter() - t2
         self._graphs: dict[tuple, tuple] = {}
-        self._states: dict[int, State] = {}
         self._since_observe, self._obs_busy, self._obs_experts = 0, 0, 0
         self.reset_stats()
         self._graph_pool = torch.cuda.graph_pool_handle()
         rep.budget = self.budget.summary()
         rep.seconds["total"] = time.perf_counter() - t0
 
+    # -- placement ------------------------------------------------------------------------------------
+    @staticmethod
+    def _host_weight_names(loaded: LoadedModel, opts: RuntimeOptions) -> list[str]:
+        """Dense weights to keep in host RAM. The embedding by default: a decode step reads one
+        row of it. The head only on request: a step reads all of it (its bytes over the link).
+        A tied head (no output.weight) is the embedding: it stays with the head."""
+        names = []
+        tied = "output.weight" not in loaded.weights
+        if opts.host_embedding and (not tied or opts.host_head):
+            names.append("token_embd.weight")
+        if opts.host_head and not tied:
+            names.append("output.weight")
+        return names
+
+    def _pin_weight(self, q):
+        """A CPU QTensor -> the same weight in pinned host RAM, viewed as a CUDA tensor (kernels
+        read it over PCIe at its host address)."""
+        from native.ops import QTensor
+        host = torch.empty_like(q.data)
+        host.copy_(q.data)
+        on.pin_host(host)
+        self._pinned_weights.append(host)
+        return QTensor(on.host_view(host), q.qtype, q.shape, q.name, q.parts)
+
     # -- sizing ----------------------------------------------------------------------------------------
+    def _fit_cache(self, torch_extra: int, grow: bool) -> None:
+        """Resize the elastic cache to what the cap leaves once torch holds what it holds now
+        (its cached free blocks given back) plus `torch_extra` bytes; only shrink unless `grow`.
+        Then cap torch's allocator at the rest."""
+        dev, cache = self.device, self.cache
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        room = self.opts.vram - self._outside - torch.cuda.memory_reserved(dev) - torch_extra
+        n = ExpertCache.plan_slots(cache.layouts, room, cache.n_expert, self._chunk)[0]
+        if self.opts.cache_slots is not None:
+            n = min(n, self.opts.cache_slots)
+        want = [n] * cache.n_layer if grow else [min(n, s) for s in cache.slots]
+        if want != cache.slots:
+            cache.resize(want)
+        self._cap_torch()
+        self._cache_peak = max(self._cache_peak, cache.nbytes)
+
+    def _cap_torch(self) -> None:
+        """Torch's allocator may use the cap less the context and (when we map it) the cache."""
+        cache = self.cache
+        cap_allocator(self.opts.vram - self._outside - (cache.nbytes if cache.outside_torch else 0),
+                      self.device)
+
+    def _room_for_prefill(self, n_tokens: int, n_past: int, chunk: int, all_logits: bool) -> None:
+        """Before a prefill: shrink the elastic cache if torch could not hold the chunk's
+        workspace beside it; decode takes the memory back (_grow_pending)."""
+        if not self.cache.elastic:
+            return
+        need = prefill_workspace_bytes(self.config, min(n_tokens, chunk), n_past + n_tokens,
+                                       all_logits)
+        dev = self.device
+        spare = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        free = self.opts.vram - self._outside - self.cache.nbytes - torch.cuda.memory_reserved(dev)
+        if free + spare < need:  # (elastic pools are always mapped by us: outside torch)
+            self._fit_cache(need, grow=False)
+            self._grow_pending = True
+
     def _calibrate(self) -> None:
         """Measure the link (fetch kernel) and CPU (expert FFN) rates with this model's experts."""
-        from native import offload_native as on
         from native.ops import _cpu
         lay, host = self.bank.layouts[0], self.bank.banks[0]
         pool = self.cache.pools[0]
@@ -237,11 +327,33 @@ class OffloadRuntime:
     def prefill(self, tokens: torch.Tensor, state: State, chunk: int | None = None,
                 all_logits: bool = False) -> torch.Tensor:
         self.engine.in_step = False
-        return self.model.prefill(tokens, state, chunk or self.opts.prefill_chunk, all_logits)
+        chunk = chunk or self.opts.prefill_chunk
+        n, past = tokens.shape[1], state.n_past
+        self._room_for_prefill(n, past, chunk, all_logits)
+        with self._measured("prefill", n, past, chunk, all_logits):
+            return self.model.prefill(tokens, state, chunk, all_logits)
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         self.engine.in_step = False
-        return self.model.forward(tokens, state, last_only)
+        n, past = tokens.shape[1], state.n_past
+        self._room_for_prefill(n, past, n, not last_only)
+        with self._measured("forward", n, past, n, not last_only):
+            return self.model.forward(tokens, state, last_only)
+
+    @contextlib.contextmanager
+    def _measured(self, what: str, n: int, past: int, chunk: int, all_logits: bool):
+        """Record torch's peak use above what it held before, next to the workspace estimate
+        the elastic cache made room for (`prefill_memory`: the check of that estimate)."""
+        dev = self.device
+        self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        yield
+        self.prefill_memory.append({
+            "what": what, "tokens": n, "past": past,
+            "estimate": prefill_workspace_bytes(self.config, min(n, chunk), past + n, all_logits),
+            "used": torch.cuda.max_memory_allocated(dev) - before})
+        del self.prefill_memory[:-64]
 
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """One token per sequence: tokens [B] on the device -> logits [B, V] (a fresh tensor)."""
@@ -249,6 +361,9 @@ class OffloadRuntime:
         if B > self.engine.max_tok:
             raise OffloadError(f"a decode step of {B} sequences exceeds {self.engine.max_tok}")
         state.check_room(1)
+        if self._grow_pending:   # the last prefill borrowed from the cache: take it back
+            self._grow_pending = False
+            self._fit_cache(DECODE_HEADROOM, grow=True)
         if not self.opts.use_graphs:
             return self._eager_step(tokens, state)
         key = (id(state), state.attn_len(1))
@@ -329,6 +444,7 @@ class OffloadRuntime:
             "cpu_expert_s": float(busy.sum()),
             "cpu_experts": int(cpu_experts.sum()),
             "prefill_streamed": int(self.engine.prefill_streamed.sum()),
+            "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
             "fetch_fraction": self.scheduler.q(),
             "prefetched": int(s.prefetched.sum()), "prefetch_hits": int(s.prefetch_hits.sum()),
             "prefetch_precision": s.prefetch_precision, "prefetch_recall": s.prefetch_recall,
@@ -344,7 +460,9 @@ class OffloadRuntime:
         self._experts0 = np.asarray(self.engine.worker.experts())
 
     def vram_peaks(self) -> dict:
-        d = allocator_peaks(self.device)
+        d = allocator_peaks(self.device)   # torch's allocator; the elastic cache is outside it
+        d["reserved_peak"] = max(d["reserved_peak"], self._torch_peak)
+        d["cache_peak"] = self._cache_peak
         self.smi.sample()
         d["nvidia_smi_peak"] = self.smi.peak_bytes
         d["cap"] = self.opts.vram
@@ -354,5 +472,13 @@ class OffloadRuntime:
         """Give back what the runtime took: the allocator cap, pinned pages, the worker."""
         self.smi.stop()
         self._graphs.clear()
+        torch.cuda.synchronize(self.device)
+        self.cache.close()
         self.bank.close()
+        self._unpin_weights()
         torch.cuda.set_per_process_memory_fraction(1.0, self.device.index or 0)
+
+    def _unpin_weights(self) -> None:
+        for t in getattr(self, "_pinned_weights", []):
+            on.unpin_host(t, missing_ok=True)
+        self._pinned_weights = []

@@ -51,9 +51,9 @@ fi
 if [[ "$STAGES" == *" offload "* || "$STAGES" == *" resident "* ]]; then
   t0=$SECONDS
   if [[ ! -f /tmp/35b.gguf ]]; then  # once per machine
-    $PY -m freetoken_patch.cli synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf > "$OUT/synth.log" 2>&1
+    $PY -m freetoken_patch.cli synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf > /tmp/synth.log 2>&1
   fi
-  note "synth 35b: $(tail -1 "$OUT/synth.log") ($((SECONDS - t0)) s)"
+  note "synth 35b: $(tail -1 /tmp/synth.log) ($((SECONDS - t0)) s)"
 fi
 if [[ "$STAGES" == *" resident "* ]]; then
   t0=$SECONDS
@@ -63,8 +63,10 @@ fi
 if [[ "$STAGES" == *" offload "* ]]; then
   for cap in ${CAPS:-8GiB}; do
     for regime in ${REGIMES:-model}; do
-      # regimes: model, trace; suffixes -noprefetch (no next-layer guesses), -pfN (N guesses a token)
-      extra=""; [[ $regime == trace* ]] && extra="--trace"; [[ $regime == *-noprefetch ]] && extra="$extra --no-prefetch"
+      # regimes: model, trace; suffixes -noprefetch (no next-layer guesses), -pfN (N guesses a
+      # token), -fixed (no elastic cache)
+      extra=""; [[ $regime == trace* ]] && extra="--trace"; [[ $regime == *-noprefetch* ]] && extra="$extra --no-prefetch"
+      [[ $regime == *-fixed* ]] && extra="$extra --no-elastic"
       [[ $regime =~ -pf([0-9]+) ]] && extra="$extra --prefetch-k ${BASH_REMATCH[1]}"
       t0=$SECONDS
       timeout ${BENCH_LIMIT:-240} $PY -m freetoken_patch.cli bench /tmp/35b.gguf --vram $cap $extra \

@@ -95,6 +95,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, d)
 
 
+def attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor) -> torch.Tensor:
+    """`attention` through torch's fused kernel (GPU prefill): the same math without the
+    [Hq, T, L] score tensors, which were the largest buffers of a long prompt's chunk."""
+    B, T, Hq, d = q.shape
+    G = Hq // k.shape[2]
+    k = k.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)        # [B, Hq, L, d]
+    v = v.permute(0, 2, 1, 3).repeat_interleave(G, dim=1)
+    visible = k_pos[None, :] <= q_pos[:, None]                    # [T, L]
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible)
+    return o.transpose(1, 2).reshape(B, T, Hq, d)
+
+
 def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                     k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, n_attn: int) -> torch.Tensor:
@@ -119,7 +132,8 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     k_cache.index_copy_(1, pos, k.to(k_cache.dtype))
     v_cache.index_copy_(1, pos, v.view(B, T, hkv, d).to(v_cache.dtype))
     k_pos = torch.arange(n_attn, device=qg.device)
-    o = attention(q, k_cache[:, :n_attn].float(), v_cache[:, :n_attn].float(), pos, k_pos)
+    attend = attention_fused if qg.is_cuda else attention
+    o = attend(q, k_cache[:, :n_attn].float(), v_cache[:, :n_attn].float(), pos, k_pos)
     return o.reshape(B, T, hq * d) * torch.sigmoid(gate.reshape(B, T, hq * d))
 
 

@@ -51,6 +51,7 @@ class Qwen35Moe:
         self.blk = [{k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}
                     for p in (f"blk.{i}." for i in range(c.n_layer))]
         self.device = self.out_norm.device
+        self._side: torch.cuda.Stream | None = None   # for experts that ask for overlap_shared
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None,
                   kv_dtype: torch.dtype = torch.float32, attn_bucket: int = 1) -> State:
@@ -130,11 +131,27 @@ class Qwen35Moe:
         shared = SHEXP_IN[0] in L or "+".join(SHEXP_IN) in L
         logits = self._proj(L, ROUTER, f) if shared else (_mm(f, L[ROUTER[0]]),)
         ids, w = route_topk(logits[0][:, :E], self.config.n_expert_used)
-        y = experts(f, ids, w)
         if not shared:
-            return (y,)
+            return (experts(f, ids, w),)
+        if f.is_cuda and getattr(experts, "overlap_shared", False):
+            # the routed experts wait on PCIe and the CPU: run the shared expert meanwhile
+            main = torch.cuda.current_stream(f.device)
+            if self._side is None:
+                self._side = torch.cuda.Stream(f.device)
+            self._side.wait_stream(main)
+            f.record_stream(self._side)   # f's memory stays f's until the side stream is done
+            with torch.cuda.stream(self._side):
+                s = self._shared_expert(L, f)
+            y = experts(f, ids, w)
+            main.wait_stream(self._side)
+            s.record_stream(main)
+            return y, s, logits[1]
+        y = experts(f, ids, w)
+        return y, self._shared_expert(L, f), logits[1]
+
+    def _shared_expert(self, L, f: torch.Tensor) -> torch.Tensor:
         gate, up = self._proj(L, SHEXP_IN, f)
-        return y, _mm(swiglu(gate, up), L["ffn_down_shexp.weight"]), logits[1]
+        return _mm(swiglu(gate, up), L["ffn_down_shexp.weight"])
 
     def router_logits(self, layer: int, f: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s router on f [N, H] -> logits [N, E]: how the offload runtime guesses

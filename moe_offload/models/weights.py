@@ -89,7 +89,8 @@ def _fuse_rows(model: LoadedModel, fuse: Mapping[str, Sequence[str]]
 
 def upload_weights(model: LoadedModel, device: torch.device | str = "cpu",
                    experts_device: torch.device | str | None = None,
-                   fuse: Mapping[str, Sequence[str]] | None = None
+                   fuse: Mapping[str, Sequence[str]] | None = None,
+                   keep_on_host: Sequence[str] = ()
                    ) -> tuple[dict[str, QTensor | torch.Tensor], list[ResidentExperts]]:
     """LoadedModel -> ({GGUF name: QTensor or f32 vector}, per-layer ResidentExperts).
 
@@ -97,7 +98,8 @@ def upload_weights(model: LoadedModel, device: torch.device | str = "cpu",
     banks to `experts_device` (default: the same device; "cpu" keeps them in host RAM).
     `fuse` (key -> names of projections of one input): such groups are uploaded as one weight
     "blk.N.<key>" (QTensor.parts gives the split) in place of their members; on the CPU that
-    copies them out of the memory map, so callers fuse for GPUs only.
+    copies them out of the memory map, so callers fuse for GPUs only. Weights named in
+    `keep_on_host` stay CPU QTensors over the memory map (the offload runtime pins them).
     """
     device = torch.device(device)
     edev = torch.device(experts_device) if experts_device is not None else device
@@ -119,7 +121,7 @@ def upload_weights(model: LoadedModel, device: torch.device | str = "cpu",
             q = QTensor.from_numpy(w.data, w.qtype, (1, w.shape[-1]), name)
             tensors[name] = q if device.type == "cpu" else q.to(device)
         else:
-            tensors[name] = QTensor.from_weight(w, device)
+            tensors[name] = QTensor.from_weight(w, "cpu" if name in keep_on_host else device)
     experts = []
     for layer in range(model.config.n_layer):
         b = banks[layer]

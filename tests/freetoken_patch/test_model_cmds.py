@@ -134,12 +134,19 @@ def test_run_vram_on_the_cpu_is_refused(tiny_model, capsys, monkeypatch):
     assert "--vram caps GPU memory, so it needs a CUDA device, not --device cpu" in _err(capsys)
 
 
+def test_placement_flags_need_vram(tiny_model, capsys):
+    assert main(["run", str(tiny_model), "-p", "hi", "--host-head"]) == 1
+    assert _err(capsys) == ("ftpatch: error: --host-head and --gpu-embedding place weights for the "
+                            "offload runtime; add --vram SIZE")
+
+
 @pytest.mark.gpu
-def test_run_under_the_offload_runtime_reports_the_cache(tiny_model, capsys):
+@pytest.mark.parametrize("where", [[], ["--host-head"]])
+def test_run_under_the_offload_runtime_reports_the_cache(tiny_model, capsys, where):
     assert main(["run", str(tiny_model), "-p", "Once upon a time", "-n", "8", "--temp", "0",
-                 "--vram", "2GiB"]) == 0
+                 "--vram", "2GiB", *where]) == 0
     err = capsys.readouterr().err
-    assert "tok/s" in err and "expert cache: hit rate" in err
+    assert "tok/s" in err and "expert cache: hit rate" in err and "slots a layer now" in err
 
 
 @pytest.mark.gpu

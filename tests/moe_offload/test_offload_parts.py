@@ -94,12 +94,79 @@ def test_cache_stats_columns_and_prefetch_rates(mixed):
     assert cache.read_stats().selections == 0
 
 
+def _fill(cache, bank, L, experts, last, pinned=()):
+    """Place `experts` of layer L in slots 0.. with the given last-use steps (host-side)."""
+    cache.admit(L, list(experts), bank)
+    for e, step in zip(experts, last):
+        s = int(cache.slot_of_expert[L, e])
+        cache.slot_last_use[L, s] = step
+        cache.slot_pinned[L, s] = int(e in pinned)
+
+
+def test_cache_shrink_keeps_the_most_valuable_experts_and_their_bytes(mixed):
+    """resize() down: pinned experts first, then the most recently used (frequency breaks ties)
+    stay, moved into the remaining slots with their bytes; the rest leave; tables stay
+    consistent. Growing again adds empty slots. (CPU: the elastic bookkeeping without VMM.)"""
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    E = c.n_expert
+    cache = ExpertCache(bank.layouts, [8] * c.n_layer, E, torch.device("cpu"), elastic=True)
+    assert cache.capacity == [E] * c.n_layer and cache.slots == [8] * c.n_layer
+    experts = [0, 1, 2, 3, 4, 5, 6, 7]
+    last = [1, 9, 2, 8, 3, 7, 4, 6]                  # recency: 1, 3, 5, 7, 6, 4, 2, 0
+    _fill(cache, bank, 0, experts, last, pinned=(0,))
+    assert cache.nbytes == 8 * sum(lay.expert_bytes for lay in bank.layouts)
+
+    assert cache.resize([4] * c.n_layer) == [4] * c.n_layer
+    assert cache.nbytes == 4 * sum(lay.expert_bytes for lay in bank.layouts)
+    kept = set(cache.resident(0).tolist())
+    assert kept == {0, 1, 3, 5}, kept                 # pinned 0, then last use 9, 8, 7
+    for e in range(E):
+        s = int(cache.slot_of_expert[0, e])
+        if e in kept:
+            assert 0 <= s < 4 and int(cache.expert_of_slot[0, s]) == e
+            assert torch.equal(cache.pools[0][s], bank.expert(0, e)), f"expert {e} moved without its bytes"
+        else:
+            assert s == -1
+    assert int(cache.slot_pinned[0, int(cache.slot_of_expert[0, 0])]) == 1
+    assert int(cache.slot_last_use[0, int(cache.slot_of_expert[0, 1])]) == 9
+    assert (cache.expert_of_slot[0, 4:] == -1).all() and (cache.slot_last_use[0, 4:] == 0).all()
+    assert cache.n_slots.tolist() == [4] * c.n_layer
+
+    _fill(cache, bank, 1, [10, 11, 12], [5, 5, 5])    # equally recent: frequency decides
+    cache.expert_freq[1, 11], cache.expert_freq[1, 12] = 3, 7
+    cache.resize([2, 1] + [4] * (c.n_layer - 2))
+    assert set(cache.resident(0).tolist()) == {0, 1}
+    assert cache.resident(1).tolist() == [12]
+    assert torch.equal(cache.pools[1][0], bank.expert(1, 12))
+
+    assert cache.resize([E + 5] * c.n_layer) == [E] * c.n_layer   # capped at the capacity
+    assert set(cache.resident(0).tolist()) == {0, 1}
+    assert (cache.expert_of_slot[0, 2:] == -1).all()  # new slots start empty
+
+
+def test_fixed_cache_cannot_grow(mixed):
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    cache = ExpertCache(bank.layouts, [5] * c.n_layer, c.n_expert, torch.device("cpu"))
+    assert not cache.elastic and cache.capacity == [5] * c.n_layer
+    assert cache.resize([9] * c.n_layer) == [5] * c.n_layer
+    assert cache.resize([3] * c.n_layer) == [3] * c.n_layer
+    assert cache.nbytes == sum(5 * lay.expert_bytes for lay in bank.layouts)  # still allocated
+
+
 def test_plan_slots_respects_budget(mixed):
     bank = HostExpertBank(mixed, pin=False, threads=2)
     per = max(lay.expert_bytes for lay in bank.layouts)
     c = mixed.config
     assert ExpertCache.plan_slots(bank.layouts, per * c.n_layer * 3 + 5, c.n_expert) == [3] * c.n_layer
     assert ExpertCache.plan_slots(bank.layouts, 10**12, c.n_expert) == [c.n_expert] * c.n_layer
+    # pools mapped in chunks: each layer rounds up to whole chunks, paid from the budget
+    chunk = 2 * per + 7
+    assert ExpertCache.plan_slots(bank.layouts, chunk * c.n_layer, c.n_expert, chunk) == [2] * c.n_layer
+    assert ExpertCache.plan_slots(bank.layouts, chunk * c.n_layer + per * c.n_layer, c.n_expert,
+                                  chunk) == [2] * c.n_layer     # 3 a layer would need 2 chunks each
+    assert ExpertCache.plan_slots(bank.layouts, chunk * c.n_layer - 1, c.n_expert, chunk) == [0] * c.n_layer
 
 
 def test_budget_refuses_with_numbers():

@@ -149,6 +149,64 @@ def test_offloaded_layers_match_reference(loaded, fraction):
         rt.close()
 
 
+def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, reference, monkeypatch):
+    """A prefill whose workspace does not fit beside the cache shrinks it (here to nothing: every
+    expert streams); the next decode step grows it back; a shrink in the middle of decoding keeps
+    the most recently used experts (moved with their bytes). Logits stay the all-on-GPU ones."""
+    import moe_offload.runtime as runtime
+    prompt, toks, ref = reference
+    rt = _runtime(loaded, cache_slots=10)
+    try:
+        if not rt.cache.elastic:
+            pytest.skip("this GPU has no virtual memory management")
+        L = loaded.config.n_layer
+        assert rt.cache.slots == [10] * L
+        st = rt.new_state(1, 256)
+        with monkeypatch.context() as m:   # a prompt that needs the whole cap
+            m.setattr(runtime, "prefill_workspace_bytes", lambda *a, **k: rt.opts.vram)
+            out = [rt.prefill(prompt, st)]
+        assert rt.cache.slots == [0] * L and rt.stats()["prefill_streamed"] > 0
+        for t in toks[:12]:
+            out.append(rt.decode(t, st))
+        assert rt.cache.slots == [10] * L     # taken back by the first decode step
+        last = rt.cache.slot_last_use.cpu()
+        eos = rt.cache.expert_of_slot.cpu()
+        used = [{int(eos[la, s]): int(last[la, s]) for s in range(10) if eos[la, s] >= 0}
+                for la in range(L)]    # expert -> step of last use, before the shrink
+        rt.cache.resize([4] * L)
+        for layer in range(L):
+            kept = set(rt.cache.resident(layer).tolist())
+            left = set(used[layer]) - kept
+            assert len(kept) == 4 and kept <= set(used[layer])
+            assert min(used[layer][e] for e in kept) >= max(used[layer][e] for e in left), \
+                f"layer {layer}: a less recently used expert stayed"
+            for e in kept:
+                s = int(rt.cache.slot_of_expert[layer, e])
+                assert s < 4 and torch.equal(rt.cache.pools[layer][s].cpu(), rt.bank.expert(layer, e))
+        for t in toks[12:]:
+            out.append(rt.decode(t, st))
+        for i, (a, b) in enumerate(zip(out, ref)):
+            _close(a, b, f"step {i} (elastic)")
+        assert rt.vram_peaks()["cache_peak"] >= rt.cache.nbytes
+    finally:
+        rt.close()
+
+
+def test_embedding_and_head_in_host_ram_give_the_same_logits(loaded, reference):
+    """Weights kept in pinned host RAM and read by the kernels over PCIe: same results."""
+    prompt, toks, ref = reference
+    rt = _runtime(loaded, host_head=True)
+    try:
+        names = {"token_embd.weight"} | ({"output.weight"} if "output.weight" in loaded.weights else set())
+        assert set(rt.report.host_weights) == names
+        host = rt._pinned_weights[0]
+        assert rt.model.embd.data.data_ptr() == host.data_ptr()   # the GPU reads host memory
+        for i, (a, b) in enumerate(zip(_follow(rt, prompt, toks), ref)):
+            _close(a, b, f"step {i} (embedding + head in host RAM)")
+    finally:
+        rt.close()
+
+
 def test_graphs_equal_eager(loaded, reference):
     prompt, toks, _ = reference
     # all misses on the GPU: the same kernels compute every expert, whatever the cache decides
