@@ -183,11 +183,13 @@ def test_budget_refuses_with_numbers():
 
 def test_scheduler_splits_misses_by_rates():
     s = Scheduler.create(Rates(45e9, 15e9), torch.device("cpu"))
-    assert s.q() == pytest.approx(0.75) and float(s.fetch_fraction) == pytest.approx(0.75)
+    assert s.q() == pytest.approx(0.75) and float(s.fetch_fraction[0]) == pytest.approx(0.75)
+    assert s.min_fetch() == 3 and float(s.fetch_fraction[1]) == 3   # one CPU expert = 3 fetched
     s.observe_cpu(busy_s=1.0, expert_bytes=45e9)  # CPU turned out as fast as the link
     assert 0.5 < s.q() < 0.75
     forced = Scheduler.create(Rates(45e9, 15e9), torch.device("cpu"), forced=0.0)
-    assert forced.q() == 0.0 and float(forced.fetch_fraction) == 0.0
+    assert forced.q() == 0.0 and float(forced.fetch_fraction[0]) == 0.0
+    assert float(forced.fetch_fraction[1]) == 0.0   # forced means exactly that share
 
 
 def test_trace_has_the_stated_locality():

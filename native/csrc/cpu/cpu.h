@@ -110,6 +110,10 @@ void set_num_threads(int n);  // n <= 0: all cores this process may use
 // One parallel_for runs at a time (callers from several threads queue); never call it (or an op)
 // from inside fn: the pool is not reentrant.
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+// While held (counted: holds nest), idle pool threads keep spinning instead of going to sleep,
+// so a parallel_for that comes after a long gap starts without waking threads (the offload
+// worker holds them for a decode step: its calls come every few hundred microseconds).
+void hold_threads(bool on);
 
 // ---- ops (one file each) ------------------------------------------------------------------------
 // dst_dtype: ggml id of the output element type: 0 (F32), 1 (F16), 30 (BF16).

@@ -68,11 +68,13 @@ void OffloadWorker::loop() {
             step = step_;
         }
         std::string err;
+        hold_threads(true);   // the step's CPU calls start without waking the pool
         try {
             run_step(step);
         } catch (const std::exception& e) {
             err = e.what();
         }
+        hold_threads(false);
         std::lock_guard<std::mutex> lk(mu_);
         error_ = err;
         done_ = true;

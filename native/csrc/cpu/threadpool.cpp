@@ -1,6 +1,8 @@
 // A persistent thread pool: N-1 workers plus the calling thread split every parallel_for.
 // Workers spin (then yield) briefly after a job (decode calls come back-to-back, 40 layers per
-// token) and then sleep on a condition variable, so an idle pool costs no CPU.
+// token) and then sleep on a condition variable, so an idle pool costs no CPU; hold_threads()
+// keeps them spinning through longer gaps (a condition-variable wake-up of 15 threads costs tens
+// of microseconds, as much as a small expert's whole computation).
 #include <sched.h>
 
 #include <atomic>
@@ -23,6 +25,7 @@ namespace {
 
 using Fn = std::function<void(int64_t, int64_t)>;
 constexpr auto kSpin = std::chrono::microseconds(100);
+std::atomic<int> g_hold{0};  // > 0: idle workers do not sleep
 
 int cores_available() {
     cpu_set_t set;
@@ -86,7 +89,8 @@ class Pool {
             for (int i = 0; g == seen; ++i) {
                 relax(i);
                 g = gen_.load(std::memory_order_acquire);
-                if ((i & 255) == 255 && std::chrono::steady_clock::now() - t0 > kSpin) break;
+                if ((i & 255) == 255 && g_hold.load(std::memory_order_relaxed) == 0 &&
+                    std::chrono::steady_clock::now() - t0 > kSpin) break;
             }
             if (g == seen) {
                 std::unique_lock<std::mutex> lock(mu_);
@@ -138,6 +142,8 @@ void set_num_threads(int n) {
     g_pool = new Pool(n > 0 ? n : cores_available());
     g_size = g_pool->size();
 }
+
+void hold_threads(bool on) { g_hold.fetch_add(on ? 1 : -1); }
 
 void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
     if (n <= 0) return;

@@ -115,7 +115,10 @@ plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__
             while (j >= 0 && freq[miss[j]] < freq[e]) { miss[j + 1] = miss[j]; --j; }
             miss[j + 1] = e;
         }
-        int nf = (int)floorf(*fetch_fraction * nm + 0.5f);
+        // fetch_fraction[0] of the misses over PCIe, and at least fetch_fraction[1] of them: a
+        // CPU call on one expert takes as long as the link takes for several
+        int nf = (int)floorf(fetch_fraction[0] * nm + 0.5f);
+        nf = max(nf, min(nm, (int)fetch_fraction[1]));
         n_fetch_s = nf < 0 ? 0 : (nf > nm ? nm : nf);
         stats[kHits] += hits;
         stats[kPrefetchHits] += pf_hits;

@@ -14,6 +14,7 @@ namespace ft::cuda {
 // *step += 1 on the device: the first node of every decode step.
 void offload_step_begin(int32_t* step, uintptr_t stream);
 // Layer `layer`: hits / fetches / CPU misses for ids [T, K] (int32), weights [T, K], x [T, H];
+// fetch_fraction (device, float[2]): the share of misses to fetch over PCIe and the fewest to fetch;
 // updates the residency tables, writes the fetch list ([1 + 2*64] int32) and the CPU hand-off.
 // `prefetched` (may be null): this layer's prefetch list of this step, to count the selections
 // it served (stats kPrefetchHits).
