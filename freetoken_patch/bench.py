@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     s.add_argument("--no-prefetch", action="store_true",
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
-                   help="experts guessed per token for the next layer (default: half the top-k)")
+                   help="experts guessed per token for the next layer (default: 3/4 of the top-k)")
     s.add_argument("--no-elastic", action="store_true",
                    help="keep the expert cache at its prefill size while decoding (by default it "
                         "grows into the prefill workspace between prompts)")
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         "fetched_per_token": round(stats["fetched"] / per_tok, 2),
         "cpu_experts_per_token": round(stats["cpu"] / per_tok, 2),
         "cpu_ms_per_token": round(stats["cpu_expert_s"] / per_tok * 1e3, 3),
-        "fetch_fraction": round(stats["fetch_fraction"], 3), "rates": stats["rates"],
+        "fetch_fraction": round(stats["fetch_fraction"], 3), "min_fetch": stats["min_fetch"],
+        "rates": stats["rates"],
         "prefetch": rt.engine.predict is not None and trace_params is None,
         "prefetched_per_token": round(stats["prefetched"] / per_tok, 2),
         "prefetch_precision": round(stats["prefetch_precision"], 4),

@@ -54,7 +54,7 @@ class RuntimeOptions:
     host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
-    prefetch_k: int | None = None          # experts guessed per token (None: half the top-k)
+    prefetch_k: int | None = None          # experts guessed per token (None: 3/4 of the top-k)
     device: str = "cuda"
 
 
@@ -175,11 +175,12 @@ class OffloadRuntime:
                                     staging_experts=opts.staging_experts)
         self.model = Qwen35Moe(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
         if opts.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
-            # half the top-k by default: on the 35B at 8 GiB, 4 guesses were 88% right and as fast
-            # as none; 8 guesses, 73% right, cost more link time than they saved (BENCHMARKS.md)
+            # three quarters of the top-k by default: on the 35B with the elastic cache (114 slots
+            # a layer at 8 GiB, 35 at 4 GiB) 6 guesses beat 4 by 8% and 26%, and 8 were no
+            # better than 6 (BENCHMARKS.md)
             self.engine.set_predictor(self.model.router_logits,
                                       opts.prefetch_k if opts.prefetch_k is not None
-                                      else max(1, c.n_expert_used // 2))
+                                      else max(1, (3 * c.n_expert_used) // 4))
         self._calibrate()
         self._grow_pending = False
         self._torch_peak = 0
@@ -288,9 +289,11 @@ class OffloadRuntime:
             del scratch
         cpu = 1.0
         if _cpu is not None:
-            K = self.config.n_expert_used
+            # two experts a call, as decode hands the CPU (1-3 a layer): per-call costs included
+            K, n_cpu = self.config.n_expert_used, min(2, self.config.n_expert_used)
             x = torch.randn(1, self.config.n_embd)
-            ids = torch.arange(K, dtype=torch.int32).view(1, K)
+            ids = torch.full((1, K), -1, dtype=torch.int32)
+            ids[0, :n_cpu] = torch.arange(n_cpu, dtype=torch.int32)
             w = torch.full((1, K), 1.0 / K)
             y = torch.empty(1, self.config.n_embd)
             args = [v for b in lay.banks(host.data_ptr(), eb) for v in b]
@@ -303,7 +306,7 @@ class OffloadRuntime:
             t = time.perf_counter()
             for _ in range(5):
                 run()
-            cpu = 5 * K * eb / (time.perf_counter() - t)
+            cpu = 5 * n_cpu * eb / (time.perf_counter() - t)
         self.scheduler.rates = Rates(link, cpu)
         self.scheduler.apply()
 
@@ -391,7 +394,7 @@ class OffloadRuntime:
         n = sum(self.engine.worker.experts())
         d_busy, d_n = busy - self._obs_busy, n - self._obs_experts
         self._obs_busy, self._obs_experts = busy, n
-        if d_n >= 4 * every:  # enough CPU work in the window to trust the rate
+        if d_n >= 8:  # enough CPU work in the window to trust the rate (decode hands it 2-3 a token)
             eb = float(np.mean([lay.expert_bytes for lay in self.bank.layouts]))
             self.scheduler.observe_cpu(d_busy / 1e9, d_n * eb)
 
@@ -445,7 +448,7 @@ class OffloadRuntime:
             "cpu_experts": int(cpu_experts.sum()),
             "prefill_streamed": int(self.engine.prefill_streamed.sum()),
             "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
-            "fetch_fraction": self.scheduler.q(),
+            "fetch_fraction": self.scheduler.q(), "min_fetch": self.scheduler.min_fetch(),
             "prefetched": int(s.prefetched.sum()), "prefetch_hits": int(s.prefetch_hits.sum()),
             "prefetch_precision": s.prefetch_precision, "prefetch_recall": s.prefetch_recall,
             "rates": {"link_GBps": self.scheduler.rates.link_bytes_per_s / 1e9,
