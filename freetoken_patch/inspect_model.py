@@ -169,14 +169,16 @@ def render(d: dict[str, Any], console) -> None:
     if "plan" in d:
         p = d["plan"]
         console.print(f"[bold]plan for {_gib(p['vram_bytes'])} of VRAM[/] (context {p['n_ctx']:,}):")
-        console.print(f"  dense weights {_gib(p['dense_bytes'])}, KV {_gib(p['kv_bytes'])}, "
-                      f"delta-net state {_gib(p['state_bytes'])}, workspaces + staging + CUDA "
-                      f"context (est.) {_gib(p['workspace_bytes'])}")
+        console.print(f"  dense weights {_gib(p['dense_bytes'])} (+ {_gib(p['host_bytes'])} kept in "
+                      f"host RAM), KV {_gib(p['kv_bytes'])}, delta-net state {_gib(p['state_bytes'])}, "
+                      f"workspaces + staging + CUDA context (est.) {_gib(p['workspace_bytes'])}")
         if not p["fits"]:
-            console.print("  [red]the dense part does not fit: raise --vram or keep the head on the host[/]")
+            console.print("  [red]the dense part does not fit: raise --vram, or keep the output head "
+                          "in host RAM too (--host-head)[/]")
         console.print(f"  left for experts {_gib(p['expert_budget_bytes'])}: {p['experts_fit']:,} of "
                       f"{p['experts_total']:,} experts ({100 * p['experts_fit_fraction']:.1f}%), "
-                      f"{_gib(p['expert_bytes_mean'])} each")
+                      f"{_gib(p['expert_bytes_mean'])} each; while decoding (the prefill workspace "
+                      f"lent to the cache) {p['decode_experts_fit']:,}")
 
 
 def run(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:

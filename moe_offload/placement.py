@@ -45,14 +45,16 @@ def expert_bytes_per_layer(model: LoadedModel) -> dict[int, int]:
 class PlanSketch:
     vram_bytes: int
     n_ctx: int
-    dense_bytes: int          # every non-expert weight, kept quantized
+    dense_bytes: int          # non-expert weights on the GPU, kept quantized
+    host_bytes: int           # non-expert weights the runtime keeps in host RAM (the embedding)
     kv_bytes: int
     state_bytes: int
     workspace_bytes: int      # workspaces, prefill staging and the CUDA context (estimated)
     expert_budget_bytes: int  # what is left for the expert cache (0 if it does not fit)
     expert_bytes_mean: int
     experts_total: int
-    experts_fit: int
+    experts_fit: int          # during the largest prefill chunk
+    decode_experts_fit: int   # while decoding: the elastic cache also holds the prefill workspace
     fits: bool
 
     @property
@@ -114,18 +116,43 @@ def staging_bytes(expert_bytes: int, staging_experts: int = STAGING_EXPERTS) -> 
     return 2 * staging_experts * expert_bytes
 
 
+def host_weight_names(model: LoadedModel, host_embedding: bool = True,
+                      host_head: bool = False) -> list[str]:
+    """Dense weights the offload runtime keeps in pinned host RAM. The embedding by default: a
+    decode step reads one row of it. The head only on request: a step reads all of it (its bytes
+    over the link). A tied head (no output.weight) is the embedding: it stays with the head."""
+    names = []
+    tied = "output.weight" not in model.weights
+    if host_embedding and (not tied or host_head):
+        names.append("token_embd.weight")
+    if host_head and not tied:
+        names.append("output.weight")
+    return names
+
+
 def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanSketch:
-    """How a VRAM cap splits: dense part, KV + state for `n_ctx`, workspace, expert cache."""
-    dense = sum(w.nbytes for w in model.weights.values() if not is_expert_tensor(w.name))
+    """How a VRAM cap splits (the runtime's defaults): dense part, KV + state for `n_ctx`,
+    workspace, expert cache during prefill and while decoding."""
+    on_host = set(host_weight_names(model))
+    dense = host = 0
+    for w in model.weights.values():
+        if not is_expert_tensor(w.name):
+            if w.name in on_host:
+                host += w.nbytes
+            else:
+                dense += w.nbytes
     kv = kv_bytes_per_token(model) * n_ctx
     state = recurrent_state_bytes(model)
     per_layer = expert_bytes_per_layer(model)
-    work = gpu_workspace_bytes(model.config, n_ctx) + CUDA_CONTEXT_ESTIMATE + \
+    prefill = gpu_workspace_bytes(model.config, n_ctx) - DECODE_GRAPHS
+    work = prefill + DECODE_GRAPHS + CUDA_CONTEXT_ESTIMATE + \
         staging_bytes(max(per_layer.values(), default=0))
     n_layers = len(per_layer)
     total_experts = n_layers * model.config.n_expert
     mean = sum(per_layer.values()) // n_layers if n_layers else 0
     left = vram_bytes - dense - kv - state - work
     fit = min(total_experts, max(0, left) // mean) if mean else 0
-    return PlanSketch(vram_bytes, n_ctx, dense, kv, state, work, max(0, left), mean,
-                      total_experts, int(fit), left >= 0)
+    decode_left = left + prefill + DECODE_GRAPHS - DECODE_HEADROOM
+    decode_fit = min(total_experts, max(0, decode_left) // mean) if mean else 0
+    return PlanSketch(vram_bytes, n_ctx, dense, host, kv, state, work, max(0, left), mean,
+                      total_experts, int(fit), int(decode_fit), left >= 0)

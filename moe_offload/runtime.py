@@ -31,7 +31,8 @@ from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
 from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, PREFILL_CHUNK, STAGING_EXPERTS,
-                        gpu_workspace_bytes, prefill_workspace_bytes, staging_bytes)
+                        gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes,
+                        staging_bytes)
 from .scheduler import Rates, Scheduler
 from .state import State
 
@@ -116,7 +117,7 @@ class OffloadRuntime:
 
         # 1. dense weights, quantized, on the GPU (experts stay in the file's memory map); the
         # embedding (and on request the head) in pinned host RAM, read by the GPU over PCIe
-        on_host = self._host_weight_names(loaded, opts)
+        on_host = host_weight_names(loaded, opts.host_embedding, opts.host_head)
         tensors, _ = upload_weights(loaded, dev, experts_device="cpu", fuse=FUSED_PROJECTIONS,
                                     keep_on_host=on_host)
         self._pinned_weights: list[torch.Tensor] = []
@@ -201,19 +202,6 @@ class OffloadRuntime:
         rep.seconds["total"] = time.perf_counter() - t0
 
     # -- placement ------------------------------------------------------------------------------------
-    @staticmethod
-    def _host_weight_names(loaded: LoadedModel, opts: RuntimeOptions) -> list[str]:
-        """Dense weights to keep in host RAM. The embedding by default: a decode step reads one
-        row of it. The head only on request: a step reads all of it (its bytes over the link).
-        A tied head (no output.weight) is the embedding: it stays with the head."""
-        names = []
-        tied = "output.weight" not in loaded.weights
-        if opts.host_embedding and (not tied or opts.host_head):
-            names.append("token_embd.weight")
-        if opts.host_head and not tied:
-            names.append("output.weight")
-        return names
-
     def _pin_weight(self, q):
         """A CPU QTensor -> the same weight in pinned host RAM, viewed as a CUDA tensor (kernels
         read it over PCIe at its host address)."""

@@ -21,7 +21,12 @@ def test_synth_then_inspect_json(tmp_path, capsys):
     assert d["parameters_mtp"] > 0 and d["synthetic"] is True
     plan = d["plan"]
     assert plan["vram_bytes"] == 64 << 20 and plan["experts_total"] == 4 * 16
-    assert 0 <= plan["experts_fit"] <= plan["experts_total"]
+    assert 0 <= plan["experts_fit"] <= plan["decode_experts_fit"] <= plan["experts_total"]
+    embd = names["token_embd.weight"]["bytes"]
+    assert plan["host_bytes"] == embd    # the runtime keeps the embedding in host RAM
+    assert main(["inspect", str(out), "--json", "--vram", "3GiB"]) == 0
+    big = json.loads(capsys.readouterr().out)["plan"]
+    assert big["decode_experts_fit"] == big["experts_total"]
 
 
 def test_inspect_tables(tiny_model, capsys):
