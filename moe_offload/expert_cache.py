@@ -133,9 +133,6 @@ class ExpertCache:
             return sum(s * lay.expert_bytes for s, lay in zip(self._slots, self.layouts))
         return sum(p.numel() for p in self.pools)
 
-    def _usable(self, L: int, want: int) -> int:
-        return max(0, min(int(want), self.capacity[L]))
-
     def resize(self, slots: list[int]) -> list[int]:
         """Give each layer `slots[L]` slots (at most its capacity; a fixed cache cannot grow) and
         return what each has now. Elastic pools map whole chunks, so up to a chunk a layer may
@@ -151,7 +148,7 @@ class ExpertCache:
         pin = self.slot_pinned.cpu().numpy()
         freq = self.expert_freq.cpu().numpy()
         for L, want in enumerate(slots):
-            new = self._usable(L, want)
+            new = max(0, min(int(want), self.capacity[L]))
             if new < self._slots[L]:
                 self._compact(L, new, eos[L], soe[L], last[L], pin[L], freq[L])
             if self._buffers:
@@ -190,7 +187,7 @@ class ExpertCache:
         n = min(n_expert, max(0, budget_bytes) // (per_layer * L))
 
         def cost(k: int) -> int:
-            return sum(max(1, -(-k * lay.expert_bytes // chunk)) * chunk if chunk else
+            return sum(on.mapped_size(k * lay.expert_bytes, chunk) if chunk else
                        k * lay.expert_bytes for lay in layouts)
         while n > 0 and cost(n) > budget_bytes:
             n -= 1

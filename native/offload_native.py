@@ -79,6 +79,11 @@ def elastic_chunk() -> int:
     return int(_need(_cuda, "elastic device memory").vmm_granularity())
 
 
+def mapped_size(nbytes: int, chunk: int) -> int:
+    """Memory an elastic buffer maps to back `nbytes`: whole chunks, at least one."""
+    return max(1, -(-int(nbytes) // chunk)) * chunk
+
+
 class ElasticBuffer:
     """Device memory that grows and shrinks in place: `capacity` bytes of address space reserved
     at once, physical memory mapped behind its first `mapped` bytes in chunks of the driver's
@@ -105,7 +110,7 @@ class ElasticBuffer:
     def resize(self, nbytes: int) -> int:
         """Map or unmap chunks so that at least `nbytes` (at most `capacity`, at least one chunk)
         are backed; returns the mapped size."""
-        want = min(self.capacity // self.chunk, max(1, -(-int(nbytes) // self.chunk))) * self.chunk
+        want = min(self.capacity, mapped_size(nbytes, self.chunk))
         while self.mapped < want:
             off = self.mapped
             self._handles.append(int(_cuda.vmm_map(self.addr + off, self.chunk)))
