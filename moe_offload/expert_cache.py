@@ -139,7 +139,9 @@ class ExpertCache:
         be mapped and unused. Shrinking keeps a layer's most valuable experts -- pinned, then
         most recently used, then most often -- moving them into the slots that remain; the others
         leave the cache. Growing adds empty slots, which misses fill. Synchronizes the device:
-        call it between steps."""
+        call it between steps. If the device cannot map more memory (another process took it),
+        the layers done so far keep their new size, the rest their old one, and the error is
+        raised as an OffloadError: the cache stays consistent and usable."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         eos = self.expert_of_slot.cpu().numpy()
@@ -147,17 +149,23 @@ class ExpertCache:
         last = self.slot_last_use.cpu().numpy()
         pin = self.slot_pinned.cpu().numpy()
         freq = self.expert_freq.cpu().numpy()
-        for L, want in enumerate(slots):
-            new = max(0, min(int(want), self.capacity[L]))
-            if new < self._slots[L]:
-                self._compact(L, new, eos[L], soe[L], last[L], pin[L], freq[L])
-            if self._buffers:
-                self._buffers[L].resize(new * self.layouts[L].expert_bytes)
-            self._slots[L] = new
-        for t, a in ((self.expert_of_slot, eos), (self.slot_of_expert, soe),
-                     (self.slot_last_use, last), (self.slot_pinned, pin)):
-            t.copy_(torch.from_numpy(a))
-        self.n_slots.copy_(torch.tensor(self._slots, dtype=torch.int32))
+        try:
+            for L, want in enumerate(slots):
+                new = max(0, min(int(want), self.capacity[L]))
+                if new < self._slots[L]:
+                    self._compact(L, new, eos[L], soe[L], last[L], pin[L], freq[L])
+                if self._buffers:
+                    try:
+                        self._buffers[L].resize(new * self.layouts[L].expert_bytes)
+                    except RuntimeError as e:
+                        raise OffloadError(f"the expert cache could not grow to {new} slots in "
+                                           f"layer {L} ({e})") from None
+                self._slots[L] = new
+        finally:   # the tables describe what is mapped, whatever happened
+            for t, a in ((self.expert_of_slot, eos), (self.slot_of_expert, soe),
+                         (self.slot_last_use, last), (self.slot_pinned, pin)):
+                t.copy_(torch.from_numpy(a))
+            self.n_slots.copy_(torch.tensor(self._slots, dtype=torch.int32))
         return self.slots
 
     def _compact(self, L: int, n: int, eos, soe, last, pin, freq) -> None:

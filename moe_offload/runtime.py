@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -221,12 +222,19 @@ class OffloadRuntime:
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         room = self.opts.vram - self._outside - torch.cuda.memory_reserved(dev) - torch_extra
+        # never more than the device has free: on a laptop, other programs use the GPU too
+        room = min(room, cache.nbytes + torch.cuda.mem_get_info(dev)[0] - CONTEXT_MARGIN)
         n = ExpertCache.plan_slots(cache.layouts, room, cache.n_expert, self._chunk)[0]
         if self.opts.cache_slots is not None:
             n = min(n, self.opts.cache_slots)
         want = [n] * cache.n_layer if grow else [min(n, s) for s in cache.slots]
         if want != cache.slots:
-            cache.resize(want)
+            try:
+                cache.resize(want)
+            except OffloadError as e:   # growing is an optimisation: decode on with what we have
+                if not grow:
+                    raise
+                warnings.warn(f"{e}; decoding on with the cache as it is")
         self._cap_torch()
         self._cache_peak = max(self._cache_peak, cache.nbytes)
 

@@ -145,6 +145,31 @@ def test_cache_shrink_keeps_the_most_valuable_experts_and_their_bytes(mixed):
     assert (cache.expert_of_slot[0, 2:] == -1).all()  # new slots start empty
 
 
+def test_cache_that_cannot_grow_stays_consistent(mixed):
+    """A device that cannot map more memory (another program took it) in the middle of growing:
+    the layers before keep their new size, the rest their old one, the tables say so, and the
+    error names the layer."""
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    cache = ExpertCache(bank.layouts, [2] * c.n_layer, c.n_expert, torch.device("cpu"), elastic=True)
+
+    class Buffer:   # an ElasticBuffer whose third layer's device is full
+        def __init__(self, layer):
+            self.layer, self.chunk, self.capacity, self.mapped = layer, 1, 1 << 40, 0
+
+        def resize(self, nbytes):
+            if self.layer == 2 and nbytes > self.mapped:
+                raise RuntimeError("cuMemCreate (out of device memory?): out of memory")
+            self.mapped = nbytes
+            return nbytes
+
+    cache._buffers = [Buffer(L) for L in range(c.n_layer)]
+    with pytest.raises(OffloadError, match="could not grow to 6 slots in layer 2"):
+        cache.resize([6] * c.n_layer)
+    assert cache.slots == [6, 6] + [2] * (c.n_layer - 2)
+    assert cache.n_slots.tolist() == cache.slots
+
+
 def test_fixed_cache_cannot_grow(mixed):
     bank = HostExpertBank(mixed, pin=False, threads=2)
     c = mixed.config
