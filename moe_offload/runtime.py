@@ -251,10 +251,11 @@ class OffloadRuntime:
             return
         need = prefill_workspace_bytes(self.config, min(n_tokens, chunk), n_past + n_tokens,
                                        all_logits)
-        dev = self.device
-        spare = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        free = self.opts.vram - self._outside - self.cache.nbytes - torch.cuda.memory_reserved(dev)
-        if free + spare < need:  # (elastic pools are always mapped by us: outside torch)
+        # what torch may still allocate: its cap (the pools are ours, outside it) less its live
+        # tensors (cached free blocks are reusable)
+        free = (self.opts.vram - self._outside - self.cache.nbytes
+                - torch.cuda.memory_allocated(self.device))
+        if free < need:
             self._fit_cache(need, grow=False)
             self._grow_pending = True
 
