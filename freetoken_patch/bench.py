@@ -54,9 +54,14 @@ def add_parser(sub) -> None:
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
                    help="experts guessed per token for the next layer (default: 3/4 of the top-k)")
+    s.add_argument("--prefetch-k2", type=int, default=None,
+                   help="experts guessed per token two layers ahead (default 0: none)")
     s.add_argument("--no-elastic", action="store_true",
                    help="keep the expert cache at its prefill size while decoding (by default it "
                         "grows into the prefill workspace between prompts)")
+    s.add_argument("--no-overlap", action="store_true",
+                   help="fetch a layer's missing experts before computing any of its experts (by "
+                        "default the resident ones compute while the misses cross PCIe)")
     add_placement_args(s)
     s.add_argument("--profile", help="warm-start the cache from a routing profile (JSON)")
     s.add_argument("--save-profile", help="write the routing profile seen during the run")
@@ -91,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prefetch_k is not None and args.prefetch_k < 1:
         raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
                        "turn guessing off with --no-prefetch")
+    if args.prefetch_k2 is not None and args.prefetch_k2 < 0:
+        raise CLIError(f"--prefetch-k2 {args.prefetch_k2}: give 0 (no guesses two layers ahead) "
+                       "or more")
     if not torch.cuda.is_available():
         raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     try:
@@ -106,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
     opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
                           fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
                           prefetch=not args.no_prefetch, prefetch_k=args.prefetch_k,
+                          prefetch_k2=args.prefetch_k2,
                           prefill_chunk=args.chunk, elastic=not args.no_elastic,
-                          **placement_options(args))
+                          overlap_misses=not args.no_overlap, **placement_options(args))
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         rt = OffloadRuntime(loaded, opts)
     load_s = time.perf_counter() - t0

@@ -3,13 +3,15 @@
 Two paths, chosen by the number of tokens:
 - decode (T <= max_tok, inside a decode step): decided on the device and capturable. The plan
   kernel splits the top-k into cache hits, PCIe fetches into slots, and CPU misses; the fetch
-  kernel copies experts from the pinned host bank into their slots; the pool kernel computes
-  hits + fetched on the GPU while the CPU worker computes its share; the wait kernel adds the
-  CPU's sum. No host round trip.
+  kernel copies experts from the pinned host bank into their slots (on its own stream); the pool
+  kernel computes the experts resident before the step meanwhile, then, once the copies have
+  landed, the fetched and guessed ones; the CPU worker computes its share alongside; the wait
+  kernel adds the CPU's sum. No host round trip.
 - prefetch (decode, optional): when layer L starts, a side stream applies layer L+1's router to
   L's input (the residual stream changes little from one layer to the next), gives the guessed
   experts slots (`prefetch` kernel) and copies them once L's own fetches are done, while L and
-  L+1's mixer compute; layer L+1's plan then finds them resident. Guesses cost link bandwidth,
+  L+1's mixer compute; layer L+1's plan then finds them resident. Optionally also layer L+2's
+  router (fewer right guesses, but the copies start a layer earlier and fill the link's idle time). Guesses cost link bandwidth,
   so precision and recall are counted (stats prefetched / prefetch_hits).
 - prefill (a chunk of many tokens): experts the chunk routes to but the cache lacks are streamed
   from the host bank into a double-buffered staging area (copies on a side stream, overlapped
@@ -33,6 +35,10 @@ from .models.layers import route_topk
 from .scheduler import Scheduler
 
 MAX_FETCH = 64  # plan kernel's selection limit (T * K)
+# grid of a PCIe copy: each block takes SM room from the kernels computing beside it. At 8 GiB
+# (scripts/dev/offload_timeline.py, 64 steps) 16 and 32 blocks decoded alike in a same-machine
+# A/B (140.4, 143.4 vs 142.0, 141.5 tok/s); 128 blocks were 20% slower than 32
+FETCH_BLOCKS = 16
 
 
 def _pool_args(pool: torch.Tensor, lay) -> tuple:
@@ -45,7 +51,7 @@ class OffloadEngine:
 
     def __init__(self, cache: ExpertCache, bank: HostExpertBank, scheduler: Scheduler, *,
                  top_k: int, hidden: int, ff: int, max_tok: int = 8, staging_experts: int = 32,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, overlap_misses: bool = True):
         if _cuda is None:
             raise OffloadError("the offload runtime needs the CUDA extension (native._cuda)")
         self.cache, self.bank, self.scheduler = cache, bank, scheduler
@@ -80,28 +86,42 @@ class OffloadEngine:
                         for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(dev)
         self.prefill_streamed = torch.zeros(L, dtype=torch.int64)  # experts streamed per layer
-        # prefetch (set_predictor): per layer a list (count, (expert, slot)...) and two events
+        # prefetch (set_predictor): guesses made d = 1 or 2 layers ahead; per distance and layer
+        # a list (count, (expert, slot)...) and two events
         self.predict = None
-        self.prefetch_k = top_k
-        self.prefetch_lists = torch.zeros((L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
+        self.prefetch_k = top_k        # experts a token guessed one layer ahead
+        self.prefetch_k2 = 0           # ... and two layers ahead
+        self.prefetch_lists = torch.zeros((2, L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
         self.prefetch_stream = torch.cuda.Stream(dev)
-        self._guessed = [torch.cuda.Event() for _ in range(L)]     # tables updated
-        self._prefetched = [torch.cuda.Event() for _ in range(L)]  # experts copied
+        self._guessed = [[torch.cuda.Event() for _ in range(L)] for _ in range(2)]     # tables updated
+        self._prefetched = [[torch.cuda.Event() for _ in range(L)] for _ in range(2)]  # copied
         self._fetched = [torch.cuda.Event() for _ in range(L)]
+        # a layer's misses are fetched on their own stream while the experts resident before the
+        # step compute (plan -> pair_slots: row 0 resident, row 1 fetched or guessed, computed
+        # once the copies land); False: wait for every copy, then one pool call
+        self.overlap_misses = overlap_misses
+        self.fetch_stream = torch.cuda.Stream(dev)
+        self.fetch_blocks = FETCH_BLOCKS
+        self.pair_slots = torch.full((2, MAX_FETCH), -1, dtype=torch.int32, device=dev)
 
-    def set_predictor(self, predict, k: int | None = None) -> None:
+    def set_predictor(self, predict, k: int | None = None, k2: int = 0) -> None:
         """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
-        k experts per token are guessed (default top_k; the runtime passes its own default)."""
+        k experts per token are guessed one layer ahead (default top_k; the runtime passes its
+        own default), k2 two layers ahead (0: none)."""
         k = self.top_k if k is None else k
-        if not 1 <= k <= MAX_FETCH // self.max_tok:
-            raise OffloadError(f"prefetch_k {k}: guess 1..{MAX_FETCH // self.max_tok} experts a token")
+        most = MAX_FETCH // self.max_tok
+        if not 1 <= k <= most or not 0 <= k2 <= most:
+            raise OffloadError(f"prefetch_k {k}, prefetch_k2 {k2}: guess 1..{most} experts a token "
+                               f"one layer ahead and 0..{most} two layers ahead")
         self.predict = predict
-        self.prefetch_k = k
+        self.prefetch_k, self.prefetch_k2 = k, k2
 
-    def _prefetching(self, L: int) -> bool:
-        """Whether layer L+1's experts are guessed during layer L (never while replaying a trace:
+    def _guessing(self, L: int, d: int) -> bool:
+        """Whether layer L+d's experts are guessed during layer L (never while replaying a trace:
         the router cannot guess replayed ids)."""
-        return self.predict is not None and self.trace is None and L + 1 < self.cache.n_layer
+        k = self.prefetch_k if d == 1 else self.prefetch_k2
+        return (self.predict is not None and self.trace is None and k > 0 and L >= 0
+                and L + d < self.cache.n_layer)
 
     @property
     def staging_bytes(self) -> int:
@@ -144,51 +164,82 @@ class OffloadEngine:
         w = w.float().contiguous()
         x = x.contiguous()
         main = torch.cuda.current_stream()
-        guessed = L > 0 and self._prefetching(L - 1)
-        if guessed:   # layer L's guesses hold their slots: the plan sees them as resident
-            main.wait_event(self._guessed[L])
-        if self._prefetching(L):
-            self._guess_next(L, x, main)
+        guessed = [d for d in (1, 2) if self._guessing(L - d, d)]   # this layer's, made d back
+        for d in guessed:   # their slots are taken: the plan sees them as resident
+            main.wait_event(self._guessed[d - 1][L])
+        self._guess_ahead(L, x, main)
         on.plan(self.tables, ex, L, ids32, w, x, self.step, self.scheduler.fetch_fraction,
-                self.fetch_list, self.prefetch_lists[L] if guessed else None)
+                self.fetch_list, self.pair_slots)
         pool, host = self.cache.pools[L], self.bank.banks[L]
-        if pool.shape[0]:
-            on.fetch(self.fetch_list, host, pool, min(MAX_FETCH, T * self.top_k))
-        if self._prefetching(L):
-            self._copy_guesses(L, main)
-        if guessed:   # ... and their bytes have landed (copied while this layer's own fetches ran)
-            main.wait_event(self._prefetched[L])
+        fetcher = self.fetch_stream if self.overlap_misses else main
+        if fetcher is not main:
+            fetcher.wait_stream(main)
+        with torch.cuda.stream(fetcher):
+            if pool.shape[0]:
+                on.fetch(self.fetch_list, host, pool, min(MAX_FETCH, T * self.top_k), self.fetch_blocks)
+            self._fetched[L].record(fetcher)
+        self._copy_guesses(L)
         y = torch.empty_like(x)
-        _cuda.moe_ffn_pool(x.data_ptr(), T, self.hidden, self.ff, ids32.data_ptr(), w.data_ptr(),
-                           self.top_k, self.cache.slot_of_expert[L].data_ptr(), self.cache.n_expert,
-                           pool.shape[0], *_pool_args(pool, self.bank.layouts[L]), y.data_ptr(), 0,
-                           self.moe_scratch.data_ptr(), self.moe_scratch.numel(),
-                           torch.cuda.current_stream().cuda_stream)
+        if self.overlap_misses:   # experts resident before the step compute at once
+            self._pool(L, x, self.pair_slots[0], None, w, y, accumulate=False)
+        main.wait_event(self._fetched[L])
+        for d in guessed:   # ... and the guessed ones once their bytes have landed
+            main.wait_event(self._prefetched[d - 1][L])
+        if self.overlap_misses:
+            self._pool(L, x, self.pair_slots[1], None, w, y, accumulate=True)
+        else:
+            self._pool(L, x, ids32, self.cache.slot_of_expert[L], w, y, accumulate=False)
         on.wait_add(ex, L, self.step, self.cache.cpu_pending, y, self.timeout_s, self.error)
         return y
 
-    def _guess_next(self, L: int, x: torch.Tensor, main) -> None:
-        """On the side stream: layer L+1's router on x -> slots for its guessed experts."""
+    def _pool(self, L: int, x, ids, soe, w, y, *, accumulate: bool) -> None:
+        """y (+)= the experts of the pairs whose slot (soe[ids], or ids themselves: slot ids) is
+        in layer L's pool; the others contribute nothing."""
+        pool = self.cache.pools[L]
+        n = self.cache.n_expert if soe is not None else pool.shape[0]
+        _cuda.moe_ffn_pool(x.data_ptr(), x.shape[0], self.hidden, self.ff, ids.data_ptr(),
+                           w.data_ptr(), self.top_k, 0 if soe is None else soe.data_ptr(), n,
+                           pool.shape[0], *_pool_args(pool, self.bank.layouts[L]), y.data_ptr(), 0,
+                           self.moe_scratch.data_ptr(), self.moe_scratch.numel(),
+                           torch.cuda.current_stream().cuda_stream, accumulate)
+
+    def _guess_ahead(self, L: int, x: torch.Tensor, main) -> None:
+        """On the side stream: layers L+1 and L+2's routers on x -> slots for their guessed
+        experts. Room is left for what is decided later: a layer's own misses (T*K slots) and,
+        two layers ahead, its guesses one layer ahead."""
+        dists = [d for d in (1, 2) if self._guessing(L, d)]
+        if not dists:
+            return
         side = self.prefetch_stream
         side.wait_stream(main)
         x.record_stream(side)  # x's memory must not be reused on main before the side has read it
+        T = x.shape[0]
         with torch.cuda.stream(side):
-            guess, _ = route_topk(self.predict(L + 1, x), self.prefetch_k)
-            on.prefetch(self.tables, L + 1, guess.to(torch.int32).reshape(-1), x.shape[0] * self.top_k,
-                        self.step, self.prefetch_lists[L + 1])
-            self._guessed[L + 1].record(side)
+            for d in dists:
+                k = self.prefetch_k if d == 1 else self.prefetch_k2
+                reserve = T * self.top_k + (T * self.prefetch_k if d == 2 else 0)
+                guess, _ = route_topk(self.predict(L + d, x), k)
+                on.prefetch(self.tables, L + d, guess.to(torch.int32).reshape(-1), reserve,
+                            self.step, self.prefetch_lists[d - 1, L + d])
+                self._guessed[d - 1][L + d].record(side)
 
-    def _copy_guesses(self, L: int, main) -> None:
+    def _copy_guesses(self, L: int) -> None:
         """On the side stream, after layer L's own fetches (they are on its critical path): copy
-        layer L+1's guessed experts; layer L+1 waits for them before its pool kernel."""
+        the experts guessed for layer L+1, then for L+2; each layer waits for its guesses before
+        its second pool kernel."""
+        dists = [d for d in (1, 2) if self._guessing(L, d)]
+        if not dists:
+            return
         side = self.prefetch_stream
-        self._fetched[L].record(main)
         side.wait_event(self._fetched[L])
         with torch.cuda.stream(side):
-            if self.cache.pools[L + 1].shape[0]:
-                on.fetch(self.prefetch_lists[L + 1], self.bank.banks[L + 1], self.cache.pools[L + 1],
-                         min(MAX_FETCH, self.max_tok * self.prefetch_k))
-            self._prefetched[L + 1].record(side)
+            for d in dists:
+                k = self.prefetch_k if d == 1 else self.prefetch_k2
+                if self.cache.pools[L + d].shape[0]:
+                    on.fetch(self.prefetch_lists[d - 1, L + d], self.bank.banks[L + d],
+                             self.cache.pools[L + d], min(MAX_FETCH, self.max_tok * k),
+                             self.fetch_blocks)
+                self._prefetched[d - 1][L + d].record(side)
 
     def prefill_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         cache, lay = self.cache, self.bank.layouts[L]

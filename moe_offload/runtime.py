@@ -37,6 +37,7 @@ from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, PREFILL_CHUNK, STAGING_
 from .scheduler import Rates, Scheduler
 from .state import State
 
+PREFETCH_K2 = 0             # experts a token guessed two layers ahead (decode; 2 and 4 were slower)
 GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
 
 
@@ -57,6 +58,9 @@ class RuntimeOptions:
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
     prefetch_k: int | None = None          # experts guessed per token (None: 3/4 of the top-k)
+    prefetch_k2: int | None = None         # ... two layers ahead (None: PREFETCH_K2; 0: none)
+    overlap_misses: bool = True            # a layer's resident experts compute while its misses
+                                           # cross PCIe (False: fetch first, then all at once)
     device: str = "cuda"
 
 
@@ -174,7 +178,8 @@ class OffloadRuntime:
         self.scheduler = Scheduler.create(Rates(1.0, 1.0), dev, forced=fraction)
         self.engine = OffloadEngine(self.cache, self.bank, self.scheduler, top_k=c.n_expert_used,
                                     hidden=c.n_embd, ff=c.n_ff_exp,
-                                    staging_experts=opts.staging_experts)
+                                    staging_experts=opts.staging_experts,
+                                    overlap_misses=opts.overlap_misses)
         self.model = Qwen35Moe(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
         if opts.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
             # three quarters of the top-k by default: on the 35B with the elastic cache (114 slots
@@ -182,7 +187,9 @@ class OffloadRuntime:
             # better than 6 (BENCHMARKS.md)
             self.engine.set_predictor(self.model.router_logits,
                                       opts.prefetch_k if opts.prefetch_k is not None
-                                      else max(1, (3 * c.n_expert_used) // 4))
+                                      else max(1, (3 * c.n_expert_used) // 4),
+                                      opts.prefetch_k2 if opts.prefetch_k2 is not None
+                                      else PREFETCH_K2)
         self._calibrate()
         self._grow_pending = False
         self._torch_peak = 0

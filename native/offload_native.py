@@ -195,10 +195,13 @@ def step_begin(step: torch.Tensor) -> None:
 
 def plan(tables: dict, exchange: dict, layer: int, ids32: torch.Tensor, w: torch.Tensor,
          x: torch.Tensor, step: torch.Tensor, fetch_fraction: torch.Tensor,
-         fetch_list: torch.Tensor, prefetched: torch.Tensor | None = None) -> None:
+         fetch_list: torch.Tensor, pair_slots: torch.Tensor | None = None) -> None:
+    """pair_slots (int32 [2, 64], optional) gets each selection's slot if its bytes were resident
+    before this step (row 0), or if it is fetched by this plan or was guessed this step (row 1:
+    copies may be in flight), else -1: slot ids for two moe_ffn_pool calls."""
     _need(_cuda, "offload").offload_plan(tables, exchange, layer, ptr(ids32), ptr(w), ptr(x),
                                          ptr(step), ptr(fetch_fraction), ptr(fetch_list),
-                                         ptr(prefetched), _stream())
+                                         ptr(pair_slots), _stream())
 
 
 def prefetch(tables: dict, layer: int, guess32: torch.Tensor, reserve: int, step: torch.Tensor,
@@ -210,15 +213,106 @@ def prefetch(tables: dict, layer: int, guess32: torch.Tensor, reserve: int, step
 
 
 def fetch(fetch_list: torch.Tensor, host_bank: torch.Tensor, pool: torch.Tensor,
-          max_fetch: int) -> None:
+          max_fetch: int, blocks: int = 16) -> None:
+    """Copy the listed experts into their slots with a grid of `blocks` blocks (more: more PCIe
+    reads in flight, fewer SM slots left to the kernels running beside the copy)."""
     _need(_cuda, "offload").offload_fetch(ptr(fetch_list), ptr(host_bank), ptr(pool),
-                                          host_bank.shape[1], pool.shape[1], max_fetch, _stream())
+                                          host_bank.shape[1], pool.shape[1], max_fetch, _stream(),
+                                          blocks)
 
 
 def wait_add(exchange: dict, layer: int, step: torch.Tensor, cpu_pending: torch.Tensor,
              y: torch.Tensor, timeout_s: float, error: torch.Tensor) -> None:
     _need(_cuda, "offload").offload_wait_add(exchange, layer, ptr(step), ptr(cpu_pending), ptr(y),
                                              int(timeout_s * 1e9), ptr(error), _stream())
+
+
+# ---- the decisions of plan and prefetch, in numpy (the kernels' reference; tests compare) -------
+
+_NEVER = 2**63 - 1   # LLONG_MAX: a slot used this step or pinned is never a victim
+
+
+@dataclass
+class LayerTablesRef:
+    """One layer's residency tables as numpy arrays (int32 or int64), updated in place."""
+
+    slot_of_expert: "np.ndarray"   # [E]
+    expert_of_slot: "np.ndarray"   # [S]
+    slot_last_use: "np.ndarray"    # [S]
+    slot_pinned: "np.ndarray"      # [S]
+    expert_freq: "np.ndarray"      # [E]
+    n_slots: int
+
+    def keys(self, step: int) -> list[int]:
+        """How evictable each usable slot is, smaller first: free, then least recently used,
+        then least frequently used; _NEVER for slots used this step or pinned."""
+        out = []
+        for s in range(self.n_slots):
+            old = int(self.expert_of_slot[s])
+            if self.slot_pinned[s] or self.slot_last_use[s] >= step:
+                out.append(_NEVER)
+            else:
+                out.append(-2**63 if old < 0 else
+                           (int(self.slot_last_use[s]) << 32) | int(self.expert_freq[old]))
+        return out
+
+    def assign(self, want: list[int], keys: list[int], step: int) -> list[tuple[int, int]]:
+        """Slots of smallest key (ties: lower slot) for `want` in turn, evicting their experts."""
+        done = []
+        for e in want:
+            s = min(range(len(keys)), key=lambda i: (keys[i], i), default=None)
+            if s is None or keys[s] == _NEVER:
+                break
+            old = int(self.expert_of_slot[s])
+            if old >= 0:
+                self.slot_of_expert[old] = -1
+            self.expert_of_slot[s], self.slot_of_expert[e], self.slot_last_use[s] = e, s, step
+            keys[s] = _NEVER
+            done.append((e, s))
+        return done
+
+
+def plan_reference(t: LayerTablesRef, ids: list[int], step: int,
+                   fetch_fraction: tuple[float, float]) -> dict:
+    """What offload_plan decides for one layer's selections `ids` (T*K, flat): the fetch list
+    [(expert, slot)], the CPU's experts (-1 elsewhere), pair_slots [2][T*K], hits, prefetch hits.
+    A hit whose slot is already used this step was guessed this step (its copy may be in flight)."""
+    import numpy as np
+    slots = [int(t.slot_of_expert[e]) for e in ids]
+    kind = [2 if s < 0 else 1 if t.slot_last_use[s] >= step else 0 for s in slots]
+    for e, s in zip(ids, slots):
+        t.expert_freq[e] += 1
+        if s >= 0:
+            t.slot_last_use[s] = step
+    misses: list[int] = []
+    for e, k in zip(ids, kind):
+        if k == 2 and e not in misses:
+            misses.append(e)
+    misses.sort(key=lambda e: -int(t.expert_freq[e]))   # stable: ties keep their order
+    q, least = np.float32(fetch_fraction[0]), int(np.float32(fetch_fraction[1]))
+    nf = int(np.floor(q * np.float32(len(misses)) + np.float32(0.5)))
+    nf = min(max(nf, min(len(misses), least), 0), len(misses))
+    fetched = t.assign(misses[:nf], t.keys(step), step)
+    slot = [int(t.slot_of_expert[e]) for e in ids]
+    return {"fetch": fetched,
+            "cpu_ids": [e if k == 2 and s < 0 else -1 for e, k, s in zip(ids, kind, slot)],
+            "pair_slots": [[s if k == 0 else -1 for k, s in zip(kind, slot)],
+                           [s if k != 0 else -1 for k, s in zip(kind, slot)]],
+            "hits": sum(k != 2 for k in kind), "prefetch_hits": sum(k == 1 for k in kind)}
+
+
+def prefetch_reference(t: LayerTablesRef, guess: list[int], reserve: int, step: int) -> list[tuple[int, int]]:
+    """What offload_prefetch decides: slots for the guessed experts not resident (unique, in
+    order), leaving `reserve` evictable slots; the list [(expert, slot)]."""
+    keys = t.keys(step)
+    cap = min(sum(k != _NEVER for k in keys) - reserve, 64)
+    want: list[int] = []
+    for e in guess:
+        if len(want) >= cap:
+            break
+        if 0 <= e < len(t.slot_of_expert) and t.slot_of_expert[e] < 0 and e not in want:
+            want.append(e)
+    return t.assign(want, keys, step)
 
 
 # ---- CPU worker (native._cpu) ---------------------------------------------------------------------

@@ -28,9 +28,9 @@
 //       raises for ids >= E; a kernel cannot). Scratch from cudaMallocAsync on `stream`.
 //   moe_ffn_pool(x, n_tok, hidden, ff, ids, weights, top_k, slot_of_expert, n_experts, n_slots,
 //                gate_type, gate, gate_slot_bytes, up_type, up, up_slot_bytes, down_type, down,
-//                down_slot_bytes, y, skipped, scratch, scratch_bytes, stream)
+//                down_slot_bytes, y, skipped, scratch, scratch_bytes, stream, accumulate=False)
 //       the decode path over an expert slot pool, routing resolved on the device:
-//       y [T, H] = sum_k weights[t,k] * down_s(silu(gate_s x_t) * up_s x_t), s = slot_of_expert[ids[t,k]]
+//       y [T, H] (+)= sum_k weights[t,k] * down_s(silu(gate_s x_t) * up_s x_t), s = slot_of_expert[ids[t,k]]
 //       (slot_of_expert = 0: s = ids[t,k]); pairs with an id outside [0, n_experts) or a slot
 //       outside [0, n_slots) are skipped: skipped [T, K] int32 (0 = no output) gets 1 for them.
 //       x f32 [T, H], ids int32 [T, K], weights f32 [T, K], y f32 [T, H], all contiguous; pools:
@@ -119,20 +119,22 @@ PYBIND11_MODULE(_cuda, m) {
              int64_t n_slots, int gate_type, uintptr_t gate, int64_t gate_slot_bytes, int up_type,
              uintptr_t up, int64_t up_slot_bytes, int down_type, uintptr_t down,
              int64_t down_slot_bytes, uintptr_t y, uintptr_t skipped, uintptr_t scratch,
-             int64_t scratch_bytes, uintptr_t stream) {
+             int64_t scratch_bytes, uintptr_t stream, bool accumulate) {
               cuda::moe_ffn_pool(ptr<const float>(x), n_tok, hidden, ff, ptr<const int32_t>(ids),
                                  ptr<const float>(weights), top_k, ptr<const int32_t>(slot_of_expert),
                                  n_experts, n_slots, {gate_type, ptr<const void>(gate), gate_slot_bytes},
                                  {up_type, ptr<const void>(up), up_slot_bytes},
                                  {down_type, ptr<const void>(down), down_slot_bytes}, ptr<float>(y),
-                                 ptr<int32_t>(skipped), ptr<void>(scratch), scratch_bytes, stream);
+                                 accumulate, ptr<int32_t>(skipped), ptr<void>(scratch),
+                                 scratch_bytes, stream);
           },
           py::arg("x"), py::arg("n_tok"), py::arg("hidden"), py::arg("ff"), py::arg("ids"),
           py::arg("weights"), py::arg("top_k"), py::arg("slot_of_expert"), py::arg("n_experts"),
           py::arg("n_slots"), py::arg("gate_type"), py::arg("gate"), py::arg("gate_slot_bytes"),
           py::arg("up_type"), py::arg("up"), py::arg("up_slot_bytes"), py::arg("down_type"),
           py::arg("down"), py::arg("down_slot_bytes"), py::arg("y"), py::arg("skipped"),
-          py::arg("scratch"), py::arg("scratch_bytes"), py::arg("stream") = 0, release);
+          py::arg("scratch"), py::arg("scratch_bytes"), py::arg("stream") = 0,
+          py::arg("accumulate") = false, release);
     m.def("moe_scratch_bytes", &cuda::moe_scratch_bytes, py::arg("n_tok"), py::arg("top_k"),
           py::arg("ff"));
 
@@ -238,10 +240,12 @@ PYBIND11_MODULE(_cuda, m) {
     //   pin_host(addr, nbytes) / unpin_host(addr)        page-lock + map host memory (sync, GIL held)
     //   offload_step_begin(step, stream)                  step counter += 1 on the device
     //   offload_plan(tables: dict, exchange: dict, layer, ids, w, x, step, fetch_fraction,
-    //                fetch_list, prefetched, stream)      hits / fetches / CPU misses of one layer
+    //                fetch_list, pair_slots, stream)
+    //                                                     hits / fetches / CPU misses of one layer
     //   offload_prefetch(tables, layer, guess, n_guess, reserve, step, list, stream)
     //                                                     slots for a layer's guessed experts
-    //   offload_fetch(fetch_list, host_bank, pool, expert_bytes, slot_bytes, max_fetch, stream)
+    //   offload_fetch(fetch_list, host_bank, pool, expert_bytes, slot_bytes, max_fetch, stream,
+    //                 blocks=16)
     //   offload_wait_add(exchange: dict, layer, step, cpu_pending, y, timeout_ns, error_flag, stream)
     //   vmm_supported() / vmm_granularity() / vmm_reserve(nbytes) -> addr / vmm_free(addr, nbytes)
     //   vmm_map(addr, nbytes) -> handle / vmm_unmap(addr, nbytes, handle)
@@ -262,17 +266,17 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("offload_plan",
           [](const py::dict& tables, const py::dict& exchange, int layer, uintptr_t ids, uintptr_t w,
              uintptr_t x, uintptr_t step, uintptr_t fetch_fraction, uintptr_t fetch_list,
-             uintptr_t prefetched, uintptr_t stream) {
+             uintptr_t pair_slots, uintptr_t stream) {
               cuda::offload_plan(cache_tables_from(tables), exchange_from(exchange), layer,
                                  reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(w),
                                  reinterpret_cast<const float*>(x), reinterpret_cast<const int32_t*>(step),
                                  reinterpret_cast<const float*>(fetch_fraction),
                                  reinterpret_cast<int32_t*>(fetch_list),
-                                 reinterpret_cast<const int32_t*>(prefetched), stream);
+                                 reinterpret_cast<int32_t*>(pair_slots), stream);
           },
           py::arg("tables"), py::arg("exchange"), py::arg("layer"), py::arg("ids"), py::arg("w"),
           py::arg("x"), py::arg("step"), py::arg("fetch_fraction"), py::arg("fetch_list"),
-          py::arg("prefetched"), py::arg("stream"));
+          py::arg("pair_slots"), py::arg("stream"));
     m.def("offload_prefetch",
           [](const py::dict& tables, int layer, uintptr_t guess, int n_guess, int reserve,
              uintptr_t step, uintptr_t list, uintptr_t stream) {
@@ -285,14 +289,14 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("reserve"), py::arg("step"), py::arg("list"), py::arg("stream"));
     m.def("offload_fetch",
           [](uintptr_t fetch_list, uintptr_t host_bank, uintptr_t pool, int64_t expert_bytes,
-             int64_t slot_bytes, int max_fetch, uintptr_t stream) {
+             int64_t slot_bytes, int max_fetch, uintptr_t stream, int blocks) {
               cuda::offload_fetch(reinterpret_cast<const int32_t*>(fetch_list),
                                   reinterpret_cast<const void*>(host_bank),
                                   reinterpret_cast<void*>(pool), expert_bytes, slot_bytes, max_fetch,
-                                  stream);
+                                  blocks, stream);
           },
           py::arg("fetch_list"), py::arg("host_bank"), py::arg("pool"), py::arg("expert_bytes"),
-          py::arg("slot_bytes"), py::arg("max_fetch"), py::arg("stream"));
+          py::arg("slot_bytes"), py::arg("max_fetch"), py::arg("stream"), py::arg("blocks") = 16);
     m.def("offload_wait_add",
           [](const py::dict& exchange, int layer, uintptr_t step, uintptr_t cpu_pending, uintptr_t y,
              int64_t timeout_ns, uintptr_t error_flag, uintptr_t stream) {

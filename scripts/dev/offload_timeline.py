@@ -1,6 +1,6 @@
 """Where a decode step's time goes under a VRAM cap: a kernel timeline of 8 graph replays.
 
-    python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--trace]
+    python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--prefetch-k2 N] [--fetch-blocks N] [--trace] [--no-overlap]
 
 Prints tok/s of the profiled steps, then per token: GPU kernel time by kind (fetch = PCIe copies
 into the cache, wait = the spin for the CPU's share, compute = everything else), and how the wall
@@ -24,12 +24,19 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("--vram", type=size_arg, default="8GiB")
 ap.add_argument("--prefetch-k", type=int, default=None)
+ap.add_argument("--prefetch-k2", type=int, default=None)
+ap.add_argument("--fetch-blocks", type=int, default=None, help="grid of a PCIe copy (default 32)")
 ap.add_argument("--trace", action="store_true")
+ap.add_argument("--no-overlap", action="store_true", help="fetch misses before any expert computes")
 args = ap.parse_args()
 
 loaded = open_model(args.model)
 c = loaded.config
-rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram, prefetch_k=args.prefetch_k))
+rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram, prefetch_k=args.prefetch_k,
+                                                 prefetch_k2=args.prefetch_k2,
+                                                 overlap_misses=not args.no_overlap))
+if args.fetch_blocks:
+    rt.engine.fetch_blocks = args.fetch_blocks
 if args.trace:
     rt.engine.trace = torch.from_numpy(make_trace(256, c.n_layer, c.n_expert, c.n_expert_used,
                                                   TraceParams())).long().cuda()
@@ -38,6 +45,12 @@ tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
 for _ in range(48):
     tok = rt.decode(tok, st).argmax(-1)
 torch.cuda.synchronize()
+
+t = time.perf_counter()
+for _ in range(64):
+    tok = rt.decode(tok, st).argmax(-1)
+torch.cuda.synchronize()
+print(f"{64 / (time.perf_counter() - t):.1f} tok/s over 64 steps, not profiled")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -110,5 +123,40 @@ for e in ev:
     top[e["name"][:70]] = top.get(e["name"][:70], 0.0) + e["dur"]
 for name, us in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
     print(f"  {us / N:8.1f} us/token  {name}")
+def short(name: str) -> str:
+    """A kernel's base name, plus which map a rows kernel runs (gate/up, down, or a matvec)."""
+    base = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    base = base.split("(")[0].split("<")[0].split("::")[-1]
+    for tag in ("GateUpMap", "DownMap"):
+        if tag in name:
+            return f"{base}[{tag[:-3]}]"
+    return base
+
+
+# the main stream (most kernels): where it sits idle, by position in the step (a replayed graph
+# runs the same kernels in the same order every step)
+streams: dict = {}
+for e in ev:
+    streams.setdefault(e.get("tid"), []).append(e)
+print("  kernels a token by stream: " + ", ".join(
+    f"{sid}: {len(v) // N} ({', '.join(sorted({short(e['name']) for e in v}))[:90]})"
+    for sid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))))
+main = sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
+per = len(main) // N
+if per * N == len(main):
+    gaps: dict[int, float] = {}
+    for i in range(1, len(main)):
+        j = i % per
+        gap = main[i]["ts"] - (main[i - 1]["ts"] + main[i - 1]["dur"])
+        gaps[j] = gaps.get(j, 0.0) + max(gap, 0.0)
+    total = sum(gaps.values()) / N
+    print(f"  main stream: {per} kernels a token, busy {sum(e['dur'] for e in main) / N / 1e3:.2f} ms, "
+          f"idle {total / 1e3:.2f} ms; largest idle gaps (us a token, summed over layers):")
+    by_pair: dict[str, float] = {}
+    for j, g in gaps.items():
+        key = f"{short(main[j - 1]['name'])} -> {short(main[j]['name'])}"
+        by_pair[key] = by_pair.get(key, 0.0) + g / N
+    for key, us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {us:8.1f}  {key}")
 print(f"  cache: hit rate {s['hit_rate']:.1%}, fetched {s['fetched']} prefetched {s['prefetched']} cpu {s['cpu']}")
 rt.close()

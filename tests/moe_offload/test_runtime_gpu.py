@@ -89,15 +89,19 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
     all-on-GPU model, and the guesses are counted."""
     prompt, toks, ref = reference
     outs, stats = {}, {}
-    for pf in (False, True):
-        rt = _runtime(loaded, prefetch=pf)
+    for name, kw in (("off", dict(prefetch=False)), ("on", dict(prefetch=True, prefetch_k2=0)),
+                     ("two ahead", dict(prefetch=True, prefetch_k2=2, cache_slots=12))):
+        rt = _runtime(loaded, **kw)
         try:
-            outs[pf], stats[pf] = _follow(rt, prompt, toks), rt.stats()
+            outs[name], stats[name] = _follow(rt, prompt, toks), rt.stats()
+            if name == "two ahead":   # guesses for layers 2.. were made two layers back
+                assert int(rt.engine.prefetch_lists[1, 2:, 0].sum()) > 0
         finally:
             rt.close()
-    for i, (a, b) in enumerate(zip(outs[True], ref)):
-        _close(a, b, f"step {i} (prefetch)")
-    off, on = stats[False], stats[True]
+    for name in ("on", "two ahead"):
+        for i, (a, b) in enumerate(zip(outs[name], ref)):
+            _close(a, b, f"step {i} (prefetch {name})")
+    off, on = stats["off"], stats["on"]
     assert off["prefetched"] == 0 and on["prefetched"] > 0
     assert 0 < on["prefetch_hits"] <= on["prefetched"]
     assert 0 < on["prefetch_precision"] <= 1 and 0 < on["prefetch_recall"] <= 1
@@ -110,14 +114,15 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
         rt.close()
 
 
-@pytest.mark.parametrize("fraction", [0.5, 0.0, 1.0])
-def test_offloaded_layers_match_reference(loaded, fraction):
+@pytest.mark.parametrize("fraction,overlap", [(0.5, True), (0.0, True), (1.0, True), (0.5, False)])
+def test_offloaded_layers_match_reference(loaded, fraction, overlap):
     """One decode step at a time, every MoE layer through the device-side path (plan, fetch,
-    pool kernel, CPU worker, wait/add) against the float reference of that layer, while the
-    cache fills, evicts and hands misses to the CPU."""
+    pool kernel(s), CPU worker, wait/add) against the float reference of that layer, while the
+    cache fills, evicts and hands misses to the CPU; overlap: resident experts computed while
+    the misses are fetched on their own stream, the fetched ones added after."""
     from native.ops import QTensor, moe_ffn_ref
     c = loaded.config
-    rt = _runtime(loaded, fetch_fraction=fraction)
+    rt = _runtime(loaded, fetch_fraction=fraction, overlap_misses=overlap)
     eng = rt.engine
     refs = [[QTensor.from_weight(loaded.weights[f"blk.{L}.ffn_{p}_exps.weight"])
              for p in ("gate", "up", "down")] for L in range(c.n_layer)]
@@ -209,15 +214,18 @@ def test_embedding_and_head_in_host_ram_give_the_same_logits(loaded, reference):
 
 def test_graphs_equal_eager(loaded, reference):
     prompt, toks, _ = reference
-    # all misses on the GPU: the same kernels compute every expert, whatever the cache decides
-    a = _runtime(loaded, fetch_fraction=1.0)
-    b = _runtime(loaded, fetch_fraction=1.0, use_graphs=False)
-    try:
-        for i, (x, y) in enumerate(zip(_follow(a, prompt, toks), _follow(b, prompt, toks))):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"step {i}")
-    finally:
-        a.close()
-        b.close()
+    # all misses on the GPU: the same kernels compute every expert, whatever the cache decides;
+    # one runtime at a time (the allocator cap is per process: a second runtime would see the
+    # first's memory and plan its prefill differently)
+    outs = []
+    for graphs in (True, False):
+        rt = _runtime(loaded, fetch_fraction=1.0, use_graphs=graphs)
+        try:
+            outs.append(_follow(rt, prompt, toks))
+        finally:
+            rt.close()
+    for i, (x, y) in enumerate(zip(*outs)):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
 
 
 def test_cache_evolves_and_keeps_pinned_hot_set(loaded, reference, tmp_path):

@@ -193,6 +193,33 @@ def test_moe_ffn_full_banks(ext, combo):
     _check(y.cpu().numpy(), x, gate, up, down, ids, weights, ext, f"{combo} full banks")
 
 
+@pytest.mark.parametrize("combo", COMBOS[:2], ids="-".join)
+def test_moe_ffn_pool_in_two_calls_accumulates(ext, combo):
+    """Slot ids given directly (no slot_of_expert), the pairs split over two calls, the second
+    with accumulate: the sum of both equals one call over all resident pairs (the offload
+    runtime's split: resident experts first, fetched ones once their bytes land)."""
+    gate, up, down, rng = _banks(combo, seed=31)
+    n_tok = 3
+    pools = _pools(gate, up, down)
+    x = rng.standard_normal((n_tok, H), dtype=np.float32)
+    ids, weights = _routing(rng, n_tok)
+    slots = np.where(ids >= 0, SLOT_OF_EXPERT[np.maximum(ids, 0)], -1).astype(np.int32)
+    first = (rng.random(slots.shape) < 0.5)
+    rows = [np.where(first, slots, -1), np.where(first, -1, slots)]
+    xd, wd = _dev(x), _dev(weights)
+    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F), dtype=torch.uint8, device=DEVICE)
+    y = torch.full((n_tok, H), float("nan"), device=DEVICE)
+    (gp, gs, gt), (up_, us, ut), (dp, ds, dt) = pools
+    for i, row in enumerate(rows):
+        r = _dev(row.astype(np.int32))
+        ext.moe_ffn_pool(xd.data_ptr(), n_tok, H, F, r.data_ptr(), wd.data_ptr(), K, 0, N_SLOTS,
+                         N_SLOTS, gt, gp.data_ptr(), gs, ut, up_.data_ptr(), us, dt, dp.data_ptr(),
+                         ds, y.data_ptr(), 0, scratch.data_ptr(), scratch.numel(), _stream(),
+                         accumulate=i > 0)
+    _sync()
+    _check(y.cpu().numpy(), x, gate, up, down, ids, weights, ext, f"{combo} two calls")
+
+
 def test_moe_ffn_pool_graph_replay(ext):
     """Captured once, replayed with new x, routing and residency written in place."""
     if DEVICE != "cuda":

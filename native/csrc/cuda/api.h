@@ -44,8 +44,9 @@ struct Pool {
 };
 
 // Routed experts over a device-resident slot pool (the decode path; capturable):
-//   y [T, H] f32 = sum_k weights[t,k] * down_s(silu(gate_s x_t) * up_s x_t),
-//   s = slot_of_expert[ids[t,k]] (slot_of_expert == nullptr: s = ids[t,k], a full bank).
+//   y [T, H] f32 = sum_k weights[t,k] * down_s(silu(gate_s x_t) * up_s x_t)   (accumulate: y +=),
+//   s = slot_of_expert[ids[t,k]] (slot_of_expert == nullptr: s = ids[t,k], a full bank, or slot
+//   ids written by offload_plan's pair_slots).
 // x [T, H] f32; ids, weights [T, K] (int32, f32); slot_of_expert int32 [n_experts] or nullptr.
 // Pairs whose id is outside [0, n_experts) or whose slot is outside [0, n_slots) contribute nothing
 // (the runtime computes those elsewhere); skipped [T, K] int32 (optional, may be nullptr) gets 1
@@ -55,7 +56,7 @@ struct Pool {
 void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, const int32_t* ids,
                   const float* weights, int64_t top_k, const int32_t* slot_of_expert,
                   int64_t n_experts, int64_t n_slots, const Pool& gate, const Pool& up,
-                  const Pool& down, float* y, int32_t* skipped, void* scratch,
+                  const Pool& down, float* y, bool accumulate, int32_t* skipped, void* scratch,
                   int64_t scratch_bytes, uintptr_t stream);
 int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff);
 

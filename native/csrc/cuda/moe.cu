@@ -97,6 +97,7 @@ struct DownMap {  // blockIdx.y = token
     const float* weights;  // [T*K]
     const uint8_t* act;    // TK vectors of ng groups in the policy's layout
     float* y;              // [T, H]
+    bool accumulate;       // y += (a second launch over other pairs), else y =
 
     __device__ int n_tiles() const { return H; }
     __device__ int rows_per_tile() const { return K; }
@@ -113,7 +114,8 @@ struct DownMap {  // blockIdx.y = token
         return true;
     }
     template <int NT> __device__ void store(int h, int, const float (&acc)[NT]) const {
-        y[size_t(blockIdx.y) * H + h] = acc[0];
+        float* out = y + size_t(blockIdx.y) * H + h;
+        *out = accumulate ? *out + acc[0] : acc[0];
     }
     template <class Pol> __device__ void prep(uint8_t* xs) const {
         const size_t p0 = size_t(blockIdx.y) * K;
@@ -210,7 +212,7 @@ void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Residency& re
 template <QType QT>
 void launch_act_down(const Pool& d, const Residency& res, int64_t n_slots, const float* weights,
                      int T, int K, int64_t H, int64_t F, const float* gu, uint8_t* act, float* y,
-                     int32_t* skipped, cudaStream_t st) {
+                     bool accumulate, int32_t* skipped, cudaStream_t st) {
     using Pol = PolicyFor<QT>;
     const int64_t rb = proj_row_bytes<QT>(d, H, F, "down");
     const int ng = int(F / 32);
@@ -229,6 +231,7 @@ void launch_act_down(const Pool& d, const Residency& res, int64_t n_slots, const
     m.weights = weights;
     m.act = act;
     m.y = y;
+    m.accumulate = accumulate;
     launch_rows<Pol, 1>(m, geo, H, T, st);
 }
 
@@ -248,7 +251,7 @@ int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff) {
 void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, const int32_t* ids,
                   const float* weights, int64_t top_k, const int32_t* slot_of_expert,
                   int64_t n_experts, int64_t n_slots, const Pool& gate, const Pool& up,
-                  const Pool& down, float* y, int32_t* skipped, void* scratch,
+                  const Pool& down, float* y, bool accumulate, int32_t* skipped, void* scratch,
                   int64_t scratch_bytes, uintptr_t stream) {
     require(n_tok >= 0 && n_tok <= kMaxTok, "moe_ffn_pool: n_tok must be 0..8 (call per 8 tokens)");
     require(top_k >= 1 && top_k <= kMaxTopK, "moe_ffn_pool: top_k must be 1..16");
@@ -285,7 +288,7 @@ void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, con
     }
     visit_type(down.type_id, [&](auto tag) {
         launch_act_down<decltype(tag)::type>(down, res, slots, weights, T, K, hidden, ff, gu, act, y,
-                                             skipped, st);
+                                             accumulate, skipped, st);
     });
 }
 
@@ -302,7 +305,7 @@ void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t 
             const int64_t T = n_tok - t0 < kMaxTok ? n_tok - t0 : kMaxTok;
             moe_ffn_pool(x + t0 * hidden, T, hidden, ff, ids + t0 * top_k, weights + t0 * top_k,
                          top_k, nullptr, n_experts, n_experts, gate, up, down, y + t0 * hidden,
-                         nullptr, scratch, bytes, stream);
+                         false, nullptr, scratch, bytes, stream);
         }
     } catch (...) {
         cudaFreeAsync(scratch, st);

@@ -31,135 +31,161 @@ constexpr int kMaxSel = 64;  // T * K selections per step (T <= 8 tokens, K <= 8
 
 __global__ void step_begin_kernel(int32_t* step) { *step += 1; }
 
-// The slot to evict for a new expert (block-wide; every thread gets the answer): a slot not used
-// this step and not pinned; free slots first, then the least recently used, then the least
-// frequently used expert. -1 if every slot is in use this step.
-__device__ int32_t pick_victim(const int32_t* eos, const int32_t* last, const int32_t* pinned,
-                               const int32_t* freq, int n_slots, int32_t step, long long* red_key,
-                               int32_t* red_slot) {
-    const int tid = threadIdx.x;
-    long long best = LLONG_MAX;
-    int32_t best_slot = -1;
-    for (int s = tid; s < n_slots; s += kPlanThreads) {
-        if (pinned[s] || last[s] >= step) continue;
-        const int32_t old = eos[s];
-        const long long key = old < 0 ? LLONG_MIN : ((long long)last[s] << 32) | (uint32_t)freq[old];
-        if (key < best) { best = key; best_slot = s; }
-    }
-    red_key[tid] = best;
-    red_slot[tid] = best_slot;
-    __syncthreads();
-    for (int half = kPlanThreads / 2; half > 0; half >>= 1) {
-        if (tid < half && red_key[tid + half] < red_key[tid]) {
-            red_key[tid] = red_key[tid + half];
-            red_slot[tid] = red_slot[tid + half];
-        }
-        __syncthreads();
-    }
-    const int32_t victim = red_slot[0];
-    __syncthreads();  // red_* are reused by the next search
-    return victim;
+// One layer's rows of the residency tables.
+struct LayerTables {
+    int32_t *soe, *eos, *last, *freq, *stats;
+    const int32_t* pinned;
+    int n_slots, E;
+};
+
+__device__ LayerTables layer_tables(const CacheTables& tab, int layer) {
+    const size_t E = tab.n_experts, S = tab.max_slots;
+    return {tab.slot_of_expert + layer * E, tab.expert_of_slot + layer * S,
+            tab.slot_last_use + layer * S,  tab.expert_freq + layer * E,
+            tab.stats + (size_t)layer * kStatsCols, tab.slot_pinned + layer * S,
+            tab.n_slots[layer], tab.n_experts};
 }
 
-// One block. Thread 0 makes the sequential decisions (at most 64 selections); victim searches
-// are block-wide reductions over the layer's slots.
+// Block-wide: key[s] = how evictable slot s is, smaller first: free slots, then the least recently
+// used, then the least frequently used expert; LLONG_MAX (never) for slots used this step or
+// pinned. Returns how many evictable slots this thread saw.
+__device__ int slot_keys(const LayerTables& t, int32_t step, long long* key) {
+    int n = 0;
+    for (int s = threadIdx.x; s < t.n_slots; s += blockDim.x) {
+        const int32_t old = t.eos[s];
+        const bool never = t.pinned[s] || t.last[s] >= step;
+        key[s] = never ? LLONG_MAX
+               : old < 0 ? LLONG_MIN : ((long long)t.last[s] << 32) | (uint32_t)t.freq[old];
+        n += !never;
+    }
+    return n;
+}
+
+// Warp 0 of the block: gives want[0..n) the slots of smallest key in turn (ties: lower slot),
+// evicting their experts, marking them used this step, listing (expert, slot) at list[1 + 2i].
+// Stops early when no slot is evictable. Returns the number assigned (every lane).
+__device__ int assign_slots(const LayerTables& t, int32_t step, long long* key,
+                            const int32_t* want, int n, int32_t* list) {
+    const int lane = threadIdx.x & 31;
+    int done = 0;
+    for (; done < n; ++done) {
+        long long best = LLONG_MAX;
+        int best_s = INT_MAX;
+        for (int s = lane; s < t.n_slots; s += 32)
+            if (key[s] < best) { best = key[s]; best_s = s; }
+        for (int off = 16; off > 0; off >>= 1) {
+            const long long k = __shfl_xor_sync(0xffffffffu, best, off);
+            const int ks = __shfl_xor_sync(0xffffffffu, best_s, off);
+            if (k < best || (k == best && ks < best_s)) { best = k; best_s = ks; }
+        }
+        if (best == LLONG_MAX) break;  // every slot is in use this step (or pinned)
+        if (lane == 0) {
+            const int32_t e = want[done], old = t.eos[best_s];
+            if (old >= 0) t.soe[old] = -1;
+            t.eos[best_s] = e;
+            t.soe[e] = best_s;
+            t.last[best_s] = step;
+            key[best_s] = LLONG_MAX;
+            list[1 + 2 * done] = e;
+            list[2 + 2 * done] = best_s;
+        }
+        __syncwarp();
+    }
+    return done;
+}
+
+// One block; dynamic shared memory: max_slots keys. Per selection in parallel: hit (resident
+// before the step, or on this step's guess) or miss; thread 0 orders the unique misses (most frequent
+// first) and decides how many to fetch; warp 0 gives those slots; then per selection in
+// parallel: the CPU's list and the pair slots.
 __global__ void __launch_bounds__(kPlanThreads)
 plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__ ids,
             const float* __restrict__ w, const float* __restrict__ x,
             const int32_t* __restrict__ step_ptr, const float* __restrict__ fetch_fraction,
             int32_t* __restrict__ fetch_list /* [1 + 2*kMaxSel]: count, (expert, slot)... */,
-            const int32_t* __restrict__ prefetched /* this layer's prefetch list, or null */) {
-    __shared__ int32_t sel_expert[kMaxSel];
-    __shared__ int8_t sel_kind[kMaxSel];     // 0 hit, 1 fetched, 2 cpu
-    __shared__ int32_t miss[kMaxSel];        // unique missing experts, best-to-fetch first
-    __shared__ int32_t n_fetch_s;
-    __shared__ long long red_key[kPlanThreads];
-    __shared__ int32_t red_slot[kPlanThreads];
+            int32_t* __restrict__ pair_slots /* [2][kMaxSel] or null: slot of each selection if
+                                                resident before this step | fetched or guessed */) {
+    extern __shared__ long long key[];
+    __shared__ int32_t sel_expert[kMaxSel], sel_slot[kMaxSel], sel_freq[kMaxSel], miss[kMaxSel];
+    __shared__ int8_t sel_kind[kMaxSel];  // 0 hit, 1 hit on a guess (bytes may be in flight),
+                                          // 2 miss (fetched now, or the CPU's)
+    __shared__ int n_fetch_s, n_cpu_s, hits_s, pf_hits_s;
 
     const int tid = threadIdx.x;
     const int n_sel = ex.n_tok * ex.top_k;
     const int32_t step = *step_ptr;
-    const int E = tab.n_experts, S = tab.max_slots;
-    int32_t* soe = tab.slot_of_expert + (size_t)layer * E;
-    int32_t* eos = tab.expert_of_slot + (size_t)layer * S;
-    int32_t* last = tab.slot_last_use + (size_t)layer * S;
-    int32_t* pinned = tab.slot_pinned + (size_t)layer * S;
-    int32_t* freq = tab.expert_freq + (size_t)layer * E;
-    int32_t* stats = tab.stats + (size_t)layer * kStatsCols;
-    const int n_slots = tab.n_slots[layer];
-
+    const LayerTables t = layer_tables(tab, layer);
+    if (tid == 0) hits_s = pf_hits_s = n_cpu_s = 0;
+    if (tid < n_sel) {
+        // a resident expert whose slot is already used this step was given it by this step's
+        // guesses (offload_prefetch; the plan runs once a layer a step): its copy may be in flight
+        const int32_t e = ids[tid], s = t.soe[e];
+        sel_expert[tid] = e;
+        sel_slot[tid] = s;
+        sel_kind[tid] = s < 0 ? 2 : t.last[s] >= step ? 1 : 0;
+        atomicAdd(t.freq + e, 1);
+    }
+    __syncthreads();   // every kind read before any hit is marked used this step
+    if (tid < n_sel && sel_kind[tid] != 2) {
+        t.last[sel_slot[tid]] = step;
+        atomicAdd(&hits_s, 1);
+        if (sel_kind[tid] == 1) atomicAdd(&pf_hits_s, 1);
+    }
+    __syncthreads();
+    if (tid < n_sel) sel_freq[tid] = t.freq[sel_expert[tid]];  // after this plan's counts
+    slot_keys(t, step, key);                                   // this step's hits are not victims
+    __syncthreads();
     if (tid == 0) {
-        int hits = 0, nm = 0, pf_hits = 0;
-        const int n_pf = prefetched ? prefetched[0] : 0;
+        // unique misses, the most frequently used first (they are the likeliest to hit again)
+        int nm = 0;
+        int32_t mfreq[kMaxSel];
         for (int i = 0; i < n_sel; ++i) {
-            const int32_t e = ids[i];
-            sel_expert[i] = e;
-            freq[e] += 1;
-            const int32_t s = soe[e];
-            if (s >= 0) {
-                last[s] = step;
-                sel_kind[i] = 0;
-                ++hits;
-                for (int j = 0; j < n_pf; ++j) pf_hits += prefetched[1 + 2 * j] == e;
-            } else {
-                sel_kind[i] = 2;
-                bool seen = false;
-                for (int j = 0; j < nm; ++j) seen |= miss[j] == e;
-                if (!seen) miss[nm++] = e;
-            }
-        }
-        // fetch the most frequently used misses first: they are the likeliest to hit again
-        for (int i = 1; i < nm; ++i) {
-            const int32_t e = miss[i];
-            int j = i - 1;
-            while (j >= 0 && freq[miss[j]] < freq[e]) { miss[j + 1] = miss[j]; --j; }
-            miss[j + 1] = e;
+            if (sel_kind[i] != 2) continue;
+            const int32_t e = sel_expert[i];
+            bool seen = false;
+            for (int j = 0; j < nm; ++j) seen |= miss[j] == e;
+            if (seen) continue;
+            int j = nm++;
+            for (; j > 0 && mfreq[j - 1] < sel_freq[i]; --j) { miss[j] = miss[j - 1]; mfreq[j] = mfreq[j - 1]; }
+            miss[j] = e;
+            mfreq[j] = sel_freq[i];
         }
         // fetch_fraction[0] of the misses over PCIe, and at least fetch_fraction[1] of them: a
         // CPU call on one expert takes as long as the link takes for several
         int nf = (int)floorf(fetch_fraction[0] * nm + 0.5f);
         nf = max(nf, min(nm, (int)fetch_fraction[1]));
         n_fetch_s = nf < 0 ? 0 : (nf > nm ? nm : nf);
-        stats[kHits] += hits;
-        stats[kPrefetchHits] += pf_hits;
+        t.stats[kHits] += hits_s;
+        t.stats[kPrefetchHits] += pf_hits_s;
     }
     __syncthreads();
-
-    int fetched = 0;
-    for (int f = 0; f < n_fetch_s; ++f) {
-        const int32_t victim = pick_victim(eos, last, pinned, freq, n_slots, step, red_key, red_slot);
-        if (victim < 0) break;  // every slot is in use this step: the rest go to the CPU
+    if (tid < 32) {
+        const int fetched = assign_slots(t, step, key, miss, n_fetch_s, fetch_list);
         if (tid == 0) {
-            const int32_t e = miss[f], old = eos[victim];
-            if (old >= 0) soe[old] = -1;
-            eos[victim] = e;
-            soe[e] = victim;
-            last[victim] = step;
-            fetch_list[1 + 2 * f] = e;
-            fetch_list[2 + 2 * f] = victim;
+            fetch_list[0] = fetched;
+            t.stats[kFetched] += fetched;
         }
-        ++fetched;
-        __syncthreads();
     }
+    __syncthreads();
 
     int32_t* cpu_ids = ex.cpu_ids + (size_t)layer * ex.max_tok * ex.top_k;
     float* cpu_w = ex.cpu_w + (size_t)layer * ex.max_tok * ex.top_k;
-    __shared__ int n_cpu_s;
-    if (tid == 0) {
-        fetch_list[0] = fetched;
-        int n_cpu = 0;
-        for (int i = 0; i < n_sel; ++i) {
-            const bool cpu = sel_kind[i] == 2 && soe[sel_expert[i]] < 0;
-            cpu_ids[i] = cpu ? sel_expert[i] : -1;
-            cpu_w[i] = w[i];
-            n_cpu += cpu;
+    if (tid < n_sel) {
+        const int32_t s = t.soe[sel_expert[tid]];
+        const bool cpu = sel_kind[tid] == 2 && s < 0;
+        cpu_ids[tid] = cpu ? sel_expert[tid] : -1;
+        cpu_w[tid] = w[tid];
+        if (cpu) atomicAdd(&n_cpu_s, 1);
+        if (pair_slots) {  // row 0 can be computed at once; row 1 once the copies have landed
+            pair_slots[tid] = sel_kind[tid] == 0 ? s : -1;
+            pair_slots[kMaxSel + tid] = sel_kind[tid] != 0 ? s : -1;
         }
-        stats[kFetched] += fetched;
-        stats[kCpu] += n_cpu;
-        tab.cpu_pending[layer] = n_cpu;
-        n_cpu_s = n_cpu;
     }
     __syncthreads();
+    if (tid == 0) {
+        t.stats[kCpu] += n_cpu_s;
+        tab.cpu_pending[layer] = n_cpu_s;
+    }
     // hand the layer input to the CPU (only when it has work: the copy crosses PCIe)
     if (n_cpu_s > 0) {
         const int n_x = ex.n_tok * ex.hidden;
@@ -171,39 +197,35 @@ plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__
     if (tid == 0) *(volatile int32_t*)(ex.gpu_flag + layer) = step;
 }
 
-// One block: slots for the guessed experts of a layer that are not resident (at most kMaxSel,
-// duplicates once), marked used this step so the layer's own plan cannot evict them; the list
-// (count, (expert, slot)...) is what offload_fetch copies and what the layer's plan counts hits
-// against. `reserve` evictable slots are left for the layer's own misses, so a guess never sends
-// a miss to the CPU for want of a slot.
+// One block; dynamic shared memory: max_slots keys. Slots for the guessed experts of a layer that
+// are not resident (at most kMaxSel, duplicates once), marked used this step so the layer's own
+// plan cannot evict them; the list (count, (expert, slot)...) is what offload_fetch copies and
+// what the layer's plan counts hits against. `reserve` evictable slots are left for the layer's
+// own misses, so a guess never sends a miss to the CPU for want of a slot.
 __global__ void __launch_bounds__(kPlanThreads)
 prefetch_kernel(CacheTables tab, int layer, const int32_t* __restrict__ guess, int n_guess,
                 int reserve, const int32_t* __restrict__ step_ptr, int32_t* __restrict__ list) {
-    __shared__ int32_t want[kMaxSel];
-    __shared__ int32_t n_want, n_free;
-    __shared__ long long red_key[kPlanThreads];
-    __shared__ int32_t red_slot[kPlanThreads];
+    extern __shared__ long long key[];
+    __shared__ int32_t cand[kMaxSel], want[kMaxSel];
+    __shared__ int n_want, n_free;
     const int tid = threadIdx.x;
     const int32_t step = *step_ptr;
-    const int E = tab.n_experts, S = tab.max_slots;
-    int32_t* soe = tab.slot_of_expert + (size_t)layer * E;
-    int32_t* eos = tab.expert_of_slot + (size_t)layer * S;
-    int32_t* last = tab.slot_last_use + (size_t)layer * S;
-    const int32_t* pinned = tab.slot_pinned + (size_t)layer * S;
-    const int32_t* freq = tab.expert_freq + (size_t)layer * E;
-    const int n_slots = tab.n_slots[layer];
+    const LayerTables t = layer_tables(tab, layer);
     if (tid == 0) n_free = 0;
+    if (tid < n_guess) {  // a candidate: a valid expert that is not resident
+        const int32_t e = guess[tid];
+        cand[tid] = e >= 0 && e < t.E && t.soe[e] < 0 ? e : -1;
+    }
     __syncthreads();
-    int mine = 0;
-    for (int s = tid; s < n_slots; s += kPlanThreads) mine += !pinned[s] && last[s] < step;
+    const int mine = slot_keys(t, step, key);
     atomicAdd(&n_free, mine);
     __syncthreads();
     if (tid == 0) {
         int n = 0;
         const int cap = n_free - reserve < kMaxSel ? n_free - reserve : kMaxSel;
         for (int i = 0; i < n_guess && n < cap; ++i) {
-            const int32_t e = guess[i];
-            if (e < 0 || e >= E || soe[e] >= 0) continue;
+            const int32_t e = cand[i];
+            if (e < 0) continue;
             bool seen = false;
             for (int j = 0; j < n; ++j) seen |= want[j] == e;
             if (!seen) want[n++] = e;
@@ -211,32 +233,19 @@ prefetch_kernel(CacheTables tab, int layer, const int32_t* __restrict__ guess, i
         n_want = n;
     }
     __syncthreads();
-    int done = 0;
-    for (int f = 0; f < n_want; ++f) {
-        const int32_t victim = pick_victim(eos, last, pinned, freq, n_slots, step, red_key, red_slot);
-        if (victim < 0) break;
+    if (tid < 32) {
+        const int done = assign_slots(t, step, key, want, n_want, list);
         if (tid == 0) {
-            const int32_t e = want[f], old = eos[victim];
-            if (old >= 0) soe[old] = -1;
-            eos[victim] = e;
-            soe[e] = victim;
-            last[victim] = step;
-            list[1 + 2 * f] = e;
-            list[2 + 2 * f] = victim;
+            list[0] = done;
+            t.stats[kPrefetched] += done;
         }
-        ++done;
-        __syncthreads();
-    }
-    if (tid == 0) {
-        list[0] = done;
-        tab.stats[(size_t)layer * kStatsCols + kPrefetched] += done;
     }
 }
 
-// A small fixed grid (kFetchBlocks) walks all (entry, 16-byte piece) pairs, each thread keeping
-// kFetchUnroll loads in flight: enough outstanding PCIe reads to fill the link (~0.5 MiB) while
-// occupying few SM slots, so a copy on a side stream leaves the compute kernels room.
-constexpr int kFetchBlocks = 32;
+// A small grid (`blocks`, 16 by default) walks all (entry, 16-byte piece) pairs, each thread
+// keeping kFetchUnroll loads in flight: enough outstanding PCIe reads to fill the link (256 KiB
+// with 16 blocks) while occupying few SMs, so a copy on a side stream leaves the compute kernels
+// room (with 128 blocks decode was 20% slower).
 constexpr int kFetchUnroll = 4;
 
 __global__ void __launch_bounds__(256)
@@ -301,6 +310,12 @@ void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+// dynamic shared memory of the plan and prefetch kernels: one eviction key per slot
+size_t key_bytes(const CacheTables& tab) {
+    if (tab.max_slots < 0 || tab.max_slots > 6144)
+        throw std::invalid_argument("offload: at most 6144 cache slots a layer (48 KB of keys)");
+    return size_t(tab.max_slots) * sizeof(long long);
+}
 }  // namespace
 
 void offload_step_begin(int32_t* step, uintptr_t stream) {
@@ -310,11 +325,11 @@ void offload_step_begin(int32_t* step, uintptr_t stream) {
 
 void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
                   const float* w, const float* x, const int32_t* step, const float* fetch_fraction,
-                  int32_t* fetch_list, const int32_t* prefetched, uintptr_t stream) {
+                  int32_t* fetch_list, int32_t* pair_slots, uintptr_t stream) {
     if (ex.n_tok < 1 || ex.n_tok * ex.top_k > kMaxSel || ex.n_tok > ex.max_tok)
         throw std::invalid_argument("offload_plan: n_tok * top_k must be in [1, 64] and n_tok <= max_tok");
-    plan_kernel<<<1, kPlanThreads, 0, as_stream(stream)>>>(tab, ex, layer, ids, w, x, step,
-                                                           fetch_fraction, fetch_list, prefetched);
+    plan_kernel<<<1, kPlanThreads, key_bytes(tab), as_stream(stream)>>>(tab, ex, layer, ids, w, x, step,
+                                                           fetch_fraction, fetch_list, pair_slots);
     check(cudaGetLastError(), "offload_plan");
 }
 
@@ -322,18 +337,19 @@ void offload_prefetch(const CacheTables& tab, int layer, const int32_t* guess, i
                       int reserve, const int32_t* step, int32_t* list, uintptr_t stream) {
     if (n_guess < 0 || n_guess > kMaxSel || reserve < 0)
         throw std::invalid_argument("offload_prefetch: 0..64 guessed experts, reserve >= 0");
-    prefetch_kernel<<<1, kPlanThreads, 0, as_stream(stream)>>>(tab, layer, guess, n_guess, reserve,
-                                                               step, list);
+    prefetch_kernel<<<1, kPlanThreads, key_bytes(tab), as_stream(stream)>>>(tab, layer, guess,
+                                                                             n_guess, reserve, step, list);
     check(cudaGetLastError(), "offload_prefetch");
 }
 
 void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
-                   int64_t expert_bytes, int64_t slot_bytes, int max_fetch, uintptr_t stream) {
+                   int64_t expert_bytes, int64_t slot_bytes, int max_fetch, int blocks,
+                   uintptr_t stream) {
     if (expert_bytes % 16 || slot_bytes % 16 || expert_bytes > slot_bytes || max_fetch < 1 ||
-        max_fetch > kMaxSel)
+        max_fetch > kMaxSel || blocks < 1 || blocks > 1024)
         throw std::invalid_argument("offload_fetch: sizes must be multiples of 16, expert <= slot, "
-                                    "1 <= max_fetch <= 64");
-    fetch_kernel<<<kFetchBlocks, 256, 0, as_stream(stream)>>>(
+                                    "1 <= max_fetch <= 64, 1 <= blocks <= 1024");
+    fetch_kernel<<<blocks, 256, 0, as_stream(stream)>>>(
         fetch_list, (const uint4*)host_bank, (uint4*)pool, expert_bytes, slot_bytes);
     check(cudaGetLastError(), "offload_fetch");
 }

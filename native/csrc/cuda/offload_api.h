@@ -16,11 +16,15 @@ void offload_step_begin(int32_t* step, uintptr_t stream);
 // Layer `layer`: hits / fetches / CPU misses for ids [T, K] (int32), weights [T, K], x [T, H];
 // fetch_fraction (device, float[2]): the share of misses to fetch over PCIe and the fewest to fetch;
 // updates the residency tables, writes the fetch list ([1 + 2*64] int32) and the CPU hand-off.
-// `prefetched` (may be null): this layer's prefetch list of this step, to count the selections
-// it served (stats kPrefetchHits).
+// A hit whose slot is already used this step was given it by this step's offload_prefetch (the
+// plan runs once per layer and step), so its copy may be in flight: counted in kPrefetchHits.
+// `pair_slots` (may be null, [2][64] int32): per selection, its slot if its bytes were resident
+// before this step (row 0), or if it is fetched by this plan or was guessed (row 1: copies may be
+// in flight), else -1; the rows feed moe_ffn_pool as slot ids, so the resident experts compute
+// while the copies cross PCIe.
 void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
                   const float* w, const float* x, const int32_t* step, const float* fetch_fraction,
-                  int32_t* fetch_list, const int32_t* prefetched, uintptr_t stream);
+                  int32_t* fetch_list, int32_t* pair_slots, uintptr_t stream);
 // Before layer `layer` runs: slots for the guessed experts guess[0..n_guess) (int32, <= 64) that
 // are not resident, marked used this step, leaving `reserve` evictable slots (the layer's T*K
 // selections) for its own misses; writes the list ([1 + 2*64] int32: count, (expert, slot)...)
@@ -28,10 +32,11 @@ void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const i
 void offload_prefetch(const CacheTables& tab, int layer, const int32_t* guess, int n_guess,
                       int reserve, const int32_t* step, int32_t* list, uintptr_t stream);
 // Copies each listed expert (expert_bytes) from the host bank [E, expert_bytes] to its slot
-// of the pool [S, slot_bytes] (at most max_fetch entries); a small fixed grid, so a copy on a
-// side stream leaves SMs to the compute kernels.
+// of the pool [S, slot_bytes] (at most max_fetch entries); a small grid of `blocks` blocks, so a
+// copy on a side stream leaves SMs to the compute kernels.
 void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
-                   int64_t expert_bytes, int64_t slot_bytes, int max_fetch, uintptr_t stream);
+                   int64_t expert_bytes, int64_t slot_bytes, int max_fetch, int blocks,
+                   uintptr_t stream);
 // Waits (at most timeout_ns; then *error_flag = layer + 1 and the CPU part is dropped) for the
 // CPU worker's layer result and adds it: y [T, H] += y_host[layer]. Nothing when the layer's plan
 // handed the CPU no expert (cpu_pending[layer] == 0, CacheTables::cpu_pending).
