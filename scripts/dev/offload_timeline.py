@@ -1,8 +1,10 @@
 """Where a decode step's time goes under a VRAM cap: a kernel timeline of 8 graph replays.
 
-    python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--prefetch-k2 N] [--fetch-blocks N] [--trace] [--no-overlap]
+    python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--prefetch-k2 N]
+                                           [--fetch-blocks N] [--trace] [--no-overlap]
 
-Prints tok/s of the profiled steps, then per token: GPU kernel time by kind (fetch = PCIe copies
+Prints tok/s over 64 steps without the profiler (an A/B of the options on one machine), tok/s
+of the profiled steps, then per token: GPU kernel time by kind (fetch = PCIe copies
 into the cache, wait = the spin for the CPU's share, compute = everything else), and how the wall
 time splits into link-only, compute-only, both, and neither (idle: launch gaps, event waits).
 """
@@ -123,40 +125,5 @@ for e in ev:
     top[e["name"][:70]] = top.get(e["name"][:70], 0.0) + e["dur"]
 for name, us in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
     print(f"  {us / N:8.1f} us/token  {name}")
-def short(name: str) -> str:
-    """A kernel's base name, plus which map a rows kernel runs (gate/up, down, or a matvec)."""
-    base = name.removeprefix("void ").replace("(anonymous namespace)::", "")
-    base = base.split("(")[0].split("<")[0].split("::")[-1]
-    for tag in ("GateUpMap", "DownMap"):
-        if tag in name:
-            return f"{base}[{tag[:-3]}]"
-    return base
-
-
-# the main stream (most kernels): where it sits idle, by position in the step (a replayed graph
-# runs the same kernels in the same order every step)
-streams: dict = {}
-for e in ev:
-    streams.setdefault(e.get("tid"), []).append(e)
-print("  kernels a token by stream: " + ", ".join(
-    f"{sid}: {len(v) // N} ({', '.join(sorted({short(e['name']) for e in v}))[:90]})"
-    for sid, v in sorted(streams.items(), key=lambda kv: -len(kv[1]))))
-main = sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
-per = len(main) // N
-if per * N == len(main):
-    gaps: dict[int, float] = {}
-    for i in range(1, len(main)):
-        j = i % per
-        gap = main[i]["ts"] - (main[i - 1]["ts"] + main[i - 1]["dur"])
-        gaps[j] = gaps.get(j, 0.0) + max(gap, 0.0)
-    total = sum(gaps.values()) / N
-    print(f"  main stream: {per} kernels a token, busy {sum(e['dur'] for e in main) / N / 1e3:.2f} ms, "
-          f"idle {total / 1e3:.2f} ms; largest idle gaps (us a token, summed over layers):")
-    by_pair: dict[str, float] = {}
-    for j, g in gaps.items():
-        key = f"{short(main[j - 1]['name'])} -> {short(main[j]['name'])}"
-        by_pair[key] = by_pair.get(key, 0.0) + g / N
-    for key, us in sorted(by_pair.items(), key=lambda kv: -kv[1])[:10]:
-        print(f"  {us:8.1f}  {key}")
 print(f"  cache: hit rate {s['hit_rate']:.1%}, fetched {s['fetched']} prefetched {s['prefetched']} cpu {s['cpu']}")
 rt.close()
