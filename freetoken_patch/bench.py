@@ -57,8 +57,9 @@ def add_parser(sub) -> None:
     s.add_argument("--prefetch-k2", type=int, default=None,
                    help="experts guessed per token two layers ahead (default 0: none)")
     s.add_argument("--no-elastic", action="store_true",
-                   help="keep the expert cache at its prefill size while decoding (by default it "
-                        "grows into the prefill workspace between prompts)")
+                   help="keep the expert cache at its prefill size while decoding and the KV "
+                        "allocated for the whole --ctx (by default the cache grows into the prefill "
+                        "workspace and into the KV not yet used)")
     s.add_argument("--no-overlap", action="store_true",
                    help="fetch a layer's missing experts before computing any of its experts (by "
                         "default the resident ones compute while the misses cross PCIe)")

@@ -3,9 +3,10 @@
     OffloadRuntime(loaded, vram=8 << 30)  ->  .new_state() / .prefill() / .decode() / .stats()
 
 It presents the model's interface (so generation and chat use it unchanged) and assembles:
-dense weights on the GPU (kept quantized), KV + delta-net state for the requested context,
-workspaces, host expert banks (pinned), the GPU expert cache sized from what is left, the
-scheduler's rates, and the CPU worker. Decode steps are captured as CUDA graphs (one per
+dense weights on the GPU (kept quantized), KV + delta-net state for the requested context
+(an elastic KV maps memory only as the conversation grows), workspaces, host expert banks
+(pinned), the GPU expert cache sized from what is left (elastic: it lends VRAM to prefill
+workspaces and to a growing KV, and takes it back), the scheduler's rates, and the CPU worker. Decode steps are captured as CUDA graphs (one per
 attention-length bucket) so a step is one launch with no per-layer host work.
 """
 from __future__ import annotations
@@ -53,7 +54,8 @@ class RuntimeOptions:
     staging_experts: int = STAGING_EXPERTS  # per prefill staging buffer (two are kept)
     cpu_threads: int | None = None
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
-    elastic: bool = True                   # lend the cache's VRAM to prefill, take it back for decode
+    elastic: bool = True                   # the cache lends VRAM to prefill and to the KV (which
+                                           # maps memory as the context grows), takes it back after
     host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
@@ -137,11 +139,14 @@ class OffloadRuntime:
         cap_allocator(opts.vram - outside, dev)
 
         # 2. per-sequence state for the requested context (B = 1), allocated now so that the
-        # cache is sized around it
+        # cache is sized around it. Elastic: the KV maps memory as the context grows (the cache
+        # gives it slots then, and takes them back for the next conversation)
+        elastic = opts.elastic and on.elastic_supported()
         probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
         self.budget.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
         self._states: dict[int, State] = {
-            1: State(c, 1, opts.n_ctx, dev, opts.kv_dtype, GRAPH_BUCKET)}
+            1: State(c, 1, opts.n_ctx, dev, opts.kv_dtype, GRAPH_BUCKET,
+                     kv_alloc=on.ElasticBuffer if elastic else None)}
 
         # 3. workspaces: prefill activations + attention for one chunk, graphs, staging
         ws = gpu_workspace_bytes(c, opts.n_ctx, opts.prefill_chunk)
@@ -160,7 +165,6 @@ class OffloadRuntime:
         layouts = self.bank.layouts
         staging = staging_bytes(max(lay.expert_bytes for lay in layouts), opts.staging_experts)
         self.budget.reserve("prefill staging", staging, "lower --vram use elsewhere")
-        elastic = opts.elastic and on.elastic_supported()
         self._chunk = on.elastic_chunk() if elastic else 0
         slots = ExpertCache.plan_slots(layouts, self.budget.left, c.n_expert, self._chunk)
         if opts.cache_slots is not None:  # a smaller cache on purpose (tests, experiments)
@@ -194,7 +198,7 @@ class OffloadRuntime:
         self._grow_pending = False
         self._torch_peak = 0
         self.prefill_memory: list[dict] = []
-        if self.cache.elastic:
+        if self.cache.elastic:   # the unmapped KV and the prefill workspace, lent to the cache
             self._fit_cache(DECODE_HEADROOM, grow=True)
         rep.decode_slots_per_layer = self.cache.slots
         profile = load_profile(opts.profile, c.n_layer, c.n_expert) if opts.profile else None
@@ -228,7 +232,8 @@ class OffloadRuntime:
         dev, cache = self.device, self.cache
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        room = self.opts.vram - self._outside - torch.cuda.memory_reserved(dev) - torch_extra
+        room = (self.opts.vram - self._outside - torch.cuda.memory_reserved(dev) - torch_extra
+                - self._kv_mapped())
         # never more than the device has free: on a laptop, other programs use the GPU too
         room = min(room, cache.nbytes + torch.cuda.mem_get_info(dev)[0] - CONTEXT_MARGIN)
         n = ExpertCache.plan_slots(cache.layouts, room, cache.n_expert, self._chunk)[0]
@@ -246,10 +251,29 @@ class OffloadRuntime:
         self._cache_peak = max(self._cache_peak, cache.nbytes)
 
     def _cap_torch(self) -> None:
-        """Torch's allocator may use the cap less the context and (when we map it) the cache."""
+        """Torch's allocator may use the cap less the context and what we map ourselves: the
+        cache (when elastic) and the elastic KV."""
         cache = self.cache
-        cap_allocator(self.opts.vram - self._outside - (cache.nbytes if cache.outside_torch else 0),
-                      self.device)
+        cap_allocator(self.opts.vram - self._outside - (cache.nbytes if cache.outside_torch else 0)
+                      - self._kv_mapped(), self.device)
+
+    def _kv_mapped(self) -> int:
+        return sum(st.kv_mapped for st in getattr(self, "_states", {}).values())
+
+    def _room_for_kv(self, state: State, rows: int) -> None:
+        """Before a step that reaches position `rows`: map the elastic KV that far, shrinking the
+        cache first if the cap cannot hold both (decode grows it back only as far as the cap
+        allows, so the slots stay with the KV until the state is emptied)."""
+        if state.kv_rows >= rows:
+            return
+        need = state.kv_bytes(rows) - state.kv_mapped
+        free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
+                - torch.cuda.memory_reserved(self.device))
+        if free < need + DECODE_HEADROOM:
+            self._fit_cache(need + DECODE_HEADROOM, grow=False)
+        torch.cuda.synchronize(self.device)
+        state.map_kv(rows)
+        self._cap_torch()
 
     def _room_for_prefill(self, n_tokens: int, n_past: int, chunk: int, all_logits: bool) -> None:
         """Before a prefill: shrink the elastic cache if torch could not hold the chunk's
@@ -260,7 +284,7 @@ class OffloadRuntime:
                                        all_logits)
         # what torch may still allocate: its cap (the pools are ours, outside it) less its live
         # tensors (cached free blocks are reusable)
-        free = (self.opts.vram - self._outside - self.cache.nbytes
+        free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
                 - torch.cuda.memory_allocated(self.device))
         if free < need:
             self._fit_cache(need, grow=False)
@@ -329,6 +353,11 @@ class OffloadRuntime:
             st = self._states[batch] = State(self.config, batch, self.opts.n_ctx, self.device,
                                              self.opts.kv_dtype, GRAPH_BUCKET)
         st.reset()
+        if st.elastic_kv and st.kv_rows > 1:   # an empty conversation: the KV's memory goes back
+            torch.cuda.synchronize(self.device)   # to the cache at the next decode step
+            st.map_kv(1)
+            self._cap_torch()
+            self._grow_pending = True
         return st
 
     def prefill(self, tokens: torch.Tensor, state: State, chunk: int | None = None,
@@ -336,6 +365,8 @@ class OffloadRuntime:
         self.engine.in_step = False
         chunk = chunk or self.opts.prefill_chunk
         n, past = tokens.shape[1], state.n_past
+        state.check_room(n)
+        self._room_for_kv(state, past + n)
         self._room_for_prefill(n, past, chunk, all_logits)
         with self._measured("prefill", n, past, chunk, all_logits):
             return self.model.prefill(tokens, state, chunk, all_logits)
@@ -343,6 +374,8 @@ class OffloadRuntime:
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         self.engine.in_step = False
         n, past = tokens.shape[1], state.n_past
+        state.check_room(n)
+        self._room_for_kv(state, past + n)
         self._room_for_prefill(n, past, n, not last_only)
         with self._measured("forward", n, past, n, not last_only):
             return self.model.forward(tokens, state, last_only)
@@ -368,7 +401,8 @@ class OffloadRuntime:
         if B > self.engine.max_tok:
             raise OffloadError(f"a decode step of {B} sequences exceeds {self.engine.max_tok}")
         state.check_room(1)
-        if self._grow_pending:   # the last prefill borrowed from the cache: take it back
+        self._room_for_kv(state, state.attn_len(1))   # attention reads up to the bucket's end
+        if self._grow_pending:   # the last prefill (or KV) borrowed from the cache: take it back
             self._grow_pending = False
             self._fit_cache(DECODE_HEADROOM, grow=True)
         if not self.opts.use_graphs:
@@ -452,6 +486,7 @@ class OffloadRuntime:
             "cpu_experts": int(cpu_experts.sum()),
             "prefill_streamed": int(self.engine.prefill_streamed.sum()),
             "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
+            "kv_bytes": self._kv_mapped(),
             "fetch_fraction": self.scheduler.q(), "min_fetch": self.scheduler.min_fetch(),
             "prefetched": int(s.prefetched.sum()), "prefetch_hits": int(s.prefetch_hits.sum()),
             "prefetch_precision": s.prefetch_precision, "prefetch_recall": s.prefetch_recall,
@@ -480,6 +515,8 @@ class OffloadRuntime:
         self.smi.stop()
         self._graphs.clear()
         torch.cuda.synchronize(self.device)
+        for st in self._states.values():
+            st.close()
         self.cache.close()
         self.bank.close()
         self._unpin_weights()

@@ -1,9 +1,11 @@
 """Per-sequence state of a qwen35moe model: KV cache for attention layers, conv + recurrent
 state for gated delta-net layers (shared/docs/qwen35moe.md §4.8).
 
-Everything is preallocated once for `n_ctx` positions and updated in place, so buffer addresses
+Everything is allocated once for `n_ctx` positions and updated in place, so buffer addresses
 never change (a CUDA graph can capture a decode step). The B rows of a batch advance together:
-they share one position counter.
+they share one position counter. With `kv_alloc` (the offload runtime, B = 1) the KV rows are
+address space reserved for n_ctx positions with memory mapped only behind the first `kv_rows`:
+`map_kv` grows or shrinks that as the conversation does, the addresses staying put.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ class State:
 
     def __init__(self, config, batch: int = 1, n_ctx: int | None = None,
                  device: torch.device | str = "cpu", kv_dtype: torch.dtype = torch.float32,
-                 attn_bucket: int = 1):
+                 attn_bucket: int = 1, kv_alloc=None):
+        """kv_alloc(capacity bytes) -> a buffer like offload_native.ElasticBuffer (`view`, `chunk`,
+        `mapped`, `resize(nbytes)`, `close()`): one per K and V tensor, B must be 1."""
         if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise OffloadError(f"KV cache dtype {kv_dtype} is not supported; use float32 or float16")
         c = config
@@ -51,14 +55,73 @@ class State:
         self.attn_bucket = max(1, int(attn_bucket))  # round attended length up (graph capture)
         B, f32 = self.batch, dict(dtype=torch.float32, device=self.device)
         kv_shape = (B, self.n_ctx, c.n_head_kv, c.head_dim)
-        self.k = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for i in c.attention_layers}
-        self.v = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device) for i in c.attention_layers}
+        self._kv_bufs: list = []
+        self._kv_row = c.n_head_kv * c.head_dim * torch.finfo(kv_dtype).bits // 8  # bytes a position
+        if kv_alloc is None:
+            self.k = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
+                      for i in c.attention_layers}
+            self.v = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
+                      for i in c.attention_layers}
+        else:
+            if B != 1:
+                raise OffloadError("an elastic KV cache holds one sequence (batch 1)")
+            self.k, self.v = {}, {}
+            try:
+                for i in c.attention_layers:
+                    for kv in (self.k, self.v):
+                        buf = kv_alloc(self.n_ctx * self._kv_row)
+                        self._kv_bufs.append(buf)
+                        kv[i] = buf.view[:self.n_ctx * self._kv_row].view(kv_dtype).view(kv_shape)
+                        buf.view[:buf.mapped].zero_()
+            except BaseException:
+                self.close()
+                raise
         self.conv = {i: torch.zeros(B, c.ssm_conv_dim, c.ssm_d_conv - 1, **f32)
                      for i in c.recurrent_layers}
         self.ssm = {i: torch.zeros(B, c.ssm_n_v_heads, c.ssm_d_state, c.ssm_head_v_dim, **f32)
                     for i in c.recurrent_layers}
         self.n_past = 0
         self.pos = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    # -- elastic KV ---------------------------------------------------------------------------
+
+    @property
+    def elastic_kv(self) -> bool:
+        return bool(self._kv_bufs)
+
+    @property
+    def kv_rows(self) -> int:
+        """Positions with memory behind them (n_ctx when the KV is not elastic)."""
+        if not self._kv_bufs:
+            return self.n_ctx
+        return min(self.n_ctx, min(b.mapped for b in self._kv_bufs) // self._kv_row)
+
+    @property
+    def kv_mapped(self) -> int:
+        """Device bytes the elastic KV maps now (0 when it is not elastic)."""
+        return sum(b.mapped for b in self._kv_bufs)
+
+    def kv_bytes(self, rows: int) -> int:
+        """Device bytes the elastic KV maps to back `rows` positions."""
+        from native.offload_native import mapped_size
+        return sum(min(mapped_size(rows * self._kv_row, b.chunk), -(-self.n_ctx * self._kv_row
+                                                                    // b.chunk) * b.chunk)
+                   for b in self._kv_bufs)
+
+    def map_kv(self, rows: int) -> None:
+        """Back `rows` positions (at least one chunk, at most n_ctx) with memory, giving back what
+        lies beyond; newly mapped rows are zeroed (attention multiplies masked rows by 0)."""
+        for b in self._kv_bufs:
+            old = b.mapped
+            b.resize(min(rows, self.n_ctx) * self._kv_row)
+            if b.mapped > old:
+                b.view[old:b.mapped].zero_()
+
+    def close(self) -> None:
+        """Give back an elastic KV's memory and address space (the state is unusable after)."""
+        for b in self._kv_bufs:
+            b.close()
+        self._kv_bufs = []
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -108,5 +171,14 @@ class State:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole state for n_ctx positions (an elastic KV maps less: kv_mapped)."""
         ts = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.ssm.values())
         return sum(t.numel() * t.element_size() for t in ts)
+
+    @property
+    def fixed_nbytes(self) -> int:
+        """Bytes allocated once whatever the context: the delta-net state, and a KV that is not
+        elastic."""
+        return self.nbytes - (sum(t.numel() * t.element_size()
+                                  for t in (*self.k.values(), *self.v.values()))
+                              if self._kv_bufs else 0)

@@ -50,7 +50,8 @@ def reference(loaded):
 def _runtime(loaded, **kw):
     from moe_offload.runtime import OffloadRuntime, RuntimeOptions
     kw.setdefault("cache_slots", 6)
-    return OffloadRuntime(loaded, RuntimeOptions(vram=2 << 30, n_ctx=256, **kw))
+    kw.setdefault("n_ctx", 256)
+    return OffloadRuntime(loaded, RuntimeOptions(vram=2 << 30, **kw))
 
 
 def _follow(rt, prompt, toks):
@@ -195,6 +196,53 @@ def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, ref
         assert rt.vram_peaks()["cache_peak"] >= rt.cache.nbytes
     finally:
         rt.close()
+
+
+def test_elastic_kv_grows_with_the_context_and_gives_its_memory_back(loaded, monkeypatch):
+    """The KV maps memory as the conversation grows, the cache giving up slots when the cap
+    cannot hold both; a new conversation gives the KV's memory back to the cache. Logits follow
+    those of a runtime whose KV is allocated for the whole context."""
+    import moe_offload.runtime as runtime
+    from native import offload_native as on
+    if not on.elastic_supported():
+        pytest.skip("this GPU has no virtual memory management")
+    c = loaded.config
+    chunk = on.elastic_chunk()
+    per_chunk = chunk // (c.n_head_kv * c.head_dim * 2)      # float16 positions in one chunk
+    n_ctx, n_prompt = 3 * per_chunk + 256, 2 * per_chunk + 100
+    n_kv = 2 * len(c.attention_layers)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, c.n_vocab, (1, n_prompt), generator=g).cuda()
+    outs, toks = {}, []
+    for elastic in (False, True):
+        rt = _runtime(loaded, n_ctx=n_ctx, elastic=elastic, cache_slots=10)
+        try:
+            st = rt.new_state(1, n_ctx)
+            assert st.elastic_kv == elastic
+            if elastic:
+                assert st.kv_rows == per_chunk and rt.stats()["kv_bytes"] == n_kv * chunk
+                with monkeypatch.context() as m:   # no room beside the cache: it gives way
+                    m.setattr(runtime, "DECODE_HEADROOM", rt.opts.vram)
+                    out = [rt.prefill(prompt, st)]
+                assert st.kv_rows >= n_prompt and rt.stats()["kv_bytes"] == n_kv * 3 * chunk
+                assert rt.cache.slots == [0] * c.n_layer
+            else:
+                out = [rt.prefill(prompt, st)]
+            for i in range(6):
+                if not elastic:
+                    toks.append(out[-1].argmax(-1))
+                out.append(rt.decode(toks[i], st))
+            outs[elastic] = out
+            if elastic:   # a new conversation: the KV shrinks, the next decode regrows the cache
+                st = rt.new_state(1, n_ctx)
+                assert rt.stats()["kv_bytes"] == n_kv * chunk
+                rt.prefill(prompt[:, :16], st)
+                rt.decode(toks[0], st)
+                assert rt.cache.slots == [10] * c.n_layer
+        finally:
+            rt.close()
+    for i, (a, b) in enumerate(zip(outs[True], outs[False])):
+        _close(a, b, f"step {i} (elastic KV)")
 
 
 def test_embedding_and_head_in_host_ram_give_the_same_logits(loaded, reference):

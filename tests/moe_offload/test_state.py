@@ -1,0 +1,70 @@
+"""moe_offload.state: an elastic KV cache maps memory behind the positions in use, keeps its
+addresses, zeroes what it maps, and gives memory back when emptied (a fake elastic buffer stands
+in for offload_native.ElasticBuffer, which needs CUDA: test_runtime_gpu covers the real one)."""
+import pytest
+import torch
+
+from loaders import open_model
+from moe_offload.errors import OffloadError
+from moe_offload.state import State
+
+
+class FakeElastic:
+    """ElasticBuffer's interface over host memory: `capacity` bytes, mapped in `chunk`s."""
+
+    chunk = 4096
+
+    def __init__(self, capacity: int):
+        self.capacity = -(-capacity // self.chunk) * self.chunk
+        self.view = torch.full((self.capacity,), 0xAB, dtype=torch.uint8)  # "garbage"
+        self.mapped = self.chunk
+        self.closed = False
+
+    def resize(self, nbytes: int) -> int:
+        self.mapped = min(self.capacity, max(1, -(-nbytes // self.chunk)) * self.chunk)
+        return self.mapped
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model):
+    return open_model(tiny_model).config
+
+
+def test_elastic_kv_maps_what_the_context_uses(config):
+    bufs = []
+
+    def alloc(n):
+        bufs.append(FakeElastic(n))
+        return bufs[-1]
+
+    n_ctx = 1024
+    st = State(config, 1, n_ctx, "cpu", torch.float16, kv_alloc=alloc)
+    fixed = State(config, 1, n_ctx, "cpu", torch.float16)
+    row = config.n_head_kv * config.head_dim * 2
+    assert len(bufs) == 2 * len(config.attention_layers) and st.elastic_kv
+    assert st.nbytes == fixed.nbytes and st.fixed_nbytes == fixed.nbytes - sum(
+        t.numel() * 2 for t in (*fixed.k.values(), *fixed.v.values()))
+    assert st.kv_rows == FakeElastic.chunk // row and st.kv_mapped == len(bufs) * FakeElastic.chunk
+    for t in (*st.k.values(), *st.v.values()):   # what is mapped starts zeroed
+        assert t.view(-1)[:st.kv_rows * row // 2].eq(0).all()
+    k0 = st.k[config.attention_layers[0]]
+    addr = k0.data_ptr()
+    rows = 3 * FakeElastic.chunk // row + 5
+    assert st.kv_bytes(rows) == len(bufs) * 4 * FakeElastic.chunk
+    st.map_kv(rows)
+    assert st.kv_rows >= rows and st.kv_mapped == st.kv_bytes(rows)
+    assert k0.data_ptr() == addr and k0.view(-1)[:rows * row // 2].eq(0).all()   # grown: zeroed
+    st.map_kv(10 * n_ctx)                        # never beyond the context
+    assert st.kv_rows == n_ctx
+    st.map_kv(1)                                 # an emptied conversation: one chunk stays
+    assert st.kv_mapped == len(bufs) * FakeElastic.chunk
+    st.close()
+    assert all(b.closed for b in bufs) and not st.elastic_kv and st.kv_rows == n_ctx
+
+
+def test_elastic_kv_holds_one_sequence(config):
+    with pytest.raises(OffloadError, match="batch 1"):
+        State(config, 2, 64, "cpu", torch.float16, kv_alloc=FakeElastic)
