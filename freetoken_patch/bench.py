@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     per_tok = max(1, args.gen)
     result["cache"] = {
         "hit_rate": round(stats["hit_rate"], 4), "slots_per_layer": stats["cache_slots"][0],
+        "kv_MB": round(stats["kv_bytes"] / 1e6, 1),   # elastic KV mapped (0: allocated whole)
         "experts_per_layer": c.n_expert,
         "pcie_MB_per_token": round(stats["pcie_bytes"] / per_tok / 1e6, 2),
         "fetched_per_token": round(stats["fetched"] / per_tok, 2),

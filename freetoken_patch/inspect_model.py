@@ -177,8 +177,9 @@ def render(d: dict[str, Any], console) -> None:
                           "in host RAM too (--host-head)[/]")
         console.print(f"  left for experts {_gib(p['expert_budget_bytes'])}: {p['experts_fit']:,} of "
                       f"{p['experts_total']:,} experts ({100 * p['experts_fit_fraction']:.1f}%), "
-                      f"{_gib(p['expert_bytes_mean'])} each; while decoding (the prefill workspace "
-                      f"lent to the cache) {p['decode_experts_fit']:,}")
+                      f"{_gib(p['expert_bytes_mean'])} each; while decoding a short conversation "
+                      f"(the prefill workspace and the unused KV lent to the cache) "
+                      f"{p['decode_experts_fit']:,}")
 
 
 def run(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:

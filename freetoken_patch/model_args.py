@@ -163,8 +163,10 @@ def offload_stats_lines(m: dict) -> list[str]:
     lines = [f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, {m.get('hits', 0)} "
              f"hits, {fetched + cpu} misses ({fetched} fetched over PCIe, {cpu} run on the CPU)"]
     if m.get("cache_slots"):
+        kv = (f"; the KV maps {m['kv_bytes'] / 2**20:.0f} MiB (it grows with the conversation)"
+              if m.get("kv_bytes") else "")
         lines.append(f"cache size: {m['cache_slots'][0]} slots a layer now, "
-                     f"{m['cache_bytes'] / 2**30:.2f} GiB of VRAM")
+                     f"{m['cache_bytes'] / 2**30:.2f} GiB of VRAM{kv}")
     if m.get("prefetched"):
         lines.append(f"prefetch: {m['prefetched']} experts guessed ahead, precision "
                      f"{100 * m['prefetch_precision']:.0f}%, recall {100 * m['prefetch_recall']:.0f}%")

@@ -17,6 +17,9 @@ def is_expert_tensor(name: str) -> bool:
     return name.endswith(EXPERT_SUFFIXES)
 
 
+KV_CHUNK_ESTIMATE = 2 << 20   # the driver's mapping granularity on the GPUs we measured
+
+
 def kv_bytes_per_token(model: LoadedModel, bytes_per_value: int = 2) -> int:
     """KV cache per token over every attention layer (K and V, F16 by default)."""
     c = model.config
@@ -54,7 +57,8 @@ class PlanSketch:
     expert_bytes_mean: int
     experts_total: int
     experts_fit: int          # during the largest prefill chunk
-    decode_experts_fit: int   # while decoding: the elastic cache also holds the prefill workspace
+    decode_experts_fit: int   # while decoding a short conversation: the elastic cache also holds
+                              # the prefill workspace and the KV not yet used
     fits: bool
 
     @property
@@ -152,7 +156,10 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanS
     mean = sum(per_layer.values()) // n_layers if n_layers else 0
     left = vram_bytes - dense - kv - state - work
     fit = min(total_experts, max(0, left) // mean) if mean else 0
-    decode_left = left + ws - DECODE_HEADROOM   # decode lends the workspace to the cache
+    # decoding a short conversation lends the cache the workspace and the KV not yet used (an
+    # elastic KV maps about one 2 MiB chunk per K and V tensor to begin with)
+    kv_start = min(kv, 2 * len(model.config.attention_layers) * KV_CHUNK_ESTIMATE)
+    decode_left = left + ws + kv - kv_start - DECODE_HEADROOM
     decode_fit = min(total_experts, max(0, decode_left) // mean) if mean else 0
     return PlanSketch(vram_bytes, n_ctx, dense, host, kv, state, work, max(0, left), mean,
                       total_experts, int(fit), int(decode_fit), left >= 0)

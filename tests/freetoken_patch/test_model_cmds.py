@@ -160,3 +160,13 @@ def test_logits_on_cuda_match_cpu(tiny_model, tmp_path, capsys):
     c, g = np.load(cpu), np.load(gpu)
     cos = float((c * g).sum() / np.linalg.norm(c) / np.linalg.norm(g))
     assert cos > 0.998 and np.abs(c - g).max() <= 0.08 * np.abs(c).max(), cos
+
+
+def test_offload_stats_lines_name_the_cache_and_an_elastic_kv():
+    from freetoken_patch.model_args import offload_stats_lines
+    m = {"hit_rate": 0.75, "hits": 30, "fetched": 8, "cpu": 2, "cache_slots": [114] * 40,
+         "cache_bytes": 6 << 30, "kv_bytes": 40 << 20, "prefetched": 0}
+    lines = offload_stats_lines(m)
+    assert lines[0].startswith("expert cache: hit rate 75.0%, 30 hits, 10 misses (8 fetched")
+    assert "114 slots a layer now, 6.00 GiB of VRAM; the KV maps 40 MiB" in lines[1]
+    assert "KV" not in offload_stats_lines({**m, "kv_bytes": 0})[1]   # KV allocated whole
