@@ -10,9 +10,10 @@ Two paths, chosen by the number of tokens:
 - prefetch (decode, optional): when layer L starts, a side stream applies layer L+1's router to
   L's input (the residual stream changes little from one layer to the next), gives the guessed
   experts slots (`prefetch` kernel) and copies them once L's own fetches are done, while L and
-  L+1's mixer compute; layer L+1's plan then finds them resident. Optionally also layer L+2's
-  router (fewer right guesses, but the copies start a layer earlier and fill the link's idle time). Guesses cost link bandwidth,
-  so precision and recall are counted (stats prefetched / prefetch_hits).
+  L+1's mixer compute; layer L+1's plan then finds them resident. Optionally layer L+2's router
+  too (copies start a layer earlier, but fewer guesses are right; measured slower on the 35B, so
+  off by default). Guesses cost link bandwidth, so precision and recall are counted (stats
+  prefetched / prefetch_hits).
 - prefill (a chunk of many tokens): experts the chunk routes to but the cache lacks are streamed
   from the host bank into a double-buffered staging area (copies on a side stream, overlapped
   with compute) and computed there; the cache itself is untouched, so a long prompt does not
@@ -116,11 +117,14 @@ class OffloadEngine:
         self.predict = predict
         self.prefetch_k, self.prefetch_k2 = k, k2
 
+    def _k(self, d: int) -> int:
+        """Experts a token guessed d layers ahead."""
+        return self.prefetch_k if d == 1 else self.prefetch_k2
+
     def _guessing(self, L: int, d: int) -> bool:
         """Whether layer L+d's experts are guessed during layer L (never while replaying a trace:
         the router cannot guess replayed ids)."""
-        k = self.prefetch_k if d == 1 else self.prefetch_k2
-        return (self.predict is not None and self.trace is None and k > 0 and L >= 0
+        return (self.predict is not None and self.trace is None and self._k(d) > 0 and L >= 0
                 and L + d < self.cache.n_layer)
 
     @property
@@ -216,9 +220,8 @@ class OffloadEngine:
         T = x.shape[0]
         with torch.cuda.stream(side):
             for d in dists:
-                k = self.prefetch_k if d == 1 else self.prefetch_k2
                 reserve = T * self.top_k + (T * self.prefetch_k if d == 2 else 0)
-                guess, _ = route_topk(self.predict(L + d, x), k)
+                guess, _ = route_topk(self.predict(L + d, x), self._k(d))
                 on.prefetch(self.tables, L + d, guess.to(torch.int32).reshape(-1), reserve,
                             self.step, self.prefetch_lists[d - 1, L + d])
                 self._guessed[d - 1][L + d].record(side)
@@ -234,10 +237,9 @@ class OffloadEngine:
         side.wait_event(self._fetched[L])
         with torch.cuda.stream(side):
             for d in dists:
-                k = self.prefetch_k if d == 1 else self.prefetch_k2
                 if self.cache.pools[L + d].shape[0]:
                     on.fetch(self.prefetch_lists[d - 1, L + d], self.bank.banks[L + d],
-                             self.cache.pools[L + d], min(MAX_FETCH, self.max_tok * k),
+                             self.cache.pools[L + d], min(MAX_FETCH, self.max_tok * self._k(d)),
                              self.fetch_blocks)
                 self._prefetched[d - 1][L + d].record(side)
 

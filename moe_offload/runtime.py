@@ -3,11 +3,12 @@
     OffloadRuntime(loaded, vram=8 << 30)  ->  .new_state() / .prefill() / .decode() / .stats()
 
 It presents the model's interface (so generation and chat use it unchanged) and assembles:
-dense weights on the GPU (kept quantized), KV + delta-net state for the requested context
-(an elastic KV maps memory only as the conversation grows), workspaces, host expert banks
-(pinned), the GPU expert cache sized from what is left (elastic: it lends VRAM to prefill
-workspaces and to a growing KV, and takes it back), the scheduler's rates, and the CPU worker. Decode steps are captured as CUDA graphs (one per
-attention-length bucket) so a step is one launch with no per-layer host work.
+dense weights on the GPU (kept quantized), KV + delta-net state for the requested context (an
+elastic KV maps memory only as the conversation grows), workspaces, host expert banks (pinned),
+the GPU expert cache sized from what is left (elastic: it lends VRAM to prefill workspaces and
+to a growing KV, and takes it back), the scheduler's rates, and the CPU worker. Decode steps are
+captured as CUDA graphs (one per attention-length bucket) so a step is one launch with no
+per-layer host work.
 """
 from __future__ import annotations
 

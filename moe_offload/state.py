@@ -41,7 +41,7 @@ class State:
                  device: torch.device | str = "cpu", kv_dtype: torch.dtype = torch.float32,
                  attn_bucket: int = 1, kv_alloc=None):
         """kv_alloc(capacity bytes) -> a buffer like offload_native.ElasticBuffer (`view`, `chunk`,
-        `mapped`, `resize(nbytes)`, `close()`): one per K and V tensor, B must be 1."""
+        `capacity`, `mapped`, `resize(nbytes)`, `close()`): one per K and V tensor, B must be 1."""
         if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise OffloadError(f"KV cache dtype {kv_dtype} is not supported; use float32 or float16")
         c = config
@@ -104,9 +104,7 @@ class State:
     def kv_bytes(self, rows: int) -> int:
         """Device bytes the elastic KV maps to back `rows` positions."""
         from native.offload_native import mapped_size
-        return sum(min(mapped_size(rows * self._kv_row, b.chunk), -(-self.n_ctx * self._kv_row
-                                                                    // b.chunk) * b.chunk)
-                   for b in self._kv_bufs)
+        return sum(min(mapped_size(rows * self._kv_row, b.chunk), b.capacity) for b in self._kv_bufs)
 
     def map_kv(self, rows: int) -> None:
         """Back `rows` positions (at least one chunk, at most n_ctx) with memory, giving back what
