@@ -127,6 +127,8 @@ def _load(name: str):
         try:
             ext.set_tables(iq_tables())
         except Exception as exc:  # e.g. no usable CUDA device: run the reference instead
+            if name == "_cuda" and not torch.cuda.is_available():
+                return None   # no GPU here (built where nvcc was found): nothing to warn about
             warnings.warn(f"native.{name} is unusable ({exc}); using the reference path")
             return None
     return ext
