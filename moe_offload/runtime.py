@@ -366,20 +366,23 @@ class OffloadRuntime:
         self.engine.in_step = False
         chunk = chunk or self.opts.prefill_chunk
         n, past = tokens.shape[1], state.n_past
-        state.check_room(n)
-        self._room_for_kv(state, past + n)
-        self._room_for_prefill(n, past, chunk, all_logits)
+        self._make_room(state, n, chunk, all_logits)
         with self._measured("prefill", n, past, chunk, all_logits):
             return self.model.prefill(tokens, state, chunk, all_logits)
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         self.engine.in_step = False
         n, past = tokens.shape[1], state.n_past
-        state.check_room(n)
-        self._room_for_kv(state, past + n)
-        self._room_for_prefill(n, past, n, not last_only)
+        self._make_room(state, n, n, not last_only)
         with self._measured("forward", n, past, n, not last_only):
             return self.model.forward(tokens, state, last_only)
+
+    def _make_room(self, state: State, n: int, chunk: int, all_logits: bool) -> None:
+        """Before n prompt tokens: the context must hold them (checked before anything is
+        mapped), the KV is mapped that far, and torch gets the chunk's workspace."""
+        state.check_room(n)
+        self._room_for_kv(state, state.n_past + n)
+        self._room_for_prefill(n, state.n_past, chunk, all_logits)
 
     @contextlib.contextmanager
     def _measured(self, what: str, n: int, past: int, chunk: int, all_logits: bool):

@@ -172,11 +172,3 @@ class State:
         """Bytes of the whole state for n_ctx positions (an elastic KV maps less: kv_mapped)."""
         ts = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.ssm.values())
         return sum(t.numel() * t.element_size() for t in ts)
-
-    @property
-    def fixed_nbytes(self) -> int:
-        """Bytes allocated once whatever the context: the delta-net state, and a KV that is not
-        elastic."""
-        return self.nbytes - (sum(t.numel() * t.element_size()
-                                  for t in (*self.k.values(), *self.v.values()))
-                              if self._kv_bufs else 0)
