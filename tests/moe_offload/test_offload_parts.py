@@ -226,3 +226,27 @@ def test_trace_has_the_stated_locality():
     assert 0.4 < st.top10_share < 0.6
     uniform = trace_stats(make_trace(300, 2, 256, 8, TraceParams(repeat=0.0, skew=0.0)), 256)
     assert uniform.repeat_next < 0.1 and uniform.top10_share < 0.2
+
+
+def test_host_buffer_is_one_aligned_range():
+    """The banks' memory: the size asked for, starting on a 2 MiB boundary where the system can
+    advise huge pages (fewer translations for the GPU's reads), writable end to end."""
+    import mmap
+
+    from moe_offload.host_bank import HUGE_PAGE, host_buffer
+    buf = host_buffer(5 * HUGE_PAGE + 4096)
+    assert buf.dtype == torch.uint8 and buf.numel() == 5 * HUGE_PAGE + 4096
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert buf.data_ptr() % HUGE_PAGE == 0
+    buf.fill_(7)
+    assert int(buf[-1]) == 7 and int(buf[0]) == 7
+
+
+def test_host_bank_layers_share_one_buffer(mixed):
+    bank = HostExpertBank(mixed, pin=False)
+    end = bank.banks[0].data_ptr()
+    for b in bank.banks:   # back to back, in layer order: one range to pin
+        assert b.data_ptr() == end
+        end += b.numel()
+    assert end - bank.banks[0].data_ptr() == bank.nbytes
+
