@@ -145,8 +145,10 @@ PYBIND11_MODULE(_cpu, m) {
     // ---- offload runtime: the CPU worker of the decode step (csrc/cpu/offload_worker.h) --------
     //   OffloadWorker(exchange: dict, layers: [dict], timeout_ms)   starts the thread
     //       layers[L] = {"gate"|"up"|"down": (type_id, base, expert_stride), "ff", "n_experts"}
-    //   .begin_step(step, n_tok)   arm for a step (non-blocking)
-    //   .wait_step()               block until done (GIL released); raises the worker's error
+    //   .begin_step(step, n_tok)   arm for a step (non-blocking; steps queue, increasing)
+    //   .wait_step(upto=all)       block until steps <= upto are done (GIL released); raises
+    //                              the first worker error since the last wait
+    //   .in_flight()               steps armed and not yet done
     //   .busy_ns(), .experts()     per-layer cumulative compute time and experts computed
     py::class_<cpu::OffloadWorker>(m, "OffloadWorker")
         .def(py::init([](const py::dict& exchange, const py::list& layers, int64_t timeout_ms) {
@@ -166,7 +168,8 @@ PYBIND11_MODULE(_cpu, m) {
              }),
              py::arg("exchange"), py::arg("layers"), py::arg("timeout_ms"))
         .def("begin_step", &cpu::OffloadWorker::begin_step, py::arg("step"), py::arg("n_tok"))
-        .def("wait_step", &cpu::OffloadWorker::wait_step, release)
+        .def("wait_step", &cpu::OffloadWorker::wait_step, py::arg("upto") = INT32_MAX, release)
+        .def("in_flight", &cpu::OffloadWorker::in_flight)
         .def("busy_ns", &cpu::OffloadWorker::busy_ns)
         .def("experts", &cpu::OffloadWorker::experts);
 }

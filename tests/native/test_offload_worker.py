@@ -90,11 +90,35 @@ def test_worker_reports_a_gpu_that_never_comes():
     assert int(ex.cpu_flag[0]) == 2
 
 
-def test_worker_refuses_a_second_begin():
+def test_worker_queues_steps_armed_ahead():
+    """The host arms step 2 while step 1 is still running: the worker finishes 1, then 2."""
+    rng = np.random.default_rng(2)
+    ex = on.ExchangeBuffers.allocate(1, 1, K, H, pin=False)
+    bank, ref, desc = _banks(rng)[0]
+    worker = on.make_worker(ex.as_dict(1), [desc], timeout_s=30)
+    ex.cpu_ids[0, 0] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ex.cpu_w[0, 0] = torch.tensor([0.5, 0.3, 0.2])
+    ex.x_host[0, 0] = torch.randn(H)
+    worker.begin_step(1, 1)
+    worker.begin_step(2, 1)
+    assert worker.in_flight() == 2
+    for step in (1, 2):
+        ex.gpu_flag[0] = step
+        t0 = time.time()
+        while int(ex.cpu_flag[0]) < step:
+            assert time.time() - t0 < 20, f"step {step} was not answered"
+            time.sleep(1e-4)
+        worker.wait_step(step)
+    assert worker.in_flight() == 0
+    want = moe_ffn_ref(ex.x_host[0, :1].clone(), *ref, ex.cpu_ids[0, :1].long(), ex.cpu_w[0, :1])
+    torch.testing.assert_close(ex.y_host[0, :1], want, rtol=2e-3, atol=2e-4)
+
+
+def test_worker_refuses_a_step_that_does_not_increase():
     ex = on.ExchangeBuffers.allocate(1, 1, K, H, pin=False)
     worker = on.make_worker(ex.as_dict(1), [_banks(np.random.default_rng(1))[0][2]], timeout_s=0.3)
-    worker.begin_step(1, 1)
-    with pytest.raises(RuntimeError, match="in flight"):
+    worker.begin_step(2, 1)
+    with pytest.raises(ValueError, match="armed after step 2"):
         worker.begin_step(2, 1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError):   # nobody plays the GPU: step 2 times out
         worker.wait_step()

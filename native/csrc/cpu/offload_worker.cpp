@@ -40,50 +40,60 @@ OffloadWorker::~OffloadWorker() {
 
 void OffloadWorker::begin_step(int32_t step, int n_tok) {
     std::lock_guard<std::mutex> lk(mu_);
-    if (armed_) throw std::runtime_error("offload worker: begin_step while a step is in flight");
     if (n_tok < 1 || n_tok > ex_.max_tok)
         throw std::invalid_argument("offload worker: n_tok out of range");
-    ex_.n_tok = n_tok;
-    step_ = step;
-    armed_ = true;
-    done_ = false;
-    error_.clear();
+    if (step <= armed_)
+        throw std::invalid_argument("offload worker: step " + std::to_string(step) +
+                                    " armed after step " + std::to_string(armed_));
+    queue_.emplace_back(step, n_tok);
+    armed_ = step;
     cv_.notify_all();
 }
 
-void OffloadWorker::wait_step() {
+void OffloadWorker::wait_step(int32_t upto) {
     std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait(lk, [this] { return done_ || !armed_; });
-    armed_ = false;
-    if (!error_.empty()) throw std::runtime_error(error_);
+    cv_.wait(lk, [&] { return done_ >= std::min(upto, armed_); });
+    if (!error_.empty()) {
+        const std::string err = std::move(error_);
+        error_.clear();
+        throw std::runtime_error(err);
+    }
+}
+
+int OffloadWorker::in_flight() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return static_cast<int>(queue_.size()) + (running_ ? 1 : 0);
 }
 
 void OffloadWorker::loop() {
     for (;;) {
-        int32_t step;
+        std::pair<int32_t, int> job;
         {
             std::unique_lock<std::mutex> lk(mu_);
-            cv_.wait(lk, [this] { return quit_ || (armed_ && !done_); });
+            cv_.wait(lk, [this] { return quit_ || !queue_.empty(); });
             if (quit_) return;
-            step = step_;
+            job = queue_.front();
+            queue_.pop_front();
+            running_ = true;
         }
         std::string err;
         hold_threads(true);   // the step's CPU calls start without waking the pool
         try {
-            run_step(step);
+            run_step(job.first, job.second);
         } catch (const std::exception& e) {
             err = e.what();
         }
         hold_threads(false);
         std::lock_guard<std::mutex> lk(mu_);
-        error_ = err;
-        done_ = true;
+        if (error_.empty()) error_ = err;   // the first error of the steps since the last wait
+        done_ = job.first;
+        running_ = false;
         cv_.notify_all();
     }
 }
 
-void OffloadWorker::run_step(int32_t step) {
-    const int T = ex_.n_tok, K = ex_.top_k;
+void OffloadWorker::run_step(int32_t step, int n_tok) {
+    const int T = n_tok, K = ex_.top_k;
     const int64_t H = ex_.hidden;
     for (size_t L = 0; L < layers_.size(); ++L) {
         const int64_t t_wait = now_ns();
