@@ -53,9 +53,12 @@ def add_parser(sub) -> None:
     s.add_argument("--no-prefetch", action="store_true",
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
-                   help="experts guessed per token for the next layer (default: 3/4 of the top-k)")
+                   help="experts guessed per token for the next layer (default: 5/8 of the top-k)")
     s.add_argument("--prefetch-k2", type=int, default=None,
                    help="experts guessed per token two layers ahead (default 0: none)")
+    s.add_argument("--prefetch-start", type=int, default=None,
+                   help="experts guessed again per token at each layer's start, from its attention "
+                        "input (default: 7/8 of the top-k; 0: none)")
     s.add_argument("--no-elastic", action="store_true",
                    help="keep the expert cache at its prefill size while decoding and the KV "
                         "allocated for the whole --ctx (by default the cache grows into the prefill "
@@ -100,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prefetch_k2 is not None and args.prefetch_k2 < 0:
         raise CLIError(f"--prefetch-k2 {args.prefetch_k2}: give 0 (no guesses two layers ahead) "
                        "or more")
+    if args.prefetch_start is not None and args.prefetch_start < 0:
+        raise CLIError(f"--prefetch-start {args.prefetch_start}: give 0 (no guesses at a layer's "
+                       "start) or more")
     if not torch.cuda.is_available():
         raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     try:
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
                           fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
                           prefetch=not args.no_prefetch, prefetch_k=args.prefetch_k,
-                          prefetch_k2=args.prefetch_k2,
+                          prefetch_k2=args.prefetch_k2, prefetch_start=args.prefetch_start,
                           prefill_chunk=args.chunk, elastic=not args.no_elastic,
                           overlap_misses=not args.no_overlap, **placement_options(args))
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):

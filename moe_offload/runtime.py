@@ -34,11 +34,19 @@ from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
 from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, PREFILL_CHUNK, STAGING_EXPERTS,
+                        START_GUESS_HEADROOM,
                         gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes,
                         staging_bytes)
 from .scheduler import Rates, Scheduler
 from .state import State
 
+# Guesses a token makes per layer while decoding, as fractions of the top-k: one layer ahead (from
+# the layer before's input) and again at the layer's own start (from its attention input). On
+# the 35B (top-8, BENCHMARKS.md): 6 ahead beat 4 by 8% (8 GiB) and 26% (4 GiB); 5 ahead + 7 at
+# the start beat 6 + 0 by 2-3% in same-machine A/Bs at 8 GiB, but only 0.8% in ftpatch bench,
+# and lost 8% at 4 GiB, where the link is already full: off by default
+PREFETCH_AHEAD = 6 / 8
+PREFETCH_AT_START = 0
 PREFETCH_K2 = 0             # experts a token guessed two layers ahead (decode; 2 and 4 were slower)
 GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
 
@@ -60,8 +68,11 @@ class RuntimeOptions:
     host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
-    prefetch_k: int | None = None          # experts guessed per token (None: 3/4 of the top-k)
+    prefetch_k: int | None = None          # experts guessed per token one layer ahead (None:
+                                           # PREFETCH_AHEAD of the top-k)
     prefetch_k2: int | None = None         # ... two layers ahead (None: PREFETCH_K2; 0: none)
+    prefetch_start: int | None = None      # ... again at the layer's start, from its attention
+                                           # input (None: PREFETCH_AT_START of the top-k; 0: none)
     overlap_misses: bool = True            # a layer's resident experts compute while its misses
                                            # cross PCIe (False: fetch first, then all at once)
     device: str = "cuda"
@@ -187,20 +198,20 @@ class OffloadRuntime:
                                     overlap_misses=opts.overlap_misses)
         self.model = Qwen35Moe(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
         if opts.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
-            # three quarters of the top-k by default: on the 35B with the elastic cache (114 slots
-            # a layer at 8 GiB, 35 at 4 GiB) 6 guesses beat 4 by 8% and 26%, and 8 were no
-            # better than 6 (BENCHMARKS.md)
-            self.engine.set_predictor(self.model.router_logits,
-                                      opts.prefetch_k if opts.prefetch_k is not None
-                                      else max(1, (3 * c.n_expert_used) // 4),
-                                      opts.prefetch_k2 if opts.prefetch_k2 is not None
-                                      else PREFETCH_K2)
+            K = c.n_expert_used
+            self.engine.set_predictor(
+                self.model.router_logits,
+                opts.prefetch_k if opts.prefetch_k is not None else max(1, int(PREFETCH_AHEAD * K)),
+                opts.prefetch_k2 if opts.prefetch_k2 is not None else PREFETCH_K2,
+                self.model.router_logits_at_start,
+                opts.prefetch_start if opts.prefetch_start is not None
+                else int(PREFETCH_AT_START * K))
         self._calibrate()
         self._grow_pending = False
         self._torch_peak = 0
         self.prefill_memory: list[dict] = []
         if self.cache.elastic:   # the unmapped KV and the prefill workspace, lent to the cache
-            self._fit_cache(DECODE_HEADROOM, grow=True)
+            self._fit_cache(self._decode_headroom, grow=True)
         rep.decode_slots_per_layer = self.cache.slots
         profile = load_profile(opts.profile, c.n_layer, c.n_expert) if opts.profile else None
         t2 = time.perf_counter()
@@ -226,6 +237,11 @@ class OffloadRuntime:
         return QTensor(on.host_view(host), q.qtype, q.shape, q.name, q.parts)
 
     # -- sizing ----------------------------------------------------------------------------------------
+    @property
+    def _decode_headroom(self) -> int:
+        """What torch keeps free beside the grown cache while decoding."""
+        return DECODE_HEADROOM + (START_GUESS_HEADROOM if self.engine.prefetch_start else 0)
+
     def _fit_cache(self, torch_extra: int, grow: bool) -> None:
         """Resize the elastic cache to what the cap leaves once torch holds what it holds now
         (its cached free blocks given back) plus `torch_extra` bytes; only shrink unless `grow`.
@@ -270,8 +286,8 @@ class OffloadRuntime:
         need = state.kv_bytes(rows) - state.kv_mapped
         free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
                 - torch.cuda.memory_reserved(self.device))
-        if free < need + DECODE_HEADROOM:
-            self._fit_cache(need + DECODE_HEADROOM, grow=False)
+        if free < need + self._decode_headroom:
+            self._fit_cache(need + self._decode_headroom, grow=False)
         torch.cuda.synchronize(self.device)
         state.map_kv(rows)
         self._cap_torch()
@@ -408,7 +424,7 @@ class OffloadRuntime:
         self._room_for_kv(state, state.attn_len(1))   # attention reads up to the bucket's end
         if self._grow_pending:   # the last prefill (or KV) borrowed from the cache: take it back
             self._grow_pending = False
-            self._fit_cache(DECODE_HEADROOM, grow=True)
+            self._fit_cache(self._decode_headroom, grow=True)
         if not self.opts.use_graphs:
             return self._eager_step(tokens, state)
         key = (id(state), state.attn_len(1))
@@ -419,8 +435,7 @@ class OffloadRuntime:
         graph, tok_in, logits = g
         tok_in.copy_(tokens)
         self.engine.arm(B)
-        graph.replay()
-        self.engine.collect()
+        graph.replay()          # not waited for: the next step's launch queues behind it
         state.n_past += 1       # the captured step advanced the device position only
         self._observe()
         return logits.clone()
@@ -449,7 +464,7 @@ class OffloadRuntime:
             out = self.model.decode(tokens, state)
         finally:
             eng.in_step = False
-        eng.collect()
+        eng.settle()
         self._observe()
         return out
 
@@ -476,6 +491,7 @@ class OffloadRuntime:
     # -- statistics ------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Cache and CPU statistics since the last reset_stats()."""
+        self.engine.settle()
         s = self.cache.read_stats()
         busy = (np.asarray(self.engine.worker.busy_ns()) - self._busy0) / 1e9
         cpu_experts = np.asarray(self.engine.worker.experts()) - self._experts0
@@ -500,6 +516,7 @@ class OffloadRuntime:
         }
 
     def reset_stats(self) -> None:
+        self.engine.settle()
         self.cache.reset_stats()
         self.engine.prefill_streamed.zero_()
         self._busy0 = np.asarray(self.engine.worker.busy_ns())
@@ -519,6 +536,7 @@ class OffloadRuntime:
         self.smi.stop()
         self._graphs.clear()
         torch.cuda.synchronize(self.device)
+        self.engine.settle()
         for st in self._states.values():
             st.close()
         self.cache.close()

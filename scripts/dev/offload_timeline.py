@@ -1,6 +1,7 @@
 """Where a decode step's time goes under a VRAM cap: a kernel timeline of 8 graph replays.
 
     python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--prefetch-k2 N]
+                                           [--prefetch-start N]
                                            [--fetch-blocks N] [--trace] [--no-overlap]
 
 Prints tok/s over 64 steps without the profiler (an A/B of the options on one machine), tok/s
@@ -27,16 +28,26 @@ ap.add_argument("model")
 ap.add_argument("--vram", type=size_arg, default="8GiB")
 ap.add_argument("--prefetch-k", type=int, default=None)
 ap.add_argument("--prefetch-k2", type=int, default=None)
+ap.add_argument("--prefetch-start", type=int, default=None)
 ap.add_argument("--fetch-blocks", type=int, default=None, help="grid of a PCIe copy (default 32)")
 ap.add_argument("--trace", action="store_true")
 ap.add_argument("--no-overlap", action="store_true", help="fetch misses before any expert computes")
+ap.add_argument("--depths", default=None, help="comma list of decode steps in flight to A/B "
+                "(0: wait for each step's CPU work before launching the next, as decode did "
+                "before steps were queued), 64 steps each, --rounds times")
+ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--cpu-threads", type=int, default=None)
+ap.add_argument("--events", default=None, help="write the profiled kernels (name, stream, start, "
+                "length in us) to this JSON file, for a per-layer look offline")
 args = ap.parse_args()
 
 loaded = open_model(args.model)
 c = loaded.config
 rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram, prefetch_k=args.prefetch_k,
                                                  prefetch_k2=args.prefetch_k2,
-                                                 overlap_misses=not args.no_overlap))
+                                                 prefetch_start=args.prefetch_start,
+                                                 overlap_misses=not args.no_overlap,
+                                                 cpu_threads=args.cpu_threads))
 if args.fetch_blocks:
     rt.engine.fetch_blocks = args.fetch_blocks
 if args.trace:
@@ -48,6 +59,27 @@ for _ in range(48):
     tok = rt.decode(tok, st).argmax(-1)
 torch.cuda.synchronize()
 
+def run64(depth: int) -> float:
+    global tok
+    rt.engine.max_in_flight = max(1, depth)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(64):
+        tok = rt.decode(tok, st).argmax(-1)
+        if depth == 0:
+            rt.engine.worker.wait_step()
+    torch.cuda.synchronize()
+    return 64 / (time.perf_counter() - t)
+
+
+if args.depths:
+    depths = [int(d) for d in args.depths.split(",")]
+    got = {d: [] for d in depths}
+    for _ in range(args.rounds):
+        for d in depths:
+            got[d].append(run64(d))
+    print("steps in flight A/B (tok/s, 64 steps each): " + "; ".join(
+        f"{d}: {sorted(v)[len(v) // 2]:.1f} {[round(x, 1) for x in v]}" for d, v in got.items()))
 t = time.perf_counter()
 for _ in range(64):
     tok = rt.decode(tok, st).argmax(-1)
@@ -104,6 +136,10 @@ def inter(x, y):
     return out
 
 
+if args.events:
+    t0 = min(e["ts"] for e in ev)
+    json.dump([(e["name"][:60], e.get("tid"), round(e["ts"] - t0, 2), round(e["dur"], 2))
+               for e in sorted(ev, key=lambda e: e["ts"])], open(args.events, "w"))
 by = {k: union([(e["ts"], e["ts"] + e["dur"]) for e in ev if kind(e["name"]) == k])
       for k in ("fetch", "wait", "compute")}
 span = max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)

@@ -91,15 +91,20 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
     prompt, toks, ref = reference
     outs, stats = {}, {}
     for name, kw in (("off", dict(prefetch=False)), ("on", dict(prefetch=True, prefetch_k2=0)),
-                     ("two ahead", dict(prefetch=True, prefetch_k2=2, cache_slots=12))):
+                     ("two ahead", dict(prefetch=True, prefetch_k2=2, cache_slots=12)),
+                     ("at start", dict(prefetch=True, prefetch_k=2, prefetch_start=4,
+                                       cache_slots=12))):
         rt = _runtime(loaded, **kw)
         try:
             outs[name], stats[name] = _follow(rt, prompt, toks), rt.stats()
             if name == "two ahead":   # guesses for layers 2.. were made two layers back
                 assert int(rt.engine.prefetch_lists[1, 2:, 0].sum()) > 0
+            if name == "at start":   # guessed again at layers 1..'s start
+                assert int(rt.engine.prefetch_lists[2, 1:, 0].sum()) > 0
+                assert int(rt.engine.prefetch_lists[2, 0, 0]) == 0
         finally:
             rt.close()
-    for name in ("on", "two ahead"):
+    for name in ("on", "two ahead", "at start"):
         for i, (a, b) in enumerate(zip(outs[name], ref)):
             _close(a, b, f"step {i} (prefetch {name})")
     off, on = stats["off"], stats["on"]
@@ -141,7 +146,7 @@ def test_offloaded_layers_match_reference(loaded, fraction, overlap):
                 y = eng.decode_layer(L, x.cuda(), ids.cuda(), w.cuda())
                 outs.append((y, moe_ffn_ref(x, *refs[L], ids, w)))
             eng.in_step = False
-            eng.collect()
+            eng.settle()
             eng.check()
             for L, (y, ref) in enumerate(outs):
                 y = y.cpu()
