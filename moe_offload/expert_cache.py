@@ -4,7 +4,9 @@ Placement only: it holds memory and answers small questions (`resident`, `admit`
 with pinning, `resize`); the scheduler and the device-side plan and prefetch kernels decide what
 moves, the runtime decides the size. The tables live on
 the device so a captured decode step can look experts up and replace them with no host round
-trip (recency first, frequency as tie-breaker; pinned slots hold a warm-start hot set).
+trip. Victims go in order of a decayed score (each choice of an expert weighs 0.99^age, age in
+decode steps; native.offload_native.SCORE_DECAY), then of recency; pinned slots hold a
+warm-start hot set.
 
 Legend: L MoE layers, E experts, S slots per layer (max).
 """
@@ -98,6 +100,10 @@ class ExpertCache:
         self.slot_last_use = torch.zeros((L, S), **i32)
         self.slot_pinned = torch.zeros((L, S), **i32)
         self.expert_freq = torch.zeros((L, E), **i32)
+        # eviction scores (see native.offload_native.SCORE_DECAY): decayed choices, fixed point
+        self.expert_score = torch.zeros((L, E), **i32)
+        self.expert_seen = torch.zeros((L, E), **i32)
+        self.score_decay = torch.from_numpy(on.score_decay_table()).to(device)
         self.n_slots = torch.tensor(self._slots, **i32)
         self.stats = torch.zeros((L, len(STATS)), **i32)
         self.cpu_pending = torch.zeros(L, **i32)   # experts the plan gave the CPU this step
@@ -227,7 +233,7 @@ class ExpertCache:
         return placed
 
     def warm_start(self, bank: HostExpertBank, profile: np.ndarray | None = None,
-                   pin_fraction: float = 0.25) -> None:
+                   pin_fraction: float = 0.25, top_k: int = 8) -> None:
         """Fill every layer: the profile's hottest experts first (the top `pin_fraction` of the
         slots pinned), else experts 0, 1, 2, ... so decoding starts with a full cache."""
         for L in range(self.n_layer):
@@ -239,6 +245,24 @@ class ExpertCache:
             self.admit(L, order[n_pin:n].tolist(), bank)
             if profile is not None:
                 self.expert_freq[L].copy_(torch.from_numpy(profile[L].astype(np.int32)))
+                # the score an expert chosen at the profile's rate would have settled at
+                share = profile[L] * top_k / max(1, profile[L].sum())   # choices a token
+                steady = share / (1 - on.SCORE_DECAY) * on.SCORE_ONE
+                self.expert_score[L].copy_(torch.from_numpy(np.minimum(steady, 2**30).astype(np.int32)))
+
+    def observe_chunk(self, layer: int, counts: torch.Tensor, n_tokens: int,
+                      step: torch.Tensor) -> None:
+        """A prefill chunk of n_tokens chose each expert counts[e] times: its frequency, weighed
+        as that many decode steps' worth of evidence (the decay's sum over them), joins the
+        scores as of `step` (a device scalar: no sync)."""
+        decay = on.SCORE_DECAY
+        weight = (1 - decay ** n_tokens) / (1 - decay)          # sum of decay^j, j < n_tokens
+        age = (step.long() - self.expert_seen[layer].long()).clamp(0, on.SCORE_STEPS)
+        table = torch.cat([self.score_decay.long(), self.score_decay.new_zeros(1).long()])
+        now = (self.expert_score[layer].long() * table[age]) >> 16
+        add = (counts.double() / n_tokens * weight * on.SCORE_ONE).round().long()
+        self.expert_score[layer].copy_((now + add).clamp(max=2**30))
+        self.expert_seen[layer].copy_(step.expand_as(self.expert_seen[layer]))
 
     # -- statistics --------------------------------------------------------------------------------
     def read_stats(self) -> CacheStats:

@@ -77,7 +77,8 @@ class OffloadEngine:
         self.tables = on.CacheTablesPtrs(cache.slot_of_expert, cache.expert_of_slot,
                                          cache.slot_last_use, cache.slot_pinned,
                                          cache.expert_freq, cache.n_slots, cache.stats,
-                                         cache.cpu_pending).as_dict()
+                                         cache.cpu_pending, cache.expert_score,
+                                         cache.expert_seen, cache.score_decay).as_dict()
         layers = []
         for lay, host in zip(bank.layouts, bank.banks):
             layers.append({**dict(zip(("gate", "up", "down"), lay.banks(host.data_ptr(), lay.expert_bytes))),
@@ -299,7 +300,9 @@ class OffloadEngine:
         E, stream = cache.n_expert, torch.cuda.current_stream()
         w = w.float().contiguous()
         x = x.contiguous()
-        cache.expert_freq[L].add_(torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32))
+        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        cache.expert_freq[L].add_(counts.to(torch.int32))
+        cache.observe_chunk(L, counts, x.shape[0], self.step)
         soe = cache.slot_of_expert[L]
         slot_ids = soe[ids]                                               # [T, K] int32, -1 = miss
         y = torch.zeros_like(x)

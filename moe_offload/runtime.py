@@ -215,7 +215,7 @@ class OffloadRuntime:
         rep.decode_slots_per_layer = self.cache.slots
         profile = load_profile(opts.profile, c.n_layer, c.n_expert) if opts.profile else None
         t2 = time.perf_counter()
-        self.cache.warm_start(self.bank, profile)
+        self.cache.warm_start(self.bank, profile, top_k=c.n_expert_used)
         torch.cuda.synchronize(dev)
         rep.seconds["warm start"] = time.perf_counter() - t2
         self._graphs: dict[tuple, tuple] = {}

@@ -21,6 +21,9 @@ inline CacheTables cache_tables_from(const pybind11::dict& d) {
     t.n_slots = dict_ptr<int32_t>(d, "n_slots");
     t.stats = dict_ptr<int32_t>(d, "stats");
     t.cpu_pending = dict_ptr<int32_t>(d, "cpu_pending");
+    t.expert_score = dict_ptr<int32_t>(d, "expert_score");
+    t.expert_seen = dict_ptr<int32_t>(d, "expert_seen");
+    t.score_decay = dict_ptr<int32_t>(d, "score_decay");
     t.n_experts = d["n_experts"].cast<int>();
     t.max_slots = d["max_slots"].cast<int>();
     return t;

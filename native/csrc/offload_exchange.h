@@ -26,12 +26,21 @@ struct CacheTables {
     int32_t* n_slots;         // [L]     usable slots (victims are searched below it; elastic)
     int32_t* stats;           // [L, kStatsCols] counters, see below
     int32_t* cpu_pending;     // [L]     experts handed to the CPU this step (0: nothing to wait for)
+    int32_t* expert_score;    // [L, E]  choices lately, each decayed by age (fixed point, below)
+    int32_t* expert_seen;     // [L, E]  step of the score's last update
+    const int32_t* score_decay;  // [kScoreSteps] decay^age in fixed point (kScoreOne = 1.0)
     int n_experts;            // E
     int max_slots;            // S (row stride of the slot arrays)
 };
 
 // kPrefetched: experts copied in ahead of their layer on a guess (offload_prefetch); kPrefetchHits:
 // selections served by such a copy in the same step.
+// Expert scores (eviction: smallest score first, then least recently used): fixed point with
+// kScoreOne per choice; an age of kScoreSteps steps or more decays a score to 0. The decay table
+// comes from native/offload_native.py (score_decay_table), so both sides compute the same keys.
+constexpr int kScoreOne = 1 << 16;
+constexpr int kScoreSteps = 1024;
+
 enum StatsCol { kHits = 0, kFetched = 1, kCpu = 2, kPrefetchHits = 3, kPrefetched = 4, kStatsCols = 5 };
 
 // Host-side exchange area (page-locked), one row per layer.

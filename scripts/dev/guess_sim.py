@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from native.offload_native import LayerTablesRef, plan_reference, prefetch_reference
+from native.offload_native import _NEVER, LayerTablesRef, plan_reference, prefetch_reference
 
 ap = argparse.ArgumentParser()
 ap.add_argument("dir")
@@ -21,9 +21,16 @@ ap.add_argument("--link", type=float, default=45e9, help="bytes/s of the link be
 ap.add_argument("--lat", type=float, default=0.0, help="us from a layer's plan to its first "
                 "demand byte (launches, events, PCIe round trip)")
 ap.add_argument("--variants", nargs="*", default=None)
+ap.add_argument("--trace", action="store_true", help="replay the bench's trace regime (no guesses)")
+ap.add_argument("--policy", default="kernels", choices=["kernels", "lru", "lfu"],
+                help="eviction order: the kernels' (offload_native.plan_reference: decayed score, "
+                     "then recency), least recently used first, or least often chosen first")
 args = ap.parse_args()
 
 ids = np.load(os.path.join(args.dir, "ids.npy")).astype(np.int64)
+if args.trace:   # the bench's realistic-locality trace instead of the recorded routing
+    from moe_offload.trace import make_trace
+    ids = make_trace(len(ids), ids.shape[1], 256, ids.shape[2]).astype(np.int64)
 if args.tokens:
     ids = ids[:args.tokens]
 N, nL, K = ids.shape
@@ -66,12 +73,42 @@ def margin_guess(src, gap, kmax=8, kmin=0):
     return g
 
 
+class RecencyFirst(LayerTablesRef):
+    """The eviction order before scores: least recently used first, then least often chosen."""
+
+    def keys(self, step: int) -> list[int]:
+        out = []
+        for s in range(self.n_slots):
+            old = int(self.expert_of_slot[s])
+            if self.slot_pinned[s] or self.slot_last_use[s] >= step:
+                out.append(_NEVER)
+            else:
+                out.append(-2**63 if old < 0 else
+                           (int(self.slot_last_use[s]) << 32) | int(self.expert_freq[old]))
+        return out
+
+
+class FrequencyFirst(LayerTablesRef):
+    """Least often chosen (since the start) first, then least recently used."""
+
+    def keys(self, step: int) -> list[int]:
+        out = []
+        for s in range(self.n_slots):
+            old = int(self.expert_of_slot[s])
+            if self.slot_pinned[s] or self.slot_last_use[s] >= step:
+                out.append(_NEVER)
+            else:
+                out.append(-2**63 if old < 0 else
+                           (int(self.expert_freq[old]) << 32) | int(self.slot_last_use[s]))
+        return out
+
+
 def simulate(slots: int, guess, when: str = "early", late=None):
     """guess(t, L) -> experts guessed for layer L at token t (made during layer L-1: 'early' =
     as L-1's demand copies end (f1), 'late' = after L-1's experts (out1))."""
     tabs = []
     for _ in range(nL):
-        t = LayerTablesRef(np.full(E, -1, np.int64), np.full(slots, -1, np.int64),
+        t = {"lfu": FrequencyFirst, "lru": RecencyFirst}.get(args.policy, LayerTablesRef)(np.full(E, -1, np.int64), np.full(slots, -1, np.int64),
                            np.zeros(slots, np.int64), np.zeros(slots, np.int64),
                            np.zeros(E, np.int64), slots)
         t.expert_of_slot[:] = np.arange(slots)     # warm start: experts 0, 1, 2, ...

@@ -270,3 +270,31 @@ def test_router_at_start_equals_the_router_on_its_own_input(mixed):
         f = rms_norm(x, L["post_attention_norm.weight"], eps)
         torch.testing.assert_close(m.router_logits_at_start(i, a), m.router_logits(i, f),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_choices_and_a_profile_join_the_eviction_scores(mixed):
+    """A prefill chunk weighs as many decode steps as it has tokens (decayed); a warm start from
+    a routing profile starts each expert at the score its rate would settle at."""
+    from native.offload_native import SCORE_DECAY, SCORE_ONE, score_decay_table
+    bank = HostExpertBank(mixed, pin=False, threads=2)
+    c = mixed.config
+    cache = ExpertCache(bank.layouts, [3] * c.n_layer, c.n_expert, torch.device("cpu"))
+    counts = torch.zeros(c.n_expert, dtype=torch.long)
+    counts[3], counts[4] = 10, 5            # of a 10-token chunk: every token chose 3, half 4
+    cache.observe_chunk(0, counts, 10, torch.tensor(5, dtype=torch.int32))
+    weight = (1 - SCORE_DECAY ** 10) / (1 - SCORE_DECAY)
+    score = cache.expert_score[0]
+    assert abs(int(score[3]) / SCORE_ONE - weight) < 1e-4
+    assert abs(int(score[4]) / SCORE_ONE - weight / 2) < 1e-4 and int(score[5]) == 0
+    assert int(cache.expert_seen[0, 3]) == 5
+    before = int(score[3])
+    cache.observe_chunk(0, torch.zeros(c.n_expert, dtype=torch.long), 4,
+                        torch.tensor(8, dtype=torch.int32))   # nothing chosen, 3 steps later
+    assert int(cache.expert_score[0, 3]) == (before * int(score_decay_table()[3])) >> 16
+    assert int(cache.expert_score[1, 3]) == 0                  # other layers untouched
+    prof = np.zeros((c.n_layer, c.n_expert), np.int64)
+    prof[:, 9] = 30
+    prof[:, 2] = 10
+    cache.warm_start(bank, prof, top_k=c.n_expert_used)
+    share = 30 / 40 * c.n_expert_used                           # choices a token
+    assert abs(int(cache.expert_score[0, 9]) / SCORE_ONE - share / (1 - SCORE_DECAY)) < 1e-3

@@ -3,12 +3,16 @@
 the GPU in test_offload_policy_gpu.py."""
 import numpy as np
 
-from native.offload_native import LayerTablesRef, plan_reference, prefetch_reference
+from native.offload_native import (SCORE_DECAY, SCORE_ONE, SCORE_STEPS, LayerTablesRef,
+                                   decayed_score, plan_reference, prefetch_reference,
+                                   score_decay_table)
 
 
 def _tables(E: int, S: int, resident: dict[int, int], last: dict[int, int] | None = None,
-            pinned=(), freq: dict[int, int] | None = None) -> LayerTablesRef:
-    """resident: expert -> slot; last: slot -> step of last use; freq: expert -> count."""
+            pinned=(), freq: dict[int, int] | None = None,
+            score: dict[int, tuple[int, int]] | None = None) -> LayerTablesRef:
+    """resident: expert -> slot; last: slot -> step of last use; freq: expert -> count;
+    score: expert -> (choices, step of the last update), in whole choices."""
     soe = np.full(E, -1, np.int32)
     eos = np.full(S, -1, np.int32)
     for e, s in resident.items():
@@ -21,7 +25,10 @@ def _tables(E: int, S: int, resident: dict[int, int], last: dict[int, int] | Non
     fq = np.zeros(E, np.int32)
     for e, v in (freq or {}).items():
         fq[e] = v
-    return LayerTablesRef(soe, eos, lu, pin, fq, S)
+    sc, seen = np.zeros(E, np.int64), np.zeros(E, np.int64)
+    for e, (n, at) in (score or {}).items():
+        sc[e], seen[e] = n * SCORE_ONE, at
+    return LayerTablesRef(soe, eos, lu, pin, fq, S, sc, seen)
 
 
 def test_hits_stay_and_the_least_recently_used_slot_goes_first():
@@ -34,14 +41,39 @@ def test_hits_stay_and_the_least_recently_used_slot_goes_first():
     assert out["pair_slots"] == [[0, -1], [-1, 1]]         # resident now, fetched once it lands
 
 
-def test_free_slots_first_pinned_never_ties_by_frequency():
-    t = _tables(16, 4, {0: 0, 1: 1, 2: 2}, last={0: 3, 1: 3, 2: 1}, pinned=[2], freq={0: 5, 1: 2})
+def test_free_slots_first_pinned_never_then_lowest_score():
+    t = _tables(16, 4, {0: 0, 1: 1, 2: 2}, last={0: 3, 1: 3, 2: 1}, pinned=[2],
+                score={0: (5, 3), 1: (2, 3)})
     out = plan_reference(t, [7, 8, 9], step=4, fetch_fraction=(1.0, 0))
-    # free slot 3, then of slots 0/1 (same step) the less frequently used expert's (1); the
-    # pinned slot 2, although the oldest, stays
+    # free slot 3, then of slots 0/1 the expert of lower score (1); the pinned slot 2, although
+    # the oldest, stays
     assert out["fetch"] == [(7, 3), (8, 1), (9, 0)] and t.slot_of_expert[2] == 2
     out = plan_reference(t, [10], step=5, fetch_fraction=(1.0, 0))
-    assert out["fetch"] == [(10, 0)]   # three slots last used at step 4, once each: the lowest
+    assert out["fetch"] == [(10, 0)]   # three slots last used at step 4, chosen once each: the lowest
+
+
+def test_a_frequent_expert_outlives_a_recent_one_until_its_score_decays():
+    # expert 0 was chosen 6 times up to step 10, expert 1 once at step 19
+    t = _tables(16, 2, {0: 0, 1: 1}, last={0: 10, 1: 19}, score={0: (6, 10), 1: (1, 19)})
+    assert plan_reference(t, [5], step=20, fetch_fraction=(1.0, 0))["fetch"] == [(5, 1)]
+    # six choices 190 steps before a single one weigh 6 * 0.99^190 = 0.89 of it: 0 goes
+    t = _tables(16, 2, {0: 0, 5: 1}, last={0: 10, 1: 200}, score={0: (6, 10), 5: (1, 200)})
+    assert plan_reference(t, [6], step=300, fetch_fraction=(1.0, 0))["fetch"] == [(6, 0)]
+
+
+def test_scores_decay_in_fixed_point_and_count_each_choice():
+    table = score_decay_table()
+    assert table.shape == (SCORE_STEPS,) and table[0] == SCORE_ONE
+    assert abs(table[100] / SCORE_ONE - SCORE_DECAY ** 100) < 1e-4
+    assert decayed_score(3 * SCORE_ONE, 7, 7, table) == 3 * SCORE_ONE
+    assert decayed_score(SCORE_ONE, 0, 10, table) == (SCORE_ONE * int(table[10])) >> 16
+    assert decayed_score(SCORE_ONE, 0, SCORE_STEPS, table) == 0       # too old: forgotten
+    t = _tables(16, 4, {})
+    plan_reference(t, [3, 4, 3], step=5, fetch_fraction=(1.0, 0))   # two tokens chose 3
+    assert t.expert_score[3] == 2 * SCORE_ONE and t.expert_score[4] == SCORE_ONE
+    assert t.expert_seen[3] == 5
+    plan_reference(t, [3], step=6, fetch_fraction=(1.0, 0))
+    assert t.expert_score[3] == ((2 * SCORE_ONE * int(table[1])) >> 16) + SCORE_ONE
 
 
 def test_every_slot_in_use_sends_the_rest_to_the_cpu():

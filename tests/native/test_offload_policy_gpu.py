@@ -24,20 +24,27 @@ def _random_tables(rng):
     pinned[:, :2] = 1
     freq = rng.integers(0, 10, (L, E)).astype(np.int32)
     n_slots = np.array([S, S - 4], np.int32)
-    return soe, eos, last, pinned, freq, n_slots
+    # scores of a few choices, some stored long ago (ages past the decay table forget them)
+    score = (rng.integers(0, 4, (L, E)) * on.SCORE_ONE + rng.integers(0, 1000, (L, E))).astype(np.int32)
+    seen = rng.integers(-1100, 6, (L, E)).astype(np.int32)
+    return soe, eos, last, pinned, freq, n_slots, score, seen
 
 
 def test_plan_and_prefetch_kernels_match_the_reference():
     rng = np.random.default_rng(7)
-    soe, eos, last, pinned, freq, n_slots = _random_tables(rng)
+    soe, eos, last, pinned, freq, n_slots, score, seen = _random_tables(rng)
     refs = [on.LayerTablesRef(soe[i].copy(), eos[i].copy(), last[i].copy(), pinned[i].copy(),
-                              freq[i].copy(), int(n_slots[i])) for i in range(L)]
+                              freq[i].copy(), int(n_slots[i]), score[i].astype(np.int64),
+                              seen[i].astype(np.int64)) for i in range(L)]
     dev = {k: torch.from_numpy(v).cuda() for k, v in
-           dict(soe=soe, eos=eos, last=last, pinned=pinned, freq=freq, n_slots=n_slots).items()}
+           dict(soe=soe, eos=eos, last=last, pinned=pinned, freq=freq, n_slots=n_slots,
+                score=score, seen=seen).items()}
     stats = torch.zeros((L, 5), dtype=torch.int32, device="cuda")
     pending = torch.zeros(L, dtype=torch.int32, device="cuda")
+    decay = torch.from_numpy(on.score_decay_table()).cuda()
     tables = on.CacheTablesPtrs(dev["soe"], dev["eos"], dev["last"], dev["pinned"], dev["freq"],
-                                dev["n_slots"], stats, pending).as_dict()
+                                dev["n_slots"], stats, pending, dev["score"], dev["seen"],
+                                decay).as_dict()
     ex_buf = on.ExchangeBuffers.allocate(L, T, K, H, pin=True)
     ex = ex_buf.as_dict(T)
     step_t = torch.zeros((), dtype=torch.int32, device="cuda")
@@ -77,7 +84,8 @@ def test_plan_and_prefetch_kernels_match_the_reference():
             pf_hits[layer] += ref["prefetch_hits"]
             assert int(stats[layer, 3]) == pf_hits[layer], what
         for name, col in (("soe", "slot_of_expert"), ("eos", "expert_of_slot"),
-                          ("last", "slot_last_use"), ("freq", "expert_freq")):
+                          ("last", "slot_last_use"), ("freq", "expert_freq"),
+                          ("score", "expert_score"), ("seen", "expert_seen")):
             for layer in range(L):
                 assert np.array_equal(dev[name][layer].cpu().numpy(), getattr(refs[layer], col)), \
                     f"step {step}: {col} of layer {layer}"

@@ -3,7 +3,7 @@
 //
 //   offload_step_begin   step counter += 1 (first node of a captured step)
 //   offload_plan         per MoE layer: hits / PCIe fetches / CPU misses, residency-table
-//                        updates (recency + frequency replacement), CPU work list + hand-off
+//                        updates (decayed-frequency + recency replacement), CPU work list + hand-off
 //   offload_fetch        copies the chosen experts from the page-locked host bank into their
 //                        new cache slots (zero-copy reads over PCIe, ~45-51 GB/s measured)
 //   offload_wait_add     waits (bounded) for the CPU worker's result and adds it to the output
@@ -33,8 +33,8 @@ __global__ void step_begin_kernel(int32_t* step) { *step += 1; }
 
 // One layer's rows of the residency tables.
 struct LayerTables {
-    int32_t *soe, *eos, *last, *freq, *stats;
-    const int32_t* pinned;
+    int32_t *soe, *eos, *last, *freq, *stats, *score, *seen;
+    const int32_t *pinned, *decay;
     int n_slots, E;
 };
 
@@ -42,12 +42,20 @@ __device__ LayerTables layer_tables(const CacheTables& tab, int layer) {
     const size_t E = tab.n_experts, S = tab.max_slots;
     return {tab.slot_of_expert + layer * E, tab.expert_of_slot + layer * S,
             tab.slot_last_use + layer * S,  tab.expert_freq + layer * E,
-            tab.stats + (size_t)layer * kStatsCols, tab.slot_pinned + layer * S,
+            tab.stats + (size_t)layer * kStatsCols, tab.expert_score + layer * E,
+            tab.expert_seen + layer * E, tab.slot_pinned + layer * S, tab.score_decay,
             tab.n_slots[layer], tab.n_experts};
 }
 
-// Block-wide: key[s] = how evictable slot s is, smaller first: free slots, then the least recently
-// used, then the least frequently used expert; LLONG_MAX (never) for slots used this step or
+// Expert e's score at `step`: its stored score decayed by the steps since it was stored.
+__device__ __forceinline__ uint32_t decayed_score(const LayerTables& t, int32_t e, int32_t step) {
+    const int32_t age = step - t.seen[e];
+    if (age >= kScoreSteps) return 0;
+    return (uint32_t)(((uint64_t)(uint32_t)t.score[e] * (uint32_t)t.decay[age < 0 ? 0 : age]) >> 16);
+}
+
+// Block-wide: key[s] = how evictable slot s is, smaller first: free slots, then the expert of
+// smallest score, then the least recently used; LLONG_MAX (never) for slots used this step or
 // pinned. Returns how many evictable slots this thread saw.
 __device__ int slot_keys(const LayerTables& t, int32_t step, long long* key) {
     int n = 0;
@@ -55,7 +63,8 @@ __device__ int slot_keys(const LayerTables& t, int32_t step, long long* key) {
         const int32_t old = t.eos[s];
         const bool never = t.pinned[s] || t.last[s] >= step;
         key[s] = never ? LLONG_MAX
-               : old < 0 ? LLONG_MIN : ((long long)t.last[s] << 32) | (uint32_t)t.freq[old];
+               : old < 0 ? LLONG_MIN
+                         : ((long long)decayed_score(t, old, step) << 32) | (uint32_t)t.last[s];
         n += !never;
     }
     return n;
@@ -124,6 +133,13 @@ plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__
         sel_slot[tid] = s;
         sel_kind[tid] = s < 0 ? 2 : t.last[s] >= step ? 1 : 0;
         atomicAdd(t.freq + e, 1);
+        int n = 0, first = tid;   // the first selection of e updates its score, by all of them
+        for (int j = 0; j < n_sel; ++j)
+            if (ids[j] == e) { ++n; first = min(first, j); }
+        if (first == tid) {
+            t.score[e] = (int32_t)(decayed_score(t, e, step) + (uint32_t)n * kScoreOne);
+            t.seen[e] = step;
+        }
     }
     __syncthreads();   // every kind read before any hit is marked used this step
     if (tid < n_sel && sel_kind[tid] != 2) {
