@@ -294,9 +294,13 @@ class LayerTablesRef:
             if self.slot_pinned[s] or self.slot_last_use[s] >= step:
                 out.append(_NEVER)
             else:
-                out.append(-2**63 if old < 0 else
-                           (self.score(old, step) << 32) | int(self.slot_last_use[s]))
+                out.append(-2**63 if old < 0 else self.victim_key(s, old, step))
         return out
+
+    def victim_key(self, s: int, e: int, step: int) -> int:
+        """Order of occupied evictable slots (smaller goes first): expert e's score, then the
+        slot's last use."""
+        return (self.score(e, step) << 32) | int(self.slot_last_use[s])
 
     def assign(self, want: list[int], keys: list[int], step: int) -> list[tuple[int, int]]:
         """Slots of smallest key (ties: lower slot) for `want` in turn, evicting their experts."""
