@@ -158,10 +158,10 @@ class OffloadEngine:
         """Before launching a decode step: the worker will follow step host_step + 1. The host
         does not wait for a step to finish before launching the next (the GPU would idle while
         it caught up); it waits only to keep at most `max_in_flight` steps in flight."""
+        if self.host_step >= self.max_in_flight:   # before arming: an error leaves none armed
+            self.worker.wait_step(self.host_step + 1 - self.max_in_flight)
         self.host_step += 1
         self.worker.begin_step(self.host_step, n_tok)
-        if self.host_step > self.max_in_flight:
-            self.worker.wait_step(self.host_step - self.max_in_flight)
 
     def settle(self) -> None:
         """Wait for the CPU work of every step launched; surface the worker's first error and
