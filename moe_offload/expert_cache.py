@@ -143,8 +143,9 @@ class ExpertCache:
         """Give each layer `slots[L]` slots (at most its capacity; a fixed cache cannot grow) and
         return what each has now. Elastic pools map whole chunks, so up to a chunk a layer may
         be mapped and unused. Shrinking keeps a layer's most valuable experts -- pinned, then
-        most recently used, then most often -- moving them into the slots that remain; the others
-        leave the cache. Growing adds empty slots, which misses fill. Synchronizes the device:
+        those of highest score (the eviction order of the plan kernel), then most recently used,
+        then most often chosen -- moving them into the slots that remain; the others leave the
+        cache. Growing adds empty slots, which misses fill. Synchronizes the device:
         call it between steps. If the device cannot map more memory (another process took it),
         the layers done so far keep their new size, the rest their old one, and the error is
         raised as an OffloadError: the cache stays consistent and usable."""
@@ -155,11 +156,15 @@ class ExpertCache:
         last = self.slot_last_use.cpu().numpy()
         pin = self.slot_pinned.cpu().numpy()
         freq = self.expert_freq.cpu().numpy()
+        score, seen = self.expert_score.cpu().numpy(), self.expert_seen.cpu().numpy()
+        table = self.score_decay.cpu().numpy()
         try:
             for L, want in enumerate(slots):
                 new = max(0, min(int(want), self.capacity[L]))
                 if new < self._slots[L]:
-                    self._compact(L, new, eos[L], soe[L], last[L], pin[L], freq[L])
+                    # scores decay alike: their order is the same at any step, e.g. the latest
+                    value = on.decayed_scores(score[L], seen[L], int(seen[L].max()), table)
+                    self._compact(L, new, eos[L], soe[L], last[L], pin[L], freq[L], value)
                 if self._buffers:
                     try:
                         self._buffers[L].resize(new * self.layouts[L].expert_bytes)
@@ -174,11 +179,11 @@ class ExpertCache:
             self.n_slots.copy_(torch.tensor(self._slots, dtype=torch.int32))
         return self.slots
 
-    def _compact(self, L: int, n: int, eos, soe, last, pin, freq) -> None:
+    def _compact(self, L: int, n: int, eos, soe, last, pin, freq, value) -> None:
         """Keep layer L's n most valuable experts in slots [0, n) (tables edited in place)."""
         pool = self.pools[L]
         occupied = [s for s in range(self._slots[L]) if eos[s] >= 0]
-        occupied.sort(key=lambda s: (-pin[s], -last[s], -freq[eos[s]], s))
+        occupied.sort(key=lambda s: (-pin[s], -value[eos[s]], -last[s], -freq[eos[s]], s))
         for s in occupied[n:]:          # leave the cache
             soe[eos[s]] = -1
             eos[s], last[s], pin[s] = -1, 0, 0

@@ -160,6 +160,14 @@ def decayed_score(score: int, seen: int, step: int, table) -> int:
     return 0 if age >= SCORE_STEPS else (int(score) * int(table[max(age, 0)])) >> 16
 
 
+def decayed_scores(score: "np.ndarray", seen: "np.ndarray", step: int, table) -> "np.ndarray":
+    """decayed_score over arrays of experts (int64)."""
+    import numpy as np
+    age = np.clip(step - seen.astype(np.int64), 0, SCORE_STEPS - 1)
+    out = (score.astype(np.int64) * table.astype(np.int64)[age]) >> 16
+    return np.where(step - seen.astype(np.int64) >= SCORE_STEPS, 0, out)
+
+
 @dataclass
 class CacheTablesPtrs:
     """Addresses of an ExpertCache's device tables (see csrc/offload_exchange.h)."""

@@ -104,9 +104,10 @@ def _fill(cache, bank, L, experts, last, pinned=()):
 
 
 def test_cache_shrink_keeps_the_most_valuable_experts_and_their_bytes(mixed):
-    """resize() down: pinned experts first, then the most recently used (frequency breaks ties)
-    stay, moved into the remaining slots with their bytes; the rest leave; tables stay
-    consistent. Growing again adds empty slots. (CPU: the elastic bookkeeping without VMM.)"""
+    """resize() down: pinned experts first, then those of highest score, then the most recently
+    used (frequency breaks ties) stay, moved into the remaining slots with their bytes; the rest
+    leave; tables stay consistent. Growing again adds empty slots. (CPU: the elastic bookkeeping
+    without VMM.)"""
     bank = HostExpertBank(mixed, pin=False, threads=2)
     c = mixed.config
     E = c.n_expert
@@ -139,6 +140,12 @@ def test_cache_shrink_keeps_the_most_valuable_experts_and_their_bytes(mixed):
     assert set(cache.resident(0).tolist()) == {0, 1}
     assert cache.resident(1).tolist() == [12]
     assert torch.equal(cache.pools[1][0], bank.expert(1, 12))
+
+    _fill(cache, bank, 2, [13, 14, 15], [9, 8, 1])     # 15 is the oldest but chosen most lately
+    cache.expert_score[2, 15], cache.expert_seen[2, 15] = 3 << 16, 1
+    cache.expert_score[2, 13], cache.expert_seen[2, 13] = 1 << 16, 9
+    cache.resize([2, 1, 1] + [4] * (c.n_layer - 3))
+    assert cache.resident(2).tolist() == [15]          # 3 * 0.99^8 beats 1
 
     assert cache.resize([E + 5] * c.n_layer) == [E] * c.n_layer   # capped at the capacity
     assert set(cache.resident(0).tolist()) == {0, 1}
