@@ -253,7 +253,7 @@ class ExpertCache:
                 # the score an expert chosen at the profile's rate would have settled at
                 share = profile[L] * top_k / max(1, profile[L].sum())   # choices a token
                 steady = share / (1 - on.SCORE_DECAY) * on.SCORE_ONE
-                self.expert_score[L].copy_(torch.from_numpy(np.minimum(steady, 2**30).astype(np.int32)))
+                self.expert_score[L].copy_(torch.from_numpy(np.minimum(steady, on.SCORE_MAX).astype(np.int32)))
 
     def observe_chunk(self, layer: int, counts: torch.Tensor, n_tokens: int,
                       step: torch.Tensor) -> None:
@@ -266,7 +266,7 @@ class ExpertCache:
         table = torch.cat([self.score_decay.long(), self.score_decay.new_zeros(1).long()])
         now = (self.expert_score[layer].long() * table[age]) >> 16
         add = (counts.double() / n_tokens * weight * on.SCORE_ONE).round().long()
-        self.expert_score[layer].copy_((now + add).clamp(max=2**30))
+        self.expert_score[layer].copy_((now + add).clamp(max=on.SCORE_MAX))
         self.expert_seen[layer].copy_(step.expand_as(self.expert_seen[layer]))
 
     # -- statistics --------------------------------------------------------------------------------

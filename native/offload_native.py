@@ -146,6 +146,7 @@ class ElasticBuffer:
 SCORE_DECAY = 0.99
 SCORE_ONE = 1 << 16
 SCORE_STEPS = 1024
+SCORE_MAX = 1 << 30   # scores seeded from the host stop here (int32, with room for decode's adds)
 
 
 def score_decay_table() -> "np.ndarray":
