@@ -87,10 +87,11 @@ class OffloadEngine:
         self.in_step = False
         self.trace: torch.Tensor | None = None    # [N, L, K] ids replayed instead of the router's
         self.record: torch.Tensor | None = None   # [N, L, K] the ids each decode step used
-        # prefill staging: two buffers of `staging_experts` experts each (per the largest layout)
-        exp_bytes = max(lay.expert_bytes for lay in bank.layouts)
-        self.staging = [torch.empty((staging_experts, exp_bytes), dtype=torch.uint8, device=dev)
-                        for _ in range(2)]
+        # prefill staging: two buffers of `staging_experts` experts each (per the largest
+        # layout), allocated by the first prefill that streams (ensure_staging); an elastic
+        # runtime frees them after a prompt so that decode's cache can use the memory
+        self._staging_shape = (staging_experts, max(lay.expert_bytes for lay in bank.layouts))
+        self.staging: list[torch.Tensor] | None = None
         self.copy_stream = torch.cuda.Stream(dev)
         self.prefill_streamed = torch.zeros(L, dtype=torch.int64)  # experts streamed per layer
         # prefetch (set_predictor): guesses of three kinds -- made one layer ahead, two layers
@@ -151,7 +152,23 @@ class OffloadEngine:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(s.numel() for s in self.staging)
+        """The two prefill staging buffers' size, allocated or not."""
+        n, b = self._staging_shape
+        return 2 * n * b
+
+    def ensure_staging(self) -> None:
+        if self.staging is None:
+            self.staging = [torch.empty(self._staging_shape, dtype=torch.uint8, device=self.device)
+                            for _ in range(2)]
+
+    def release_staging(self) -> bool:
+        """Drop the staging buffers (after their last copies and computations); True if there
+        were any. The memory goes back to torch's cache: the caller's empty_cache frees it."""
+        if self.staging is None:
+            return False
+        torch.cuda.current_stream().wait_stream(self.copy_stream)
+        self.staging = None
+        return True
 
     # -- decode step bracket (host side) ------------------------------------------------------------
     def arm(self, n_tok: int) -> None:
@@ -309,11 +326,13 @@ class OffloadEngine:
         n_slots = cache.slots[L]
         if n_slots:   # only the usable slots: an elastic pool's tail may have no memory behind it
             self._moe_bank(x, slot_ids, w, cache.pools[L][:n_slots], lay, y)
-        missing = torch.unique(ids[slot_ids < 0]).tolist()                # one sync per layer
+        missing_dev = torch.unique(ids[slot_ids < 0])                     # sorted
+        missing = missing_dev.tolist()                                    # one sync per layer
         if not missing:
             return y
         self.prefill_streamed[L] += len(missing)
         host = self.bank.banks[L]
+        self.ensure_staging()
         self.copy_stream.wait_stream(stream)  # staging buffers are free once earlier work is done
         n_stage = self.staging[0].shape[0]
         groups = [missing[i:i + n_stage] for i in range(0, len(missing), n_stage)]

@@ -33,7 +33,8 @@ from .models import Qwen35Moe
 from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
-from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, PREFILL_CHUNK, STAGING_EXPERTS,
+from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, LATE_LOAD_MARGIN, PREFILL_CHUNK,
+                        STAGING_EXPERTS,
                         START_GUESS_HEADROOM,
                         gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes,
                         staging_bytes)
@@ -123,9 +124,11 @@ class OffloadRuntime:
         torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)
         torch.cuda.synchronize(dev)
         free, total = torch.cuda.mem_get_info(dev)
-        outside = self.smi.sample() or (total - free)
-        outside = max(0, outside - torch.cuda.memory_reserved(dev)) + CONTEXT_MARGIN
-        self._outside = outside
+        # this process's use now (nvidia-smi), and the device's: later, the change of the
+        # device's figure (one cheap call) tells how ours has changed (_measure_outside)
+        self._proc0, self._dev_used0 = self.smi.sample(), total - free
+        outside = max(0, (self._proc0 or (total - free)) - torch.cuda.memory_reserved(dev))
+        self._outside = self._outside_budget = outside = outside + CONTEXT_MARGIN
         self.budget.reserve("CUDA context + libraries", outside,
                             "the GPU runtime alone needs this much before any weight")
         base = torch.cuda.memory_allocated(dev)
@@ -173,7 +176,7 @@ class OffloadRuntime:
         rep.pinned = self.bank.pinned
 
         # 5. the expert cache from what is left: this many slots even during the largest prefill
-        # chunk; while decoding (elastic) it also borrows the prefill workspace
+        # chunk; while decoding (elastic) it also borrows the prefill workspace and staging
         layouts = self.bank.layouts
         staging = staging_bytes(max(lay.expert_bytes for lay in layouts), opts.staging_experts)
         self.budget.reserve("prefill staging", staging, "lower --vram use elsewhere")
@@ -253,10 +256,10 @@ class OffloadRuntime:
                 - self._kv_mapped())
         # never more than the device has free: on a laptop, other programs use the GPU too
         room = min(room, cache.nbytes + torch.cuda.mem_get_info(dev)[0] - CONTEXT_MARGIN)
-        n = ExpertCache.plan_slots(cache.layouts, room, cache.n_expert, self._chunk)[0]
+        plan = ExpertCache.plan_slots(cache.layouts, room, cache.n_expert, self._chunk)
         if self.opts.cache_slots is not None:
-            n = min(n, self.opts.cache_slots)
-        want = [n] * cache.n_layer if grow else [min(n, s) for s in cache.slots]
+            plan = [min(n, self.opts.cache_slots) for n in plan]
+        want = plan if grow else [min(n, s) for n, s in zip(plan, cache.slots)]
         if want != cache.slots:
             try:
                 cache.resize(want)
@@ -299,6 +302,8 @@ class OffloadRuntime:
             return
         need = prefill_workspace_bytes(self.config, min(n_tokens, chunk), n_past + n_tokens,
                                        all_logits)
+        if self.engine.staging is None:   # lent to the cache while decoding
+            need += self.engine.staging_bytes
         # what torch may still allocate: its cap (the pools are ours, outside it) less its live
         # tensors (cached free blocks are reusable)
         free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
@@ -384,14 +389,24 @@ class OffloadRuntime:
         n, past = tokens.shape[1], state.n_past
         self._make_room(state, n, chunk, all_logits)
         with self._measured("prefill", n, past, chunk, all_logits):
-            return self.model.prefill(tokens, state, chunk, all_logits)
+            out = self.model.prefill(tokens, state, chunk, all_logits)
+        self._lend_staging()
+        return out
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         self.engine.in_step = False
         n, past = tokens.shape[1], state.n_past
         self._make_room(state, n, n, not last_only)
         with self._measured("forward", n, past, n, not last_only):
-            return self.model.forward(tokens, state, last_only)
+            out = self.model.forward(tokens, state, last_only)
+        self._lend_staging()
+        return out
+
+    def _lend_staging(self) -> None:
+        """After a prompt: an elastic cache takes the prefill staging (87 MB on the 35B, ~1.6
+        slots a layer) while decoding; the next prompt makes room for it again."""
+        if self.cache.elastic and self.engine.release_staging():
+            self._grow_pending = True
 
     def _make_room(self, state: State, n: int, chunk: int, all_logits: bool) -> None:
         """Before n prompt tokens: the context must hold them (checked before anything is
@@ -399,6 +414,7 @@ class OffloadRuntime:
         state.check_room(n)
         self._room_for_kv(state, state.n_past + n)
         self._room_for_prefill(n, state.n_past, chunk, all_logits)
+        self.engine.ensure_staging()
 
     @contextlib.contextmanager
     def _measured(self, what: str, n: int, past: int, chunk: int, all_logits: bool):
@@ -432,6 +448,7 @@ class OffloadRuntime:
         if g is None:
             g = self._capture(tokens, state)
             self._graphs[key] = g
+            self._measure_outside()
         graph, tok_in, logits = g
         tok_in.copy_(tokens)
         self.engine.arm(B)
@@ -467,6 +484,25 @@ class OffloadRuntime:
         eng.settle()
         self._observe()
         return out
+
+    def _measure_outside(self) -> None:
+        """After a capture every kernel of decode (and of the prompts so far) is loaded: measure
+        the memory outside torch's allocator and our pools (context, libraries, kernel images)
+        and budget LATE_LOAD_MARGIN above it instead of the start-up margin -- never more than
+        the start-up budget, so another program's memory can only make this more careful. The
+        next step resizes the cache to the new figure."""
+        if self._proc0 is None:   # no per-process figure to start from: keep the margin
+            return
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        ours = self._proc0 + (total - free) - self._dev_used0
+        outside = (ours - torch.cuda.memory_reserved(dev) - self.cache.nbytes
+                   - self._kv_mapped())
+        new = min(self._outside_budget, outside + LATE_LOAD_MARGIN)
+        if new != self._outside:
+            self._outside = new
+            self._grow_pending = True
 
     def _capture(self, tokens: torch.Tensor, state: State):
         eng = self.engine
@@ -528,6 +564,7 @@ class OffloadRuntime:
         d["cache_peak"] = self._cache_peak
         self.smi.sample()
         d["nvidia_smi_peak"] = self.smi.peak_bytes
+        d["outside_budget"] = self._outside   # context + libraries, as budgeted now
         d["cap"] = self.opts.vram
         return d
 

@@ -189,16 +189,29 @@ def test_fixed_cache_cannot_grow(mixed):
 
 def test_plan_slots_respects_budget(mixed):
     bank = HostExpertBank(mixed, pin=False, threads=2)
-    per = max(lay.expert_bytes for lay in bank.layouts)
+    lays = bank.layouts
+    per = max(lay.expert_bytes for lay in lays)
     c = mixed.config
-    assert ExpertCache.plan_slots(bank.layouts, per * c.n_layer * 3 + 5, c.n_expert) == [3] * c.n_layer
-    assert ExpertCache.plan_slots(bank.layouts, 10**12, c.n_expert) == [c.n_expert] * c.n_layer
+    L, E = c.n_layer, c.n_expert
+    # even by count, then what is left buys one more slot, first layers first
+    budget = per * L * 3 + 5
+    got = ExpertCache.plan_slots(lays, budget, E)
+    left = budget - 3 * sum(lay.expert_bytes for lay in lays)
+    want = [3] * L
+    for i, lay in enumerate(lays):
+        if lay.expert_bytes <= left:
+            want[i], left = 4, left - lay.expert_bytes
+    assert got == want and sum(s * lay.expert_bytes for s, lay in zip(got, lays)) <= budget
+    assert ExpertCache.plan_slots(lays, 10**12, E) == [E] * L
     # pools mapped in chunks: each layer rounds up to whole chunks, paid from the budget
     chunk = 2 * per + 7
-    assert ExpertCache.plan_slots(bank.layouts, chunk * c.n_layer, c.n_expert, chunk) == [2] * c.n_layer
-    assert ExpertCache.plan_slots(bank.layouts, chunk * c.n_layer + per * c.n_layer, c.n_expert,
-                                  chunk) == [2] * c.n_layer     # 3 a layer would need 2 chunks each
-    assert ExpertCache.plan_slots(bank.layouts, chunk * c.n_layer - 1, c.n_expert, chunk) == [0] * c.n_layer
+    assert ExpertCache.plan_slots(lays, chunk * L, E, chunk) == [2] * L
+    # 3 a layer would need 2 chunks each: the extra per * L buys a second chunk for
+    # per * L // chunk layers (the first ones)
+    extra = per * L // chunk
+    assert ExpertCache.plan_slots(lays, chunk * L + per * L, E, chunk) == \
+        [3] * extra + [2] * (L - extra)
+    assert ExpertCache.plan_slots(lays, chunk * L - 1, E, chunk) == [0] * L
 
 
 def test_budget_refuses_with_numbers():
@@ -305,3 +318,20 @@ def test_prefill_choices_and_a_profile_join_the_eviction_scores(mixed):
     cache.warm_start(bank, prof, top_k=c.n_expert_used)
     share = 30 / 40 * c.n_expert_used                           # choices a token
     assert abs(int(cache.expert_score[0, 9]) / SCORE_ONE - share / (1 - SCORE_DECAY)) < 1e-3
+
+
+def test_dense_weights_pack_into_one_allocation(mixed):
+    """On a GPU the dense weights are copied into one allocation (views of it): the same bytes,
+    aligned, one storage. Packing is device-agnostic, so the CPU checks it."""
+    from moe_offload.models.weights import ARENA_ALIGN, _pack, upload_weights
+    from native.ops import QTensor
+    tensors, _ = upload_weights(mixed, "cpu", experts_device="cpu")
+    raw = lambda t: t.data if isinstance(t, QTensor) else t
+    before = {n: raw(t).clone() for n, t in tensors.items()}
+    _pack(tensors, list(tensors), torch.device("cpu"))
+    storages = {raw(t).untyped_storage().data_ptr() for t in tensors.values()}
+    assert len(storages) == 1 and len(tensors) > 10
+    base = storages.pop()   # CUDA allocations start 512-aligned; offsets keep the alignment
+    for n, t in tensors.items():
+        d = raw(t)
+        assert torch.equal(d, before[n]) and (d.data_ptr() - base) % ARENA_ALIGN == 0, n

@@ -163,8 +163,10 @@ def test_offloaded_layers_match_reference(loaded, fraction, overlap):
 def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, reference, monkeypatch):
     """A prefill whose workspace does not fit beside the cache shrinks it (here to nothing: every
     expert streams); the next decode step grows it back; a shrink in the middle of decoding keeps
-    the most recently used experts (moved with their bytes). Logits stay the all-on-GPU ones."""
+    the experts of highest score, then the most recent (moved with their bytes). The prefill
+    staging is freed after the prompt (lent to the cache). Logits stay the all-on-GPU ones."""
     import moe_offload.runtime as runtime
+    from native import offload_native as on
     prompt, toks, ref = reference
     rt = _runtime(loaded, cache_slots=10)
     try:
@@ -177,20 +179,26 @@ def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, ref
             m.setattr(runtime, "prefill_workspace_bytes", lambda *a, **k: rt.opts.vram)
             out = [rt.prefill(prompt, st)]
         assert rt.cache.slots == [0] * L and rt.stats()["prefill_streamed"] > 0
+        assert rt.engine.staging is None   # streamed through it, then lent to the cache
         for t in toks[:12]:
             out.append(rt.decode(t, st))
         assert rt.cache.slots == [10] * L     # taken back by the first decode step
         last = rt.cache.slot_last_use.cpu()
         eos = rt.cache.expert_of_slot.cpu()
-        used = [{int(eos[la, s]): int(last[la, s]) for s in range(10) if eos[la, s] >= 0}
-                for la in range(L)]    # expert -> step of last use, before the shrink
+        score, seen = rt.cache.expert_score.cpu().numpy(), rt.cache.expert_seen.cpu().numpy()
+        table = rt.cache.score_decay.cpu().numpy()
+        used = []   # expert -> (decayed score, step of last use), before the shrink
+        for la in range(L):
+            value = on.decayed_scores(score[la], seen[la], int(seen[la].max()), table)
+            used.append({int(eos[la, s]): (int(value[eos[la, s]]), int(last[la, s]))
+                         for s in range(10) if eos[la, s] >= 0})
         rt.cache.resize([4] * L)
         for layer in range(L):
             kept = set(rt.cache.resident(layer).tolist())
             left = set(used[layer]) - kept
             assert len(kept) == 4 and kept <= set(used[layer])
             assert min(used[layer][e] for e in kept) >= max(used[layer][e] for e in left), \
-                f"layer {layer}: a less recently used expert stayed"
+                f"layer {layer}: an expert of lower score (or as high, less recent) stayed"
             for e in kept:
                 s = int(rt.cache.slot_of_expert[layer, e])
                 assert s < 4 and torch.equal(rt.cache.pools[layer][s].cpu(), rt.bank.expert(layer, e))
