@@ -340,13 +340,22 @@ class OffloadEngine:
         free = [torch.cuda.Event() for _ in range(2)]
         stage_map = torch.full((E,), -1, dtype=torch.int32, device=self.device)
 
+        whole_rows = self.staging[0].shape[1] == lay.expert_bytes
+
         def copy(gi: int) -> None:
             buf = self.staging[gi % 2]
             with torch.cuda.stream(self.copy_stream):
                 if gi >= 2:
                     self.copy_stream.wait_event(free[gi % 2])
-                for j, e in enumerate(groups[gi]):
-                    buf[j, :lay.expert_bytes].copy_(host[e], non_blocking=True)
+                # consecutive experts are adjacent in the bank: one copy a run (with 60% of a
+                # layer missing, runs average ~2.5 experts; each copy costs ~10 us of host time)
+                grp, j = groups[gi], 0
+                while j < len(grp):
+                    r = 1
+                    while whole_rows and j + r < len(grp) and grp[j + r] == grp[j] + r:
+                        r += 1
+                    buf[j:j + r, :lay.expert_bytes].copy_(host[grp[j]:grp[j] + r], non_blocking=True)
+                    j += r
                 ready[gi].record(self.copy_stream)
 
         copy(0)
@@ -355,7 +364,8 @@ class OffloadEngine:
                 copy(gi + 1)
             stream.wait_event(ready[gi])
             stage_map.fill_(-1)
-            stage_map[torch.tensor(grp, device=self.device)] = torch.arange(
+            i0 = gi * n_stage
+            stage_map[missing_dev[i0:i0 + len(grp)]] = torch.arange(
                 len(grp), dtype=torch.int32, device=self.device)
             self._moe_bank(x, stage_map[ids], w, self.staging[gi % 2], lay, y)
             free[gi % 2].record(stream)

@@ -366,6 +366,7 @@ def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
     tok = order[:starts[-1]] // k
     wts = weights.reshape(-1)[order[:starts[-1]]].float()
     xs = x.index_select(0, tok).to(torch.bfloat16)                   # [N, H] grouped by expert
+    ends = counts.cumsum(0).to(torch.int32)    # on the device: group offsets need no more syncs
     y = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     stream = _stream(x.device)
     for g0 in range(0, e, group):
@@ -380,7 +381,7 @@ def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
             _cuda.dequantize(q.qtype.type_id, q.data.data_ptr() + g0 * q.expert_stride, n,
                              rows * cols, q.expert_stride, wq.data_ptr(), 30, stream)
             mats.append(wq)
-        offs = torch.tensor(starts[g0 + 1:g1 + 1], dtype=torch.int32, device=x.device) - r0
+        offs = ends[g0:g1] - r0
         a = xs[r0:r1]
         hg = _grouped_mm(a, mats[0], offs)
         hu = _grouped_mm(a, mats[1], offs)

@@ -131,8 +131,9 @@ def test_projections_of_different_types_stay_apart(synth_model):
 
 # ---- the two forms of the delta rule -------------------------------------------------------------
 
+@pytest.mark.parametrize("chunk", [64, 128])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
-def test_chunked_delta_rule_equals_recurrent(dtype, tol):
+def test_chunked_delta_rule_equals_recurrent(dtype, tol, chunk):
     g = torch.Generator().manual_seed(1)
     B, T, H, dk, dv = 2, 150, 3, 16, 8
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
@@ -143,7 +144,7 @@ def test_chunked_delta_rule_equals_recurrent(dtype, tol):
     S0 = rnd(B, H, dk, dv)
     s_rec, s_chunk = S0.clone(), S0.clone()
     o_rec = delta_rule_recurrent(q, k, v, decay, beta, s_rec)
-    o_chunk = delta_rule_chunked(q, k, v, decay, beta, s_chunk, chunk=64)
+    o_chunk = delta_rule_chunked(q, k, v, decay, beta, s_chunk, chunk=chunk)
     assert o_chunk.shape == (B, T, H, dv)
     assert _max_diff(o_rec, o_chunk) < tol * max(1.0, float(o_rec.abs().max()))
     assert _max_diff(s_rec, s_chunk) < tol * max(1.0, float(s_rec.abs().max()))
