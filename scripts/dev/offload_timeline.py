@@ -85,6 +85,17 @@ for _ in range(64):
     tok = rt.decode(tok, st).argmax(-1)
 torch.cuda.synchronize()
 print(f"{64 / (time.perf_counter() - t):.1f} tok/s over 64 steps, not profiled")
+# where the cap went, decoding: nvidia-smi's process figure against what we can name
+MiB = 1 << 20
+smi = rt.smi.sample() or 0
+reserved = torch.cuda.memory_reserved()
+kv = rt._kv_mapped()
+named = reserved + rt.cache.nbytes + kv
+print(f"VRAM decoding (MiB): nvidia-smi {smi / MiB:.0f} (peak {(rt.smi.peak_bytes or 0) / MiB:.0f}, "
+      f"cap {args.vram / MiB:.0f}); torch reserved {reserved / MiB:.0f} (allocated "
+      f"{torch.cuda.memory_allocated() / MiB:.0f}, staging {rt.engine.staging_bytes / MiB:.0f}), "
+      f"expert cache {rt.cache.nbytes / MiB:.0f}, KV mapped {kv / MiB:.0f}; the rest "
+      f"{(smi - named) / MiB:.0f} (budgeted for context + libraries: {rt._outside / MiB:.0f})")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
