@@ -20,7 +20,9 @@ from ..state import State
 from .layers import gated_attention, gated_delta_net, residual_rms_norm, route_topk, swiglu
 from .weights import Experts
 
-DELTA_CHUNK = 64
+# Tokens a chunk of the delta rule in prefill: the loop over chunks is sequential, so fewer,
+# larger chunks launch less (pp2048 at 8 GiB on the H200: 4426 tok/s against 4148 at 64).
+DELTA_CHUNK = 128
 
 # Projections that read the same input. Uploaded to a GPU as one weight when their types match
 # (weights.upload_weights(fuse=FUSED_PROJECTIONS)), they cost one matmul launch instead of 2-4.

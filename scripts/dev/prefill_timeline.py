@@ -27,6 +27,9 @@ ap.add_argument("--tokens", type=int, default=2048)
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--delta-chunk", default=None,
                 help="comma list of delta-net chunk sizes to A/B (rounds interleaved)")
+ap.add_argument("--decode-first", type=int, default=0,
+                help="before each prefill, a conversation of this many decode steps (the cache "
+                "then holds a decode working set, scattered over the experts, not the warm start)")
 args = ap.parse_args()
 
 loaded = open_model(args.model)
@@ -35,6 +38,11 @@ rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram))
 
 
 def once() -> float:
+    if args.decode_first:
+        st = rt.new_state(1)
+        tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
+        for _ in range(args.decode_first):
+            tok = rt.decode(tok, st).argmax(-1)
     st = rt.new_state(1)
     toks = torch.randint(0, c.n_vocab, (1, args.tokens)).cuda()
     torch.cuda.synchronize()
