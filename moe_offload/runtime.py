@@ -212,6 +212,7 @@ class OffloadRuntime:
         self._calibrate()
         self._grow_pending = False
         self._torch_peak = 0
+        self._capture_need: int | None = None   # torch memory a decode capture needs (measured)
         self.prefill_memory: list[dict] = []
         if self.cache.elastic:   # the unmapped KV and the prefill workspace, lent to the cache
             self._fit_cache(self._decode_headroom, grow=True)
@@ -242,8 +243,12 @@ class OffloadRuntime:
     # -- sizing ----------------------------------------------------------------------------------------
     @property
     def _decode_headroom(self) -> int:
-        """What torch keeps free beside the grown cache while decoding."""
-        return DECODE_HEADROOM + (START_GUESS_HEADROOM if self.engine.prefetch_start else 0)
+        """What torch keeps free beside the grown cache while decoding: until a decode step has
+        been captured, the estimate DECODE_HEADROOM; then what a capture was measured to need
+        (the next attention bucket's), +25% and 16 MiB (_measured_capture checks it before each)."""
+        need = DECODE_HEADROOM if self._capture_need is None else \
+            self._capture_need * 5 // 4 + (16 << 20)
+        return need + (START_GUESS_HEADROOM if self.engine.prefetch_start else 0)
 
     def _fit_cache(self, torch_extra: int, grow: bool) -> None:
         """Resize the elastic cache to what the cap leaves once torch holds what it holds now
@@ -446,9 +451,8 @@ class OffloadRuntime:
         key = (id(state), state.attn_len(1))
         g = self._graphs.get(key)
         if g is None:
-            g = self._capture(tokens, state)
+            g = self._measured_capture(tokens, state)
             self._graphs[key] = g
-            self._measure_outside()
         graph, tok_in, logits = g
         tok_in.copy_(tokens)
         self.engine.arm(B)
@@ -485,24 +489,48 @@ class OffloadRuntime:
         self._observe()
         return out
 
+    def _measured_capture(self, tokens: torch.Tensor, state: State):
+        """Capture a decode step, measuring what it costs, so that decode keeps only that much
+        free beside the cache (the first capture's figure stands for the later ones; a later
+        capture that finds less room under the cap shrinks the cache first)."""
+        dev = self.device
+        if self._capture_need is not None and self.cache.elastic:
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
+                    - torch.cuda.memory_reserved(dev))
+            if free < self._decode_headroom:
+                self._fit_cache(self._decode_headroom, grow=False)
+                self._grow_pending = True
+        self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+        g = self._capture(tokens, state)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        need = torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev)
+        self._capture_need = max(self._capture_need or 0, need)
+        self._measure_outside()
+        self._grow_pending = True   # the cache takes what the estimates held back
+        return g
+
     def _measure_outside(self) -> None:
         """After a capture every kernel of decode (and of the prompts so far) is loaded: measure
         the memory outside torch's allocator and our pools (context, libraries, kernel images)
         and budget LATE_LOAD_MARGIN above it instead of the start-up margin -- never more than
-        the start-up budget, so another program's memory can only make this more careful. The
-        next step resizes the cache to the new figure."""
+        the start-up budget, so another program's memory can only make this more careful.
+        nvidia-smi's figure for this process where there is one (a subprocess, but captures are
+        rare: one per 256 positions), else the change in the device's used memory."""
         if self._proc0 is None:   # no per-process figure to start from: keep the margin
             return
         dev = self.device
         torch.cuda.synchronize(dev)
-        free, total = torch.cuda.mem_get_info(dev)
-        ours = self._proc0 + (total - free) - self._dev_used0
+        ours = self.smi.sample()
+        if ours is None:
+            free, total = torch.cuda.mem_get_info(dev)
+            ours = self._proc0 + (total - free) - self._dev_used0
         outside = (ours - torch.cuda.memory_reserved(dev) - self.cache.nbytes
                    - self._kv_mapped())
-        new = min(self._outside_budget, outside + LATE_LOAD_MARGIN)
-        if new != self._outside:
-            self._outside = new
-            self._grow_pending = True
+        self._outside = min(self._outside_budget, outside + LATE_LOAD_MARGIN)
 
     def _capture(self, tokens: torch.Tensor, state: State):
         eng = self.engine
