@@ -234,6 +234,8 @@ PYBIND11_MODULE(_cuda, m) {
         return out;
     });
     m.def("device_limits", &cuda::device_limits);
+    m.def("rows_min_chunks", &cuda::rows_min_chunks);
+    m.def("set_rows_min_chunks", &cuda::set_rows_min_chunks, py::arg("n"));
 
     // ---- offload runtime: decode-step kernels (csrc/cuda/offload.cu; protocol and tables in
     // csrc/offload_exchange.h; Python side native/offload_native.py) ---------------------------------

@@ -126,5 +126,7 @@ bool tables_ready();
 std::vector<std::string> type_names();        // every type in FT_QUANT_TYPES (all ops run all)
 std::string matmul_accum(int type_id);       // "q8" or "f32" (see matmul); "" if unknown
 std::map<std::string, int> device_limits();  // sms, smem_optin, of the current device
+int rows_min_chunks();          // fewest chunks a warp of the rows engine streams (rows.cuh)
+void set_rows_min_chunks(int n);
 
 }  // namespace ft::cuda

@@ -6,6 +6,7 @@
 // allocation; capturable. x is read (and for q8 types rounded to int8) by every CTA into shared
 // memory, so T * H * 1.25 bytes (q8) or T * H * 4.5 bytes (f32) must fit next to the stages;
 // larger T are split into more launches.
+#include <atomic>
 #include <cstdlib>
 
 #include "cuda/rows.cuh"
@@ -49,7 +50,7 @@ struct PlainMap {
 
 template <class Pol, int NT>
 void launch_plain(PlainMap m, const Geom& geo, cudaStream_t stream) {
-    launch_rows<Pol, NT>(m, geo, cdiv(m.O, m.G), 1, stream);
+    launch_rows<Pol, NT>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
 }
 
 template <QType QT>
@@ -112,6 +113,29 @@ int grid_copies() {
     // shape (2048x512: 35 vs 22/26 GB/s; 2048x248320: 938 vs 933/874): filling the copies costs
     // more per block than the bank conflicts they avoid.
     return 1;
+}
+
+namespace {
+std::atomic<int> g_min_chunks{0};   // 0: not yet read from the environment
+}
+
+int rows_min_chunks() {
+    int v = g_min_chunks.load();
+    if (v > 0) return v;
+    // 4: on the H200 (35B IQ3_S, T=1, in CUDA graphs) the expert FFN of 8 experts took 30.2 us
+    // against 31.3 at 1, attn_qkv [8192, 2048] 12.1 against 14.0; 8 and more were slower
+    v = 4;
+    if (const char* env = std::getenv("FTPATCH_ROWS_MIN_CHUNKS")) {
+        v = std::atoi(env);
+        require(v >= 1 && v <= 1024, "FTPATCH_ROWS_MIN_CHUNKS must be 1..1024");
+    }
+    g_min_chunks.store(v);
+    return v;
+}
+
+void set_rows_min_chunks(int n) {
+    require(n >= 1 && n <= 1024, "rows min chunks must be 1..1024");
+    g_min_chunks.store(n);
 }
 
 int ctas_per_sm(const void* kernel, size_t smem) {

@@ -206,7 +206,7 @@ void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Residency& re
     m.ng = ng;
     m.x = GlobalX{x, H, reinterpret_cast<uintptr_t>(x) % 16 == 0 && H % 4 == 0};
     m.gu = gu;
-    launch_rows<Pol, 1>(m, geo, int64_t(T) * K * m.NP * cdiv(F, geo.G), 1, st);
+    launch_rows<Pol, 1>(m, geo, int64_t(T) * K * m.NP * cdiv(F, geo.G), geo.G, 1, st);
 }
 
 template <QType QT>
@@ -232,7 +232,7 @@ void launch_act_down(const Pool& d, const Residency& res, int64_t n_slots, const
     m.act = act;
     m.y = y;
     m.accumulate = accumulate;
-    launch_rows<Pol, 1>(m, geo, H, T, st);
+    launch_rows<Pol, 1>(m, geo, H, K, T, st);
 }
 
 int type_of(int id, const char* what) {

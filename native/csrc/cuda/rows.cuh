@@ -302,9 +302,19 @@ template <class Pol> size_t smem_bytes(const Geom& g) {
 // CTAs per SM for a kernel at a dynamic shared memory size (cached per device and size).
 int ctas_per_sm(const void* kernel, size_t smem);
 
-// Enqueue rows_kernel<Pol, NT, Map> over `n_tiles` tiles (per blockIdx.y of `grid_y`).
+// The fewest chunks a warp streams when there is enough work (1: a warp per tile, as many CTAs
+// as occupancy allows). Every CTA first converts x into shared memory and loads the lookup
+// table; on decode's small matrices (an expert's 512 rows of 8 IQ3_S blocks: 2 chunks a row)
+// that prologue outweighs the rows, so fewer CTAs, each streaming more, can finish sooner.
+// FTPATCH_ROWS_MIN_CHUNKS overrides the default; set_rows_min_chunks for same-process A/B.
+int rows_min_chunks();
+void set_rows_min_chunks(int n);
+
+// Enqueue rows_kernel<Pol, NT, Map> over `n_tiles` tiles of `rows_per_tile` rows (per
+// blockIdx.y of `grid_y`).
 template <class Pol, int NT, class Map>
-void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int grid_y, cudaStream_t stream) {
+void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int64_t rows_per_tile, int grid_y,
+                 cudaStream_t stream) {
     const Grids& grids = device_grids(UsesGrids<Pol::kType>::value);
     if (n_tiles <= 0 || grid_y <= 0) return;
     auto kernel = rows_kernel<Pol, NT, Map>;
@@ -317,7 +327,14 @@ void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int grid_y, c
         FT_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     const int per_sm = ctas_per_sm(reinterpret_cast<const void*>(kernel), smem);
-    const int64_t want = cdiv(n_tiles, kWarps);
+    const int64_t chunks_per_tile = cdiv(rows_per_tile, geo.G) * geo.cpr;
+    const int64_t tiles_per_warp = cdiv(rows_min_chunks(), chunks_per_tile);
+    const int64_t one_each = cdiv(n_tiles, kWarps);   // a tile a warp
+    int64_t want = cdiv(n_tiles, kWarps * (tiles_per_warp > 1 ? tiles_per_warp : 1));
+    // ... but never fewer CTAs than SMs while there are tiles for them (the shared expert's 512
+    // rows ran 5.0 us at one tile a warp, 6.7 us at half the CTAs)
+    const int64_t floor = one_each < dev.sms ? one_each : dev.sms;
+    want = want > floor ? want : floor;
     const int64_t cap = int64_t(per_sm) * dev.sms;
     const dim3 grid(unsigned(want < cap ? want : cap), unsigned(grid_y));
     FT_LAUNCH(kernel, grid, kThreads, smem, stream, map, geo, grids);
