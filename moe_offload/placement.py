@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from loaders import LoadedModel
+from native import ops
+
+from .models.qwen35moe import DELTA_CHUNK
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight",
                    "ffn_down_exps.weight")
@@ -107,11 +110,13 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     live = T * H * 4 * 4                                       # residual stream, norms, mixer out
     proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
     attn = (T * 6 + kv_len * 4) * c.n_head * c.head_dim * 4 + T * kv_len * 4   # fused kernel
-    delta = c.ssm_n_v_heads * T * 64 * 4 * 4 + T * fused_ssm_in * 4 * 2       # chunked blocks
+    delta = c.ssm_n_v_heads * T * DELTA_CHUNK * 4 * 4 + T * fused_ssm_in * 4 * 2  # chunk blocks
     # routed experts (native.ops.cuda_prefill_moe): a group of 32 experts dequantized to bf16,
-    # the T*K token copies (bf16 in, f32 out), their gate/up/activation rows
+    # the T*K token copies (bf16 in, f32 out), their gate/up/activation rows; a short prompt
+    # runs the decode kernels instead (no dequantized copy)
     N, F = T * c.n_expert_used, c.n_ff_exp
-    moe = 3 * 32 * F * H * 2 + N * H * 12 + N * F * 12
+    gemm = T > ops.PREFILL_MOE_MIN_TOKENS
+    moe = (3 * 32 * F * H * 2 if gemm else 0) + N * H * 12 + N * F * 12
     logits = c.n_vocab * 4 * (T if all_logits else 4)
     return int(1.25 * (live + max(proj, attn, delta, moe)) + logits + (64 << 20))
 

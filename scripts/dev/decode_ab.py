@@ -20,6 +20,13 @@ Variants:
                the value of N slots, not a configuration that fits)
   pfN          N guesses a token one layer ahead (graphs re-captured)
   startN       N guesses a token at a layer's start (graphs re-captured)
+  chunksN      the rows engine's warps stream at least N chunks (fewer CTAs on small
+               matrices; graphs re-captured)
+  moeminN      prompts of more than N tokens take the grouped-GEMM expert path (with
+               --after-prompt: what a short prompt costs the decode after it)
+
+--after-prompt: apply the variant first, then time the first `--steps` steps after the prompt
+(the cache's regrowth and refill included, as `ftpatch bench` times tg).
 """
 from __future__ import annotations
 
@@ -35,7 +42,8 @@ from loaders import open_model
 from moe_offload.budget import SmiPeak
 from moe_offload.runtime import OffloadRuntime, RuntimeOptions
 from moe_offload.trace import TraceParams, make_trace
-from native.ops import _cpu
+from native import ops
+from native.ops import _cpu, _cuda
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
@@ -44,6 +52,7 @@ ap.add_argument("--trace", action="store_true")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--steps", type=int, default=64)
 ap.add_argument("--variants", default="base,pcie-only,threads8,no-smi")
+ap.add_argument("--after-prompt", action="store_true")
 ap.add_argument("--segments", action="store_true",
                 help="after the warm-up, list torch's memory segments (pool, size, in use)")
 args = ap.parse_args()
@@ -58,6 +67,8 @@ st = rt.new_state(1)
 tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
 threads0 = _cpu.threads() if _cpu is not None else 0
 pf0, start0 = rt.engine.prefetch_k, rt.engine.prefetch_start
+chunks0 = _cuda.rows_min_chunks()
+moemin0 = ops.PREFILL_MOE_MIN_TOKENS
 slots0: list[int] = []
 apply_rates = rt.scheduler.apply
 
@@ -109,6 +120,12 @@ def apply(v: str, on: bool) -> None:
             rt.smi.peak_bytes = max(rt.smi.peak_bytes or 0, peak or 0)
     elif m := re.fullmatch(r"slots([+-]\d+)", v):
         rt.cache.resize([s + int(m[1]) for s in slots0] if on else slots0)
+    elif m := re.fullmatch(r"chunks(\d+)", v):
+        _cuda.set_rows_min_chunks(int(m[1]) if on else chunks0)
+        rt._graphs.clear()
+        rt._graph_pool = torch.cuda.graph_pool_handle()
+    elif m := re.fullmatch(r"moemin(\d+)", v):
+        ops.PREFILL_MOE_MIN_TOKENS = int(m[1]) if on else moemin0
     elif v != "base":
         raise SystemExit(f"unknown variant {v!r}")
 
@@ -134,10 +151,14 @@ if args.segments:
 got: dict[str, list] = {v: [] for v in variants}
 for r in range(args.rounds):
     for v in variants:
-        restart()
-        steps(1)   # the cache grows back to its decode size (after which slots+N applies)
-        apply(v, True)
-        steps(15)
+        if args.after_prompt:
+            apply(v, True)
+            restart()
+        else:
+            restart()
+            steps(1)   # the cache grows back to its decode size (after which slots+N applies)
+            apply(v, True)
+            steps(15)
         rt.reset_stats()
         tps = steps(args.steps)
         s = rt.stats()

@@ -335,3 +335,16 @@ def test_dense_weights_pack_into_one_allocation(mixed):
     for n, t in tensors.items():
         d = raw(t)
         assert torch.equal(d, before[n]) and (d.data_ptr() - base) % ARENA_ALIGN == 0, n
+
+
+def test_short_prompts_need_no_dequantized_expert_group(mixed, monkeypatch):
+    """A prompt of at most ops.PREFILL_MOE_MIN_TOKENS tokens runs the experts through the decode
+    kernels, so its workspace estimate (what the elastic cache lends it) has no bf16 group."""
+    from moe_offload.placement import prefill_workspace_bytes
+    from native import ops
+    c = mixed.config
+    short = prefill_workspace_bytes(c, 16, 16)
+    monkeypatch.setattr(ops, "PREFILL_MOE_MIN_TOKENS", 8)
+    assert prefill_workspace_bytes(c, 16, 16) >= short
+    group = 3 * 32 * c.n_ff_exp * c.n_embd * 2
+    assert prefill_workspace_bytes(c, 128, 128) >= group    # long prompts: the GEMM path
