@@ -3,7 +3,8 @@
     python scripts/dev/prefill_timeline.py MODEL [--vram 8GiB] [--tokens 2048] [--reps 3]
 
 Prints tok/s of `--reps` unprofiled prefills of `--tokens` random tokens (each in a new
-conversation, as `ftpatch bench` does), then one profiled: wall time, GPU kernel time by kind
+conversation, as `ftpatch bench` does; with --decode-first, each after a short decoded one),
+then one profiled (the prefill alone): wall time, GPU kernel time by kind
 (copies into staging by the copy engine, expert FFN, the rest), how much of the wall the GPU
 was busy, and the top kernels; then the host-side calls that took the most time.
 """
@@ -37,12 +38,17 @@ c = loaded.config
 rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram))
 
 
-def once() -> float:
+def converse() -> None:
+    """--decode-first: a short conversation, so that the cache holds a decode working set."""
     if args.decode_first:
         st = rt.new_state(1)
         tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
         for _ in range(args.decode_first):
             tok = rt.decode(tok, st).argmax(-1)
+
+
+def once() -> float:
+    converse()
     st = rt.new_state(1)
     toks = torch.randint(0, c.n_vocab, (1, args.tokens)).cuda()
     torch.cuda.synchronize()
@@ -63,8 +69,14 @@ q.DELTA_CHUNK = chunks[0]
 for ch, v in got.items():
     print(f"pp{args.tokens} at {args.vram / 2**30:.0f} GiB, {rt.cache.slots[0]} slots a layer, "
           f"delta-net chunk {ch}: {sorted(v)[len(v) // 2]:.0f} tok/s {[round(x) for x in v]}")
+converse()
+toks = torch.randint(0, c.n_vocab, (1, args.tokens)).cuda()
+torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    wall = once()
+    t = time.perf_counter()
+    rt.prefill(toks, rt.new_state(1))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
 ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
 
 
