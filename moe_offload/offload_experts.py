@@ -35,6 +35,7 @@ from native.ops import QTensor, _cuda
 from .errors import OffloadError
 from .expert_cache import ExpertCache
 from .host_bank import HostExpertBank
+from .placement import staging_bytes as two_staging_buffers
 from .models.layers import route_topk
 from .scheduler import Scheduler
 
@@ -154,7 +155,7 @@ class OffloadEngine:
     def staging_bytes(self) -> int:
         """The two prefill staging buffers' size, allocated or not."""
         n, b = self._staging_shape
-        return 2 * n * b
+        return two_staging_buffers(b, n)
 
     def ensure_staging(self) -> None:
         if self.staging is None:

@@ -34,10 +34,8 @@ from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
 from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, LATE_LOAD_MARGIN, PREFILL_CHUNK,
-                        STAGING_EXPERTS,
-                        START_GUESS_HEADROOM,
-                        gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes,
-                        staging_bytes)
+                        STAGING_EXPERTS, START_GUESS_HEADROOM, gpu_workspace_bytes,
+                        host_weight_names, prefill_workspace_bytes, staging_bytes)
 from .scheduler import Rates, Scheduler
 from .state import State
 
@@ -128,7 +126,8 @@ class OffloadRuntime:
         # device's figure (one cheap call) tells how ours has changed (_measure_outside)
         self._proc0, self._dev_used0 = self.smi.sample(), total - free
         outside = max(0, (self._proc0 or (total - free)) - torch.cuda.memory_reserved(dev))
-        self._outside = self._outside_budget = outside = outside + CONTEXT_MARGIN
+        outside += CONTEXT_MARGIN
+        self._outside = self._outside_budget = outside   # _measure_outside may lower the first
         self.budget.reserve("CUDA context + libraries", outside,
                             "the GPU runtime alone needs this much before any weight")
         base = torch.cuda.memory_allocated(dev)
@@ -501,7 +500,6 @@ class OffloadRuntime:
                     - torch.cuda.memory_reserved(dev))
             if free < self._decode_headroom:
                 self._fit_cache(self._decode_headroom, grow=False)
-                self._grow_pending = True
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
         g = self._capture(tokens, state)

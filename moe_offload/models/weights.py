@@ -70,9 +70,9 @@ ARENA_ALIGN = 256   # bytes: every dtype's alignment, and what the kernels' vect
 
 def _pack(tensors: dict, names: Sequence[str], device: torch.device) -> None:
     """Copy the named CPU weights into one device allocation and replace them (in `tensors`)
-    by views of it. Separately, the caching allocator places each 1-10 MB weight in a 20 MiB
-    segment and the pieces left over between them stay reserved: 122 MiB of 1,066 on the 35B,
-    two expert-cache slots a layer."""
+    by views of it. Uploaded one by one, each 1-10 MB weight would sit in a 20 MiB segment of
+    the caching allocator, and the pieces left between them stay reserved: 122 MiB of 1,066
+    on the 35B, two expert-cache slots a layer."""
     def raw(t) -> torch.Tensor:
         return t.data if isinstance(t, QTensor) else t
     offsets, total = [], 0
