@@ -90,6 +90,13 @@ def steps(n: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+def recapture() -> None:
+    """Drop the captured graphs: the next steps capture anew, in a new pool (a pool whose graphs
+    are all gone asserts when captured into again)."""
+    rt._graphs.clear()
+    rt._graph_pool = torch.cuda.graph_pool_handle()
+
+
 def apply(v: str, on: bool) -> None:
     rt.engine.settle()
     if v == "pcie-only":
@@ -108,8 +115,7 @@ def apply(v: str, on: bool) -> None:
             rt.engine.prefetch_k = k
         else:
             rt.engine.prefetch_start = k
-        rt._graphs.clear()   # re-captured in a new pool (one whose graphs are all gone asserts)
-        rt._graph_pool = torch.cuda.graph_pool_handle()
+        recapture()
     elif m := re.fullmatch(r"threads(\d+)", v):
         _cpu.set_threads(int(m[1]) if on else threads0)
     elif v == "no-smi":
@@ -122,8 +128,7 @@ def apply(v: str, on: bool) -> None:
         rt.cache.resize([s + int(m[1]) for s in slots0] if on else slots0)
     elif m := re.fullmatch(r"chunks(\d+)", v):
         _cuda.set_rows_min_chunks(int(m[1]) if on else chunks0)
-        rt._graphs.clear()
-        rt._graph_pool = torch.cuda.graph_pool_handle()
+        recapture()
     elif m := re.fullmatch(r"moemin(\d+)", v):
         ops.PREFILL_MOE_MIN_TOKENS = int(m[1]) if on else moemin0
     elif v != "base":

@@ -122,7 +122,7 @@ std::atomic<int> g_min_chunks{0};   // 0: not yet read from the environment
 int rows_min_chunks() {
     int v = g_min_chunks.load();
     if (v > 0) return v;
-    // 4: on the H200 (35B IQ3_S, T=1, in CUDA graphs) the expert FFN of 8 experts took 30.2 us
+    // 4: on the H200 (35B IQ3_S, T=1, in CUDA graphs) the expert FFN of 8 experts took 30.3 us
     // against 31.3 at 1, attn_qkv [8192, 2048] 12.1 against 14.0; 8 and more were slower
     v = 4;
     if (const char* env = std::getenv("FTPATCH_ROWS_MIN_CHUNKS")) {

@@ -306,9 +306,8 @@ int ctas_per_sm(const void* kernel, size_t smem);
 // as occupancy allows). Every CTA first converts x into shared memory and loads the lookup
 // table; on decode's small matrices (an expert's 512 rows of 8 IQ3_S blocks: 2 chunks a row)
 // that prologue outweighs the rows, so fewer CTAs, each streaming more, can finish sooner.
-// FTPATCH_ROWS_MIN_CHUNKS overrides the default; set_rows_min_chunks for same-process A/B.
-int rows_min_chunks();
-void set_rows_min_chunks(int n);
+// FTPATCH_ROWS_MIN_CHUNKS overrides the default; set_rows_min_chunks for same-process A/B
+// (both declared in api.h, defined in matvec.cu beside grid_copies).
 
 // Enqueue rows_kernel<Pol, NT, Map> over `n_tiles` tiles of `rows_per_tile` rows (per
 // blockIdx.y of `grid_y`).
