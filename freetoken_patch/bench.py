@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
     # -- decode ---------------------------------------------------------------------------------
     tg, ttft = [], []
-    rec = torch.zeros((args.gen, c.n_layer, c.n_expert_used), dtype=torch.long, device=dev)
+    rec = torch.zeros((args.gen, c.n_layer, c.n_expert_used), dtype=torch.int32, device=dev)
     if trace_params is None:
         rt.engine.record = rec  # before any capture: the graph records the ids it routes
     for r in range(args.reps + 1):

@@ -87,7 +87,13 @@ class OffloadEngine:
         self.worker = on.make_worker(self._ex[self.max_tok], layers, timeout_s)
         self.in_step = False
         self.trace: torch.Tensor | None = None    # [N, L, K] ids replayed instead of the router's
-        self.record: torch.Tensor | None = None   # [N, L, K] the ids each decode step used
+        self.record: torch.Tensor | None = None   # [N, L, K] int32: the ids each decode step used
+        # the step's row of trace and record, chosen once a step on the device (begin_device_step);
+        # the record is written on its own stream, off the step's critical path
+        self._trace_row: torch.Tensor | None = None   # [L, K] this step's replayed ids
+        self._record_row: torch.Tensor | None = None  # [1] the record's row for this step
+        self.record_stream = torch.cuda.Stream(dev)
+        self._record_forked = False
         # prefill staging: two buffers of `staging_experts` experts each (per the largest
         # layout), allocated by the first prefill that streams (ensure_staging); an elastic
         # runtime frees them after a prompt so that decode's cache can use the memory
@@ -188,8 +194,20 @@ class OffloadEngine:
         self.check()
 
     def begin_device_step(self) -> None:
-        """First thing a (captured) decode step does on the device."""
+        """First thing a (captured) decode step does on the device: the step counter, and the
+        rows of the trace and the record this step uses (one choice a step, not one a layer)."""
         on.step_begin(self.step)
+        self._trace_row = (None if self.trace is None
+                           else self.trace.index_select(0, self._step_row(self.trace))[0])
+        self._record_row = None if self.record is None else self._step_row(self.record)
+        self._record_forked = False   # whether this step has work on the record's stream
+
+    def end_device_step(self) -> None:
+        """Last thing a (captured) decode step does: join the record's stream (a captured graph
+        must end on the stream it began on)."""
+        if self._record_forked:
+            torch.cuda.current_stream().wait_stream(self.record_stream)
+        self._record_row, self._record_forked = None, False
 
     def check(self) -> None:
         err = int(self.error.item())
@@ -206,14 +224,14 @@ class OffloadEngine:
     def decode_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         ex = self._ex[T]
-        if self.trace is not None:   # routing-trace regime: same scheduler and kernels, other ids
-            ids = self.trace.index_select(0, self._step_row(self.trace))[0, L].expand(T, -1)
-        if self.record is not None:
-            self.record[:, L].index_copy_(0, self._step_row(self.record), ids[:1].to(self.record.dtype))
+        if self._trace_row is not None:   # routing-trace regime: same scheduler and kernels, other ids
+            ids = self._trace_row[L].expand(T, -1)
         ids32 = ids.to(torch.int32).contiguous()
         w = w.float().contiguous()
         x = x.contiguous()
         main = torch.cuda.current_stream()
+        if self._record_row is not None:
+            self._record_ids(L, ids32, main)
         guessed = self._guesses_for(L)
         for d in guessed:   # their slots are taken: the plan sees them as resident
             main.wait_event(self._guessed[d - 1][L])
@@ -241,6 +259,16 @@ class OffloadEngine:
             self._pool(L, x, ids32, self.cache.slot_of_expert[L], w, y, accumulate=False)
         on.wait_add(ex, L, self.step, self.cache.cpu_pending, y, self.timeout_s, self.error)
         return y
+
+    def _record_ids(self, L: int, ids32: torch.Tensor, main) -> None:
+        """record[step row, L] = the first token's ids, on the record's stream (joined by
+        end_device_step)."""
+        rs = self.record_stream
+        rs.wait_stream(main)
+        self._record_forked = True
+        ids32.record_stream(rs)   # ids32's memory must not be reused on main before rs has read it
+        with torch.cuda.stream(rs):
+            self.record[:, L].index_copy_(0, self._record_row, ids32[:1])
 
     def _pool(self, L: int, x, ids, soe, w, y, *, accumulate: bool) -> None:
         """y (+)= the experts of the pairs whose slot (soe[ids], or ids themselves: slot ids) is

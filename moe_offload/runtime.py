@@ -482,6 +482,7 @@ class OffloadRuntime:
         try:
             eng.begin_device_step()
             out = self.model.decode(tokens, state)
+            eng.end_device_step()
         finally:
             eng.in_step = False
         eng.settle()
@@ -545,6 +546,7 @@ class OffloadRuntime:
             with torch.cuda.graph(g, pool=self._graph_pool):
                 eng.begin_device_step()
                 logits = self.model.decode(tok_in, state)
+                eng.end_device_step()
         finally:
             eng.in_step = False
             state.n_past = n_past  # capture ran no kernels; the host counter must not move

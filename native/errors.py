@@ -1,5 +1,6 @@
 """The native package's exception family."""
 
 
-class NativeError(Exception):
-    """A kernel cannot run as asked (unsupported type, wrong shape/dtype/device): says which and why."""
+class NativeError(ValueError):
+    """A kernel cannot run as asked (unsupported type, wrong shape/dtype/device, a bad tuning
+    variable): says which and why. The extensions raise it for their argument checks."""

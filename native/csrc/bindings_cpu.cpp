@@ -49,6 +49,7 @@
 #include "cpu/cpu.h"
 #include "cpu/offload_worker.h"
 #include "offload_bindings.h"
+#include "py_errors.h"
 
 namespace py = pybind11;
 using namespace ft;
@@ -72,6 +73,7 @@ std::vector<std::string> type_names() {
 
 PYBIND11_MODULE(_cpu, m) {
     m.doc() = "ftpatch CPU kernels on raw ggml blocks (see bindings_cpu.cpp for the contract)";
+    ft::register_native_error();
     auto release = py::call_guard<py::gil_scoped_release>();
 
     m.def("dequantize",

@@ -54,6 +54,7 @@
 #include <pybind11/pybind11.h>
 
 #include "offload_bindings.h"
+#include "py_errors.h"
 #include "cuda/offload_api.h"
 #include <pybind11/stl.h>
 
@@ -77,6 +78,7 @@ std::vector<uint8_t> buffer_bytes(const py::handle& obj) {
 
 PYBIND11_MODULE(_cuda, m) {
     m.doc() = "ftpatch CUDA kernels on raw ggml blocks (see bindings_cuda.cpp for the contract)";
+    ft::register_native_error();
     auto release = py::call_guard<py::gil_scoped_release>();
 
     m.def("dequantize",

@@ -22,11 +22,17 @@ Variants:
   startN       N guesses a token at a layer's start (graphs re-captured)
   chunksN      the rows engine's warps stream at least N chunks (fewer CTAs on small
                matrices; graphs re-captured)
+  record       the routed ids recorded every step, as `ftpatch bench` does in model routing
+               (graphs re-captured)
+  record-inline  the same, as it was written before 2026-12-01: in the step's own stream,
+               its row chosen every layer, int64
   moeminN      prompts of more than N tokens take the grouped-GEMM expert path (with
                --after-prompt: what a short prompt costs the decode after it)
 
 --after-prompt: apply the variant first, then time the first `--steps` steps after the prompt
-(the cache's regrowth and refill included, as `ftpatch bench` times tg).
+(the cache's regrowth and refill included, as `ftpatch bench` times tg). One untimed step
+before that prompt captures the variant's graphs (a capture costs ~0.1 s: timed, it would
+weigh on every variant that re-captures, and on the one after it).
 """
 from __future__ import annotations
 
@@ -131,6 +137,21 @@ def apply(v: str, on: bool) -> None:
         recapture()
     elif m := re.fullmatch(r"moemin(\d+)", v):
         ops.PREFILL_MOE_MIN_TOKENS = int(m[1]) if on else moemin0
+    elif v == "record":
+        rt.engine.record = (torch.zeros((256, c.n_layer, c.n_expert_used), dtype=torch.int32,
+                                        device="cuda") if on else None)
+        recapture()
+    elif v == "record-inline":   # the record as it was written before: int64, its row chosen
+        if on:                     # every layer, on the step's own stream
+            rec = torch.zeros((256, c.n_layer, c.n_expert_used), dtype=torch.long, device="cuda")
+
+            def inline(L, ids32, main):
+                rec[:, L].index_copy_(0, rt.engine._step_row(rec), ids32[:1].long())
+            rt.engine._record_ids, rt.engine.record = inline, rec
+        else:
+            del rt.engine._record_ids
+            rt.engine.record = None
+        recapture()
     elif v != "base":
         raise SystemExit(f"unknown variant {v!r}")
 
@@ -158,6 +179,8 @@ for r in range(args.rounds):
     for v in variants:
         if args.after_prompt:
             apply(v, True)
+            restart()
+            steps(1)   # a variant that re-captures does so here, not in the timed steps
             restart()
         else:
             restart()

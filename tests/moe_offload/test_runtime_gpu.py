@@ -334,3 +334,55 @@ def test_bench_cli_smoke(loaded, capsys):
                  "--ctx", "256", "--trace", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["regime"].startswith("trace(") and "trace_stats" in d
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_trace_replayed_and_record_written_once_a_step(loaded, reference, graphs):
+    """A replayed trace routes each step to its row, and the record (written on its own stream)
+    holds, row for row, the ids each step used: the trace's here. Rows never written stay -1."""
+    prompt, toks, _ = reference
+    c = loaded.config
+    N = 16   # fewer rows than steps: rows are reused modulo N
+    g = torch.Generator().manual_seed(1)
+    trace = torch.stack([torch.stack([torch.randperm(c.n_expert, generator=g)[:c.n_expert_used]
+                                      for _ in range(c.n_layer)]) for _ in range(N)]).cuda()
+    rt = _runtime(loaded, fetch_fraction=1.0, use_graphs=graphs)
+    try:
+        rt.engine.trace = trace
+        rt.engine.record = torch.full((N, c.n_layer, c.n_expert_used), -1, dtype=torch.int32,
+                                      device="cuda")
+        _follow(rt, prompt, toks)
+        rt.engine.settle()
+        rec = rt.engine.record.long()
+        written = (rec >= 0).all(-1).all(-1)
+        assert int(written.sum()) == N   # more steps than rows: every row was written
+        assert torch.equal(rec, trace)
+        s = rt.stats()
+        assert s["selections"] > 0
+    finally:
+        rt.close()
+
+
+def test_record_of_model_routing_equal_with_and_without_graphs(loaded, reference):
+    """The ids the model itself routes, recorded inside a captured graph and eagerly: equal (all
+    misses over PCIe: the same kernels, the same logits, the same routing)."""
+    prompt, toks, _ = reference
+    c = loaded.config
+    recs = []
+    for graphs in (True, False):
+        rt = _runtime(loaded, fetch_fraction=1.0, use_graphs=graphs)
+        try:
+            rt.engine.record = torch.full((64, c.n_layer, c.n_expert_used), -1, dtype=torch.int32,
+                                          device="cuda")
+            _follow(rt, prompt, toks)
+            rt.engine.settle()
+            recs.append((rt.engine.record.cpu(), int(rt.engine.step)))
+        finally:
+            rt.close()
+    (a, steps_a), (b, steps_b) = recs
+    for rec, steps in recs:   # each step wrote its own row (a capture's warm-up is a step too)
+        assert steps >= len(toks) and int((rec >= 0).all(-1).all(-1).sum()) == min(steps, 64)
+        assert int(rec.max()) < c.n_expert
+    # the graph run's steps include capture warm-ups: compare the last len(toks) steps of each
+    last = lambda rec, steps: rec[[(s - 1) % 64 for s in range(steps - len(toks) + 1, steps + 1)]]
+    assert torch.equal(last(a, steps_a), last(b, steps_b))

@@ -168,6 +168,15 @@ def test_matmul_rejects_bad_arguments(ext):
         ext.matmul(5, blocks.data_ptr(), 4, 256, 144, x.data_ptr(), 1, y.data_ptr(), _stream())
 
 
+def test_bad_tuning_value_is_a_native_error(ext):
+    """A bad argument reaches Python as NativeError: the CLI prints it as one line."""
+    from native.errors import NativeError
+    before = ext.rows_min_chunks()
+    with pytest.raises(NativeError, match="1..1024"):
+        ext.set_rows_min_chunks(0)
+    assert ext.rows_min_chunks() == before
+
+
 def test_tables_sizes_and_types(ext):
     assert ext.tables_ready()
     assert ext.block_sizes() == {n: (q.block_elems, q.block_bytes) for n, q in QUANT_TYPES.items()}
