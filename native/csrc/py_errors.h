@@ -14,7 +14,7 @@ inline void register_native_error() {
     namespace py = pybind11;
     static PyObject* native_error =
         py::object(py::module_::import("native.errors").attr("NativeError")).release().ptr();
-    pybind11::register_local_exception_translator([](std::exception_ptr p) {
+    py::register_local_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const std::invalid_argument& e) {
