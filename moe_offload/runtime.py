@@ -284,17 +284,20 @@ class OffloadRuntime:
     def _kv_mapped(self) -> int:
         return sum(st.kv_mapped for st in getattr(self, "_states", {}).values())
 
+    def _keep_free(self, nbytes: int) -> None:
+        """Shrink the cache if the cap does not leave `nbytes` free beside what torch reserves."""
+        free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
+                - torch.cuda.memory_reserved(self.device))
+        if free < nbytes:
+            self._fit_cache(nbytes, grow=False)
+
     def _room_for_kv(self, state: State, rows: int) -> None:
         """Before a step that reaches position `rows`: map the elastic KV that far, shrinking the
         cache first if the cap cannot hold both (decode grows it back only as far as the cap
         allows, so the slots stay with the KV until the state is emptied)."""
         if state.kv_rows >= rows:
             return
-        need = state.kv_bytes(rows) - state.kv_mapped
-        free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
-                - torch.cuda.memory_reserved(self.device))
-        if free < need + self._decode_headroom:
-            self._fit_cache(need + self._decode_headroom, grow=False)
+        self._keep_free(state.kv_bytes(rows) - state.kv_mapped + self._decode_headroom)
         torch.cuda.synchronize(self.device)
         state.map_kv(rows)
         self._cap_torch()
@@ -497,10 +500,7 @@ class OffloadRuntime:
         if self._capture_need is not None and self.cache.elastic:
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()
-            free = (self.opts.vram - self._outside - self.cache.nbytes - self._kv_mapped()
-                    - torch.cuda.memory_reserved(dev))
-            if free < self._decode_headroom:
-                self._fit_cache(self._decode_headroom, grow=False)
+            self._keep_free(self._decode_headroom)
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
         g = self._capture(tokens, state)
