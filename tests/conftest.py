@@ -1,13 +1,14 @@
-"""Shared fixtures: synthetic models (built once per session), the shared vocabulary fixture,
-and the `gpu` marker (skipped where CUDA is unavailable)."""
+"""Common fixtures: synthetic models (built once per session), the vocabulary fixture shipped in
+tests/fixtures/ (see its README: origin, MIT licence), and the `gpu` marker (skipped where CUDA
+is unavailable). Nothing here reads outside the repository."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_VOCAB = ROOT.parent / "shared" / "fixtures" / "ggml-vocab-qwen35.gguf"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+VOCAB = FIXTURES / "ggml-vocab-qwen35.gguf"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,9 +26,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def vocab_path() -> Path:
-    if not SHARED_VOCAB.exists():
-        pytest.fail(f"the shared vocabulary fixture is missing: {SHARED_VOCAB}")
-    return SHARED_VOCAB
+    if not VOCAB.exists():
+        pytest.fail(f"the vocabulary fixture is missing from the repository: {VOCAB}")
+    return VOCAB
 
 
 @pytest.fixture(scope="session")
