@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from freetoken_patch.model_args import size_arg
+from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload.runtime import OffloadRuntime, RuntimeOptions
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from freetoken_patch.bench_kernels import HOST_CACHE, Ring, _pool, cpu_matmul, time_cpu_moe
+from freetoken_patch.cli.bench_kernels import HOST_CACHE, Ring, _pool, cpu_matmul, time_cpu_moe
 from loaders.quants import quant_type
 from native import ops
 

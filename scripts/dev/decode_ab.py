@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from freetoken_patch.model_args import size_arg
+from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload.budget import SmiPeak
 from moe_offload.runtime import OffloadRuntime, RuntimeOptions

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from freetoken_patch.model_args import size_arg
+from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload.runtime import OffloadRuntime, RuntimeOptions
 from moe_offload.trace import TraceParams, make_trace

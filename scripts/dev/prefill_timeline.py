@@ -16,7 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from freetoken_patch.model_args import size_arg
+from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload.models import qwen35moe as q
 from moe_offload.runtime import OffloadRuntime, RuntimeOptions

@@ -163,7 +163,7 @@ def test_logits_on_cuda_match_cpu(tiny_model, tmp_path, capsys):
 
 
 def test_offload_stats_lines_name_the_cache_and_an_elastic_kv():
-    from freetoken_patch.model_args import offload_stats_lines
+    from freetoken_patch.cli.model_args import offload_stats_lines
     m = {"hit_rate": 0.75, "hits": 30, "fetched": 8, "cpu": 2, "cache_slots": [114] * 40,
          "cache_bytes": 6 << 30, "kv_bytes": 40 << 20, "prefetched": 0}
     lines = offload_stats_lines(m)

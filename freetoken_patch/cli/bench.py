@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from .errors import CLIError
+from ..errors import CLIError
 from .model_args import add_placement_args, placement_options, size_arg
 
 EPILOG = """\

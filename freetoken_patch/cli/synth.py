@@ -8,10 +8,11 @@ from pathlib import Path
 from loaders.quants import QUANT_TYPES
 from loaders.synth import PRESETS, SynthOptions, synthesize
 
-from .errors import CLIError
+from ..errors import CLIError
+from .model_args import size_arg
 
 
-def add_parser(sub, size_type) -> None:
+def add_parser(sub) -> None:
     types = ", ".join(QUANT_TYPES)
     s = sub.add_parser(
         "synth", help="write a synthetic qwen35moe GGUF (random weights, real shapes)",
@@ -41,7 +42,7 @@ def add_parser(sub, size_type) -> None:
                         "experts (default 0)")
     s.add_argument("--mtp", action="store_true", help="add the MTP (NextN) block")
     s.add_argument("--layers", type=int, help="override the preset's layer count")
-    s.add_argument("--split-max-size", type=size_type, default=0, metavar="SIZE",
+    s.add_argument("--split-max-size", type=size_arg, default=0, metavar="SIZE",
                    help="write shards of at most SIZE (e.g. 4GiB): NAME-00001-of-0000N.gguf")
     s.add_argument("--vocab", metavar="GGUF",
                    help="copy the tokenizer from this GGUF (padded to the model's vocabulary); "
@@ -49,7 +50,9 @@ def add_parser(sub, size_type) -> None:
     s.add_argument("--threads", type=int, help="generator threads (default: all cores, max 16)")
 
 
-def run(args: argparse.Namespace, console) -> int:
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    console = Console(highlight=False)
     overrides = []
     for item in args.tensor_type:
         if "=" not in item:
@@ -78,3 +81,6 @@ def run(args: argparse.Namespace, console) -> int:
     console.print(f"wrote {', '.join(str(p) for p in paths)}: {size / (1 << 30):.2f} GiB in "
                   f"{dt:.1f} s ({size / dt / (1 << 20):.0f} MiB/s); random weights, seed {args.seed}")
     return 0
+
+
+COMMANDS = {"synth": (add_parser, run)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import CLIError
+from ..errors import CLIError
 
 
 def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,

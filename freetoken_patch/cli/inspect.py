@@ -1,6 +1,7 @@
 """`ftpatch inspect`: what a GGUF holds, what it costs, and how it would sit in a VRAM budget."""
 from __future__ import annotations
 
+import argparse
 import json
 from collections import defaultdict
 from dataclasses import asdict
@@ -9,6 +10,20 @@ from typing import Any
 from loaders import LoadedModel, open_model
 from loaders.quants import QUANT_TYPES
 from moe_offload.placement import is_expert_tensor, plan_sketch
+
+from .model_args import size_arg
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("inspect", help="describe a GGUF model: config, parameters, bytes, plan",
+                       description="Describe a GGUF model: architecture, config, parameter count "
+                                   "(total and active per token), bytes by tensor class and type, "
+                                   "per-layer table, kernel support, and a VRAM plan sketch.")
+    s.add_argument("model", help="GGUF file, any shard of a split set, or a folder")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    s.add_argument("--vram", type=size_arg, metavar="SIZE",
+                   help="sketch the plan for this much VRAM (e.g. 8GiB)")
+    s.add_argument("--ctx", type=int, default=8192, help="context length for the plan (default 8192)")
 
 
 def tensor_class(name: str, aside: bool = False) -> str:
@@ -182,7 +197,8 @@ def render(d: dict[str, Any], console) -> None:
                       f"{p['decode_experts_fit']:,}")
 
 
-def run(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:
+def show(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:
+    """Print `describe` as tables (or JSON); 1 when the model has problems."""
     model = open_model(path, strict=False)
     d = describe(model, vram, n_ctx)
     if as_json:
@@ -190,3 +206,11 @@ def run(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:
     else:
         render(d, console)
     return 0 if not model.problems else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    return show(args.model, args.json, args.vram, args.ctx, Console(highlight=False))
+
+
+COMMANDS = {"inspect": (add_parser, run)}

@@ -407,7 +407,7 @@ def _print(result: dict, console, use_gpu: bool, use_cpu: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone: python -m freetoken_patch.bench_kernels [options]."""
+    """Standalone: python -m freetoken_patch.cli.bench_kernels [options]."""
     from rich.console import Console
     p = argparse.ArgumentParser(prog="bench_kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

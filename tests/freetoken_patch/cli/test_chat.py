@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from freetoken_patch.chat import printable
+from freetoken_patch.cli.chat.screens import printable
 from freetoken_patch.cli import main
 from helpers import rewrite
 from loaders import open_gguf

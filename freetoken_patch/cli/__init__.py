@@ -1,0 +1,65 @@
+"""`ftpatch`: the command line. Each command lives in its own module of this package
+(COMMAND_MODULES, listed by hand: a new command adds one name); this file builds the parser from
+them, dispatches, and turns our exceptions into one line on stderr (a traceback only with
+--debug)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+EPILOG = """\
+examples:
+  ftpatch chat                                  chat with the embedded default (random weights)
+  ftpatch synth --preset tiny -o tiny.gguf      write a small synthetic qwen35moe model
+  ftpatch inspect model.gguf --vram 8GiB        what is in a model, and how it fits 8 GiB
+"""
+
+
+# The command modules, in the order --help lists them; each maps its command names to
+# (add_parser, run) in COMMANDS.
+COMMAND_MODULES = ("inspect", "synth", "tokenize", "logits", "run", "chat", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ftpatch", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Run large Mixture-of-Experts GGUF models on a small GPU: hot experts in "
+                    "VRAM, cold ones in host RAM, CPU and PCIe working alongside the GPU.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for modname in COMMAND_MODULES:
+        mod = importlib.import_module(f"{__name__}.{modname}")
+        for name, (register, func) in mod.COMMANDS.items():
+            register(sub)
+            sub.choices[name].set_defaults(func=func)
+    return p
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from loaders import GGUFError
+    from moe_offload.errors import OffloadError
+    from native.errors import NativeError
+    from ..errors import CLIError
+    return (GGUFError, NativeError, OffloadError, CLIError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("ftpatch: interrupted", file=sys.stderr)
+        return 130
+    except _known_errors() as e:
+        if args.debug:
+            raise
+        msg = str(e) or type(e).__name__
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{e.filename}: {msg}"
+        print(f"ftpatch: error: {msg}", file=sys.stderr)
+        return 1

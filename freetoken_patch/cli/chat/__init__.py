@@ -1,0 +1,134 @@
+"""`ftpatch chat [MODEL]`: talk to a model in the terminal.
+
+On a terminal: prompt_toolkit input (history in the cache directory, Alt-Enter for a new line,
+bracketed paste) and rich output: while an answer streams, a transient view shows its newest
+lines; then the whole answer is printed once, followed by a status line. With piped stdin: one
+message (or command) per line in, each answer and a newline out on stdout, the banner and status
+lines on stderr, no escape codes.
+
+Ctrl-C during an answer stops it between two tokens, so the cache still matches the conversation
+and the partial answer stays in it. A second Ctrl-C stops at once; the cache may then be half a
+step ahead, so it is dropped (the conversation is kept and re-read on the next message).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ...errors import CLIError
+from ..model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for,
+                          context_size, device_for, placement_options, sampling_params)
+from .conversation import HELP, Conversation, answer, command
+from .screens import PlainScreen, TerminalScreen
+
+DESCRIPTION = """\
+Chat with MODEL in the terminal. Without MODEL it runs the embedded default: a tiny synthetic
+qwen35moe with random weights, built once into the cache directory, for trying the machinery
+(its replies are gibberish by design).
+
+The model runs on the CPU unless you say otherwise, GPU or not: --device cuda puts the whole
+model in VRAM (fine for models that fit), --vram SIZE runs the offload runtime for ones that do
+not. Input history is kept in the cache directory ($FTPATCH_CACHE, else ~/.cache/ftpatch).
+
+Piped stdin is read one message per line; each answer is printed followed by a newline, and the
+banner and status lines go to standard error, so scripts can drive it.
+"""
+
+EPILOG = f"""\
+commands (type them at the prompt):
+{HELP}
+
+examples:
+  ftpatch chat                                     the embedded default (random weights)
+  ftpatch chat model.gguf --temp 0.7 --system "Answer briefly."
+  ftpatch chat model.gguf --no-think -n 2048       skip the reasoning block (Qwen3.5 templates)
+  ftpatch chat model.gguf --vram 8GiB --ctx 8192   hot experts on the GPU under an 8 GiB cap
+  printf 'hi\\n/stats\\n' | ftpatch chat             scripted: one message per line
+"""
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("chat", help="chat with a model in the terminal",
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(s, model_optional=True, device_default=None,
+                   model_help="GGUF file, shard or folder (default: the embedded random-weights "
+                              "model)",
+                   device_help="cpu (default; the whole model in RAM) or cuda / cuda:N (the whole "
+                               "model in VRAM; with --vram: the GPU the runtime uses)")
+    add_sampling_args(s, n_default=None, n_flags=("-n", "--max-tokens"),
+                      n_help="most tokens per answer (default 1024; 128 for the embedded default)")
+    s.add_argument("--system", metavar="TEXT", help="system prompt (change it with /system)")
+    s.add_argument("--no-think", action="store_true",
+                   help="ask the chat template to skip the reasoning block (enable_thinking=false)")
+    add_vram_arg(s)
+
+
+def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
+    """The model, its session and the banner lines; bad input raises one clear error."""
+    from loaders import open_model
+    from loaders.chat_template import ChatTemplate
+    from loaders.synth import default_model_path, ensure_default_model
+    from loaders.tokenizer import Tokenizer
+    from moe_offload.generate import Session
+    dev = device_for(args.device, args.vram)
+    embedded = args.model is None
+    if args.n_predict is None:
+        args.n_predict = 128 if embedded else 1024
+    params = sampling_params(args)
+    if embedded:
+        path = default_model_path()
+        with screen.busy(f"building the embedded default model into {path.parent} (once)"
+                         if not path.exists() else "loading the embedded default model"):
+            ensure_default_model()
+    else:
+        path = args.model
+    with screen.busy(f"loading {path}"):
+        loaded = open_model(path)
+        md = loaded.metadata
+        if "tokenizer.ggml.tokens" not in md:
+            raise CLIError(f"{path} has no tokenizer metadata, so chat cannot read or write text; "
+                           "use `ftpatch logits MODEL --tokens IDS` instead")
+        tok = Tokenizer.from_metadata(md, str(path))
+        template = ChatTemplate.from_metadata(md, str(path))
+        n_ctx = context_size(args.ctx, loaded.config.n_ctx_train)
+        model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
+        session = Session(model, model.new_state(1, n_ctx), tok, template)
+    conv = Conversation(session, params, args.system, False if args.no_think else None)
+    where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"
+                        if args.vram is not None else "")
+    if embedded:
+        banner = ["embedded default model: a tiny synthetic qwen35moe with random weights, for "
+                  "trying the machinery; its replies are gibberish, not a bug.",
+                  "Pass a GGUF file (ftpatch chat MODEL.gguf) to talk to a real model."]
+    else:
+        banner = [f"{md.get('general.name') or path}"]
+    banner.append(f"{where} | context {n_ctx} tokens | /help lists the commands, Ctrl-D quits")
+    if args.no_think and "enable_thinking" not in template.source:
+        banner.append("note: this model's chat template has no thinking switch; --no-think "
+                      "changes nothing")
+    return conv, banner
+
+
+def run(args: argparse.Namespace) -> int:
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    screen = TerminalScreen() if interactive else PlainScreen()
+    conv, banner = load(args, screen)
+    for line in banner:
+        screen.note(line)
+    while True:
+        line = screen.read()
+        if line is None:
+            break
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("/") and not stripped.startswith("//"):
+            if not command(conv, screen, stripped):
+                break
+            continue
+        answer(conv, screen, stripped[1:] if stripped.startswith("//") else line)
+    return 0
+
+
+COMMANDS = {"chat": (add_parser, run)}

@@ -1,0 +1,69 @@
+"""`ftpatch logits`: run a model over a prompt on one device and save the logits of every
+position."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import CLIError
+from .model_args import add_model_args, check_fits, parse_device
+
+DESCRIPTION = """\
+Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
+row i = the next-token logits after token i (numpy .npy).
+
+examples:
+  ftpatch logits model.gguf --prompt "The capital of France is" --out logits.npy
+  ftpatch logits model.gguf --tokens 9707,11,1879 --out logits.npy --device cuda
+"""
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("logits", help="save the logits of every prompt position (.npy)",
+                       description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(s)
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="text, tokenized by the model's tokenizer")
+    src.add_argument("--tokens", metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
+    s.add_argument("--out", required=True, metavar="FILE.npy", help="where to write the logits")
+
+
+def _parse_ids(text: str, n_vocab: int) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CLIError(f"--tokens {text!r}: write token ids as integers separated by commas, "
+                       "e.g. --tokens 1,2,3") from None
+    bad = [i for i in ids if not 0 <= i < n_vocab]
+    if bad:
+        raise CLIError(f"--tokens: id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from loaders import open_model
+    from loaders.tokenizer import Tokenizer
+    from moe_offload.models import build_model
+    device = parse_device(args.device)
+    loaded = open_model(args.model)
+    c = loaded.config
+    if args.tokens is not None:
+        ids = _parse_ids(args.tokens, c.n_vocab)
+    else:
+        tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
+        ids = tok.encode(args.prompt, add_special=True, parse_special=True)
+    n_ctx = check_fits(ids, args.ctx, c.n_ctx_train)
+    model = build_model(loaded, device)
+    with torch.inference_mode():
+        logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx),
+                               all_logits=True)[0]
+    out = logits.float().cpu().numpy()
+    np.save(args.out, out)
+    print(f"wrote logits float32 [{out.shape[0]}, {out.shape[1]}] to {args.out}")
+    return 0
+
+
+COMMANDS = {"logits": (add_parser, run)}
