@@ -39,8 +39,8 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0, 0.0]])
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():
     assert Sampler(GREEDY)(LOGITS).tolist() == [4]
-    for p in (SamplingParams(top_k=1), SamplingParams(top_k=0, top_p=0.01, min_p=0),
-              SamplingParams(top_k=0, top_p=1.0, min_p=1.0)):
+    for p in (SamplingParams(top_k=1, seed=0), SamplingParams(top_k=0, top_p=0.01, min_p=0, seed=0),
+              SamplingParams(top_k=0, top_p=1.0, min_p=1.0, seed=0)):
         assert Sampler(p)(LOGITS.repeat(50, 1)).unique().tolist() == [4]
 
 

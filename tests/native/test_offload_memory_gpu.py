@@ -29,7 +29,8 @@ def test_elastic_buffer_grows_and_shrinks_in_place():
         assert buf.mapped == -(-(3 << 20) // g) * g
         addr = buf.view.data_ptr()
         n0 = buf.mapped
-        pattern = torch.randint(0, 256, (n0,), dtype=torch.uint8, device="cuda")
+        pattern = torch.randint(0, 256, (n0,), dtype=torch.uint8, device="cuda",
+                                generator=torch.Generator(device="cuda").manual_seed(0))
         buf.view[:n0].copy_(pattern)
 
         free0 = _free()

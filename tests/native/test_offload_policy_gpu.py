@@ -51,8 +51,9 @@ def test_plan_and_prefetch_kernels_match_the_reference():
     fetch_list = torch.zeros(1 + 2 * 64, dtype=torch.int32, device="cuda")
     pf_list = torch.zeros(1 + 2 * 64, dtype=torch.int32, device="cuda")
     pair = torch.full((2, 64), -1, dtype=torch.int32, device="cuda")
-    x = torch.randn(T, H, device="cuda")
-    w = torch.rand(T * K, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(T, H, device="cuda", generator=g)
+    w = torch.rand(T * K, device="cuda", generator=g)
     hits, pf_hits = [0, 0], [0, 0]
     for step in range(6, 30):
         step_t.fill_(step)

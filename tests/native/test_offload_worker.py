@@ -38,7 +38,7 @@ def _banks(rng, types=("Q4_K", "IQ3_S", "Q8_0")):
 
 
 def test_worker_follows_the_protocol_and_matches_the_reference():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     banks = _banks(rng)
     ex = on.ExchangeBuffers.allocate(L, TMAX, K, H, pin=False)
     worker = on.make_worker(ex.as_dict(TMAX), [b[2] for b in banks], timeout_s=30)
@@ -47,10 +47,10 @@ def test_worker_follows_the_protocol_and_matches_the_reference():
         worker.begin_step(step, T)
         expected = []
         for li in range(L):
-            x = torch.randn(T, H)
+            x = torch.from_numpy(rng.standard_normal((T, H), dtype=np.float32))
             ids = torch.from_numpy(rng.integers(0, E, size=(T, K))).to(torch.int32)
             ids[0, 0] = -1                       # a selection the GPU kept for itself
-            w = torch.rand(T, K)
+            w = torch.from_numpy(rng.random((T, K), dtype=np.float32))
             ex.cpu_ids[li, :T] = ids
             ex.cpu_w[li, :T] = w
             ex.x_host[li, :T] = x
@@ -98,7 +98,7 @@ def test_worker_queues_steps_armed_ahead():
     worker = on.make_worker(ex.as_dict(1), [desc], timeout_s=30)
     ex.cpu_ids[0, 0] = torch.tensor([0, 1, 2], dtype=torch.int32)
     ex.cpu_w[0, 0] = torch.tensor([0.5, 0.3, 0.2])
-    ex.x_host[0, 0] = torch.randn(H)
+    ex.x_host[0, 0] = torch.from_numpy(rng.standard_normal(H, dtype=np.float32))
     worker.begin_step(1, 1)
     worker.begin_step(2, 1)
     assert worker.in_flight() == 2
