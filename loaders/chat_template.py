@@ -1,27 +1,295 @@
-"""Chat templates: a GGUF's `tokenizer.chat_template` (Jinja2) rendered in a sandbox.
+"""Chat templates: a GGUF's `tokenizer.chat_template` (Jinja2) rendered in a sandbox, under limits.
 
 The template is code from a downloaded file, so it runs in Jinja2's immutable sandbox (no
 attribute tricks, no mutating lists or dicts). Real templates are written for the conventions
 of Hugging Face's renderer, so those hold here too: trim_blocks and lstrip_blocks on, `break` and
 `continue`, `raise_exception(msg)`, a `tojson` that keeps non-ASCII text and takes `indent`, and
 `strftime_now(fmt)`. A file without a template gets ChatML.
+
+The sandbox stops attribute tricks, not denial of service, so rendering also runs under limits
+(`TemplateLimits`): wall time, output size, the size of any value the template builds, and macro
+nesting. They are enforced from inside the rendered code, so they work in any thread (no
+signals): the parsed template is rewritten so that every loop iteration, macro body and output
+statement calls back into the environment, string concatenation (`~`) and list/dict literals go
+through size checks, and the sandbox's own hooks (calls, attribute access, the `*`, `**`, `+` and
+`%` operators, str.format) check time and sizes before the work is done. A template that passes
+a limit raises ChatTemplateError; nothing the caller passed is modified.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import os
-from typing import Any, Mapping, Sequence
+import re
+import threading
+import time
+import types
+from dataclasses import dataclass
+from functools import update_wrapper
+from typing import Any, Callable, Mapping, Sequence
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import nodes
+from jinja2.runtime import LoopContext, Macro
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
+from jinja2.utils import Namespace, _PassArg, pass_context
+from jinja2.visitor import NodeTransformer
 
-from .errors import GGUFError
+from .errors import ChatTemplateError
 from .vocab import CHATML_TEMPLATE
+
+OVERRIDE_HINT = "pass --chat-template FILE to use another template"
+
+
+@dataclass(frozen=True)
+class TemplateLimits:
+    """What one render may use. The longest context we run (262,144 tokens) is about 1.1 M
+    characters of English; 4 Mi characters leaves room for any real prompt and still keeps a
+    render's memory in the tens of MB."""
+
+    seconds: float = 2.0                # wall time of one render
+    output_chars: int = 4 << 20         # the rendered prompt
+    value_size: int = 4 << 20           # any one value built: characters, plus 2 per element
+    emitted_chars: int = 32 << 20       # all output statements, macro and {% set %} buffers too
+    depth: int = 64                     # nested macro / recursive-loop calls
+    source_chars: int = 256 << 10       # the template's text (real ones are 2-30 KiB)
+
+
+DEFAULT_LIMITS = TemplateLimits()
+
+
+class _LimitExceeded(Exception):
+    """Raised inside a render when it passes a limit; becomes ChatTemplateError."""
 
 
 class _TemplateRaised(Exception):
     """A template called raise_exception(msg): it refuses this conversation."""
+
+
+class _Budget:
+    """One render's use of its limits (thread-local: a template may render in many threads)."""
+
+    def __init__(self, limits: TemplateLimits):
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.seconds
+        self.emitted = 0
+        self.depth = 0              # macro / recursive loop calls
+        self.walk = 0               # namespaces being sized (they can contain themselves)
+        self.namespaces = 0         # namespaces sized so far: their sizes can change
+        self.sizes: dict[int, tuple[Any, int]] = {}   # id -> (object kept alive, size)
+        self.cached = 0             # sum of the sizes in `sizes`
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _LimitExceeded(f"rendering took longer than its {self.limits.seconds:g} s limit")
+
+    def too_big(self, what: str) -> _LimitExceeded:
+        return _LimitExceeded(f"{what} is larger than the {self.limits.value_size:,}-character "
+                              "limit on one value")
+
+    def size(self, value: Any) -> int:
+        """An upper bound on len(str(value)) (strings: characters; containers: their elements
+        plus 2 each), refusing past the limit. Lists, tuples and dicts are immutable in the
+        sandbox, so their sizes are cached: a value built from itself many times over
+        ([a, a], then [b, b], ...) costs a lookup, not a walk."""
+        if isinstance(value, str):
+            n = len(value)
+        elif value is None or isinstance(value, (bool, float)):
+            return 8
+        elif isinstance(value, int):
+            return value.bit_length() // 3 + 2
+        elif isinstance(value, (list, tuple, dict, set, frozenset, Namespace)):
+            n = self._container(value)
+        elif isinstance(value, range):
+            n = 8 * len(value)
+        else:
+            return 16   # undefined, macros, loop objects, generators (their items are checked)
+        if n > self.limits.value_size:
+            raise self.too_big(f"a {type(value).__name__}")
+        return n
+
+    def _container(self, value: Any) -> int:
+        if isinstance(value, Namespace):   # mutable and may contain itself: walked, not cached
+            if self.walk >= self.limits.depth:
+                raise self.too_big("a namespace nested in itself")
+            self.walk += 1
+            self.namespaces += 1
+            try:
+                return 16 + self._walk(value._Namespace__attrs.items(), True)  # type: ignore
+            finally:
+                self.walk -= 1
+        hit = self.sizes.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        namespaces = self.namespaces
+        total = self._walk(value.items() if isinstance(value, dict) else value,
+                           isinstance(value, dict))
+        if self.namespaces == namespaces:   # nothing mutable inside: the size is final
+            # the cache keeps what it sizes alive: bound what it holds
+            self.cached += total
+            if self.cached > 2 * self.limits.value_size:
+                self.sizes.clear()
+                self.cached = total
+            self.sizes[id(value)] = (value, total)
+        return total
+
+    def _walk(self, items: Any, pairs: bool) -> int:
+        limit, total = self.limits.value_size, 2
+        for i, item in enumerate(items):
+            if pairs:
+                total += 4 + self.size(item[0]) + self.size(item[1])
+            else:
+                total += 2 + self.size(item)
+            if total > limit:
+                raise self.too_big("a collection")
+            if not i & 4095:
+                self.tick()
+        return total
+
+
+_local = threading.local()
+
+
+def _budget() -> _Budget:
+    b = getattr(_local, "budget", None)
+    # outside a render (compile-time constant folding): sizes only, no clock
+    return b if b is not None else _Budget(TemplateLimits(seconds=float("inf")))
+
+
+# -- checks of operations that can make large values ---------------------------------------------
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _check_width(b: _Budget, n: Any, what: str) -> None:
+    if isinstance(n, int) and n > b.limits.value_size:
+        raise b.too_big(f"{what} of {n:,}")
+
+
+def _check_spec(b: _Budget, spec: str, what: str) -> None:
+    # widths and precisions in a format spec ("%9999999d", "{:>9999999}", "%.9999999f")
+    for m in _DIGITS.finditer(spec):
+        if len(m.group()) > 9 or int(m.group()) > b.limits.value_size:
+            raise b.too_big(f"a {what} width of {m.group()}")
+
+
+def _check_printf(b: _Budget, fmt: str, args: Any) -> None:
+    _check_spec(b, fmt, "'%' format")
+    for a in args if isinstance(args, tuple) else (args,):
+        if "*" in fmt:
+            _check_width(b, a, "a '*' width")
+        b.size(a)
+
+
+class _BoundedFormatter(SandboxedFormatter):
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        b = _budget()
+        _check_spec(b, format_spec, "str.format")
+        b.size(value)
+        return super().format_field(value, format_spec)
+
+
+def _replace_size(b: _Budget, s: str, old: Any, new: Any, count: Any = -1) -> int:
+    if not isinstance(old, str) or not isinstance(new, str):
+        return len(s)
+    hits = s.count(old) if old else len(s) + 1
+    if isinstance(count, int) and count >= 0:
+        hits = min(hits, count)
+    return len(s) + hits * max(0, len(new) - len(old))
+
+
+def _join_size(b: _Budget, sep: Any, items: list) -> int:
+    n = len(str(sep)) * max(0, len(items) - 1) if isinstance(sep, str) else 0
+    for x in items:
+        n += b.size(x)
+        if n > b.limits.value_size:
+            break
+    return n
+
+
+def _check_str_method(b: _Budget, method: Any, args: tuple, kwargs: dict) -> tuple:
+    """Refuse str methods whose result would pass the size limit; return the args to use."""
+    s, name = method.__self__, method.__name__
+    est = len(s)
+    if name in ("center", "ljust", "rjust", "zfill") and args:
+        _check_width(b, args[0], f"str.{name} width")
+    elif name == "expandtabs":
+        tab = args[0] if args else kwargs.get("tabsize", 8)
+        if isinstance(tab, int):
+            est = len(s) + s.count("\t") * max(0, tab)
+    elif name == "replace" and len(args) >= 2:
+        est = _replace_size(b, s, *args[:3])
+    elif name == "join" and args:
+        items = list(args[0]) if not isinstance(args[0], (list, tuple)) else args[0]
+        est = _join_size(b, s, items)
+        args = (items,) + args[1:]
+    if est > b.limits.value_size:
+        raise b.too_big(f"the result of str.{name}")
+    return args
+
+
+# -- filters: each call checked; none is folded into a constant at compile time -----------------
+
+# Jinja filters no chat template needs whose cost is hard to bound (regex scans over the text,
+# pretty-printing, HTML helpers), and lipsum (size by argument).
+_DROPPED_FILTERS = ("urlize", "striptags", "wordwrap", "pprint", "xmlattr")
+
+
+def _filter_prechecks(b: _Budget, name: str, value: Any, args: tuple, kwargs: dict) -> tuple:
+    """Refuse a filter call whose result would pass the size limit; return the args to use."""
+    def arg(i: int, key: str, default: Any = None) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool):
+            _check_width(b, a, f"a '{name}' argument")
+    if name in ("slice", "batch"):
+        n = arg(0, "slices" if name == "slice" else "linecount")
+        if isinstance(n, int) and n > 1 << 16:
+            raise b.too_big(f"'{name}' into {n:,} parts")
+    elif name == "indent" and isinstance(value, str):
+        width = arg(0, "width", 4)
+        pad = width if isinstance(width, int) else len(str(width))
+        if len(value) + (value.count("\n") + 1) * pad > b.limits.value_size:
+            raise b.too_big("the result of 'indent'")
+    elif name == "replace" and isinstance(value, str):
+        if _replace_size(b, value, arg(0, "old"), arg(1, "new"), arg(2, "count", -1)) > \
+                b.limits.value_size:
+            raise b.too_big("the result of 'replace'")
+    elif name == "join":
+        items = list(value)
+        if _join_size(b, arg(0, "d", ""), items) > b.limits.value_size:
+            raise b.too_big("the result of 'join'")
+        value = items
+    elif name == "format" and isinstance(value, str):
+        _check_printf(b, value, tuple(args) or tuple(kwargs.values()))
+    elif name == "sum" and not isinstance(arg(1, "start", 0), (int, float)):
+        raise jinja2.TemplateRuntimeError("'sum' adds numbers only here")
+    b.size(value)
+    return (value, *args)
+
+
+def _wrap_filter(name: str, func: Callable) -> Callable:
+    pass_arg = _PassArg.from_obj(func)
+
+    @pass_context
+    def checked(ctx: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        b = _budget()
+        b.tick()
+        value, *args = _filter_prechecks(b, name, value, args, kwargs)
+        if pass_arg is _PassArg.context:
+            out = func(ctx, value, *args, **kwargs)
+        elif pass_arg is _PassArg.eval_context:
+            out = func(ctx.eval_ctx, value, *args, **kwargs)
+        elif pass_arg is _PassArg.environment:
+            out = func(ctx.environment, value, *args, **kwargs)
+        else:
+            out = func(value, *args, **kwargs)
+        b.size(out)
+        return out
+
+    checked.__name__ = getattr(func, "__name__", name)
+    return checked
 
 
 def _raise_exception(message: Any = "") -> None:
@@ -31,39 +299,248 @@ def _raise_exception(message: Any = "") -> None:
 def _tojson(value: Any, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False, ensure_ascii: bool = False) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML; prompts want the plain JSON
+    if indent is not None and not (isinstance(indent, int) and 0 <= indent <= 16):
+        raise jinja2.TemplateRuntimeError(f"tojson indent must be 0..16, not {indent!r:.20}")
+    _budget().size(value)
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
                       ensure_ascii=ensure_ascii)
 
 
 def _strftime_now(fmt: str) -> str:
+    _check_spec(_budget(), str(fmt), "strftime")
     return datetime.datetime.now().strftime(fmt)
 
 
-def _one_line(text: str) -> str:
+# -- the environment -----------------------------------------------------------------------------
+
+def _env_call(name: str, args: list, lineno: int) -> nodes.Call:
+    return nodes.Call(nodes.EnvironmentAttribute(name, lineno=lineno), args, [], None, None,
+                      lineno=lineno)
+
+
+class _Guard(NodeTransformer):
+    """Rewrites a parsed template so the limits are checked from inside the rendered code."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        node = self.generic_visit(node)
+        node.body.insert(0, nodes.ExprStmt(_env_call("ftpatch_tick", [], node.lineno),
+                                           lineno=node.lineno))
+        if node.test is not None:   # a filtered loop can run without entering its body
+            node.test = nodes.And(_env_call("ftpatch_tick", [], node.lineno), node.test,
+                                  lineno=node.lineno)
+        return node
+
+    def _body_tick(self, node: Any) -> nodes.Node:
+        node = self.generic_visit(node)
+        node.body.insert(0, nodes.ExprStmt(_env_call("ftpatch_tick", [], node.lineno),
+                                           lineno=node.lineno))
+        return node
+
+    visit_Macro = visit_CallBlock = _body_tick
+
+    def visit_Output(self, node: nodes.Output) -> nodes.Node:
+        node = self.generic_visit(node)
+        # literal text and constants skip `finalize`; count them here
+        const = 0
+        for child in node.nodes:
+            if isinstance(child, nodes.TemplateData):
+                const += len(child.data)
+            elif isinstance(child, nodes.Const):
+                const += len(str(child.value))
+        node.nodes.insert(0, _env_call("ftpatch_emit", [nodes.Const(const)], node.lineno))
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        node = self.generic_visit(node)
+        return _env_call("ftpatch_concat", node.nodes, node.lineno)
+
+    def _literal(self, node: Any) -> nodes.Node:
+        node = self.generic_visit(node)
+        if getattr(node, "ctx", "load") != "load":   # assignment targets stay as they are
+            return node
+        return _env_call("ftpatch_value", [node], node.lineno)
+
+    visit_List = visit_Tuple = visit_Dict = _literal
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox plus the limit checks its hooks allow."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
+                         extensions=["jinja2.ext.loopcontrols"])
+        self.filters["tojson"] = _tojson
+        for name in _DROPPED_FILTERS:
+            self.filters.pop(name, None)
+        self.filters = {name: _wrap_filter(name, f) for name, f in self.filters.items()}
+        self.globals.pop("lipsum", None)
+        self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+
+    # hooks the rewritten template calls (as `environment.ftpatch_*`)
+    @staticmethod
+    def ftpatch_tick() -> bool:
+        _budget().tick()
+        return True
+
+    @staticmethod
+    def ftpatch_emit(n: int) -> str:
+        b = _budget()
+        b.emitted += n
+        if b.emitted > b.limits.emitted_chars:
+            raise _LimitExceeded(f"it wrote more than {b.limits.emitted_chars:,} characters "
+                                 "(output, macro and set-block text together)")
+        return ""
+
+    @staticmethod
+    def ftpatch_concat(*parts: Any) -> str:
+        b = _budget()
+        total = 0
+        for p in parts:
+            total += b.size(p)
+            if total > b.limits.value_size:
+                raise b.too_big("a '~' concatenation")
+        return "".join(map(str, parts))
+
+    @staticmethod
+    def ftpatch_value(value: Any) -> Any:
+        _budget().size(value)
+        return value
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        tree = _Guard().visit(super()._parse(source, name, filename))
+        tree.set_environment(self)
+        return tree
+
+    # sandbox hooks
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        b = _budget()
+        b.tick()
+        if isinstance(__obj, types.BuiltinMethodType) and isinstance(__obj.__self__, str):
+            args = _check_str_method(b, __obj, args, kwargs)
+        nested = isinstance(__obj, (Macro, LoopContext))
+        if nested:
+            if b.depth >= b.limits.depth:
+                raise _LimitExceeded(f"macros or recursive loops nest deeper than "
+                                     f"{b.limits.depth} calls")
+            b.depth += 1
+        try:
+            out = super().call(__context, __obj, *args, **kwargs)
+        finally:
+            if nested:
+                b.depth -= 1
+        b.size(out)
+        return out
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        b = _budget()
+        b.tick()
+        limit = b.limits.value_size
+        ints = (isinstance(left, int) and isinstance(right, int))
+        if operator == "**" and ints:
+            if abs(left) > 1 and right > 0 and right * left.bit_length() > 1 << 16:
+                raise b.too_big(f"{left} ** {right}")
+        elif operator == "*":
+            if ints:
+                if left.bit_length() + right.bit_length() > 1 << 16:
+                    raise b.too_big("an integer product")
+            else:
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(n, int) and not isinstance(seq, (int, float)) and n > 0 and \
+                        b.size(seq) * n > limit:
+                    raise b.too_big(f"a {type(seq).__name__} repeated {n:,} times")
+        elif operator == "+" and not ints and not isinstance(left, (int, float)):
+            if b.size(left) + b.size(right) > limit:
+                raise b.too_big(f"a {type(left).__name__} sum")
+        elif operator == "%" and isinstance(left, str):
+            _check_printf(b, left, right)
+        out = super().call_binop(context, operator, left, right)
+        if not isinstance(out, (int, float)):
+            b.size(out)
+        return out
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _budget().tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _budget().tick()
+        return super().getitem(obj, argument)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        # the sandbox's own wrapper with a formatter that checks widths before formatting
+        if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
+                value.__name__ not in ("format", "format_map") or \
+                not isinstance(value.__self__, str):
+            return None
+        text, is_map = str(value.__self__), value.__name__ == "format_map"
+        vformat = _BoundedFormatter(self).vformat
+
+        def wrapper(*args: Any, **kwargs: Any) -> str:
+            if is_map:
+                if kwargs or len(args) != 1:
+                    raise TypeError("format_map() takes exactly one argument")
+                args, kwargs = (), args[0]
+            out = vformat(text, args, kwargs)
+            _budget().size(out)
+            return out
+
+        return update_wrapper(wrapper, value)
+
+
+@pass_context
+def _finalize(context: Any, value: Any) -> Any:
+    # every `{{ ... }}` value on its way to a buffer: counted before str() makes it text
+    b = _budget()
+    b.tick()
+    b.emitted += len(value) if isinstance(value, str) else b.size(value)
+    if b.emitted > b.limits.emitted_chars:
+        raise _LimitExceeded(f"it wrote more than {b.limits.emitted_chars:,} characters "
+                             "(output, macro and set-block text together)")
+    return value
+
+
+def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
 
 class ChatTemplate:
     """A compiled chat template; `render(messages, ...)` gives the prompt text."""
 
-    def __init__(self, source: str | None = None, where: str = "tokenizer.chat_template"):
+    def __init__(self, source: str | None = None, where: str = "tokenizer.chat_template",
+                 limits: TemplateLimits = DEFAULT_LIMITS):
+        if source is not None and not isinstance(source, str):
+            raise ChatTemplateError(f"{where} is a {type(source).__name__}, not text; "
+                                    f"{OVERRIDE_HINT}")
         self.is_default = not source
         self.source = source or CHATML_TEMPLATE
         self.where = where
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        self.limits = limits
+        if len(self.source) > limits.source_chars:
+            raise ChatTemplateError(f"{where} is {len(self.source):,} characters, over the "
+                                    f"{limits.source_chars:,}-character limit; {OVERRIDE_HINT}")
+        prev = getattr(_local, "budget", None)
+        _local.budget = _Budget(limits)
         try:
-            self._template = env.from_string(self.source)
+            self._template = _Environment().from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
-            raise GGUFError(f"{where}: syntax error at template line {e.lineno}: "
-                            f"{_one_line(e.message or e)}") from None
+            raise ChatTemplateError(f"{where}: syntax error at template line {e.lineno}: "
+                                    f"{_one_line(e.message or e)}; {OVERRIDE_HINT}") from None
+        except (RecursionError, SyntaxError, MemoryError):
+            # Python's own limits on nesting (parser recursion, nested blocks in the code)
+            raise ChatTemplateError(f"{where} nests blocks or expressions too deeply to "
+                                    f"compile; {OVERRIDE_HINT}") from None
+        except _LimitExceeded as e:
+            raise ChatTemplateError(f"{where}: {e}; {OVERRIDE_HINT}") from None
+        finally:
+            _local.budget = prev
 
     @classmethod
-    def from_metadata(cls, md: Mapping[str, Any], where: str = "model") -> "ChatTemplate":
+    def from_metadata(cls, md: Mapping[str, Any], where: str = "model",
+                      limits: TemplateLimits = DEFAULT_LIMITS) -> "ChatTemplate":
         """The template of a GGUF metadata table (ChatML when it has none)."""
-        return cls(md.get("tokenizer.chat_template"), f"{where}: tokenizer.chat_template")
+        return cls(md.get("tokenizer.chat_template"), f"{where}: tokenizer.chat_template", limits)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "ChatTemplate":
@@ -76,22 +553,38 @@ class ChatTemplate:
                enable_thinking: bool | None = None, bos_token: str = "", eos_token: str = "",
                tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
         """The prompt for `messages` ([{role, content}, ...]). enable_thinking=None leaves it
-        undefined, so the template's own default applies; `extra` reaches the template as is."""
+        undefined, so the template's own default applies; `extra` reaches the template as is.
+        Raises ChatTemplateError (a GGUFError) when the template fails or passes a limit."""
         context = dict(extra, messages=_checked(messages), tools=tools,
                        add_generation_prompt=bool(add_generation_prompt),
                        bos_token=bos_token, eos_token=eos_token)
         if enable_thinking is not None:
             context["enable_thinking"] = bool(enable_thinking)
+        prev = getattr(_local, "budget", None)
+        budget = _local.budget = _Budget(self.limits)
         try:
-            return self._template.render(**context)
+            out, n = [], 0
+            for chunk in self._template.generate(**context):
+                n += len(chunk)
+                if n > self.limits.output_chars:
+                    raise _LimitExceeded(f"the prompt passed the {self.limits.output_chars:,}"
+                                         "-character output limit")
+                out.append(chunk)
+            return "".join(out)
         except _TemplateRaised as e:
-            raise GGUFError(f"{self.where} refused the conversation: {_one_line(e)}") from None
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError,
-                ArithmeticError) as e:
-            line = _template_line(e)
-            at = f" at template line {line}" if line else ""
-            raise GGUFError(f"{self.where} failed{at}: {type(e).__name__}: "
-                            f"{_one_line(e)}") from None
+            raise ChatTemplateError(f"{self.where} refused the conversation: "
+                                    f"{_one_line(e)}") from None
+        except _LimitExceeded as e:
+            raise ChatTemplateError(f"{self.where}: {e}{_at(e)}; {OVERRIDE_HINT}") from None
+        except RecursionError as e:
+            raise ChatTemplateError(f"{self.where}: nests too deeply (Python's recursion "
+                                    f"limit){_at(e)}; {OVERRIDE_HINT}") from None
+        except Exception as e:   # the template is untrusted code: any failure is its own
+            raise ChatTemplateError(f"{self.where} failed{_at(e)}: {type(e).__name__}: "
+                                    f"{_one_line(e)}"[:500]) from None
+        finally:
+            budget.sizes.clear()
+            _local.budget = prev
 
 
 def render_chat(template: str | None, messages: Sequence[Mapping[str, Any]],
@@ -102,21 +595,21 @@ def render_chat(template: str | None, messages: Sequence[Mapping[str, Any]],
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise GGUFError("chat messages must be a list of {role, content} objects")
+        raise ChatTemplateError("chat messages must be a list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise GGUFError(f"chat message {i} must be an object with a string 'role', "
-                            f"got {m!r:.80}")
+            raise ChatTemplateError(f"chat message {i} must be an object with a string 'role', "
+                                    f"got {m!r:.80}")
         out.append(dict(m))
     return out
 
 
-def _template_line(e: BaseException) -> int | None:
+def _at(e: BaseException) -> str:
     # Jinja rewrites tracebacks so the template's own frames carry template line numbers
     line, tb = None, e.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == "<template>":
             line = tb.tb_lineno
         tb = tb.tb_next
-    return line
+    return f" at template line {line}" if line else ""
