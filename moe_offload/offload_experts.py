@@ -7,16 +7,11 @@ Two paths, chosen by the number of tokens:
   kernel computes the experts resident before the step meanwhile, then, once the copies have
   landed, the fetched and guessed ones; the CPU worker computes its share alongside; the wait
   kernel adds the CPU's sum. No host round trip.
-- prefetch (decode, optional): when layer L's experts start, a side stream applies layer L+1's
-  router to L's input (the residual stream changes little from one layer to the next), gives the
-  guessed experts slots (`prefetch` kernel) and copies them once L's own fetches are done, while
-  L and L+1's mixer compute; layer L+1's plan then finds them resident. Two options, both off
-  by default because they measured no faster on the 35B: when layer L+1 itself starts, a third
-  stream guesses again from its attention input (the residual with L's experts added: right
-  more often, but a layer later) and copies what the first guess missed while the mixer
-  computes; and layer L+2's router during L (copies start a layer earlier, fewer are right).
-  Guesses cost link bandwidth, so precision and recall are counted (stats prefetched /
-  prefetch_hits).
+- prefetch (decode, on by default): when layer L's experts start, a side stream applies layer
+  L+1's router to L's input (the residual stream changes little from one layer to the next),
+  gives the guessed experts slots (`prefetch` kernel) and copies them once L's own fetches are
+  done, while L and L+1's mixer compute; layer L+1's plan then finds them resident. Guesses
+  cost link bandwidth, so precision and recall are counted (stats prefetched / prefetch_hits).
 - prefill (a chunk of many tokens): experts the chunk routes to but the cache lacks are streamed
   from the host bank into a double-buffered staging area (copies on a side stream, overlapped
   with compute) and computed there; the cache itself is untouched, so a long prompt does not
@@ -44,7 +39,6 @@ MAX_FETCH = 64  # plan kernel's selection limit (T * K)
 # (scripts/dev/offload_timeline.py, 64 steps) 16 and 32 blocks decoded alike in a same-machine
 # A/B (140.4, 143.4 vs 142.0, 141.5 tok/s); 128 blocks were 20% slower than 32
 FETCH_BLOCKS = 16
-START = 3   # the kind of guess made at a layer's own start (1 and 2: that many layers ahead)
 
 
 def _pool_args(pool: torch.Tensor, lay) -> tuple:
@@ -101,19 +95,14 @@ class OffloadEngine:
         self.staging: list[torch.Tensor] | None = None
         self.copy_stream = torch.cuda.Stream(dev)
         self.prefill_streamed = torch.zeros(L, dtype=torch.int64)  # experts streamed per layer
-        # prefetch (set_predictor): guesses of three kinds -- made one layer ahead, two layers
-        # ahead, and at the layer's own start (START); per kind and layer a list (count,
-        # (expert, slot)...) and two events
+        # prefetch (set_predictor): per layer, the list (count, (expert, slot)...) of the experts
+        # guessed for it one layer back, and two events: slots taken, bytes copied
         self.predict = None
-        self.predict_start = None
         self.prefetch_k = top_k        # experts a token guessed one layer ahead
-        self.prefetch_k2 = 0           # ... two layers ahead
-        self.prefetch_start = 0        # ... at the layer's start
-        self.prefetch_lists = torch.zeros((3, L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
+        self.prefetch_lists = torch.zeros((L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
         self.prefetch_stream = torch.cuda.Stream(dev)
-        self.start_stream = torch.cuda.Stream(dev)
-        self._guessed = [[torch.cuda.Event() for _ in range(L)] for _ in range(3)]     # tables updated
-        self._prefetched = [[torch.cuda.Event() for _ in range(L)] for _ in range(3)]  # copied
+        self._guessed = [torch.cuda.Event() for _ in range(L)]      # tables updated
+        self._prefetched = [torch.cuda.Event() for _ in range(L)]   # copied
         self._fetched = [torch.cuda.Event() for _ in range(L)]
         # a layer's misses are fetched on their own stream while the experts resident before the
         # step compute (plan -> pair_slots: row 0 resident, row 1 fetched or guessed, computed
@@ -123,39 +112,20 @@ class OffloadEngine:
         self.fetch_blocks = FETCH_BLOCKS
         self.pair_slots = torch.full((2, MAX_FETCH), -1, dtype=torch.int32, device=dev)
 
-    def set_predictor(self, predict, k: int | None = None, k2: int = 0, predict_start=None,
-                      k_start: int = 0) -> None:
+    def set_predictor(self, predict, k: int | None = None) -> None:
         """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
-        k experts per token are guessed one layer ahead (default top_k; the runtime passes its
-        own default), k2 two layers ahead (0: none); predict_start(layer, a [T, H]) -> the same
-        from the layer's attention input, k_start experts a token at the layer's start."""
+        k experts per token are guessed one layer ahead (default top_k)."""
         k = self.top_k if k is None else k
         most = MAX_FETCH // self.max_tok
-        if not 1 <= k <= most or not 0 <= k2 <= most or not 0 <= k_start <= most:
-            raise OffloadError(f"prefetch_k {k}, prefetch_k2 {k2}, prefetch_start {k_start}: guess "
-                               f"1..{most} experts a token one layer ahead and 0..{most} two "
-                               "layers ahead or at the layer's start")
-        self.predict, self.predict_start = predict, predict_start
-        self.prefetch_k, self.prefetch_k2 = k, k2
-        self.prefetch_start = k_start if predict_start is not None else 0
+        if not 1 <= k <= most:
+            raise OffloadError(f"prefetch_k {k}: guess 1..{most} experts a token one layer ahead")
+        self.predict, self.prefetch_k = predict, k
 
-    def _k(self, d: int) -> int:
-        """Experts a token guessed d layers ahead (d = START: at the layer's start)."""
-        return (self.prefetch_k, self.prefetch_k2, self.prefetch_start)[d - 1]
-
-    def _guessing(self, L: int, d: int) -> bool:
-        """Whether layer L+d's experts are guessed during layer L (never while replaying a trace:
-        the router cannot guess replayed ids)."""
-        if d == START:   # made at layer L's own start (layer 0 has no residual to guess from)
-            return (self.predict_start is not None and self.trace is None and self._k(d) > 0
-                    and 1 <= L < self.cache.n_layer)
-        return (self.predict is not None and self.trace is None and self._k(d) > 0 and L >= 0
-                and L + d < self.cache.n_layer)
-
-    def _guesses_for(self, L: int) -> list[int]:
-        """The kinds of guess made for layer L (1, 2: that many layers back; START)."""
-        return [d for d in (1, 2) if self._guessing(L - d, d)] + \
-            ([START] if self._guessing(L, START) else [])
+    def _guessing(self, L: int) -> bool:
+        """Whether layer L+1's experts are guessed during layer L (never while replaying a
+        trace: the router cannot guess replayed ids)."""
+        return (self.predict is not None and self.trace is None and 0 <= L
+                and L + 1 < self.cache.n_layer)
 
     @property
     def staging_bytes(self) -> int:
@@ -232,9 +202,9 @@ class OffloadEngine:
         main = torch.cuda.current_stream()
         if self._record_row is not None:
             self._record_ids(L, ids32, main)
-        guessed = self._guesses_for(L)
-        for d in guessed:   # their slots are taken: the plan sees them as resident
-            main.wait_event(self._guessed[d - 1][L])
+        guessed = self._guessing(L - 1)
+        if guessed:   # their slots are taken: the plan sees them as resident
+            main.wait_event(self._guessed[L])
         self._guess_ahead(L, x, main)
         on.plan(self.tables, ex, L, ids32, w, x, self.step, self.scheduler.fetch_fraction,
                 self.fetch_list, self.pair_slots)
@@ -251,8 +221,8 @@ class OffloadEngine:
         if self.overlap_misses:   # experts resident before the step compute at once
             self._pool(L, x, self.pair_slots[0], None, w, y, accumulate=False)
         main.wait_event(self._fetched[L])
-        for d in guessed:   # ... and the guessed ones once their bytes have landed
-            main.wait_event(self._prefetched[d - 1][L])
+        if guessed:   # ... and the guessed ones once their bytes have landed
+            main.wait_event(self._prefetched[L])
         if self.overlap_misses:
             self._pool(L, x, self.pair_slots[1], None, w, y, accumulate=True)
         else:
@@ -282,64 +252,32 @@ class OffloadEngine:
                            torch.cuda.current_stream().cuda_stream, accumulate)
 
     def _guess_ahead(self, L: int, x: torch.Tensor, main) -> None:
-        """On the side stream: layers L+1 and L+2's routers on x -> slots for their guessed
-        experts. Room is left for what is decided later: a layer's own misses (T*K slots) and,
-        two layers ahead, its guesses one layer ahead."""
-        dists = [d for d in (1, 2) if self._guessing(L, d)]
-        if not dists:
+        """On the side stream: layer L+1's router on x -> slots for its guessed experts, leaving
+        room for its own misses (T*K slots)."""
+        if not self._guessing(L):
             return
         side = self.prefetch_stream
         side.wait_stream(main)
         x.record_stream(side)  # x's memory must not be reused on main before the side has read it
         T = x.shape[0]
         with torch.cuda.stream(side):
-            for d in dists:
-                reserve = T * self.top_k + (T * self.prefetch_k if d == 2 else 0)
-                guess, _ = route_topk(self.predict(L + d, x), self._k(d))
-                on.prefetch(self.tables, L + d, guess.to(torch.int32).reshape(-1), reserve,
-                            self.step, self.prefetch_lists[d - 1, L + d])
-                self._guessed[d - 1][L + d].record(side)
+            guess, _ = route_topk(self.predict(L + 1, x), self.prefetch_k)
+            on.prefetch(self.tables, L + 1, guess.to(torch.int32).reshape(-1), T * self.top_k,
+                        self.step, self.prefetch_lists[L + 1])
+            self._guessed[L + 1].record(side)
 
     def _copy_guesses(self, L: int) -> None:
         """On the side stream, after layer L's own fetches (they are on its critical path): copy
-        the experts guessed for layer L+1, then for L+2; each layer waits for its guesses before
-        its second pool kernel."""
-        dists = [d for d in (1, 2) if self._guessing(L, d)]
-        if not dists:
+        the experts guessed for layer L+1, which waits for them before its second pool kernel."""
+        if not self._guessing(L):
             return
         side = self.prefetch_stream
         side.wait_event(self._fetched[L])
         with torch.cuda.stream(side):
-            for d in dists:
-                if self.cache.pools[L + d].shape[0]:
-                    on.fetch(self.prefetch_lists[d - 1, L + d], self.bank.banks[L + d],
-                             self.cache.pools[L + d], min(MAX_FETCH, self.max_tok * self._k(d)),
-                             self.fetch_blocks)
-                self._prefetched[d - 1][L + d].record(side)
-
-    def guess_at_start(self, L: int, a: torch.Tensor) -> None:
-        """At layer L's start, on a third stream: L's router on its attention input a [T, H]
-        (the residual with L-1's experts added) -> slots for the guessed experts the earlier
-        guesses left out, then their copy, while L's mixer computes. Waits for the earlier
-        guesses' slot decisions (same tables); L's plan waits for this one's."""
-        if not self._guessing(L, START):
-            return
-        main, s = torch.cuda.current_stream(), self.start_stream
-        s.wait_stream(main)
-        a.record_stream(s)   # a's memory must not be reused on main before s has read it
-        T = a.shape[0]
-        with torch.cuda.stream(s):
-            for d in (1, 2):
-                if self._guessing(L - d, d):
-                    s.wait_event(self._guessed[d - 1][L])
-            guess, _ = route_topk(self.predict_start(L, a), self.prefetch_start)
-            on.prefetch(self.tables, L, guess.to(torch.int32).reshape(-1), T * self.top_k,
-                        self.step, self.prefetch_lists[START - 1, L])
-            self._guessed[START - 1][L].record(s)
-            if self.cache.pools[L].shape[0]:
-                on.fetch(self.prefetch_lists[START - 1, L], self.bank.banks[L], self.cache.pools[L],
-                         min(MAX_FETCH, self.max_tok * self.prefetch_start), self.fetch_blocks)
-            self._prefetched[START - 1][L].record(s)
+            if self.cache.pools[L + 1].shape[0]:
+                on.fetch(self.prefetch_lists[L + 1], self.bank.banks[L + 1], self.cache.pools[L + 1],
+                         min(MAX_FETCH, self.max_tok * self.prefetch_k), self.fetch_blocks)
+            self._prefetched[L + 1].record(side)
 
     def prefill_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         cache, lay = self.cache, self.bank.layouts[L]
@@ -419,12 +357,6 @@ class LayerExperts:
 
     def __init__(self, engine: OffloadEngine, layer: int):
         self.engine, self.layer = engine, layer
-
-    def layer_start(self, a: torch.Tensor) -> None:
-        """The model hands over the layer's attention input [T, H] (decode: guesses from it)."""
-        e = self.engine
-        if e.in_step and a.shape[0] <= e.max_tok:
-            e.guess_at_start(self.layer, a)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         e = self.engine

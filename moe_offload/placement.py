@@ -92,9 +92,6 @@ DECODE_GRAPHS = 96 << 20        # pools of the captured decode graphs (one per a
 # What torch may still need during decode once the elastic cache has grown: the graph pools, the
 # eager warm-up step before each capture, logits and sampling.
 DECODE_HEADROOM = DECODE_GRAPHS + (64 << 20)
-# ... plus, with guesses at a layer's start, the segments of the third stream that allocates
-# during a capture (2 MiB short at 8 GiB without this)
-START_GUESS_HEADROOM = 16 << 20
 
 
 def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = False) -> int:

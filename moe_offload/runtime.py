@@ -34,19 +34,13 @@ from .models.qwen35moe import FUSED_PROJECTIONS
 from .models.weights import upload_weights
 from .offload_experts import LayerExperts, OffloadEngine
 from .placement import (CONTEXT_MARGIN, DECODE_HEADROOM, LATE_LOAD_MARGIN, PREFILL_CHUNK,
-                        STAGING_EXPERTS, START_GUESS_HEADROOM, gpu_workspace_bytes,
+                        STAGING_EXPERTS, gpu_workspace_bytes,
                         host_weight_names, prefill_workspace_bytes, staging_bytes)
 from .scheduler import Rates, Scheduler
 from .state import State
 
-# Guesses a token makes per layer while decoding, as fractions of the top-k: one layer ahead (from
-# the layer before's input) and again at the layer's own start (from its attention input). On
-# the 35B (top-8, BENCHMARKS.md): 6 ahead beat 4 by 8% (8 GiB) and 26% (4 GiB); 5 ahead + 7 at
-# the start beat 6 + 0 by 2-3% in same-machine A/Bs at 8 GiB, but only 0.8% in ftpatch bench,
-# and lost 8% at 4 GiB, where the link is already full: off by default
+# Guesses a token makes per layer while decoding, one layer ahead, as a fraction of the top-k
 PREFETCH_AHEAD = 6 / 8
-PREFETCH_AT_START = 0
-PREFETCH_K2 = 0             # experts a token guessed two layers ahead (decode; 2 and 4 were slower)
 GRAPH_BUCKET = 256          # attention-length bucket per captured decode graph
 
 
@@ -69,9 +63,6 @@ class RuntimeOptions:
     prefetch: bool = True                  # guess layer L+1's experts during layer L (decode)
     prefetch_k: int | None = None          # experts guessed per token one layer ahead (None:
                                            # PREFETCH_AHEAD of the top-k)
-    prefetch_k2: int | None = None         # ... two layers ahead (None: PREFETCH_K2; 0: none)
-    prefetch_start: int | None = None      # ... again at the layer's start, from its attention
-                                           # input (None: PREFETCH_AT_START of the top-k; 0: none)
     overlap_misses: bool = True            # a layer's resident experts compute while its misses
                                            # cross PCIe (False: fetch first, then all at once)
     device: str = "cuda"
@@ -203,11 +194,7 @@ class OffloadRuntime:
             K = c.n_expert_used
             self.engine.set_predictor(
                 self.model.router_logits,
-                opts.prefetch_k if opts.prefetch_k is not None else max(1, int(PREFETCH_AHEAD * K)),
-                opts.prefetch_k2 if opts.prefetch_k2 is not None else PREFETCH_K2,
-                self.model.router_logits_at_start,
-                opts.prefetch_start if opts.prefetch_start is not None
-                else int(PREFETCH_AT_START * K))
+                opts.prefetch_k if opts.prefetch_k is not None else max(1, int(PREFETCH_AHEAD * K)))
         self._calibrate()
         self._grow_pending = False
         self._torch_peak = 0
@@ -245,9 +232,8 @@ class OffloadRuntime:
         """What torch keeps free beside the grown cache while decoding: until a decode step has
         been captured, the estimate DECODE_HEADROOM; then what a capture was measured to need
         (the next attention bucket's), +25% and 16 MiB (_measured_capture checks it before each)."""
-        need = DECODE_HEADROOM if self._capture_need is None else \
+        return DECODE_HEADROOM if self._capture_need is None else \
             self._capture_need * 5 // 4 + (16 << 20)
-        return need + (START_GUESS_HEADROOM if self.engine.prefetch_start else 0)
 
     def _fit_cache(self, torch_extra: int, grow: bool) -> None:
         """Resize the elastic cache to what the cap leaves once torch holds what it holds now

@@ -70,8 +70,6 @@ if [[ "$STAGES" == *" offload "* ]]; then
       [[ $regime == *-fixed* ]] && extra="$extra --no-elastic"
       [[ $regime == *-serial* ]] && extra="$extra --no-overlap"
       [[ $regime =~ -pf([0-9]+) ]] && extra="$extra --prefetch-k ${BASH_REMATCH[1]}"
-      [[ $regime =~ -two([0-9]+) ]] && extra="$extra --prefetch-k2 ${BASH_REMATCH[1]}"
-      [[ $regime =~ -start([0-9]+) ]] && extra="$extra --prefetch-start ${BASH_REMATCH[1]}"
       t0=$SECONDS
       timeout ${BENCH_LIMIT:-240} $PY -m freetoken_patch.cli bench /tmp/35b.gguf --vram $cap $extra \
         -p ${PP:-512,2048} -n ${TG:-128} --reps ${REPS:-3} --json --out "$OUT/bench_${cap}_${regime}.json" \

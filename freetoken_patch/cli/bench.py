@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -17,13 +18,14 @@ import numpy as np
 import torch
 
 from ..errors import CLIError
+from .inputs import check, check_fraction, check_positive
 from .model_args import add_placement_args, placement_options, size_arg
 
 EPILOG = """\
 examples:
-  ftpatch bench 35b.gguf --vram 8GiB                      pp512, pp2048, tg128, 3 reps
-  ftpatch bench 35b.gguf --vram 8GiB --trace --json       realistic-locality routing trace
-  ftpatch bench kernels                                   per-type kernel throughput (GB/s)
+  ftpatch bench 35b.gguf --vram 8GiB                      # pp512, pp2048, tg128, 3 reps
+  ftpatch bench 35b.gguf --vram 8GiB --trace --json       # realistic-locality routing trace
+  ftpatch bench kernels                                   # per-type kernel throughput (GB/s)
 
 method: each size runs once untimed, then --reps times; the median is reported with min and
 max. pp N = N prompt tokens / prefill wall time (random token ids, one chunk per --chunk).
@@ -54,11 +56,6 @@ def add_parser(sub) -> None:
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
                    help="experts guessed per token for the next layer (default: 5/8 of the top-k)")
-    s.add_argument("--prefetch-k2", type=int, default=None,
-                   help="experts guessed per token two layers ahead (default 0: none)")
-    s.add_argument("--prefetch-start", type=int, default=None,
-                   help="experts guessed again per token at each layer's start, from its attention "
-                        "input (default: 7/8 of the top-k; 0: none)")
     s.add_argument("--no-elastic", action="store_true",
                    help="keep the expert cache at its prefill size while decoding and the KV "
                         "allocated for the whole --ctx (by default the cache grows into the prefill "
@@ -100,18 +97,22 @@ def run(args: argparse.Namespace) -> int:
     if args.prefetch_k is not None and args.prefetch_k < 1:
         raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
                        "turn guessing off with --no-prefetch")
-    if args.prefetch_k2 is not None and args.prefetch_k2 < 0:
-        raise CLIError(f"--prefetch-k2 {args.prefetch_k2}: give 0 (no guesses two layers ahead) "
-                       "or more")
-    if args.prefetch_start is not None and args.prefetch_start < 0:
-        raise CLIError(f"--prefetch-start {args.prefetch_start}: give 0 (no guesses at a layer's "
-                       "start) or more")
+    for flag, value in (("-n", args.gen), ("--reps", args.reps), ("--ctx", args.ctx),
+                        ("--chunk", args.chunk)):
+        check_positive(flag, value)
+    for flag, value in (("--fetch-fraction", args.fetch_fraction),
+                        ("--trace-repeat", args.trace_repeat)):
+        check_fraction(flag, value)
+    if args.trace_skew is not None:
+        check("--trace-skew", args.trace_skew, math.isfinite(args.trace_skew) and
+              args.trace_skew >= 0, "give a number >= 0")
     if not torch.cuda.is_available():
         raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     try:
         sizes = [int(x) for x in args.prompt_sizes.split(",") if x.strip()]
     except ValueError:
-        raise CLIError(f"-p {args.prompt_sizes!r}: give sizes like 512,2048") from None
+        sizes = []
+    check("-p", repr(args.prompt_sizes), bool(sizes) and min(sizes) >= 1, "give sizes like 512,2048")
     vram = args.vram
     t0 = time.perf_counter()
     loaded = open_model(args.model)
@@ -121,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
     opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
                           fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
                           prefetch=not args.no_prefetch, prefetch_k=args.prefetch_k,
-                          prefetch_k2=args.prefetch_k2, prefetch_start=args.prefetch_start,
                           prefill_chunk=args.chunk, elastic=not args.no_elastic,
                           overlap_misses=not args.no_overlap, **placement_options(args))
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):

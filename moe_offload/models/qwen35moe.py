@@ -33,12 +33,6 @@ ROUTER = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 FUSED_PROJECTIONS = {"+".join(g): g for g in (SSM_IN, ATTN_IN, SHEXP_IN, ROUTER)}
 
 
-def _norm_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den elementwise, 0 where den is 0 (that channel of a den-normed vector is lost)."""
-    num, den = num.float(), den.float()
-    return torch.where(den != 0, num / torch.where(den != 0, den, 1.0), 0.0)
-
-
 def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """x [..., in] @ W^T -> [..., out] through native.ops."""
     return ops.matmul(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
@@ -60,7 +54,6 @@ class Qwen35Moe:
                     for p in (f"blk.{i}." for i in range(c.n_layer))]
         self.device = self.out_norm.device
         self._side: torch.cuda.Stream | None = None   # for experts that ask for overlap_shared
-        self._start_scale: list[torch.Tensor] | None = None   # router_logits_at_start, per layer
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None,
                   kv_dtype: torch.dtype = torch.float32, attn_bucket: int = 1) -> State:
@@ -83,9 +76,6 @@ class Qwen35Moe:
         moe_out: tuple = ()   # the previous layer's (routed, shared, shared gate), added by the next norm
         for i, L in enumerate(self.blk):
             a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, T, H)
-            start = getattr(self.experts[i], "layer_start", None)
-            if start is not None:   # the offload runtime guesses this layer's experts from it
-                start(a.view(B * T, H))
             if c.recurrent[i]:
                 m = self._delta_net(L, a, state.conv[i], state.ssm[i])
             else:
@@ -171,16 +161,6 @@ class Qwen35Moe:
         L = self.blk[layer]
         fused = L.get("+".join(ROUTER))
         return _mm(f, fused if fused is not None else L[ROUTER[0]])[:, :self.config.n_expert]
-
-    def router_logits_at_start(self, layer: int, a: torch.Tensor) -> torch.Tensor:
-        """Layer `layer`'s router on its attention input a [N, H]: a is the residual normed with
-        the attention norm's weights; rescaled to the post-attention norm's, it is the router's
-        own input less the mixer's contribution. How the offload runtime guesses a layer's
-        experts again at its start."""
-        if self._start_scale is None:
-            self._start_scale = [_norm_ratio(L["post_attention_norm.weight"], L["attn_norm.weight"])
-                                 for L in self.blk]
-        return self.router_logits(layer, a * self._start_scale[layer])
 
     def _proj(self, L, names: tuple[str, ...], a: torch.Tensor) -> list[torch.Tensor]:
         """The projections `names` of one input a [..., H]: one matmul split in parts if they

@@ -19,13 +19,10 @@ Variants:
   slots+N      every layer's cache N slots larger (or slots-N smaller; mapped past the cap:
                the value of N slots, not a configuration that fits)
   pfN          N guesses a token one layer ahead (graphs re-captured)
-  startN       N guesses a token at a layer's start (graphs re-captured)
   chunksN      the rows engine's warps stream at least N chunks (fewer CTAs on small
                matrices; graphs re-captured)
   record       the routed ids recorded every step, as `ftpatch bench` does in model routing
                (graphs re-captured)
-  record-inline  the same, as it was written before 2026-12-01: in the step's own stream,
-               its row chosen every layer, int64
   moeminN      prompts of more than N tokens take the grouped-GEMM expert path (with
                --after-prompt: what a short prompt costs the decode after it)
 
@@ -72,7 +69,7 @@ if args.trace:
 st = rt.new_state(1)
 tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
 threads0 = _cpu.threads() if _cpu is not None else 0
-pf0, start0 = rt.engine.prefetch_k, rt.engine.prefetch_start
+pf0 = rt.engine.prefetch_k
 chunks0 = _cuda.rows_min_chunks()
 moemin0 = ops.PREFILL_MOE_MIN_TOKENS
 slots0: list[int] = []
@@ -115,12 +112,8 @@ def apply(v: str, on: bool) -> None:
         else:
             rt.scheduler.apply = apply_rates
         rt.scheduler.apply()
-    elif m := re.fullmatch(r"(pf|start)(\d+)", v):
-        k = int(m[2]) if on else (pf0 if m[1] == "pf" else start0)
-        if m[1] == "pf":
-            rt.engine.prefetch_k = k
-        else:
-            rt.engine.prefetch_start = k
+    elif m := re.fullmatch(r"pf(\d+)", v):
+        rt.engine.prefetch_k = int(m[1]) if on else pf0
         recapture()
     elif m := re.fullmatch(r"threads(\d+)", v):
         _cpu.set_threads(int(m[1]) if on else threads0)
@@ -140,17 +133,6 @@ def apply(v: str, on: bool) -> None:
     elif v == "record":
         rt.engine.record = (torch.zeros((256, c.n_layer, c.n_expert_used), dtype=torch.int32,
                                         device="cuda") if on else None)
-        recapture()
-    elif v == "record-inline":   # the record as it was written before: int64, its row chosen
-        if on:                     # every layer, on the step's own stream
-            rec = torch.zeros((256, c.n_layer, c.n_expert_used), dtype=torch.long, device="cuda")
-
-            def inline(L, ids32, main):
-                rec[:, L].index_copy_(0, rt.engine._step_row(rec), ids32[:1].long())
-            rt.engine._record_ids, rt.engine.record = inline, rec
-        else:
-            del rt.engine._record_ids
-            rt.engine.record = None
         recapture()
     elif v != "base":
         raise SystemExit(f"unknown variant {v!r}")

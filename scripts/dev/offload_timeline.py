@@ -1,8 +1,7 @@
 """Where a decode step's time goes under a VRAM cap: a kernel timeline of 8 graph replays.
 
-    python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--prefetch-k2 N]
-                                           [--prefetch-start N]
-                                           [--fetch-blocks N] [--trace] [--no-overlap]
+    python scripts/dev/offload_timeline.py MODEL [--vram 8GiB] [--prefetch-k N] [--fetch-blocks N]
+                                           [--trace] [--no-overlap]
 
 Prints tok/s over 64 steps without the profiler (an A/B of the options on one machine), tok/s
 of the profiled steps, then per token: GPU kernel time by kind (fetch = PCIe copies
@@ -27,8 +26,6 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("--vram", type=size_arg, default="8GiB")
 ap.add_argument("--prefetch-k", type=int, default=None)
-ap.add_argument("--prefetch-k2", type=int, default=None)
-ap.add_argument("--prefetch-start", type=int, default=None)
 ap.add_argument("--fetch-blocks", type=int, default=None, help="grid of a PCIe copy (default 32)")
 ap.add_argument("--trace", action="store_true")
 ap.add_argument("--no-overlap", action="store_true", help="fetch misses before any expert computes")
@@ -44,8 +41,6 @@ args = ap.parse_args()
 loaded = open_model(args.model)
 c = loaded.config
 rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram, prefetch_k=args.prefetch_k,
-                                                 prefetch_k2=args.prefetch_k2,
-                                                 prefetch_start=args.prefetch_start,
                                                  overlap_misses=not args.no_overlap,
                                                  cpu_threads=args.cpu_threads))
 if args.fetch_blocks:

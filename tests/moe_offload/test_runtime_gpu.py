@@ -90,23 +90,14 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
     all-on-GPU model, and the guesses are counted."""
     prompt, toks, ref = reference
     outs, stats = {}, {}
-    for name, kw in (("off", dict(prefetch=False)), ("on", dict(prefetch=True, prefetch_k2=0)),
-                     ("two ahead", dict(prefetch=True, prefetch_k2=2, cache_slots=12)),
-                     ("at start", dict(prefetch=True, prefetch_k=2, prefetch_start=4,
-                                       cache_slots=12))):
+    for name, kw in (("off", dict(prefetch=False)), ("on", dict(prefetch=True))):
         rt = _runtime(loaded, **kw)
         try:
             outs[name], stats[name] = _follow(rt, prompt, toks), rt.stats()
-            if name == "two ahead":   # guesses for layers 2.. were made two layers back
-                assert int(rt.engine.prefetch_lists[1, 2:, 0].sum()) > 0
-            if name == "at start":   # guessed again at layers 1..'s start
-                assert int(rt.engine.prefetch_lists[2, 1:, 0].sum()) > 0
-                assert int(rt.engine.prefetch_lists[2, 0, 0]) == 0
         finally:
             rt.close()
-    for name in ("on", "two ahead", "at start"):
-        for i, (a, b) in enumerate(zip(outs[name], ref)):
-            _close(a, b, f"step {i} (prefetch {name})")
+    for i, (a, b) in enumerate(zip(outs["on"], ref)):
+        _close(a, b, f"step {i} (prefetch on)")
     off, on = stats["off"], stats["on"]
     assert off["prefetched"] == 0 and on["prefetched"] > 0
     assert 0 < on["prefetch_hits"] <= on["prefetched"]
