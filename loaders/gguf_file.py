@@ -9,6 +9,7 @@ u32 ggml type, u64 offset), padding to `general.alignment` (default 32), tensor 
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -35,6 +36,14 @@ VALUE_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6:
 _STRING, _ARRAY = 8, 9
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+_INT_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)
+INT64_MAX = (1 << 63) - 1
+MAX_DIMS = 8                # ggml uses 4; more is corrupt
+MAX_ARRAY_NESTING = 8       # arrays of arrays (real files nest at most once)
+MAX_ALIGNMENT = 1 << 30
+# the fewest bytes a metadata entry (key length, type, a u8) and a tensor entry (name length,
+# n_dims, type, offset) can take: a header claiming more than fit in the file is corrupt
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 13, 24
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.ne, dtype=np.int64))
+        return math.prod(self.ne)
 
 
 class _Cursor:
@@ -64,6 +73,7 @@ class _Cursor:
     def __init__(self, buf: Any, path: Path, size: int):
         self.buf, self.path, self.size, self.pos = buf, path, size, 0
         self.what = "header"
+        self.nesting = 0
 
     def fail(self, msg: str) -> GGUFError:
         return GGUFError(f"{self.path}: {msg} (at byte {self.pos}, while reading {self.what})")
@@ -112,7 +122,17 @@ class _Cursor:
         if etype == _STRING:
             return self.string_array(n)
         if etype == _ARRAY:
-            return [self.array() for _ in range(n)]
+            if self.nesting >= MAX_ARRAY_NESTING:
+                raise self.fail(f"arrays nested more than {MAX_ARRAY_NESTING} deep; "
+                                "the file is corrupt")
+            if n * 12 > self.size - self.pos:   # each inner array: type + count
+                raise self.fail(f"truncated header: an array of {n} arrays cannot fit in the "
+                                "file")
+            self.nesting += 1
+            try:
+                return [self.array() for _ in range(n)]
+            finally:
+                self.nesting -= 1
         dt = _NUMPY.get(etype)
         if dt is None:
             raise self.fail(f"unknown metadata array element type {etype}")
@@ -135,8 +155,8 @@ class _Cursor:
                 pos += 8
                 out[i] = buf[pos:pos + ln]
                 pos += ln
-        except struct.error:
-            self.pos = pos
+        except (struct.error, OverflowError):   # a length ran past the end (or past 2**63)
+            self.pos = min(pos, size)
             raise self.fail("truncated header inside a string array") from None
         if pos > size:
             self.pos = size
@@ -182,7 +202,7 @@ def _parse_shard(path: Path, shard: int) -> _Shard:
         raise GGUFError(f"{path}: unsupported GGUF version {version}{hint}; versions 2 and 3 "
                         "are supported, re-convert the model with a current llama.cpp")
     n_tensors, n_kv = cur.u64(), cur.u64()
-    if n_kv * 12 > size or n_tensors * 24 > size:
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_BYTES > size - cur.pos:
         raise GGUFError(f"{path}: corrupt header: claims {n_tensors} tensors and {n_kv} "
                         f"metadata keys, more than a {size}-byte file can hold")
     metadata: dict[str, Any] = {}
@@ -197,8 +217,13 @@ def _parse_shard(path: Path, shard: int) -> _Shard:
         metadata[key] = cur.value(vtype)
         value_types[key] = vtype
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFError(f"{path}: general.alignment = {alignment!r} is not a power of two")
+    if "general.alignment" in metadata and value_types["general.alignment"] not in _INT_TYPES:
+        raise GGUFError(f"{path}: general.alignment is a "
+                        f"{VALUE_TYPE_NAMES.get(value_types['general.alignment'])}, not an "
+                        "integer; the file is corrupt")
+    if not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: general.alignment = {alignment!r} is not a power of two "
+                        f"up to {MAX_ALIGNMENT}; the file is corrupt")
     infos = []
     seen: set[str] = set()
     for i in range(n_tensors):
@@ -206,8 +231,8 @@ def _parse_shard(path: Path, shard: int) -> _Shard:
         name = cur.string()
         cur.what = f"tensor info of {name!r}"
         n_dims = cur.u32()
-        if n_dims > 8:
-            raise cur.fail(f"tensor {name!r} claims {n_dims} dimensions (at most 8)")
+        if n_dims > MAX_DIMS:
+            raise cur.fail(f"tensor {name!r} claims {n_dims} dimensions (at most {MAX_DIMS})")
         ne = tuple(cur.u64() for _ in range(n_dims))
         type_id = cur.u32()
         offset = cur.u64()
@@ -226,7 +251,11 @@ def _parse_shard(path: Path, shard: int) -> _Shard:
         if ne and ne[0] % elems:
             raise GGUFError(f"{path}: tensor {name!r} ({tname}) has rows of {ne[0]} weights, "
                             f"not a whole number of {elems}-weight blocks")
-        nbytes = int(np.prod(ne, dtype=np.int64)) // elems * bbytes if ne else bbytes
+        # as ggml: every dim and the element count fit int64 (zero dims aside)
+        if math.prod(max(1, n) for n in ne) > INT64_MAX:
+            raise GGUFError(f"{path}: tensor {name!r} has dimensions {list(ne)}, more elements "
+                            "than int64 can count; the file is corrupt")
+        nbytes = math.prod(ne) // elems * bbytes if ne else bbytes
         if offset % alignment:
             raise GGUFError(f"{path}: tensor {name!r} data offset {offset} is not a multiple "
                             f"of the alignment {alignment}; the file is corrupt")
@@ -301,6 +330,11 @@ class GGUFFile:
         for i, sh in enumerate(shards):
             md = sh.metadata
             no, n, tc = md.get("split.no"), md.get("split.count"), md.get("split.tensors.count")
+            for key, v in (("split.no", no), ("split.count", n), ("split.tensors.count", tc)):
+                if v is not None and (sh.value_types[key] not in _INT_TYPES):
+                    raise GGUFError(f"{sh.path}: {key} is a "
+                                    f"{VALUE_TYPE_NAMES.get(sh.value_types[key])}, not an "
+                                    "integer; the file is corrupt")
             if n != count or no != i:
                 raise GGUFError(f"{sh.path}: split keys say shard {no} of {n}, but it is file "
                                 f"{i + 1} of {count}; the shards disagree, re-download the set")
@@ -329,7 +363,7 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: no tensor named {name!r}")
         mm = self._shards[t.shard].mm
         arr = np.frombuffer(mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
-        rows = max(1, int(np.prod(t.ne[1:], dtype=np.int64)))
+        rows = max(1, math.prod(t.ne[1:]))
         return arr.reshape(rows, t.nbytes // rows)
 
     def close(self) -> None:

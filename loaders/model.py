@@ -82,10 +82,26 @@ def _check(spec: TensorSpec, t: TensorInfo) -> str | None:
 def open_model(path: str | os.PathLike, *, strict: bool = True) -> LoadedModel:
     """Parse and validate a model. With strict=False, problems are listed instead of raised."""
     f = open_gguf(path)
-    arch = get_architecture(f.get("general.architecture"))
+    name = f.get("general.architecture")
+    if name is None:
+        raise GGUFError(f"{f.path}: metadata key 'general.architecture' is missing, so the "
+                        "model's kind is unknown; the file is damaged or not a model (a "
+                        "vocabulary-only GGUF?)")
+    if not isinstance(name, str):
+        raise GGUFError(f"{f.path}: general.architecture is not text ({type(name).__name__}); "
+                        "the file is damaged")
     shapes = {t.name: t.shape for t in f}
-    config = arch.parse_config(f.metadata, shapes)
+    try:
+        arch = get_architecture(name)
+        config = arch.parse_config(f.metadata, shapes)
+    except GGUFError as e:   # the parsers do not know the file: name it here
+        raise type(e)(f"{f.path}: {e}") from None
     problems: list[str] = []
+    tokens = f.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > config.n_vocab:
+        problems.append(f"tokenizer.ggml.tokens has {len(tokens):,} tokens but "
+                        f"'token_embd.weight' has {config.n_vocab:,} rows; ids past the rows "
+                        "would have no embedding")
     weights: dict[str, Weight] = {}
     slots: dict[str, dict[str, list[TensorSpec]]] = {}
     for spec in arch.tensor_schema(config):

@@ -52,7 +52,7 @@ def supported_architectures() -> list[str]:
 
 def get_architecture(name: str | None) -> Architecture:
     _load_builtin()
-    arch = _ARCHITECTURES.get(name or "")
+    arch = _ARCHITECTURES.get(name) if isinstance(name, str) else None
     if arch is None:
         raise GGUFError(f"unsupported architecture {name!r}; supported: "
                         f"{', '.join(sorted(_ARCHITECTURES))}")

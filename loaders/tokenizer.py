@@ -15,7 +15,7 @@ import operator
 import os
 import re
 from itertools import chain, repeat
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import regex
@@ -58,9 +58,7 @@ class Tokenizer:
         self._byte_ids = [self._piece_id.get(_BYTE_TO_CHAR[b]) for b in range(256)]
         self._merges = _merge_table(vocab.merges, self._piece_id, len(self.tokens))
         self._special_id = {self.tokens[i]: i for i in special if self.tokens[i]}
-        # longest first, so "<|im_end|>" wins over any shorter special it starts with
-        alts = sorted(self._special_id, key=len, reverse=True)
-        self._special_re = re.compile("|".join(map(re.escape, alts))) if alts else None
+        self._specials = _SpecialFinder(self._special_id) if self._special_id else None
         self._split = regex.compile(self.pre.pattern).findall
         self._cache = _WordCache(self._encode_word)
         self._bytes: list[bytes | None] = [None] * len(self.tokens)
@@ -75,8 +73,14 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], where: str = "model") -> "Tokenizer":
         """A tokenizer from a GGUF metadata table (honours tokenizer.ggml.add_bos/eos_token)."""
-        return cls(vocab_from_metadata(md, where), add_bos=md.get("tokenizer.ggml.add_bos_token"),
-                   add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)))
+        vocab = vocab_from_metadata(md, where)
+        flags = {}
+        for key in ("add_bos_token", "add_eos_token"):
+            v = md.get(f"tokenizer.ggml.{key}")
+            if v is not None and not (isinstance(v, int) and v in (0, 1)):
+                raise GGUFError(f"{where}: tokenizer.ggml.{key} = {v!r:.40} is not a bool")
+            flags[key] = None if v is None else bool(v)
+        return cls(vocab, add_bos=flags["add_bos_token"], add_eos=bool(flags["add_eos_token"]))
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -112,21 +116,27 @@ class Tokenizer:
         return self._piece_id.get(text) if found is None else found
 
     # -- encode -------------------------------------------------------------------------------
-    def encode(self, text: str, *, add_special: bool = False,
+    def encode(self, text: str | bytes, *, add_special: bool = False,
                parse_special: bool = False) -> list[int]:
         """Token ids of `text`. add_special: BOS/EOS as the model asks; parse_special: text
-        spelling a control or user-defined token (e.g. "<|im_end|>") becomes that token."""
-        if not isinstance(text, str):
-            raise GGUFError(f"encode() takes text (str), not {type(text).__name__}")
+        spelling a control or user-defined token (e.g. "<|im_end|>") becomes that token.
+
+        Any input encodes (byte-level BPE has a token for every byte): `bytes` need not be
+        UTF-8, and a str's lone surrogates (as `surrogateescape` leaves them) encode as the bytes
+        they stand for, so decode(encode(b)) gives b back."""
+        if isinstance(text, (bytes, bytearray, memoryview)):
+            text = bytes(text).decode("utf-8", "surrogateescape")
+        elif not isinstance(text, str):
+            raise GGUFError(f"encode() takes text (str or bytes), not {type(text).__name__}")
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self._needed(self.bos_id, "BOS", "add_bos_token"))
-        if parse_special and self._special_re is not None:
+        if parse_special and self._specials is not None:
             pos = 0
-            for m in self._special_re.finditer(text):
-                self._encode_plain(text[pos:m.start()], out)
-                out.append(self._special_id[m.group()])
-                pos = m.end()
+            for start, end, name in self._specials.finditer(text):
+                self._encode_plain(text[pos:start], out)
+                out.append(self._special_id[name])
+                pos = end
             self._encode_plain(text[pos:], out)
         else:
             self._encode_plain(text, out)
@@ -149,7 +159,7 @@ class Tokenizer:
             out.extend(chain.from_iterable(map(self._cache.__getitem__, self._split(text))))
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
-        raw = word.encode("utf-8")
+        raw = _utf8(word)
         if self.pre.ignore_merges:
             whole = self._piece_id.get(raw.decode("latin-1").translate(_BYTE_TO_CHAR))
             if whole is not None:
@@ -207,6 +217,34 @@ class StreamDecoder:
         text = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         return text
+
+
+class _SpecialFinder:
+    """Finds special tokens in text: leftmost first, the longest one at a position (so
+    "<|im_end|>" wins over a shorter special it starts with). A regex alternation of every
+    special does the same but takes seconds to compile for a vocabulary with 10^5 of them;
+    this builds in linear time and tries only the lengths that occur after a possible first
+    character."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = frozenset(names)
+        lengths: dict[str, set[int]] = {}
+        for name in self.names:
+            lengths.setdefault(name[0], set()).add(len(name))
+        self.lengths = {c: sorted(ls, reverse=True) for c, ls in lengths.items()}
+        self.first = re.compile("[" + "".join(map(re.escape, sorted(lengths))) + "]")
+
+    def finditer(self, text: str) -> Iterator[tuple[int, int, str]]:
+        pos, search, names = 0, self.first.search, self.names
+        while (m := search(text, pos)) is not None:
+            i = m.start()
+            for n in self.lengths[text[i]]:
+                if text[i:i + n] in names:
+                    yield i, i + n, text[i:i + n]
+                    pos = i + n
+                    break
+            else:
+                pos = i + 1
 
 
 # -- BPE core ------------------------------------------------------------------------------------
@@ -284,6 +322,16 @@ def _bpe(syms: list[int], merges: dict[int, int], n: int) -> list[int]:
             if m is not None:
                 heapq.heappush(heap, (m, p, syms[p], merged))
     return [s for s in syms if s >= 0]
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8 of `text`; lone surrogates give back the byte surrogateescape took (U+DC80..DCFF)
+    or their 3-byte form, so no str fails to encode."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return b"".join(c.encode("utf-8", "surrogateescape" if 0xDC80 <= ord(c) <= 0xDCFF
+                                 else "surrogatepass") for c in text)
 
 
 def _piece_to_bytes(piece: str) -> bytes:

@@ -56,20 +56,67 @@ class VocabSpec:
         return replace(self, tokens=tokens, token_types=types)
 
 
+def _kind(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return f"an array of {v.dtype}"
+    if isinstance(v, list):
+        return "an array of arrays" if v and not isinstance(v[0], str) else "an array of strings"
+    return f"a {type(v).__name__}"
+
+
+def _str_list(md: Mapping[str, Any], key: str, where: str) -> list[str] | None:
+    v = md.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or (v and not isinstance(v[0], str)):
+        raise GGUFError(f"{where}: {key} is {_kind(v)}, expected an array of strings")
+    return v
+
+
+def _numbers(md: Mapping[str, Any], key: str, where: str, n: int, kinds: str) -> np.ndarray | None:
+    v = md.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, np.ndarray) or v.dtype.kind not in kinds:
+        raise GGUFError(f"{where}: {key} is {_kind(v)}, expected an array of numbers")
+    if len(v) != n:
+        raise GGUFError(f"{where}: {key} has {len(v):,} entries but tokenizer.ggml.tokens has "
+                        f"{n:,}; the file's tokenizer is damaged")
+    return v
+
+
+def _text(md: Mapping[str, Any], key: str, where: str, default: str | None) -> str | None:
+    v = md.get(key, default)
+    if v is not None and not isinstance(v, str):
+        raise GGUFError(f"{where}: {key} is {_kind(v)}, expected a string")
+    return v
+
+
 def vocab_from_metadata(md: Mapping[str, Any], where: str = "model") -> VocabSpec:
-    """The tokenizer tables of a GGUF's metadata; a clear error when they are absent."""
-    tokens = md.get("tokenizer.ggml.tokens")
+    """The tokenizer tables of a GGUF's metadata; a clear error when they are absent or do not
+    agree (types and lengths are checked here, so a Tokenizer can trust them)."""
+    tokens = _str_list(md, "tokenizer.ggml.tokens", where)
     if tokens is None:
         raise GGUFError(f"{where} has no tokenizer (no tokenizer.ggml.tokens), so it cannot read "
                         "text; give token ids instead where the command takes --tokens")
-    model = md.get("tokenizer.ggml.model", "gpt2")
-    types = md.get("tokenizer.ggml.token_type")
-    types = np.full(len(tokens), NORMAL, np.int32) if types is None else np.asarray(types, np.int32)
-    ids = {k[len("tokenizer.ggml."):-len("_token_id")]: int(v) for k, v in md.items()
-           if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
+    if not tokens:
+        raise GGUFError(f"{where}: tokenizer.ggml.tokens is empty")
+    n = len(tokens)
+    model = _text(md, "tokenizer.ggml.model", where, "gpt2")
+    types = _numbers(md, "tokenizer.ggml.token_type", where, n, "iu")
+    types = np.full(n, NORMAL, np.int32) if types is None else types.astype(np.int32)
+    _numbers(md, "tokenizer.ggml.scores", where, n, "iuf")
+    merges = _str_list(md, "tokenizer.ggml.merges", where) or []
+    ids = {}
+    for k, v in md.items():
+        if k.startswith("tokenizer.ggml.") and k.endswith("_token_id"):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise GGUFError(f"{where}: {k} is {_kind(v)}, expected a token id")
+            if 0 <= v < n:   # as llama.cpp: an id outside the vocabulary is ignored
+                ids[k[len("tokenizer.ggml."):-len("_token_id")]] = v
     return VocabSpec(
-        tokens=list(tokens), token_types=types, merges=list(md.get("tokenizer.ggml.merges", [])),
-        pre=md.get("tokenizer.ggml.pre", "default"), model=model,
+        tokens=list(tokens), token_types=types, merges=list(merges),
+        pre=_text(md, "tokenizer.ggml.pre", where, "default"), model=model,
         eos_id=ids.pop("eos", None), pad_id=ids.pop("padding", None), bos_id=ids.pop("bos", None),
         chat_template=md.get("tokenizer.chat_template"), extra_ids=ids)
 

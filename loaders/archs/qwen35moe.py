@@ -5,6 +5,7 @@ Legend: H hidden, E experts, K top-k, Fe expert ff, Fs shared ff, V vocab.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -65,80 +66,170 @@ class Qwen35MoeConfig:
 
 # -- config -------------------------------------------------------------------------------------
 
-def _scalar(md: Mapping[str, Any], key: str, default: Any = None, required: bool = False,
-            what: str = "") -> Any:
+MAX_LAYERS = 4096      # real models have 40-60; bounds the schema built from the count
+MAX_DIM = (1 << 31) - 1
+
+
+def _type_name(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (list, np.ndarray)):
+        return "array"
+    return {str: "string", float: "float", int: "integer"}.get(type(v), type(v).__name__)
+
+
+def _missing(full: str) -> GGUFError:
+    return GGUFError(f"metadata key {full!r} is missing; the file was not converted as "
+                     "qwen35moe by llama.cpp, or is damaged")
+
+
+def _int(md: Mapping[str, Any], key: str, default: Any = None, *, required: bool = False,
+         lo: int = 1, hi: int = MAX_DIM, n_layers: int | None = None) -> Any:
+    """An integer key in [lo, hi]; with n_layers, also a per-layer array of that length whose
+    entries agree (we run uniform layers only)."""
     full = f"{ARCH}.{key}"
     if full not in md:
         if required:
-            raise GGUFError(f"metadata key {full!r} is missing{what}; the file was not converted "
-                            "as qwen35moe by llama.cpp, or is damaged")
+            raise _missing(full)
         return default
     v = md[full]
-    if isinstance(v, (list, np.ndarray)):  # per-layer array: we run uniform layers only
-        vals = {int(x) if not isinstance(x, float) else x for x in np.asarray(v).tolist()}
+    if isinstance(v, (list, np.ndarray)):
+        arr = np.asarray(v) if isinstance(v, np.ndarray) else None
+        if n_layers is None or arr is None or arr.dtype.kind not in "iu":
+            raise GGUFError(f"{full} is an {'array of ' + _elem_name(v)}, expected one integer")
+        if len(arr) != n_layers:
+            raise GGUFError(f"{full} has {len(arr)} per-layer entries, expected "
+                            f"{ARCH}.block_count = {n_layers}")
+        vals = sorted(set(arr.tolist()))
         if len(vals) != 1:
-            raise GGUFError(f"metadata {full!r} varies per layer ({sorted(vals)[:4]}...); "
-                            "per-layer values are not supported")
-        v = vals.pop()
+            raise GGUFError(f"{full} varies per layer ({vals[:4]}...); per-layer values are "
+                            "not supported")
+        v = vals[0]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise GGUFError(f"{full} = {v!r:.40} is a {_type_name(v)}, expected an integer")
+    if not lo <= v <= hi:
+        raise GGUFError(f"{full} = {v} is out of range (expected {lo}..{hi})")
     return v
 
 
+def _elem_name(v: Any) -> str:
+    if isinstance(v, np.ndarray):
+        return str(v.dtype)
+    return "strings" if v and isinstance(v[0], str) else "arrays"
+
+
+def _float(md: Mapping[str, Any], key: str, default: Any = None, *, required: bool = False,
+           lo: float = 0.0, hi: float = float("inf")) -> float:
+    full = f"{ARCH}.{key}"
+    if full not in md:
+        if required:
+            raise _missing(full)
+        return default
+    v = md[full]
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise GGUFError(f"{full} = {v!r:.40} is a {_type_name(v)}, expected a number")
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise GGUFError(f"{full} = {v} is out of range (expected a finite number in "
+                        f"{lo:g}..{hi:g})")
+    return float(v)
+
+
+def _int_array(md: Mapping[str, Any], key: str, *, kinds: str = "iu") -> np.ndarray | None:
+    full = f"{ARCH}.{key}"
+    v = md.get(full)
+    if v is None:
+        return None
+    if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype.kind not in kinds:
+        what = f"an array of {_elem_name(v)}" if isinstance(v, (list, np.ndarray)) \
+            else f"a {_type_name(v)}"
+        raise GGUFError(f"{full} is {what}, expected an array of integers")
+    return v
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise GGUFError(msg)
+
+
 def parse_config(md: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> Qwen35MoeConfig:
-    """Metadata (+ tensor shapes for the vocabulary) -> config; required keys fail by name."""
-    block_count = int(_scalar(md, "block_count", required=True))
-    n_nextn = int(_scalar(md, "nextn_predict_layers", 0))
+    """Metadata (+ tensor shapes for the vocabulary) -> config. Every key is checked for its
+    type and range and against the keys it must agree with; errors name the key."""
+    A = ARCH + "."
+    block_count = _int(md, "block_count", required=True, hi=MAX_LAYERS)
+    per_layer = dict(n_layers=block_count)
+    n_nextn = _int(md, "nextn_predict_layers", 0, lo=0, hi=MAX_LAYERS)
     n_layer = block_count - n_nextn
-    if n_layer <= 0:
-        raise GGUFError(f"{ARCH}.block_count={block_count} leaves no trunk layers after "
-                        f"{n_nextn} MTP layers")
-    n_embd = int(_scalar(md, "embedding_length", required=True))
-    n_head = int(_scalar(md, "attention.head_count", required=True))
-    head_dim = int(_scalar(md, "attention.key_length", n_embd // n_head))
-    v_len = int(_scalar(md, "attention.value_length", head_dim))
-    if v_len != head_dim:
-        raise GGUFError(f"{ARCH}: attention key_length {head_dim} != value_length {v_len}")
-    n_expert_used = int(_scalar(md, "expert_used_count", 0))
-    n_ff = _scalar(md, "feed_forward_length", None)
-    n_ff_exp = _scalar(md, "expert_feed_forward_length", None)
+    _require(n_layer > 0, f"{A}block_count = {block_count} leaves no trunk layers after "
+                          f"{A}nextn_predict_layers = {n_nextn} MTP layers")
+    n_embd = _int(md, "embedding_length", required=True)
+    n_head = _int(md, "attention.head_count", required=True, **per_layer)
+    n_head_kv = _int(md, "attention.head_count_kv", n_head, **per_layer)
+    _require(n_head % n_head_kv == 0, f"{A}attention.head_count = {n_head} is not a multiple "
+                                      f"of {A}attention.head_count_kv = {n_head_kv}")
+    head_dim = _int(md, "attention.key_length", n_embd // n_head)
+    _require(head_dim > 0, f"{A}attention.key_length is missing and {A}embedding_length = "
+                           f"{n_embd} / head_count = {n_head} gives 0")
+    v_len = _int(md, "attention.value_length", head_dim)
+    _require(v_len == head_dim, f"{A}attention.key_length = {head_dim} differs from "
+                                f"{A}attention.value_length = {v_len}")
+    n_expert = _int(md, "expert_count", required=True, **per_layer)
+    n_expert_used = _int(md, "expert_used_count", required=True, **per_layer)
+    _require(n_expert_used <= n_expert, f"{A}expert_used_count = {n_expert_used} exceeds "
+                                        f"{A}expert_count = {n_expert}")
+    n_ff = _int(md, "feed_forward_length", None, **per_layer)
+    n_ff_exp = _int(md, "expert_feed_forward_length", None, **per_layer)
     if n_ff_exp is None:
-        if n_ff is None or not n_expert_used:
-            raise GGUFError(f"metadata key '{ARCH}.expert_feed_forward_length' is missing "
+        if n_ff is None:
+            raise GGUFError(f"metadata key '{A}expert_feed_forward_length' is missing "
                             "(and no feed_forward_length to derive it from)")
-        n_ff_exp = int(n_ff) // n_expert_used
-    n_ff_shexp = _scalar(md, "expert_shared_feed_forward_length", n_ff if n_ff is not None else 0)
-    rec = md.get(f"{ARCH}.attention.recurrent_layers")
+        n_ff_exp = n_ff // n_expert_used
+        _require(n_ff_exp > 0, f"{A}feed_forward_length = {n_ff} / expert_used_count = "
+                               f"{n_expert_used} gives experts no width")
+    n_ff_shexp = _int(md, "expert_shared_feed_forward_length", n_ff if n_ff is not None else 0,
+                      lo=0, **per_layer)
+    rec = _int_array(md, "attention.recurrent_layers", kinds="biu")
     if rec is not None:
-        rec = [bool(x) for x in np.asarray(rec).tolist()]
-        if len(rec) < n_layer:
-            raise GGUFError(f"{ARCH}.attention.recurrent_layers has {len(rec)} entries, "
-                            f"expected {block_count}")
-        recurrent = tuple(rec[:n_layer])
+        _require(len(rec) == block_count, f"{A}attention.recurrent_layers has {len(rec)} "
+                                          f"entries, expected {A}block_count = {block_count}")
+        recurrent = tuple(bool(x) for x in rec[:n_layer].tolist())
     else:
-        interval = int(_scalar(md, "full_attention_interval", 4))
+        interval = _int(md, "full_attention_interval", 4)
         recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
-    sections = md.get(f"{ARCH}.rope.dimension_sections")
+    n_rot = _int(md, "rope.dimension_count", head_dim, lo=0)
+    _require(n_rot <= head_dim and n_rot % 2 == 0,
+             f"{A}rope.dimension_count = {n_rot} must be even and at most "
+             f"{A}attention.key_length = {head_dim}")
+    sections = _int_array(md, "rope.dimension_sections")
     if sections is None:
-        raise GGUFError(f"metadata key '{ARCH}.rope.dimension_sections' is missing")
+        raise _missing(f"{A}rope.dimension_sections")
+    sec = sections.tolist()
+    _require(1 <= len(sec) <= 4 and min(sec) >= 0 and sum(sec) <= n_rot // 2,
+             f"{A}rope.dimension_sections = {sec[:6]} must be 1-4 non-negative pair counts "
+             f"adding up to at most {A}rope.dimension_count / 2 = {n_rot // 2}")
+    ssm_d_inner = _int(md, "ssm.inner_size", required=True)
+    ssm_d_state = _int(md, "ssm.state_size", required=True)
+    n_v_heads = _int(md, "ssm.time_step_rank", required=True)
+    n_k_heads = _int(md, "ssm.group_count", required=True)
+    _require(ssm_d_inner % n_v_heads == 0, f"{A}ssm.inner_size = {ssm_d_inner} is not a "
+                                           f"multiple of {A}ssm.time_step_rank = {n_v_heads}")
+    _require(n_v_heads % n_k_heads == 0, f"{A}ssm.time_step_rank = {n_v_heads} is not a "
+                                         f"multiple of {A}ssm.group_count = {n_k_heads}")
     embd = shapes.get("token_embd.weight")
     if embd is None:
         raise GGUFError("tensor 'token_embd.weight' is missing")
-    n_vocab = int(embd[0])
-    req = dict(required=True)
+    _require(len(embd) == 2 and embd[0] > 0, f"tensor 'token_embd.weight' has shape "
+                                             f"{list(embd)}, expected [n_vocab, {n_embd}]")
     return Qwen35MoeConfig(
-        n_layer=n_layer, n_nextn=n_nextn, n_embd=n_embd, n_vocab=n_vocab,
-        n_ctx_train=int(_scalar(md, "context_length", **req)),
-        n_expert=int(_scalar(md, "expert_count", 0)), n_expert_used=n_expert_used,
-        n_ff_exp=int(n_ff_exp), n_ff_shexp=int(n_ff_shexp),
-        n_head=n_head, n_head_kv=int(_scalar(md, "attention.head_count_kv", n_head)),
-        head_dim=head_dim, n_rot=int(_scalar(md, "rope.dimension_count", head_dim)),
-        rope_base=float(_scalar(md, "rope.freq_base", 10000.0)),
-        rope_sections=tuple(int(x) for x in np.asarray(sections).tolist()),
-        rms_eps=float(_scalar(md, "attention.layer_norm_rms_epsilon", **req)),
-        ssm_d_conv=int(_scalar(md, "ssm.conv_kernel", **req)),
-        ssm_d_inner=int(_scalar(md, "ssm.inner_size", **req)),
-        ssm_d_state=int(_scalar(md, "ssm.state_size", **req)),
-        ssm_n_v_heads=int(_scalar(md, "ssm.time_step_rank", **req)),
-        ssm_n_k_heads=int(_scalar(md, "ssm.group_count", **req)),
+        n_layer=n_layer, n_nextn=n_nextn, n_embd=n_embd, n_vocab=int(embd[0]),
+        n_ctx_train=_int(md, "context_length", required=True),
+        n_expert=n_expert, n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp,
+        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot,
+        rope_base=_float(md, "rope.freq_base", 10000.0, lo=1e-30),
+        rope_sections=tuple(sec),
+        rms_eps=_float(md, "attention.layer_norm_rms_epsilon", required=True, hi=1.0),
+        ssm_d_conv=_int(md, "ssm.conv_kernel", required=True, hi=1 << 16),
+        ssm_d_inner=ssm_d_inner, ssm_d_state=ssm_d_state,
+        ssm_n_v_heads=n_v_heads, ssm_n_k_heads=n_k_heads,
         recurrent=recurrent, tied_output="output.weight" not in shapes,
     )
 
