@@ -1,4 +1,19 @@
-"""Reserved for the FreeToken integration: the runtime patch (applied in every process, version-
-and hash-checked), `doctor` (does this FreeToken install carry the patch and work), and the
-builder that turns `pr_notes/<N>/` into a diff against FreeToken's source. Nothing is built yet;
-the package exports no names."""
+"""upstream: the FreeToken integration (freetoken==0.2.1, the `ftpatch[freetoken]` extra).
+
+Public names:
+  apply, revert, applied, HOOKS    the runtime patch: module attributes of FreeToken pointed at
+                                   ours (parallel expert banks, any-shard/folder --model, spawn
+                                   targets that re-apply in FreeToken's child processes)
+  check, inspect, VERSION, PatchRefused   the install the patch is for (version, RECORD hashes)
+  write_profile, convert_profile   routing profiles for FreeToken's --moe-cache-split profile:
+  doctor                           what is installed, applied here and in a spawned child
+Importing this package imports no FreeToken module; `apply` does.
+"""
+from .errors import PatchRefused
+from .hooks import HOOKS, applied, apply, revert
+from .profile import convert as convert_profile
+from .profile import write_profile
+from .target import VERSION, check, inspect
+
+__all__ = ["apply", "revert", "applied", "HOOKS", "check", "inspect", "VERSION", "PatchRefused",
+           "write_profile", "convert_profile"]

@@ -1,0 +1,106 @@
+"""`ftpatch freetoken doctor`: is this FreeToken the one the patch is for, does the patch apply
+here and in a process spawned the way `ft serve` spawns its engine, and what cannot run on this
+machine (and why)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import platform
+import sys
+from dataclasses import asdict
+
+from . import hooks, target
+from .errors import PatchRefused
+
+CHILD_TIMEOUT_S = 120
+
+
+def spawned_child_hooks() -> dict[str, bool]:
+    """Start a child with the spawn method (as `ft serve` does) and ask it which hooks it has."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    from .spawn import report_hooks
+    p = ctx.Process(target=report_hooks, args=(q,), name="ftpatch-doctor-child")
+    p.start()
+    try:
+        return q.get(timeout=CHILD_TIMEOUT_S)
+    finally:
+        p.join(CHILD_TIMEOUT_S)
+
+
+def spawn_targets() -> dict[str, str]:
+    """Where spawn's pickle sends a child for each of FreeToken's launch targets."""
+    from freetoken.server import launch
+    out = {}
+    for name in ("_run_scheduler", "_run_tokenize_worker"):
+        fn = getattr(launch, name)
+        out[name] = f"{fn.__module__}.{fn.__qualname__}"
+        pickle.dumps(fn)   # fails here, not in `ft serve`, if the target cannot be pickled
+    return out
+
+
+def unavailable() -> list[str]:
+    """What the patch or FreeToken cannot do on this machine, one reason each."""
+    out = []
+    if sys.version_info[:2] != (3, 11):
+        out.append(f"FreeToken itself: its 0.2.1 wheel is cp311 only; this is Python "
+                   f"{platform.python_version()}")
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except Exception:   # a broken torch is itself the reason
+        cuda = False
+    if not cuda:
+        out.append("no CUDA device: FreeToken's engine, kernels, OffloadMoeCache and pinned "
+                   "banks (cudaHostRegister) do not run; the bank loader runs on CPU "
+                   "(device=cpu or FREETOKEN_SKIP_BANK_PIN=1)")
+    out.append("`ft daemon` starts `python -m freetoken.cli serve` itself: it runs unpatched; "
+               "serve through `ftpatch freetoken serve` instead")
+    return out
+
+
+def report(dist=None, spawn_child: bool = True) -> dict:
+    """Everything doctor prints, as data. Raises PatchRefused when the install is not ours."""
+    t = target.inspect(dist)
+    files = [dict(asdict(f), ok=f.ok) for f in t.files]
+    out = {"version": t.version, "expected_version": target.VERSION, "location": str(t.root),
+           "files": files, "refused": None, "hooks": {}, "child_hooks": None,
+           "spawn_targets": None, "unavailable": unavailable()}
+    try:
+        target.check(dist)
+    except PatchRefused as e:
+        out["refused"] = str(e)
+        return out
+    hooks.apply()
+    out["hooks"] = hooks.applied()
+    out["spawn_targets"] = spawn_targets()
+    if spawn_child:
+        out["child_hooks"] = spawned_child_hooks()
+    return out
+
+
+def render(r: dict) -> str:
+    lines = [f"FreeToken {r['version']} at {r['location']} (patch is for {r['expected_version']})"]
+    for f in r["files"]:
+        state = "ok" if f["ok"] else ("missing" if f["actual"] is None else "CHANGED")
+        lines.append(f"  {state:8s} {f['path']}  {f['expected']}")
+    if r["refused"]:
+        lines.append(f"refused: {r['refused']}")
+    else:
+        child = r["child_hooks"] or {}
+        lines.append("hooks (this process / spawned child):")
+        for h in hooks.HOOKS:
+            here = "applied" if r["hooks"].get(h.name) else "MISSING"
+            there = ("applied" if child.get(h.name) else "MISSING") if child else "not checked"
+            lines.append(f"  {h.name:16s} {here:8s} / {there:11s} {h.what}")
+        for name, where in (r["spawn_targets"] or {}).items():
+            lines.append(f"  spawn target {name} -> {where}")
+    lines.append("not available here:")
+    lines += [f"  - {u}" for u in r["unavailable"]]
+    return "\n".join(lines)
+
+
+def healthy(r: dict) -> bool:
+    child = r["child_hooks"]
+    return (r["refused"] is None and all(r["hooks"].values())
+            and (child is None or all(child.values())))

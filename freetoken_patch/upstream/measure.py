@@ -1,0 +1,189 @@
+"""Measurements the pull-request notes cite, each written as JSON (rendered by `evidence`).
+
+bank_load   FreeToken's GGUF bank loader against the patched one on the same file: each run in
+            a fresh process, the file's page cache dropped first (cold: posix_fadvise
+            DONTNEED on every shard, which needs no privileges) or read through first (warm);
+            the loaders run as when serving (host banks and the pin pipeline) with pinning
+            skipped (FREETOKEN_SKIP_BANK_PIN=1: no GPU here).
+parity      both loaders on synthetic GGUFs (several types, mixed per layer and projection,
+            split sets opened from another shard): every bank byte compared, pad rows included.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LOADERS = ("freetoken", "patched")
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(_meminfo("MemTotal") / 2**20, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _meminfo(key: str) -> int:
+    """A /proc/meminfo field in KiB (0 where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _shards(model: str) -> list[Path]:
+    from loaders.gguf_file import split_paths
+    return split_paths(model)
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(paths: list[Path]) -> None:
+    buf = bytearray(16 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def _load_once(model: str, loader: str, layers: int) -> dict:
+    """In this (fresh) process: one bank load, timed."""
+    os.environ["FREETOKEN_SKIP_BANK_PIN"] = "1"
+    from freetoken_patch.upstream import hooks
+    hooks.apply()
+    fn = (hooks.original("freetoken.models.gguf.experts", "load_gguf_expert_banks")
+          if loader == "freetoken" else hooks.HOOKS[0].ours())
+    path = str(_shards(model)[0])
+    t0 = time.perf_counter()
+    banks = fn(path, layers)
+    seconds = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for ts in banks.sources.values() for t in ts)
+    return {"seconds": seconds, "bank_bytes": nbytes}
+
+
+def bank_load(model: str, *, repeats: int = 2, caches=("cold", "warm"), threads: int | None = None) -> dict:
+    """Alternating runs of both loaders under each cache state; one JSON-able record."""
+    from loaders import open_gguf
+    g = open_gguf(model)
+    layers = int(g.get("qwen35moe.block_count"))
+    paths = [Path(p) for p in g.paths]
+    size = sum(p.stat().st_size for p in paths)
+    name = Path(g.paths[0]).name
+    g.close()
+    env = dict(os.environ)
+    if threads:
+        env["FTPATCH_FT_BANK_THREADS"] = str(threads)
+    from .banks import bank_threads
+    runs = []
+    for cache in caches:
+        for rep in range(repeats):
+            for loader in LOADERS:
+                (drop_cache if cache == "cold" else warm_cache)(paths)
+                cached_kib = _meminfo("Cached")
+                out = subprocess.run(
+                    [sys.executable, "-m", "freetoken_patch.upstream.measure", "_one", model,
+                     loader, str(layers)], env=env, capture_output=True, text=True, check=False)
+                if out.returncode:
+                    raise RuntimeError(f"bank load ({loader}) failed: {out.stderr[-2000:]}")
+                rec = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.append(dict(rec, loader=loader, cache=cache, repeat=rep,
+                                 page_cache_kib_before=cached_kib))
+    return {"kind": "bank_load", "model": name, "file_bytes": size, "shards": len(paths),
+            "layers": layers, "threads": threads or bank_threads(), "machine": machine(),
+            "method": "fresh process per run, loaders alternated; cold: posix_fadvise DONTNEED "
+                      "on every shard before the run; warm: every shard read through first; "
+                      "host banks + pin pipeline with FREETOKEN_SKIP_BANK_PIN=1",
+            "runs": runs}
+
+
+def parity(workdir: str | Path) -> dict:
+    """Both loaders on synthetic GGUFs; every byte of every bank compared."""
+    import torch
+
+    from loaders.synth import SynthOptions, synthesize
+
+    from . import hooks
+    os.environ["FREETOKEN_SKIP_BANK_PIN"] = "1"
+    hooks.apply()
+    ours = hooks.HOOKS[0].ours()
+    theirs = hooks.original("freetoken.models.gguf.experts", "load_gguf_expert_banks")
+    workdir = Path(workdir)
+    cases = []
+    for i, (label, kw, open_shard) in enumerate(PARITY_CASES):
+        paths = synthesize(workdir / f"p{i}.gguf", SynthOptions(**kw), threads=2)
+        for device in (None, torch.device("cpu")):
+            a = theirs(str(paths[0]), 4, device=device)
+            b = ours(str(paths[min(open_shard, len(paths) - 1)]), 4, device=device)
+            cases.append({"case": label, "options": kw, "shards": len(paths),
+                          "opened": paths[min(open_shard, len(paths) - 1)].name,
+                          "banks": "host" if device is None else "device=cpu",
+                          **compare(a, b)})
+    return {"kind": "parity", "machine": machine(), "cases": cases}
+
+
+# (label, SynthOptions fields, which shard the patched loader is given)
+PARITY_CASES = (
+    ("IQ3_S", {"type": "IQ3_S"}, 0),
+    ("Q4_K", {"type": "Q4_K"}, 0),
+    ("Q8_0", {"type": "Q8_0"}, 0),
+    ("IQ2_XXS", {"type": "IQ2_XXS"}, 0),
+    ("BF16 experts", {"type": "Q4_K", "expert_type": "BF16"}, 0),
+    ("mixed: IQ3_S gate/up, Q4_K down", {"type": "IQ3_S", "down_type": "Q4_K"}, 0),
+    ("mixed per layer", {"type": "IQ3_S", "tensor_types": (
+        (r"blk\.1\.ffn_(gate|up)_exps", "Q5_K"), (r"blk\.2\.ffn_down_exps", "Q6_K"))}, 0),
+    ("split set, opened at shard 3", {"type": "IQ3_S", "down_type": "Q4_K",
+                                      "split_max_size": 400_000}, 2),
+)
+
+
+def _storage(t):
+    """Every byte of the allocation behind `t` (a device bank's pad rows lie past its view)."""
+    import torch
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def compare(a, b) -> dict:
+    """Byte comparison of two ExpertBanks (pad rows past a device bank's end included)."""
+    import torch
+    same_meta = (a.quant_format == b.quant_format and a.layer_tags == b.layer_tags
+                 and a.row_tail_bytes == b.row_tail_bytes and set(a.sources) == set(b.sources))
+    nbytes, identical = 0, same_meta
+    for role in a.sources:
+        for x, y in zip(a.sources[role], b.sources[role]):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                identical = False
+                continue
+            identical &= bool(torch.equal(x.view(torch.uint8), y.view(torch.uint8)))
+            identical &= bool(torch.equal(_storage(x), _storage(y)))   # the zero pad rows too
+            nbytes += x.numel() * x.element_size()
+    return {"identical": identical, "metadata_equal": same_meta, "bank_bytes": nbytes}
+
+
+def _main(argv: list[str]) -> None:
+    if argv[0] == "_one":
+        print(json.dumps(_load_once(argv[1], argv[2], int(argv[3]))))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
