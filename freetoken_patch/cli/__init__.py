@@ -6,14 +6,46 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 EPILOG = """\
 examples:
-  ftpatch chat                                  chat with the embedded default (random weights)
-  ftpatch synth --preset tiny -o tiny.gguf      write a small synthetic qwen35moe model
-  ftpatch inspect model.gguf --vram 8GiB        what is in a model, and how it fits 8 GiB
+  ftpatch chat                                  # chat with the embedded default (random weights)
+  ftpatch synth --preset tiny -o tiny.gguf      # write a small synthetic qwen35moe model
+  ftpatch inspect model.gguf --vram 8GiB        # what is in a model, and how it fits 8 GiB
+  ftpatch COMMAND --help                        # a command's flags and examples
 """
+
+
+def version_text() -> str:
+    """The package version and what this build's kernels can run on."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        lines = [f"ftpatch {version('ftpatch')}"]
+    except PackageNotFoundError:
+        lines = ["ftpatch (not installed: running from a source tree)"]
+    try:
+        from native import _cpu
+        lines.append(f"CPU kernels: {_cpu.isa()} in use (available here: "
+                     f"{', '.join(_cpu.available_isas())}; FTPATCH_CPU_ISA picks one)")
+    except ImportError as e:
+        lines.append(f"CPU kernels: not built ({e}); the torch reference runs instead")
+    import importlib.util
+    lines.append("CUDA kernels: " + ("built" if importlib.util.find_spec("native._cuda") else
+                                     "not built (no nvcc at install time)"))
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    """--version, worked out only when asked (it loads the CPU extension)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 # The command modules, in the order --help lists them; each maps its command names to
@@ -27,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run large Mixture-of-Experts GGUF models on a small GPU: hot experts in "
                     "VRAM, cold ones in host RAM, CPU and PCIe working alongside the GPU.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("--version", action=_Version,
+                   help="show the version and the kernels this build has, and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for modname in COMMAND_MODULES:
         mod = importlib.import_module(f"{__name__}.{modname}")
@@ -42,6 +76,17 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from native.errors import NativeError
     from ..errors import CLIError
     return (GGUFError, NativeError, OffloadError, CLIError, OSError)
+
+
+def _out_of_memory(e: BaseException) -> str | None:
+    """One line for a failed allocation (torch raises RuntimeError on the CPU), else None."""
+    text = str(e)
+    if not (isinstance(e, MemoryError) or "out of memory" in text.lower()
+            or "can't allocate memory" in text):
+        return None
+    m = re.search(r"allocate (\d+) bytes", text)
+    asked = f" ({int(m.group(1)) / 2**30:.1f} GiB asked for)" if m else ""
+    return f"out of memory{asked}; a smaller --ctx needs less"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,5 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) or type(e).__name__
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{e.filename}: {msg}"
+        print(f"ftpatch: error: {msg}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as e:
+        msg = _out_of_memory(e)
+        if args.debug or msg is None:
+            raise
         print(f"ftpatch: error: {msg}", file=sys.stderr)
         return 1

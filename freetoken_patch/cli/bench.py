@@ -91,12 +91,6 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "kernels":
         from . import bench_kernels
         return bench_kernels.run(args, console)
-    from loaders import open_model
-    from moe_offload.runtime import OffloadRuntime, RuntimeOptions
-    from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
-    if args.prefetch_k is not None and args.prefetch_k < 1:
-        raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
-                       "turn guessing off with --no-prefetch")
     for flag, value in (("-n", args.gen), ("--reps", args.reps), ("--ctx", args.ctx),
                         ("--chunk", args.chunk)):
         check_positive(flag, value)
@@ -106,13 +100,20 @@ def run(args: argparse.Namespace) -> int:
     if args.trace_skew is not None:
         check("--trace-skew", args.trace_skew, math.isfinite(args.trace_skew) and
               args.trace_skew >= 0, "give a number >= 0")
-    if not torch.cuda.is_available():
-        raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     try:
         sizes = [int(x) for x in args.prompt_sizes.split(",") if x.strip()]
     except ValueError:
         sizes = []
-    check("-p", repr(args.prompt_sizes), bool(sizes) and min(sizes) >= 1, "give sizes like 512,2048")
+    check("-p", repr(args.prompt_sizes), bool(sizes) and min(sizes) >= 1,
+          "give sizes like 512,2048")
+    from loaders import open_model
+    from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+    from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
+    if args.prefetch_k is not None and args.prefetch_k < 1:
+        raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
+                       "turn guessing off with --no-prefetch")
+    if not torch.cuda.is_available():
+        raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     vram = args.vram
     t0 = time.perf_counter()
     loaded = open_model(args.model)

@@ -1,9 +1,11 @@
-"""Checks at the edge: text from argv and stdin made valid Unicode, numbers held to their ranges.
+"""Checks at the edge: text from argv and stdin, and numbers held to their ranges.
 
-Python hands argv (and, in a C locale, stdin) over as str with bytes that are not UTF-8 kept as
-lone surrogates (surrogateescape); the tokenizer takes text, and encoding such a str raises. So
-those bytes become U+FFFD here, once, before any of our code sees the text. A number outside its
-range raises CLIError naming the flag, the value and what is allowed.
+Python hands argv (and, in a C locale, stdin) over as str with the bytes that are not UTF-8 kept
+as lone surrogates (surrogateescape). Such text goes to the model as it is: the tokenizer encodes
+each of those surrogates as the byte it stands for, so the model reads the bytes the user gave.
+stdin is read as bytes for the same reason (a UTF-8 locale would otherwise refuse them). Only
+text shown back to people is made displayable. A number outside its range raises CLIError
+naming the flag, the value and what is allowed.
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import sys
 from ..errors import CLIError
 
 
-def user_text(s: str) -> str:
-    """`s` as valid Unicode: bytes that were not UTF-8 (carried as lone surrogates) -> U+FFFD."""
+def displayable(s: str) -> str:
+    """`s` with lone surrogates (bytes that were not UTF-8) as U+FFFD, safe to print anywhere."""
     try:
         s.encode("utf-8")
         return s
@@ -27,16 +29,17 @@ def user_text(s: str) -> str:
 
 
 def read_stdin() -> str:
-    """All of standard input as valid Unicode, whatever its bytes."""
+    """All of standard input; bytes that are not UTF-8 kept as surrogateescape does."""
     buf = getattr(sys.stdin, "buffer", None)
-    return buf.read().decode("utf-8", "replace") if buf is not None else user_text(sys.stdin.read())
+    return buf.read().decode("utf-8", "surrogateescape") if buf is not None else sys.stdin.read()
 
 
 def read_stdin_line() -> str | None:
-    """One line of standard input without its line end, as valid Unicode; None at the end."""
+    """One line of standard input without its line end (bytes kept as in read_stdin); None at
+    the end."""
     buf = getattr(sys.stdin, "buffer", None)
-    line = buf.readline().decode("utf-8", "replace") if buf is not None else \
-        user_text(sys.stdin.readline())
+    line = (buf.readline().decode("utf-8", "surrogateescape") if buf is not None
+            else sys.stdin.readline())
     return line.rstrip("\r\n") if line else None
 
 

@@ -7,23 +7,38 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
-from loaders import LoadedModel, open_model
+from loaders import LoadedModel
 from loaders.quants import QUANT_TYPES
 from moe_offload.placement import is_expert_tensor, plan_sketch
 
-from .model_args import size_arg
+from .inputs import check_positive
+from .model_args import open_model_named, size_arg
+
+DESCRIPTION = """\
+Describe a GGUF model: architecture, config, parameter count (total and active per token), bytes
+by tensor class and type, per-layer table, kernel support, and with --vram a sketch of how it
+would sit in that much GPU memory. The exit status is 1 if the file has problems (listed).
+"""
+
+EPILOG = """\
+examples:
+  ftpatch inspect model.gguf                       # tables
+  ftpatch inspect model.gguf --vram 8GiB           # and how it fits an 8 GiB GPU
+  ftpatch inspect model.gguf --vram 8GiB --ctx 32768
+  ftpatch inspect model-00001-of-00003.gguf --json # any shard of a split set; one JSON object
+"""
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("inspect", help="describe a GGUF model: config, parameters, bytes, plan",
-                       description="Describe a GGUF model: architecture, config, parameter count "
-                                   "(total and active per token), bytes by tensor class and type, "
-                                   "per-layer table, kernel support, and a VRAM plan sketch.")
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", help="GGUF file, any shard of a split set, or a folder")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     s.add_argument("--vram", type=size_arg, metavar="SIZE",
                    help="sketch the plan for this much VRAM (e.g. 8GiB)")
-    s.add_argument("--ctx", type=int, default=8192, help="context length for the plan (default 8192)")
+    s.add_argument("--ctx", type=int, default=8192, metavar="N",
+                   help="context length for the plan (default 8192)")
 
 
 def tensor_class(name: str, aside: bool = False) -> str:
@@ -76,6 +91,16 @@ def kernel_support() -> dict[str, dict[str, bool]]:
         return {name: {"reference": True, "cpu": False, "cuda": False} for name in QUANT_TYPES}
 
 
+def cuda_engine() -> str:
+    """The CUDA kernels here: "ready", "built, no GPU" (torch sees no device) or "not built"."""
+    import importlib.util
+
+    import torch
+    if importlib.util.find_spec("native._cuda") is None:
+        return "not built"
+    return "ready" if torch.cuda.is_available() else "built, no GPU"
+
+
 def describe(model: LoadedModel, vram: int | None = None, n_ctx: int = 8192) -> dict[str, Any]:
     """Everything `inspect` shows, as one JSON-ready object."""
     c = model.config
@@ -120,6 +145,7 @@ def describe(model: LoadedModel, vram: int | None = None, n_ctx: int = 8192) -> 
         "bytes_by_class": {k: dict(v) for k, v in by_class.items()},
         "layers": layers,
         "types": {t: support.get(t, {}) for t in used_types},
+        "cuda_engine": cuda_engine(),
         "tensors": tensors,
         "extra_tensors": [t.name for t in model.extras],
         "problems": model.problems,
@@ -174,8 +200,10 @@ def render(d: dict[str, Any], console) -> None:
     for col in ("type", "reference", "CPU", "CUDA"):
         kt.add_column(col)
     yes = lambda b: "[green]yes[/]" if b else "[red]no[/]"  # noqa: E731
+    engine = d.get("cuda_engine", "ready")
     for name, s in d["types"].items():
-        kt.add_row(name, yes(s.get("reference", False)), yes(s.get("cpu", False)), yes(s.get("cuda", False)))
+        cuda = yes(s.get("cuda", False)) if engine == "ready" else f"[yellow]{engine}[/]"
+        kt.add_row(name, yes(s.get("reference", False)), yes(s.get("cpu", False)), cuda)
     console.print(kt)
     if d["extra_tensors"]:
         console.print(f"extra tensors (not used): {', '.join(d['extra_tensors'][:8])}")
@@ -199,7 +227,7 @@ def render(d: dict[str, Any], console) -> None:
 
 def show(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:
     """Print `describe` as tables (or JSON); 1 when the model has problems."""
-    model = open_model(path, strict=False)
+    model = open_model_named(path, strict=False)
     d = describe(model, vram, n_ctx)
     if as_json:
         print(json.dumps(d))
@@ -210,6 +238,7 @@ def show(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    check_positive("--ctx", args.ctx)
     return show(args.model, args.json, args.vram, args.ctx, Console(highlight=False))
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CLIError
-from .model_args import add_model_args, check_fits, parse_device
+from .model_args import add_model_args, check_fits, open_model_named, parse_device
 
 DESCRIPTION = """\
 Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
-row i = the next-token logits after token i (numpy .npy).
+row i = the next-token logits after token i, as a numpy .npy file written at exactly the path
+given.
+"""
 
+EPILOG = """\
 examples:
   ftpatch logits model.gguf --prompt "The capital of France is" --out logits.npy
   ftpatch logits model.gguf --tokens 9707,11,1879 --out logits.npy --device cuda
@@ -19,7 +22,7 @@ examples:
 
 def add_parser(sub) -> None:
     s = sub.add_parser("logits", help="save the logits of every prompt position (.npy)",
-                       description=DESCRIPTION,
+                       description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(s)
     src = s.add_mutually_exclusive_group(required=True)
@@ -44,24 +47,24 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from loaders import open_model
     from loaders.tokenizer import Tokenizer
     from moe_offload.models import build_model
     device = parse_device(args.device)
-    loaded = open_model(args.model)
+    loaded = open_model_named(args.model)
     c = loaded.config
     if args.tokens is not None:
         ids = _parse_ids(args.tokens, c.n_vocab)
     else:
         tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
-    n_ctx = check_fits(ids, args.ctx, c.n_ctx_train)
+    n_ctx = check_fits(ids, args, c.n_ctx_train)
     model = build_model(loaded, device)
     with torch.inference_mode():
         logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx),
                                all_logits=True)[0]
     out = logits.float().cpu().numpy()
-    np.save(args.out, out)
+    with open(args.out, "wb") as f:    # np.save(path) would add .npy to a name without it
+        np.save(f, out)
     print(f"wrote logits float32 [{out.shape[0]}, {out.shape[1]}] to {args.out}")
     return 0
 

@@ -4,8 +4,11 @@ model (plain or offload runtime) those flags ask for."""
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 
 from ..errors import CLIError
+from .inputs import check, check_seed
 
 
 def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
@@ -20,39 +23,73 @@ def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
         s.add_argument("model", help=model_help)
     s.add_argument("--device", default=device_default, metavar="DEV", help=device_help)
     s.add_argument("--ctx", type=int, metavar="N",
-                   help="context size in tokens (default: the model's, at most 4096)")
+                   help="context size in tokens, up to the model's own unless --allow-long-ctx "
+                        "(default: the model's, capped at 4096)")
+    s.add_argument("--allow-long-ctx", action="store_true",
+                   help="let --ctx exceed the context the model was trained for (its output "
+                        "past that length is usually poor)")
 
 
 def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
-                      n_flags: tuple[str, ...] = ("-n", "--n-predict"),
-                      n_help: str | None = None) -> None:
-    """-n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty, --seed, --stop
-    (read back with `sampling_params(args)`)."""
-    s.add_argument(*n_flags, dest="n_predict", type=int, default=n_default, metavar="N",
-                   help=n_help or f"most tokens to generate (default {n_default})")
-    s.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0 = greedy)")
-    s.add_argument("--top-k", type=int, default=40, help="keep the k likeliest (default 40; 0 = off)")
-    s.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (default 0.95; 1 = off)")
-    s.add_argument("--min-p", type=float, default=0.05,
-                   help="drop tokens below min-p x the top probability (default 0.05; 0 = off)")
-    s.add_argument("--repeat-penalty", type=float, default=1.0,
-                   help="penalise the last 64 context tokens (default 1.0 = off)")
-    s.add_argument("--presence-penalty", type=float, default=0.0,
+                      n_help: str | None = None, n_predict_alias: bool = False) -> None:
+    """-n/--max-tokens, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty,
+    --seed, --stop (read back with `sampling_params(args)`); `n_predict_alias` also accepts
+    llama.cpp's --n-predict, unlisted."""
+    s.add_argument("-n", "--max-tokens", dest="max_tokens", type=int, default=n_default,
+                   metavar="N", help=n_help or f"most tokens to generate (default {n_default}; "
+                                              "-1 = until the end of text or a full context)")
+    if n_predict_alias:
+        s.add_argument("--n-predict", dest="max_tokens", type=int, default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+    s.add_argument("--temp", type=float, default=0.8, metavar="T",
+                   help="temperature, >= 0 (default 0.8; 0 = greedy)")
+    s.add_argument("--top-k", type=int, default=40, metavar="K",
+                   help="keep the k likeliest (default 40; 0 = off)")
+    s.add_argument("--top-p", type=float, default=0.95, metavar="P",
+                   help="nucleus mass, in (0, 1] (default 0.95; 1 = off)")
+    s.add_argument("--min-p", type=float, default=0.05, metavar="P",
+                   help="drop tokens below min-p x the top probability, in [0, 1] (default 0.05; "
+                        "0 = off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0, metavar="X",
+                   help="penalise the last 64 context tokens, > 0 (default 1.0 = off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="subtract from tokens already present (default 0)")
-    s.add_argument("--seed", type=int, help="random seed (default: a fresh one)")
+    s.add_argument("--seed", type=int, metavar="N",
+                   help="random seed, 0 or more (default: a fresh one)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop before this text (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace):
-    """The SamplingParams the flags of `add_sampling_args` ask for."""
+    """The SamplingParams the flags of `add_sampling_args` ask for, each checked."""
     from moe_offload.generate import SamplingParams
-    if args.n_predict < 1:
-        raise CLIError(f"-n {args.n_predict}: generate at least one token")
+    n = args.max_tokens
+    check("-n", n, n >= 1 or n == -1,
+          "give 1 or more tokens, or -1 for no limit (until the end of text or a full context)")
+    check("--temp", args.temp, math.isfinite(args.temp) and args.temp >= 0,
+          "give a number >= 0 (0 = greedy)")
+    check("--top-k", args.top_k, args.top_k >= 0, "give 0 (off) or more")
+    check("--top-p", args.top_p, 0 < args.top_p <= 1,
+          "give a number above 0 and at most 1 (1 = off)")
+    check("--min-p", args.min_p, 0 <= args.min_p <= 1, "give a number from 0 (off) to 1")
+    check("--repeat-penalty", args.repeat_penalty,
+          math.isfinite(args.repeat_penalty) and args.repeat_penalty > 0,
+          "give a number above 0 (1 = off)")
+    check("--presence-penalty", args.presence_penalty, math.isfinite(args.presence_penalty),
+          "give a finite number (0 = off)")
+    check_seed("--seed", args.seed)
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                           presence_penalty=args.presence_penalty, seed=args.seed,
-                          max_tokens=args.n_predict, stop=tuple(args.stop))
+                          max_tokens=sys.maxsize if n == -1 else n, stop=tuple(args.stop))
+
+
+def stop_reason(reason: str, params, n_ctx: int) -> str:
+    """Why generation stopped, in words (`reason` as generate's DoneEvent gives it)."""
+    return {"eog": "end of text", "stop": "a --stop text",
+            "length": f"reached --max-tokens ({params.max_tokens})",
+            "context": f"the context is full ({n_ctx} tokens; see --ctx)",
+            "interrupted": "interrupted"}.get(reason, reason)
 
 
 def size_arg(text: str) -> int:
@@ -71,6 +108,8 @@ def parse_device(name: str):
     kind = name.split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise CLIError(f"--device {name!r} is not known; use cpu or cuda (cuda:N for one GPU)")
+    if name.count(":") > 1 or (":" in name and not name.split(":")[1].isdigit()):
+        raise CLIError(f"--device {name!r}: write cuda:N with N a GPU index, e.g. cuda:0")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise CLIError("--device cuda: torch sees no CUDA device (CPU-only build, or no "
@@ -81,28 +120,44 @@ def parse_device(name: str):
     return torch.device(name)
 
 
-def context_size(ctx: int | None, n_ctx_train: int) -> int:
-    """--ctx, or the model's training context capped at the default (4096)."""
+def context_size(ctx: int | None, n_ctx_train: int, allow_long: bool = False) -> int:
+    """--ctx, checked against the model's training context (unless allow_long), or by default
+    that context capped at DEFAULT_N_CTX."""
     from moe_offload.state import DEFAULT_N_CTX
-    if ctx is not None and ctx < 1:
-        raise CLIError(f"--ctx {ctx}: the context needs at least one token")
-    return ctx or min(n_ctx_train, DEFAULT_N_CTX)
+    if ctx is None:
+        return min(n_ctx_train, DEFAULT_N_CTX)
+    check("--ctx", ctx, ctx >= 1, "the context needs at least one token")
+    check("--ctx", ctx, allow_long or ctx <= n_ctx_train,
+          f"the model was trained for {n_ctx_train} tokens; give --ctx {n_ctx_train} or less, "
+          "or add --allow-long-ctx to go past it")
+    return ctx
 
 
-def check_fits(ids: list[int], ctx: int | None, n_ctx_train: int) -> int:
-    """The context size; fails when the prompt `ids` is empty or does not fit it."""
+def check_fits(ids: list[int], args: argparse.Namespace, n_ctx_train: int) -> int:
+    """The context size of --ctx; fails when the prompt `ids` is empty or does not fit it."""
     from moe_offload.errors import OffloadError
     if not ids:
         raise CLIError("the prompt is empty (0 tokens); give some text or token ids")
-    n_ctx = context_size(ctx, n_ctx_train)
+    n_ctx = context_size(args.ctx, n_ctx_train, args.allow_long_ctx)
     if len(ids) > n_ctx:
         raise OffloadError(f"the prompt has {len(ids)} tokens, more than the context of {n_ctx}; "
                            "shorten it or raise --ctx")
     return n_ctx
 
 
-__all__ = ["add_model_args", "add_sampling_args", "sampling_params", "size_arg", "parse_device", "context_size",
-           "check_fits"]
+def open_model_named(path, *, strict: bool = True):
+    """loaders.open_model, its errors naming the file when they do not already."""
+    from loaders import GGUFError, open_model
+    try:
+        return open_model(path, strict=strict)
+    except GGUFError as e:
+        if str(path) in str(e):
+            raise
+        raise GGUFError(f"{path}: {e}") from e
+
+
+__all__ = ["add_model_args", "add_sampling_args", "sampling_params", "stop_reason", "size_arg",
+           "parse_device", "context_size", "check_fits", "open_model_named"]
 
 
 def add_vram_arg(s: argparse.ArgumentParser) -> None:

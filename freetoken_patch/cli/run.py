@@ -7,24 +7,27 @@ import sys
 
 from ..errors import CLIError
 from .model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for, check_fits,
-                         device_for, offload_stats_lines, placement_options, sampling_params)
+                         device_for, offload_stats_lines, open_model_named, placement_options,
+                         sampling_params, stop_reason)
 
 DESCRIPTION = """\
 Generate text after PROMPT and stream it to standard output; the prompt and decode speeds
 (tokens per second) and the time to first token follow on standard error, and under --vram the
 expert cache's statistics. Sampling runs in llama.cpp's order: penalties, top-k, top-p, min-p,
 temperature. --temp 0 is greedy.
+"""
 
+EPILOG = """\
 examples:
   ftpatch run model.gguf -p "Once upon a time" -n 64
   ftpatch run model.gguf -p "Write a haiku about GPUs" --chat --temp 0.7 --seed 1
-  ftpatch run 35b.gguf -p "Explain PCIe" --chat --vram 8GiB   a model bigger than the GPU
+  ftpatch run 35b.gguf -p "Explain PCIe" --chat --vram 8GiB   # a model bigger than the GPU
 """
 
 
 def add_parser(sub) -> None:
     s = sub.add_parser("run", help="generate text after a prompt, streaming it",
-                       description=DESCRIPTION,
+                       description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(s, device_default=None,
                    device_help="cpu (default; the whole model in RAM) or cuda / cuda:N (the whole "
@@ -33,13 +36,12 @@ def add_parser(sub) -> None:
     add_vram_arg(s)
     s.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
-    add_sampling_args(s, n_default=128)
+    add_sampling_args(s, n_default=128, n_predict_alias=True)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loaders import open_model
     from loaders.chat_template import ChatTemplate
     from loaders.tokenizer import Tokenizer
     from moe_offload.generate import DoneEvent, Session
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if not args.prompt:
         raise CLIError("the prompt is empty; give some text with -p")
-    loaded = open_model(args.model)
+    loaded = open_model_named(args.model)
     if "tokenizer.ggml.tokens" not in loaded.metadata:
         raise CLIError(f"{args.model} has no tokenizer metadata, so `run` cannot read or write "
                        "text; use `ftpatch logits MODEL --tokens IDS` instead")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(text, add_special=False, parse_special=True)
     else:
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
-    n_ctx = check_fits(ids, args.ctx, loaded.config.n_ctx_train)
+    n_ctx = check_fits(ids, args, loaded.config.n_ctx_train)
     model = build_for(loaded, device, n_ctx, args.vram, placement_options(args))
     try:
         session = Session(model, model.new_state(1, n_ctx), tok, template)
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 if isinstance(ev, DoneEvent):
                     done = ev
         print()
-        print(f"{done.timings.summary()} | stop: {done.reason}", file=sys.stderr)
+        print(f"{done.timings.summary()} | stop: {stop_reason(done.reason, params, n_ctx)}",
+              file=sys.stderr)
         if callable(getattr(model, "stats", None)):
             for line in offload_stats_lines(model.stats()):
                 print(line, file=sys.stderr)

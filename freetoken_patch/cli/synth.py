@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from loaders.quants import QUANT_TYPES
 from loaders.synth import PRESETS, SynthOptions, synthesize
 
 from ..errors import CLIError
+from .inputs import check, check_positive, check_seed
 from .model_args import size_arg
 
 
@@ -23,12 +25,16 @@ def add_parser(sub) -> None:
                     "  35b-a3b   Qwen3.5-35B-A3B's shapes: 40 layers, 256 experts top-8, hidden 2048,\n"
                     "            vocab 248,320 (~14 GiB at IQ3_S)\n\n"
                     f"types: {types}",
-        epilog="example: ftpatch synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf\n"
-               "         ftpatch synth --type IQ3_S --down-type Q4_K --output-type Q6_K "
+        epilog="examples:\n"
+               "  ftpatch synth -o tiny.gguf                                  # the tiny preset\n"
+               "  ftpatch synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf  # ~14 GiB\n"
+               "  ftpatch synth --type IQ3_S --down-type Q4_K --output-type Q6_K "
                "--tensor-type 'attn_(q|k|v)=Q4_K' -o mixed.gguf")
     s.add_argument("-o", "--out", required=True, help="output .gguf path")
-    s.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    s.add_argument("--seed", type=int, default=0, help="random seed; same seed, same file")
+    s.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="the shapes to use (see presets above; default tiny)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="random seed, 0 or more; same seed, same file (default 0)")
     s.add_argument("--type", default="IQ3_S", metavar="TYPE",
                    help="type of every 2-D weight not set otherwise (default IQ3_S)")
     s.add_argument("--expert-type", metavar="TYPE", help="routed experts (default: --type)")
@@ -53,6 +59,11 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     console = Console(highlight=False)
+    check_seed("--seed", args.seed)
+    check("--routing-skew", args.routing_skew,
+          math.isfinite(args.routing_skew) and args.routing_skew >= 0, "give a number >= 0")
+    check_positive("--layers", args.layers)
+    check_positive("--threads", args.threads)
     overrides = []
     for item in args.tensor_type:
         if "=" not in item:

@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from .inputs import read_stdin
 
 DESCRIPTION = """\
 Tokenize TEXT with the tokenizer stored in MODEL (byte-level BPE from tokenizer.ggml.*) and
 print one token per line: its id and the repr of its piece. A piece that is not whole UTF-8
-(part of a multi-byte character) is shown as bytes.
+(part of a multi-byte character) is shown as bytes. Input bytes that are not UTF-8 are
+tokenized as the bytes they are.
+"""
 
+EPILOG = """\
 examples:
   ftpatch tokenize model.gguf "Hello, world"
   ftpatch tokenize model.gguf "<|im_start|>user" --special
@@ -20,7 +24,7 @@ examples:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `tokenize` on the CLI's subparsers."""
     s = subparsers.add_parser("tokenize", help="show the token ids and pieces of a text",
-                              description=DESCRIPTION,
+                              description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", help="GGUF file, any shard of a split set, or a folder")
     s.add_argument("text", help="the text to tokenize ('-' reads standard input)")
@@ -35,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Tokenize and print; errors surface as GGUFError (the CLI prints one line)."""
     from loaders.tokenizer import Tokenizer
-    text = sys.stdin.read() if args.text == "-" else args.text
+    text = read_stdin() if args.text == "-" else args.text
     tok = Tokenizer.from_gguf(args.model)
     ids = tok.encode(text, add_special=args.special, parse_special=args.special)
     raw = [tok.token_bytes(i) for i in ids]

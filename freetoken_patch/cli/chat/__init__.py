@@ -3,8 +3,9 @@
 On a terminal: prompt_toolkit input (history in the cache directory, Alt-Enter for a new line,
 bracketed paste) and rich output: while an answer streams, a transient view shows its newest
 lines; then the whole answer is printed once, followed by a status line. With piped stdin: one
-message (or command) per line in, each answer and a newline out on stdout, the banner and status
-lines on stderr, no escape codes.
+message (or command) per line in, each answer and a newline out on stdout; the banner, status
+lines, command output and errors on stderr, no escape codes; the exit status is 1 if any line
+failed.
 
 Ctrl-C during an answer stops it between two tokens, so the cache still matches the conversation
 and the partial answer stays in it. A second Ctrl-C stops at once; the cache may then be half a
@@ -17,7 +18,8 @@ import sys
 
 from ...errors import CLIError
 from ..model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for,
-                          context_size, device_for, placement_options, sampling_params)
+                          context_size, device_for, open_model_named, placement_options,
+                          sampling_params)
 from .conversation import HELP, Conversation, answer, command
 from .screens import PlainScreen, TerminalScreen
 
@@ -30,8 +32,9 @@ The model runs on the CPU unless you say otherwise, GPU or not: --device cuda pu
 model in VRAM (fine for models that fit), --vram SIZE runs the offload runtime for ones that do
 not. Input history is kept in the cache directory ($FTPATCH_CACHE, else ~/.cache/ftpatch).
 
-Piped stdin is read one message per line; each answer is printed followed by a newline, and the
-banner and status lines go to standard error, so scripts can drive it.
+Piped stdin is read one message per line; each answer is printed followed by a newline on
+standard output, and everything else (banner, status lines, command output, errors) goes to
+standard error, so scripts can drive it; the exit status is 1 if any line failed.
 """
 
 EPILOG = f"""\
@@ -39,11 +42,11 @@ commands (type them at the prompt):
 {HELP}
 
 examples:
-  ftpatch chat                                     the embedded default (random weights)
+  ftpatch chat                                     # the embedded default (random weights)
   ftpatch chat model.gguf --temp 0.7 --system "Answer briefly."
-  ftpatch chat model.gguf --no-think -n 2048       skip the reasoning block (Qwen3.5 templates)
-  ftpatch chat model.gguf --vram 8GiB --ctx 8192   hot experts on the GPU under an 8 GiB cap
-  printf 'hi\\n/stats\\n' | ftpatch chat             scripted: one message per line
+  ftpatch chat model.gguf --no-think -n 2048       # skip the reasoning block (Qwen3.5 templates)
+  ftpatch chat model.gguf --vram 8GiB --ctx 8192   # hot experts on the GPU under an 8 GiB cap
+  printf 'hi\\n/stats\\n' | ftpatch chat             # scripted: one message per line
 """
 
 
@@ -56,8 +59,9 @@ def add_parser(sub) -> None:
                               "model)",
                    device_help="cpu (default; the whole model in RAM) or cuda / cuda:N (the whole "
                                "model in VRAM; with --vram: the GPU the runtime uses)")
-    add_sampling_args(s, n_default=None, n_flags=("-n", "--max-tokens"),
-                      n_help="most tokens per answer (default 1024; 128 for the embedded default)")
+    add_sampling_args(s, n_default=None,
+                      n_help="most tokens per answer (default 1024; 128 for the embedded "
+                             "default; -1 = until the end of text or a full context)")
     s.add_argument("--system", metavar="TEXT", help="system prompt (change it with /system)")
     s.add_argument("--no-think", action="store_true",
                    help="ask the chat template to skip the reasoning block (enable_thinking=false)")
@@ -66,15 +70,14 @@ def add_parser(sub) -> None:
 
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     """The model, its session and the banner lines; bad input raises one clear error."""
-    from loaders import open_model
     from loaders.chat_template import ChatTemplate
     from loaders.synth import default_model_path, ensure_default_model
     from loaders.tokenizer import Tokenizer
     from moe_offload.generate import Session
     dev = device_for(args.device, args.vram)
     embedded = args.model is None
-    if args.n_predict is None:
-        args.n_predict = 128 if embedded else 1024
+    if args.max_tokens is None:
+        args.max_tokens = 128 if embedded else 1024
     params = sampling_params(args)
     if embedded:
         path = default_model_path()
@@ -84,14 +87,14 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     else:
         path = args.model
     with screen.busy(f"loading {path}"):
-        loaded = open_model(path)
+        loaded = open_model_named(path)
         md = loaded.metadata
         if "tokenizer.ggml.tokens" not in md:
             raise CLIError(f"{path} has no tokenizer metadata, so chat cannot read or write text; "
                            "use `ftpatch logits MODEL --tokens IDS` instead")
         tok = Tokenizer.from_metadata(md, str(path))
         template = ChatTemplate.from_metadata(md, str(path))
-        n_ctx = context_size(args.ctx, loaded.config.n_ctx_train)
+        n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
         model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
         session = Session(model, model.new_state(1, n_ctx), tok, template)
     conv = Conversation(session, params, args.system, False if args.no_think else None)
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 break
             continue
         answer(conv, screen, stripped[1:] if stripped.startswith("//") else line)
-    return 0
+    return 1 if getattr(screen, "errors", 0) else 0
 
 
 COMMANDS = {"chat": (add_parser, run)}

@@ -9,7 +9,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from ..model_args import offload_stats_lines
+from ..model_args import offload_stats_lines, stop_reason
 
 HELP = """\
 /reset          start a new conversation (keeps the system prompt)
@@ -120,22 +120,25 @@ def answer(conv: Conversation, screen, text: str) -> None:
     screen.finish(ans, status_line(conv, ans.timings, ans.n_tokens, reason))
 
 
-_REASONS = {"length": "hit -n", "context": "context full: /reset", "interrupted": "interrupted"}
-
-
 def status_line(conv: Conversation, t, n: int, reason: str) -> str:
+    """One line after an answer: speeds, context use, and why it stopped unless at its end."""
     st = conv.session.state
     parts = [f"TTFT {t.ttft_s * 1000:.0f} ms", f"prompt {t.n_prompt} tok {t.prompt_tps:.1f} tok/s",
              f"answer {n} tok {t.decode_tps:.1f} tok/s", f"ctx {st.n_past}/{st.n_ctx}"
              ] if t is not None else []
-    return " | ".join(parts + ([_REASONS[reason]] if reason in _REASONS else []))
+    if reason == "context":
+        parts.append("context full: /reset")
+    elif reason in ("length", "interrupted"):
+        parts.append(stop_reason(reason, conv.params, st.n_ctx))
+    return " | ".join(parts)
 
 
 def stats_text(conv: Conversation) -> str:
     if conv.answers:
         t, n, reason = conv.answers[-1]
         lines = [f"last answer: {n} tokens at {t.decode_tps:.1f} tok/s, prompt {t.n_prompt} "
-                 f"tokens at {t.prompt_tps:.1f} tok/s, TTFT {t.ttft_s * 1000:.0f} ms, stop: {reason}"]
+                 f"tokens at {t.prompt_tps:.1f} tok/s, TTFT {t.ttft_s * 1000:.0f} ms, stop: "
+                 f"{stop_reason(reason, conv.params, conv.session.state.n_ctx)}"]
     else:
         lines = ["last answer: none yet"]
 
@@ -180,7 +183,7 @@ def command(conv: Conversation, screen, line: str) -> bool:
             except ValueError:
                 value = -1.0
             if not (math.isfinite(value) and value >= 0):
-                screen.note(f"/temp {arg}: give a number >= 0 (0 = greedy)")
+                screen.error(f"/temp {arg}: give a number >= 0 (0 = greedy)")
                 return True
             conv.params = replace(conv.params, temperature=value)
         temp = conv.params.temperature
@@ -190,7 +193,7 @@ def command(conv: Conversation, screen, line: str) -> bool:
     elif name == "/help":
         screen.say(HELP)
     else:
-        screen.note(f"unknown command {name}; /help lists the commands (// sends a leading /)")
+        screen.error(f"unknown command {name}; /help lists the commands (// sends a leading /)")
     return True
 
 

@@ -6,6 +6,7 @@ import sys
 import threading
 from contextlib import contextmanager, nullcontext
 
+from ..inputs import displayable, read_stdin_line
 from .conversation import Answer
 
 _CONTROLS = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421} | {
@@ -19,20 +20,24 @@ def printable(text: str) -> str:
 
 
 class PlainScreen:
-    """stdin is not a terminal: plain lines; answers and command output on stdout."""
+    """stdin is not a terminal: plain lines; answers on stdout, everything else on stderr (so a
+    script reads the answers alone); counts the errors for the exit status."""
+
+    def __init__(self):
+        self.errors = 0
 
     def read(self) -> str | None:
-        line = sys.stdin.readline()
-        return line.rstrip("\r\n") if line else None
+        return read_stdin_line()
 
     def say(self, text: str) -> None:
-        print(text, flush=True)
+        print(displayable(text), file=sys.stderr, flush=True)
 
     def note(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
+        self.say(text)
 
     def error(self, text: str) -> None:
-        print(f"ftpatch: error: {text}", file=sys.stderr, flush=True)
+        self.errors += 1
+        self.say(f"ftpatch: error: {text}")
 
     def busy(self, what: str):
         return nullcontext()
@@ -105,7 +110,7 @@ class TerminalScreen:
 
     def say(self, text: str, style: str = "") -> None:
         from rich.text import Text
-        self.console.print(Text(text, style=style))
+        self.console.print(Text(displayable(text), style=style))   # user text may echo back
 
     def note(self, text: str) -> None:
         self.say(text, "dim")

@@ -68,7 +68,7 @@ def test_run_streams_text_then_speeds(tiny_model, capsys):
     first = capsys.readouterr()
     assert first.out.endswith("\n") and len(first.out) > 1
     assert "prompt:" in first.err and "decode:" in first.err and first.err.count("tok/s") == 2
-    assert "TTFT" in first.err and "stop: length" in first.err
+    assert "TTFT" in first.err and "stop: reached --max-tokens (6)" in first.err
     assert main(args) == 0
     assert capsys.readouterr().out == first.out                      # greedy is deterministic
 
@@ -97,7 +97,7 @@ def test_run_sampling_with_a_seed_repeats_and_chat_works(tiny_model, capsys):
     (["logits", "{m}", "--tokens", "1,x", "--out", "{tmp}/x.npy"], "integers separated by commas"),
     (["logits", "{m}", "--tokens", "1,999999", "--out", "{tmp}/x.npy"], "outside the vocabulary"),
     (["run", "{m}", "-p", "hi", "--device", "tpu"], "use cpu or cuda"),
-    (["run", "{m}", "-p", "hi", "-n", "0"], "at least one token"),
+    (["run", "{m}", "-p", "hi", "-n", "0"], "-n 0: give 1 or more tokens"),
     (["run", "{notok}", "-p", "hi"], "no tokenizer metadata"),
     (["run", "{arch}", "-p", "hi"], "unsupported architecture 'llama'"),
     (["logits", "{arch}", "--tokens", "1", "--out", "{tmp}/x.npy"], "unsupported architecture"),
