@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
                     "            vocab 248,320 (~14 GiB at IQ3_S)\n\n"
                     f"types: {types}",
         epilog="examples:\n"
-               "  ftpatch synth -o tiny.gguf                                  # the tiny preset\n"
-               "  ftpatch synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf  # ~14 GiB\n"
+               "  ftpatch synth -o tiny.gguf                                     # the tiny preset\n"
+               "  ftpatch synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf   # ~14 GiB\n"
                "  ftpatch synth --type IQ3_S --down-type Q4_K --output-type Q6_K "
                "--tensor-type 'attn_(q|k|v)=Q4_K' -o mixed.gguf")
     s.add_argument("-o", "--out", required=True, help="output .gguf path")
