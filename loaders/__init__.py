@@ -2,6 +2,7 @@
 
 Public names:
   GGUFError                      the package's exception (message says what, where, fix)
+  ChatTemplateError              its kind for templates that fail or pass a rendering limit
   GGUFFile, TensorInfo, open_gguf  header/metadata/tensor directory, zero-copy tensor bytes
   QuantType, QUANT_TYPES, quant_type, dequantize_reference, random_blocks  the ggml type table
   Architecture, TensorSpec, get_architecture, supported_architectures  the architecture registry
@@ -9,9 +10,10 @@ Public names:
   Tokenizer, StreamDecoder       byte-level BPE from tokenizer.ggml.*: encode, decode, streaming
   PreTokenizer, get_pretokenizer  the split patterns chosen by tokenizer.ggml.pre
   ChatTemplate, render_chat      tokenizer.chat_template rendered in a Jinja2 sandbox
+  TemplateLimits                 what one render may use (time, sizes, nesting)
 """
-from .chat_template import ChatTemplate, render_chat
-from .errors import GGUFError
+from .chat_template import ChatTemplate, TemplateLimits, render_chat
+from .errors import ChatTemplateError, GGUFError
 from .gguf_file import GGUFFile, TensorInfo, open_gguf
 from .model import LoadedModel, Weight, open_model
 from .pretokenize import PreTokenizer, get_pretokenizer
@@ -21,7 +23,7 @@ from .registry import Architecture, TensorSpec, get_architecture, supported_arch
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
-    "GGUFError", "GGUFFile", "TensorInfo", "open_gguf", "LoadedModel", "Weight", "open_model",
+    "GGUFError", "ChatTemplateError", "TemplateLimits", "GGUFFile", "TensorInfo", "open_gguf", "LoadedModel", "Weight", "open_model",
     "QUANT_TYPES", "QuantType", "dequantize_reference", "quant_type", "random_blocks",
     "random_tensor", "Architecture", "TensorSpec", "get_architecture", "supported_architectures",
     "Tokenizer", "StreamDecoder", "PreTokenizer", "get_pretokenizer", "ChatTemplate", "render_chat",
