@@ -4,11 +4,13 @@ TTFT, VRAM peaks by the allocator and by nvidia-smi, load time, expert-cache sta
 routing regime (the model's own routing, or a replayed trace with stated locality) on every line.
 
 `ftpatch bench kernels` runs the per-type kernel benchmark instead (bench_kernels.py).
+Several caps in one call (`--vram 4GiB,6GiB,8GiB`) and llama.cpp's `llama-bench` beside ours
+(`--compare-llama-bench BIN`): bench_compare.py. `ftpatch bench report RESULTS.json...` turns
+results into an HTML page, PNG charts and the README's table: bench_report.py.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
@@ -25,6 +27,9 @@ EPILOG = """\
 examples:
   ftpatch bench 35b.gguf --vram 8GiB                      # pp512, pp2048, tg128, 3 reps
   ftpatch bench 35b.gguf --vram 8GiB --trace --json       # realistic-locality routing trace
+  ftpatch bench 35b.gguf --vram 4GiB,6GiB,8GiB --out caps.json   # several caps, one call
+  ftpatch bench 35b.gguf --vram 4GiB,8GiB --compare-llama-bench ~/llama.cpp/build/bin/llama-bench
+  ftpatch bench report caps.json -o report.html --png charts/   # charts of results (JSON)
   ftpatch bench kernels                                   # per-type kernel throughput (GB/s)
 
 method: each size runs once untimed, then --reps times; the median is reported with min and
@@ -38,8 +43,15 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
                        description="Measure prefill (pp) and decode (tg) throughput of a model "
                                    "under a hard VRAM cap, with cache and routing statistics.")
-    s.add_argument("model", help="GGUF model, or the word 'kernels' for the kernel benchmark")
-    s.add_argument("--vram", default="8GiB", type=size_arg, help="VRAM cap (default 8GiB)")
+    s.add_argument("model", help="GGUF model; or the word 'kernels' (kernel benchmark) or "
+                                  "'report' followed by result files (charts and tables)")
+    s.add_argument("--vram", default="8GiB", type=size_list_arg,
+                   help="VRAM cap, or several separated by commas (default 8GiB)")
+    s.add_argument("--compare-llama-bench", metavar="BIN",
+                   help="at each cap also run this llama-bench on the same file, with the "
+                        "--n-cpu-moe that fits the cap, the same sizes and threads")
+    s.add_argument("--llama-bench-args", default="", metavar="ARGS",
+                   help="more arguments for llama-bench, as one string (e.g. '-fa 1')")
     s.add_argument("-p", "--prompt-sizes", default="512,2048", help="prefill sizes (default 512,2048)")
     s.add_argument("-n", "--gen", type=int, default=128, help="decode tokens (default 128)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
@@ -74,6 +86,13 @@ def add_parser(sub) -> None:
         bench_kernels.add_arguments(kg)
     except ImportError:
         pass
+    from . import bench_report
+    bench_report.add_arguments(s.add_argument_group("report options (with 'report')"))
+
+
+def size_list_arg(text: str) -> list[int]:
+    """argparse type for --vram: one size or several separated by commas."""
+    return [size_arg(part) for part in text.split(",") if part.strip()] or [size_arg(text)]
 
 
 def _spread(xs: list[float]) -> dict:
@@ -91,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "kernels":
         from . import bench_kernels
         return bench_kernels.run(args, console)
+    from . import bench_compare, bench_report
+    if args.model == "report":
+        return bench_report.run(args, console)
+    bench_report.refuse_inputs(args)
     for flag, value in (("-n", args.gen), ("--reps", args.reps), ("--ctx", args.ctx),
                         ("--chunk", args.chunk)):
         check_positive(flag, value)
@@ -106,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
         sizes = []
     check("-p", repr(args.prompt_sizes), bool(sizes) and min(sizes) >= 1,
           "give sizes like 512,2048")
+    return bench_compare.run_cli(args, sizes, console, _run_one)
+
+
+def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
+    """One cap (args.vram, bytes): prefill and decode measured, as one JSON object."""
     from loaders import open_model
     from moe_offload.runtime import OffloadRuntime, RuntimeOptions
     from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
@@ -234,12 +262,7 @@ def run(args: argparse.Namespace) -> int:
         from moe_offload.expert_cache import save_profile
         save_profile(args.save_profile, rt.cache.routing_counts(), str(loaded.metadata.get("general.name")))
     rt.close()
-    if args.json:
-        print(json.dumps(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return result
 
 
 COMMANDS = {"bench": (add_parser, run)}

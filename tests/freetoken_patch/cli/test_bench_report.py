@@ -1,0 +1,193 @@
+"""`ftpatch bench report`: the page holds every figure of its JSON, its charts plot the JSON's
+numbers, it needs no network, and it renders in headless Chromium without script errors and not
+blank; the PNG charts; the README's table is what the command makes from docs/results/*.json.
+
+The sample JSON in data/ is made up (its "synthetic_sample" says so); Chromium is optional
+locally (the test skips, saying why) and required in CI (FTPATCH_REQUIRE_CHROMIUM=1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from freetoken_patch.cli import main
+from freetoken_patch.report import data as D
+from freetoken_patch.report import png
+
+ROOT = Path(__file__).resolve().parents[3]
+SAMPLES = [Path(__file__).parent / "data" / n for n in ("bench_sample_caps.json", "bench_sample_trace.json")]
+
+
+class Tags(HTMLParser):
+    """Every start tag with its attributes, and each td's text."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags, self._td = [], None
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag == "td":
+            self._td = self.tags[-1][1]
+            self._td["#text"] = ""
+
+    def handle_data(self, text):
+        if self._td is not None:
+            self._td["#text"] += text
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._td = None
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "report.html"
+    assert main(["bench", "report", *map(str, SAMPLES), "-o", str(out)]) == 0
+    html = out.read_text()
+    p = Tags()
+    p.feed(html)
+    return out, html, p.tags
+
+
+def loaded() -> dict:
+    return {p.name: json.loads(p.read_text()) for p in SAMPLES}
+
+
+def test_the_samples_say_they_are_made_up():
+    assert all("not a measurement" in d["synthetic_sample"] for d in loaded().values())
+
+
+def test_page_holds_every_figure(page):
+    _, _, tags = page
+    shown = {a["data-src"]: a["#text"] for t, a in tags if t == "td" and "fig" in a.get("class", "")}
+    for name, d in loaded().items():
+        figs = D.figures(d)
+        assert len(figs) > 50
+        for ptr, v in figs:
+            assert shown.get(f"{name}#{ptr}") == repr(v), f"{name}#{ptr}"
+
+
+def test_chart_points_are_the_json_numbers(page):
+    _, _, tags = page
+    data = loaded()
+    pts = [a for t, a in tags if "pt" in a.get("class", "").split()]
+    for a in pts:
+        name, ptr = a["data-src"].split("#", 1)
+        want = D.resolve(data[name], ptr) * float(a["data-scale"])
+        assert float(a["data-value"]) == pytest.approx(want, rel=1e-12), a["data-src"]
+    srcs = {a["data-src"] for a in pts}
+    caps, trace = "bench_sample_caps.json", "bench_sample_trace.json"
+    want = {f"{trace}#/{t}/median" for t in ("pp512", "pp2048", "tg128")}
+    want |= {f"{trace}#/cache/hit_rate", f"{trace}#/cache/pcie_MB_per_token", f"{trace}#/vram/nvidia_smi_peak"}
+    for i in range(2):
+        want |= {f"{caps}#/runs/{i}/{t}/median" for t in ("pp512", "pp2048", "tg128")}
+        want |= {f"{caps}#/llama_bench/runs/{i}/tests/{t}/median" for t in ("pp512", "pp2048", "tg128")}
+        want |= {f"{caps}#/runs/{i}/cache/hit_rate", f"{caps}#/llama_bench/runs/{i}/vram_peak"}
+    assert want <= srcs, want - srcs
+    charts = [a["id"] for t, a in tags if t == "svg"]
+    assert charts == ["chart-tg128", "chart-pp512", "chart-pp2048", "chart-hit_rate", "chart-pcie", "chart-vram"]
+
+
+def test_page_fetches_nothing(page):
+    _, html, tags = page
+    assert not [a for t, a in tags if t in ("link", "img", "iframe") or (t == "script" and "src" in a)]
+    rest = html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert not re.search(r"https?://|url\(|@import", rest)
+
+
+def test_summary_rows_state_ratios(page):
+    _, html, _ = page
+    # 8 GiB decode: 150.5 / 50.0 = 3.0x, prefill pp2048: 3000 / 480 = 6.2x (sample numbers)
+    assert ">3.0x<" in html and ">6.2x<" in html and "--n-cpu-moe 23 after 2 attempts" in html
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    if os.environ.get("FTPATCH_REQUIRE_CHROMIUM") == "1":
+        pytest.fail("FTPATCH_REQUIRE_CHROMIUM=1 but no chromium on PATH (.ci/run installs it)")
+    pytest.skip("no chromium on PATH: the page's rendering is checked where it is (CI installs it)")
+
+
+def test_renders_in_headless_chromium(page, tmp_path):
+    browser = _chromium()
+    out, _, tags = page
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--hide-scrollbars", "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run(flags + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=180)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    root = re.search(r"<html[^>]*>", dom.stdout)[0]
+    n_points = sum(1 for t, a in tags if "pt" in a.get("class", "").split())
+    assert 'data-ready="1"' in root and 'data-mismatch="0"' in root, root
+    assert f'data-points="{n_points}"' in root and "data-js-errors" not in root, root
+    assert "Uncaught" not in dom.stderr, dom.stderr[-2000:]
+    shot = tmp_path / "report.png"
+    r = subprocess.run(flags + ["--window-size=1400,1800", f"--screenshot={shot}", out.as_uri()],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and shot.exists(), r.stderr[-2000:]
+    if os.environ.get("FTPATCH_KEEP_SCREENSHOT"):
+        shutil.copy(shot, os.environ["FTPATCH_KEEP_SCREENSHOT"])
+    from PIL import Image, ImageStat
+    img = Image.open(shot).convert("L")
+    assert img.size == (1400, 1800)
+    assert ImageStat.Stat(img).stddev[0] > 10                     # not one flat colour
+    dark = sum(img.histogram()[:128]) / (img.size[0] * img.size[1])
+    assert dark > 0.005                                           # text and lines were drawn
+
+
+def test_png_charts(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main(["bench", "report", *map(str, SAMPLES), "--png", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert names == sorted(["tg128.png", "pp512.png", "pp2048.png", "hit_rate.png", "pcie.png",
+                            "vram.png", "summary.png"])
+    from PIL import Image, ImageStat
+    for n in names:
+        assert ImageStat.Stat(Image.open(tmp_path / n).convert("L")).stddev[0] > 5, n
+
+
+def test_png_without_matplotlib_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(png, "available", lambda: False)
+    out = tmp_path / "r.html"
+    assert main(["bench", "report", str(SAMPLES[0]), "-o", str(out), "--png", str(tmp_path / "png")]) == 1
+    assert out.exists() and not (tmp_path / "png").exists()
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("--png")]
+    assert len(said) == 1 and "pip install 'ftpatch[report]'" in said[0]
+
+
+def test_without_outputs_the_table_is_printed(capsys):
+    assert main(["bench", "report", *map(str, SAMPLES)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| cap |") and "| 8 GiB | 150.5 | 50.0 | 3.0x | 190.0 |" in out
+
+
+def test_report_errors_are_one_line(tmp_path, capsys):
+    assert main(["bench", "report", str(tmp_path / "none.json")]) == 1
+    assert main(["bench", str(SAMPLES[0]), str(SAMPLES[1])]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "cannot read" in err[0] and "bench report" in err[1]
+
+
+def test_readme_table_is_made_from_committed_json(tmp_path, monkeypatch):
+    results = sorted((ROOT / "docs" / "results").glob("*.json"))
+    assert results, "docs/results/*.json: the README's table is made from these"
+    for p in results:
+        d = json.loads(p.read_text())
+        assert d.get("source") or d.get("run"), f"{p.name}: say where its figures come from"
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    monkeypatch.chdir(ROOT)
+    rel = [str(p.relative_to(ROOT)) for p in results]
+    assert main(["bench", "report", *rel, "--markdown", str(readme),
+                 "--markdown-image", "docs/results/charts/summary.png"]) == 0
+    assert readme.read_text() == (ROOT / "README.md").read_text(), \
+        "README's results table differs from `ftpatch bench report docs/results/*.json --markdown README.md --png docs/results/charts`"
