@@ -52,7 +52,8 @@ class TemplateLimits:
     value_size: int = 4 << 20           # any one value built: characters, plus 2 per element
     emitted_chars: int = 32 << 20       # all output statements, macro and {% set %} buffers too
     depth: int = 64                     # nested macro / recursive-loop calls
-    source_chars: int = 256 << 10       # the template's text (real ones are 2-30 KiB)
+    source_chars: int = 64 << 10        # the template's text: real ones are 2-30 KiB, and
+                                        # Jinja compiles about 40 KiB a second
 
 
 DEFAULT_LIMITS = TemplateLimits()
@@ -285,11 +286,20 @@ def _wrap_filter(name: str, func: Callable) -> Callable:
             out = func(ctx.environment, value, *args, **kwargs)
         else:
             out = func(value, *args, **kwargs)
+        if isinstance(out, types.GeneratorType):   # map, select, ...: checked as consumed
+            return _ticking(out, b)
         b.size(out)
         return out
 
     checked.__name__ = getattr(func, "__name__", name)
     return checked
+
+
+def _ticking(items: Any, b: _Budget) -> Any:
+    for i, x in enumerate(items):
+        if not i & 1023:
+            b.tick()
+        yield x
 
 
 def _raise_exception(message: Any = "") -> None:
@@ -580,8 +590,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.where}: nests too deeply (Python's recursion "
                                     f"limit){_at(e)}; {OVERRIDE_HINT}") from None
         except Exception as e:   # the template is untrusted code: any failure is its own
-            raise ChatTemplateError(f"{self.where} failed{_at(e)}: {type(e).__name__}: "
-                                    f"{_one_line(e)}"[:500]) from None
+            what = f"{type(e).__name__}: {_one_line(e)}"[:300]
+            raise ChatTemplateError(f"{self.where} failed{_at(e)}: {what}; "
+                                    f"{OVERRIDE_HINT}") from None
         finally:
             budget.sizes.clear()
             _local.budget = prev
