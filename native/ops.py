@@ -253,7 +253,7 @@ def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
         raise NativeError("moe_ffn: x, ids, weights and the three banks must be on one device")
     ext = _ext_for(x.device)
     if all(_ext_supports(ext, q.qtype, "moe_ffn", int(q.shape[-1])) for q in (gate, up, down)):
-        if ext is _cuda and t > PREFILL_MOE_MIN_TOKENS and PREFILL_DTYPE == torch.bfloat16:
+        if ext is _cuda and t > PREFILL_MOE_MIN_TOKENS and PREFILL_DTYPE != torch.float32:
             y = cuda_prefill_moe(x, gate, up, down, ids, weights)
             return y if out is None else out.copy_(y)
         return ext_moe_ffn(ext, x, gate, up, down, ids, weights, out)
@@ -308,23 +308,52 @@ def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None) -> torch.Tensor:
 
 
 # Above this many tokens a CUDA matmul dequantizes W and runs one GEMM (the decode kernels re-read W
-# for every 8 tokens). PREFILL_DTYPE: bfloat16 (tensor cores; x and W rounded to bf16), or float32
-# for exact comparisons in tests.
+# for every 8 tokens). PREFILL_DTYPE: the GEMM's operands. float16 (the default): tensor cores at
+# bfloat16's speed with 3 more bits of mantissa, x scaled per row by a power of two so that
+# nothing overflows; bfloat16 rounds W and x 8x more coarsely (at model level it fell below ggml's
+# int8 scheme on several types, docs/BENCHMARKS.md "GPU fidelity"); float32 for exact comparisons.
 DECODE_MAX_TOKENS = 8
-PREFILL_DTYPE = torch.bfloat16
+PREFILL_DTYPE = torch.float16
 # Routed experts switch to the dequantize + grouped-GEMM path above this many tokens. Below, the
 # decode kernels (8 tokens a launch) need no bf16 copy of 32 experts (200 MB on the 35B): a short
 # prompt then borrows far less of an elastic expert cache, which decode must refill after it.
 PREFILL_MOE_MIN_TOKENS = 64
+# The grouped expert GEMMs' operands (torch._grouped_mm runs bfloat16 on every GPU it supports).
+PREFILL_MOE_DTYPE = torch.bfloat16
 
 
 # ---- CUDA prefill: dequantize to 16 bits + one GEMM (CUDA only; kept apart from the dispatch) ----
 # The decode kernels read W once per 8 tokens; for prefill (T > 8) a tensor-core GEMM on dequantized
 # weights is far faster. W [O, H] -> `dtype` (gguf-py's values rounded to nearest even) in
-# `workspace`, x rounded to `dtype`, float32 accumulation (and float32 output where torch has it).
+# `workspace`, x rounded to `dtype` (float16: after its row's power-of-two scale), float32
+# accumulation (and float32 output where torch has it).
+
+def rows_to_f16_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of native._cuda.rows_to_f16: x [T, H] float32 -> (x * 2^-k per row as
+    float16, 2^k float32 [T]), k >= 0 the least that brings the row's largest |x| under 2^15."""
+    amax = x.abs().amax(-1) if x.shape[-1] else torch.zeros(x.shape[0], device=x.device)
+    _, e = torch.frexp(amax)                      # amax = m * 2^e, m in [0.5, 1): ilogb = e - 1
+    k = torch.where(amax >= 32768.0, (e - 1 - 14).clamp(max=126), torch.zeros_like(e))
+    scale = torch.ldexp(torch.ones_like(amax), k)
+    return (x / scale[:, None]).to(torch.float16), scale
+
+
+def _x_for_gemm(x2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x2 [T, H] float -> (x in `dtype` for the GEMM, per-row scale to apply to its output)."""
+    if dtype != torch.float16:
+        return x2.to(dtype), None
+    x32 = x2.to(torch.float32)
+    if x32.stride(-1) != 1:
+        x32 = x32.contiguous()
+    out = torch.empty(x32.shape, dtype=torch.float16, device=x32.device)
+    scale = torch.empty(x32.shape[0], dtype=torch.float32, device=x32.device)
+    _cuda.rows_to_f16(x32.data_ptr(), x32.shape[0], x32.shape[1], x32.stride(0), out.data_ptr(),
+                      scale.data_ptr(), _stream(x32.device))
+    return out, scale
+
 
 def cuda_prefill_matmul(x: torch.Tensor, w: QTensor, workspace: torch.Tensor | None = None,
-                        dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """y [T, O] float32 = x [T, H] @ W [O, H]^T on CUDA via native._cuda.dequantize + cuBLAS.
     `workspace`: a contiguous CUDA tensor of >= O*H*2 bytes, reused across calls (else allocated)."""
     if _cuda is None or x.device.type != "cuda" or w.device != x.device or len(w.shape) != 2:
@@ -341,20 +370,22 @@ def cuda_prefill_matmul(x: torch.Tensor, w: QTensor, workspace: torch.Tensor | N
         wt = workspace.reshape(-1).view(torch.uint8)[:size].view(dtype).view(o, h)
     _cuda.dequantize(w.qtype.type_id, data.data_ptr(), o, h, w.row_bytes, wt.data_ptr(), ggml_dtype,
                      _stream(x.device))
-    x2 = x.reshape(-1, h).to(dtype)
+    x2, row_scale = _x_for_gemm(x.reshape(-1, h), dtype)
     if dtype == torch.float32:
         return torch.mm(x2, wt.T).reshape(*x.shape[:-1], o)
     try:
         y = torch.mm(x2, wt.T, out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         y = torch.mm(x2, wt.T).float()
+    if row_scale is not None:
+        y.mul_(row_scale[:, None])
     return y.reshape(*x.shape[:-1], o)
 
 
 def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, ids: torch.Tensor,
                      weights: torch.Tensor, group: int = 32) -> torch.Tensor:
     """Routed experts for many tokens on CUDA: tokens sorted by expert, each group of `group`
-    experts dequantized to bf16 in one launch per projection, then grouped GEMMs (tensor cores).
+    experts dequantized to PREFILL_MOE_DTYPE in one launch per projection, then grouped GEMMs.
     x [T, H]; gate/up [E, F, H], down [E, H, F] banks (expert stride may exceed the expert's
     bytes: cache pools); ids/weights [T, K]; ids outside [0, E) are skipped. -> [T, H] float32.
     One host sync (the per-expert token counts)."""
@@ -369,7 +400,9 @@ def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
         starts.append(starts[-1] + c)
     tok = order[:starts[-1]] // k
     wts = weights.reshape(-1)[order[:starts[-1]]].float()
-    xs = x.index_select(0, tok).to(torch.bfloat16)                   # [N, H] grouped by expert
+    dt = PREFILL_MOE_DTYPE
+    ggml_dtype = {torch.float16: 1, torch.bfloat16: 30}[dt]
+    xs, xs_scale = _x_for_gemm(x.index_select(0, tok), dt)           # [N, H] grouped by expert
     ends = counts.cumsum(0).to(torch.int32)    # on the device: group offsets need no more syncs
     y = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     stream = _stream(x.device)
@@ -381,23 +414,27 @@ def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
         n = g1 - g0
         mats = []
         for q, rows, cols in ((gate, f, h), (up, f, h), (down, h, f)):
-            wq = torch.empty(n, rows, cols, dtype=torch.bfloat16, device=x.device)
+            wq = torch.empty(n, rows, cols, dtype=dt, device=x.device)
             _cuda.dequantize(q.qtype.type_id, q.data.data_ptr() + g0 * q.expert_stride, n,
-                             rows * cols, q.expert_stride, wq.data_ptr(), 30, stream)
+                             rows * cols, q.expert_stride, wq.data_ptr(), ggml_dtype, stream)
             mats.append(wq)
         offs = ends[g0:g1] - r0
         a = xs[r0:r1]
-        hg = _grouped_mm(a, mats[0], offs)
-        hu = _grouped_mm(a, mats[1], offs)
-        act = (torch.nn.functional.silu(hg.float()) * hu.float()).to(torch.bfloat16)
-        out = _grouped_mm(act, mats[2], offs)                        # [rows, H]
-        y.index_add_(0, tok[r0:r1], out.float() * wts[r0:r1, None])
+        hg, hu = _grouped_mm(a, mats[0], offs).float(), _grouped_mm(a, mats[1], offs).float()
+        if xs_scale is not None:
+            hg.mul_(xs_scale[r0:r1, None])
+            hu.mul_(xs_scale[r0:r1, None])
+        act, act_scale = _x_for_gemm(torch.nn.functional.silu(hg) * hu, dt)
+        out = _grouped_mm(act, mats[2], offs).float()                # [rows, H]
+        rw = wts[r0:r1, None] if act_scale is None else wts[r0:r1, None] * act_scale[:, None]
+        y.index_add_(0, tok[r0:r1], out * rw)
     return y
 
 
 def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """out[r] = a[r] @ w[g]^T for the rows r of group g (offs: cumulative row ends, int32).
-    a [N, in] bf16, w [G, out, in] bf16 -> [N, out]. torch._grouped_mm where it runs, else a loop."""
+    a [N, in], w [G, out, in] of one 16-bit dtype -> [N, out]. torch._grouped_mm where it runs,
+    else a loop."""
     try:
         return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
     except (AttributeError, RuntimeError, TypeError, NotImplementedError):

@@ -17,6 +17,9 @@
 //   dequantize(type_id, src, n_rows, n_cols, src_row_stride, dst, dst_dtype, stream)
 //       as native._cpu: dst contiguous [n_rows, n_cols] of dst_dtype 0 (F32), 1 (F16), 30 (BF16);
 //       F32 bit-exact with gguf-py, F16/BF16 that rounded to nearest even.
+//   rows_to_f16(x, n_rows, n_cols, ldx, out, row_scale, stream)
+//       out [n_rows, n_cols] f16 = x f32 rows (stride ldx floats) times 2^-k per row, k >= 0 the
+//       least that keeps the row in f16's range; row_scale [n_rows] f32 = 2^k (prefill GEMMs).
 //   matmul(type_id, w, n_out, n_in, w_row_stride, x, n_tok, y, stream)
 //       as native._cpu: y [n_tok, n_out] = x [n_tok, n_in] @ W^T. Decode kernels: 1..8 tokens per
 //       launch (more tokens re-read W per 8; use dequantize + a GEMM for prefill).
@@ -90,6 +93,14 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("type_id"), py::arg("src"), py::arg("n_rows"), py::arg("n_cols"),
           py::arg("src_row_stride"), py::arg("dst"), py::arg("dst_dtype"), py::arg("stream") = 0,
           release);
+    m.def("rows_to_f16",
+          [](uintptr_t x, int64_t n_rows, int64_t n_cols, int64_t ldx, uintptr_t out,
+             uintptr_t row_scale, uintptr_t stream) {
+              cuda::rows_to_f16(ptr<const float>(x), n_rows, n_cols, ldx, ptr<void>(out),
+                                ptr<float>(row_scale), stream);
+          },
+          py::arg("x"), py::arg("n_rows"), py::arg("n_cols"), py::arg("ldx"), py::arg("out"),
+          py::arg("row_scale"), py::arg("stream") = 0, release);
     m.def("matmul",
           [](int type_id, uintptr_t w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
              uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {

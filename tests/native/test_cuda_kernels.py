@@ -212,3 +212,75 @@ def test_cuda_prefill_matmul(ext, name, dtype):
     tol = 6 * u * np.sqrt((x64 * x64) @ (w * w).T) + u * np.abs(ref) + 1e-5 * (np.abs(x64) @ np.abs(w).T)
     err = np.abs(y - ref) / tol
     assert err.max() <= 1, f"{name} {dtype}: error {err.max():.3g} x tolerance"
+
+
+# ---- fidelity: no less faithful than ggml's int8 scheme (docs/BENCHMARKS.md "GPU fidelity") -----------
+
+def _wide_range_x(rng: np.random.Generator, n_tok: int, h: int) -> np.ndarray:
+    """Features of very different sizes and a few outliers, as real activations have."""
+    x = rng.standard_normal((n_tok, h)) * np.exp(1.5 * rng.standard_normal((1, h)))
+    x[rng.random((n_tok, h)) < 0.002] *= 200.0
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("name", [n for n in TYPES if quant_type(n).family != "float"])
+def test_matmul_no_less_faithful_than_ggml_q8(ext, name, wide):
+    """The decode kernels against the exact product: rms error <= that of ggml's q8 activations
+    (x to int8 per 32 values, d = amax/127, exact sums) on the same inputs. q8 types reproduce that
+    scheme (float32 sums add ~1e-6); f32 types are exact."""
+    q = quant_type(name)
+    rng = np.random.default_rng(17 + q.type_id)
+    n_out, h, n_tok = 160, _cols(name, 64), 5
+    blocks = random_tensor(q, (n_out, h), rng)
+    w = dequantize_reference(blocks, q, (n_out, h)).astype(np.float64)
+    x = _wide_range_x(rng, n_tok, h) if wide else rng.standard_normal((n_tok, h), dtype=np.float32)
+    y = _nan(n_tok, n_out)
+    ext.matmul(q.type_id, _dev(blocks).data_ptr(), n_out, h, blocks.shape[1], _dev(x).data_ptr(),
+               n_tok, y.data_ptr(), _stream())
+    _sync()
+    ref = x.astype(np.float64) @ w.T
+    rms = lambda e: float(np.sqrt(np.mean(e * e)))
+    err = rms(y.cpu().numpy() - ref)
+    err_q8 = rms(q8_round(x)[0] @ w.T - ref)
+    assert err <= 1.001 * err_q8 + 1e-6 * rms(ref), f"{name}: rms error {err:.4g} > ggml q8's {err_q8:.4g}"
+
+
+def test_rows_to_f16_matches_reference(ext):
+    """The prefill GEMM's f16 operand: bit-exact with native.ops.rows_to_f16_ref, rows beyond f16's
+    range scaled by a power of two, a strided input, zero rows."""
+    from native import ops
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((7, 300)).astype(np.float32)
+    x[1] *= 1e5          # overflows f16 unscaled
+    x[2] = 0.0
+    x[3, 5] = 65504.0    # exactly f16's max: scaled below 2^15
+    x[4] *= 1e-6
+    for xin in (torch.from_numpy(x), torch.from_numpy(np.pad(x, ((0, 0), (0, 20))))[:, :300]):
+        xd = xin.to(DEVICE)
+        out = torch.empty(7, 300, dtype=torch.float16, device=DEVICE)
+        scale = torch.empty(7, dtype=torch.float32, device=DEVICE)
+        ext.rows_to_f16(xd.data_ptr(), 7, 300, xd.stride(0), out.data_ptr(), scale.data_ptr(), _stream())
+        _sync()
+        want, want_scale = ops.rows_to_f16_ref(torch.from_numpy(x))
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+        assert torch.equal(scale.cpu(), want_scale)
+    assert want_scale[1] > 1 and want_scale[3] == 2 and torch.isfinite(want.float()).all()
+
+
+def test_prefill_matmul_survives_activations_beyond_f16(ext):
+    """Rows with |x| ~ 1e6 through the default prefill GEMM: finite, within f16 rounding."""
+    from native import ops
+    q = quant_type("Q6_K")
+    rng = np.random.default_rng(29)
+    n_out, h, n_tok = 64, 512, 20
+    blocks = random_tensor(q, (n_out, h), rng)
+    w = dequantize_reference(blocks, q, (n_out, h)).astype(np.float64)
+    x = rng.standard_normal((n_tok, h)).astype(np.float32)
+    x[::3] *= 1e6
+    y = ops.matmul(_dev(x), ops.QTensor(_dev(blocks), q, (n_out, h), "w")).cpu().numpy()
+    ref = x.astype(np.float64) @ w.T
+    assert np.isfinite(y).all()
+    u = 2.0 ** -11
+    tol = 6 * u * np.sqrt((x.astype(np.float64) ** 2) @ (w * w).T) + u * np.abs(ref) + 1e-5 * (np.abs(x) @ np.abs(w).T)
+    assert (np.abs(y - ref) <= tol).all()

@@ -27,6 +27,12 @@ namespace ft::cuda {
 void dequantize(int type_id, const void* src, int64_t n_rows, int64_t n_cols,
                 int64_t src_row_stride, void* dst, int dst_dtype, uintptr_t stream);
 
+// out [n_rows, n_cols] f16 contiguous = x [n_rows, n_cols] f32 (row stride ldx) * 2^-k_r per row,
+// k_r >= 0 the least that keeps the row under f16's range; row_scale [n_rows] f32 = 2^k_r.
+// The other operand of a prefill GEMM: (out @ W16^T) * row_scale = x @ W16^T without overflow.
+void rows_to_f16(const float* x, int64_t n_rows, int64_t n_cols, int64_t ldx, void* out,
+                 float* row_scale, uintptr_t stream);
+
 // y [n_tok, n_out] f32 = x [n_tok, n_in] f32 @ W^T, W [n_out, n_in] blocks (row o at
 // w + o*w_row_stride). Any n_tok; the kernels run 1..8 tokens per launch (weights are re-read per
 // group of 8 tokens: prefill belongs to dequantize + a GEMM, see native/ops.py).

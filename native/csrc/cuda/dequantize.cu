@@ -1,6 +1,8 @@
 // dequantize: raw blocks -> f32 / f16 / bf16, for prefill (a GEMM on the dequantized weights) and
 // for tests. One thread decodes one 32-weight unit with decode32<T> (bit-exact floats) and
 // writes its 32 outputs as 16-byte stores; a grid-stride loop covers rows x units.
+// rows_to_f16: the prefill GEMM's other operand, float32 activations -> f16 with a power-of-two
+// scale per row, so that no value overflows f16's range (scaling by 2^-k is exact).
 //
 // Stream behaviour: one kernel on `stream`, no sync, no allocation; capturable.
 #include <cuda_bf16.h>
@@ -76,7 +78,42 @@ void launch_dequant(const uint8_t* src, int64_t n_rows, int64_t nkb, int64_t str
     check_launch("dequant_kernel");
 }
 
+// One block per row: the row's largest magnitude, then every value times 2^-k (k >= 0, the least
+// that brings it under 2^15) rounded to f16; row_scale[r] = 2^k undoes it on the GEMM's output.
+constexpr int kRowThreads = 256;
+__global__ void __launch_bounds__(kRowThreads)
+rows_to_f16_kernel(const float* __restrict__ x, int64_t ldx, int64_t n_cols, __half* __restrict__ out,
+                   float* __restrict__ row_scale) {
+    const float* xr = x + int64_t(blockIdx.x) * ldx;
+    __half* orow = out + int64_t(blockIdx.x) * n_cols;
+    float amax = 0.f;
+    for (int64_t i = threadIdx.x; i < n_cols; i += kRowThreads) amax = fmaxf(amax, fabsf(xr[i]));
+    __shared__ float part[kRowThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = part[0];
+#pragma unroll
+    for (int w = 1; w < kRowThreads / 32; ++w) amax = fmaxf(amax, part[w]);
+    // 2^15 <= amax < 2^16 -> k = 1; NaN compares false and keeps k = 0 (the NaN propagates)
+    const int k = amax >= 32768.f ? min(ilogbf(amax) - 14, 126) : 0;
+    const float s = ldexpf(1.f, -k);
+    for (int64_t i = threadIdx.x; i < n_cols; i += kRowThreads) orow[i] = __float2half_rn(xr[i] * s);
+    if (threadIdx.x == 0) row_scale[blockIdx.x] = ldexpf(1.f, k);
+}
+
 }  // namespace
+
+void rows_to_f16(const float* x, int64_t n_rows, int64_t n_cols, int64_t ldx, void* out,
+                 float* row_scale, uintptr_t stream) {
+    require(n_rows >= 0 && n_cols >= 0 && ldx >= n_cols, "rows_to_f16: bad shape or row stride");
+    require(n_rows < (int64_t(1) << 31), "rows_to_f16: too many rows");
+    if (n_rows == 0) return;
+    FT_LAUNCH(rows_to_f16_kernel, dim3(unsigned(n_rows)), kRowThreads, 0, to_stream(stream), x, ldx,
+              n_cols, static_cast<__half*>(out), row_scale);
+    check_launch("rows_to_f16_kernel");
+}
 
 void dequantize(int type_id, const void* src, int64_t n_rows, int64_t n_cols,
                 int64_t src_row_stride, void* dst, int dst_dtype, uintptr_t stream) {

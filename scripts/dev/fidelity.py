@@ -1,0 +1,115 @@
+"""Model-level fidelity of the CUDA path, per quant type: logits of tiny synthetic qwen35moe files
+on CUDA against the CPU path (exact: float32 math on the file's own weights), beside the same
+model run with ggml's q8 activation scheme emulated on the CPU (the bar: what llama.cpp's int8
+kernels do to every matmul).
+
+    python scripts/dev/fidelity.py --out fidelity.json [--types Q8_0,Q6_K] [--seeds 0,1,2]
+
+Modes (each against the CPU path, same file, same prompt):
+  cuda-prefill   the prompt as one prefill (dense matmuls: dequantize + cuBLAS at the
+                 library's PREFILL_DTYPE; experts: the int8-activation kernels)
+  cuda-decode    the prompt token by token (every matmul through the int8-activation kernels)
+  prefill-<dt>   cuda-prefill with PREFILL_DTYPE forced to bf16 / f16 / f32 (diagnosis)
+  ggml-q8-emulated  CPU, every matmul with x rounded to int8 per 32 values (d = amax/127):
+                 ggml's scheme, the bar (native.numerics)
+  cuda-emulated  CPU, the CUDA path's arithmetic emulated (native.numerics): its prediction
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from loaders import open_model                      # noqa: E402
+from loaders.synth import SynthOptions, synthesize  # noqa: E402
+import native.ops as ops                             # noqa: E402
+from native.numerics import emulate                  # noqa: E402
+from moe_offload.models import build_model          # noqa: E402
+
+TYPES = ["F32", "F16", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS", "Q6_K",
+         "Q8_0", "mixed"]
+MIXED = dict(type="IQ3_S", expert_type="IQ3_S", down_type="Q4_K", output_type="Q6_K")
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    a, b = got.double().reshape(-1, got.shape[-1]).cpu(), ref.double().reshape(-1, ref.shape[-1]).cpu()
+    return {"top1": float((a.argmax(-1) == b.argmax(-1)).double().mean()),
+            "corr": float(np.corrcoef(a.flatten().numpy(), b.flatten().numpy())[0, 1]),
+            "max_abs": float((a - b).abs().max())}
+
+
+def logits(model, toks: torch.Tensor, decode: bool = False) -> torch.Tensor:
+    with torch.inference_mode():
+        state = model.new_state(1, toks.shape[1] + 8)
+        if decode:
+            return torch.stack([model.decode(toks[:, t], state)[0] for t in range(toks.shape[1])])
+        return model.prefill(toks, state, all_logits=True)[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--tokens", type=int, default=20, help="prompt positions per file")
+    ap.add_argument("--dir", default="/tmp/ftpatch-fidelity")
+    ap.add_argument("--diagnose", action="store_true", help="also prefill at bf16 / f16 / f32")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.types.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            t0 = time.perf_counter()
+            kw = dict(MIXED) if name == "mixed" else dict(type=name)
+            path = Path(args.dir) / f"{name}-s{seed}.gguf"
+            if not path.exists():
+                synthesize(path, SynthOptions(seed=seed, **kw), threads=4)
+            loaded = open_model(path)
+            gen = torch.Generator().manual_seed(seed)
+            toks = torch.randint(0, loaded.config.n_vocab, (1, args.tokens), generator=gen)
+            cpu = build_model(loaded, "cpu")
+            exact = logits(cpu, toks)
+            row = {"type": name, "seed": seed}
+            for scheme in ("ggml-q8", "cuda"):
+                with emulate(scheme):
+                    row[f"{scheme}-emulated"] = compare(logits(cpu, toks), exact)
+            if cuda:
+                gpu = build_model(loaded, "cuda")
+                tc = toks.cuda()
+                row["cuda-prefill"] = compare(logits(gpu, tc), exact)
+                row["cuda-decode"] = compare(logits(gpu, tc, decode=True), exact)
+                if args.diagnose:
+                    saved = ops.PREFILL_DTYPE
+                    for dt_name, dt in (("bf16", torch.bfloat16), ("f16", torch.float16),
+                                        ("f32", torch.float32)):
+                        ops.PREFILL_DTYPE = dt
+                        row[f"prefill-{dt_name}"] = compare(logits(gpu, tc), exact)
+                    ops.PREFILL_DTYPE = saved
+                del gpu
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(name, seed, {k: (round(v["top1"], 2), round(v["corr"], 5)) for k, v in row.items()
+                               if isinstance(v, dict)}, f"{time.perf_counter() - t0:.1f}s", flush=True)
+    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "rows": rows}, indent=1))
+    # summary per type: mean over seeds
+    modes = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    print("\n| type | " + " | ".join(f"{m} top-1 / corr" for m in modes) + " |")
+    for name in args.types.split(","):
+        rs = [r for r in rows if r["type"] == name]
+        cells = [f"{np.mean([r[m]['top1'] for r in rs]):.2f} / {np.mean([r[m]['corr'] for r in rs]):.5f}"
+                 for m in modes]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
