@@ -1,7 +1,18 @@
 """moe_offload: the runtime — model execution, caches, expert placement, generation.
 
-Public names:
+The offload runtime (a MoE model under a VRAM cap), the API the CLI, the server and the
+FreeToken patch use:
+  open_runtime(model, vram, policy=, ctx=, **options) -> OffloadRuntime
+      .new_state(batch) / .prefill(tokens, state) / .decode(tokens, state) -> logits
+      .snapshot(state) / .restore(state, snap)      rewind points (prefix reuse)
+      .stats() -> RuntimeStats, .reset_stats(), .vram_peaks(), .report (LoadReport)
+      .attach_recorder(RoutingRecorder) / .replay(trace)   routing recorded, or replayed
+      .routing_counts(), .close() (or `with open_runtime(...) as rt:`)
+  OffloadPolicy                every number of the offload policy (frozen; printed by bench)
+  RuntimeOptions               where it runs and what it holds (vram, n_ctx, profile, ...)
+  RuntimeStats, LoadReport, RoutingRecorder   what it reports
   OffloadError                 the package's exception (says what went wrong and the fix)
+The model on one device, no cap:
   build_model, MODELS          LoadedModel -> model on a device; the registry of runnable archs
   Qwen35Moe                    the qwen35moe forward pass (forward / prefill / decode / new_state)
   ResidentExperts              the default experts[layer](x, ids, weights) -> y implementation
@@ -14,8 +25,12 @@ from .errors import OffloadError
 from .generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, Timings, TokenEvent,
                        generate)
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
+from .policy import OffloadPolicy
+from .report import LoadReport, RoutingRecorder, RuntimeStats
+from .runtime import OffloadRuntime, RuntimeOptions, open_runtime
 from .state import Snapshot, State
 
-__all__ = ["OffloadError", "MODELS", "build_model", "Qwen35Moe", "ResidentExperts", "State",
-           "Snapshot", "generate", "Session", "SamplingParams", "GREEDY", "Sampler", "TokenEvent",
-           "DoneEvent", "Timings"]
+__all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",
+           "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
+           "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
+           "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings"]

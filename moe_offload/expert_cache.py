@@ -4,9 +4,9 @@ Placement only: it holds memory and answers small questions (`resident`, `admit`
 with pinning, `resize`); the scheduler and the device-side plan and prefetch kernels decide what
 moves, the runtime decides the size. The tables live on
 the device so a captured decode step can look experts up and replace them with no host round
-trip. Victims go in order of a decayed score (each choice of an expert weighs 0.99^age, age in
-decode steps; native.offload_native.SCORE_DECAY), then of recency; pinned slots hold a
-warm-start hot set.
+trip. Victims go in order of a decayed score (each choice of an expert weighs
+OffloadPolicy.score_decay^age, age in decode steps; defined in csrc/offload_exchange.h, mirrored
+by native.offload_native.decayed_scores), then of recency; pinned slots hold a warm-start hot set.
 
 Legend: L MoE layers, E experts, S slots per layer (max).
 """
@@ -23,8 +23,9 @@ from native import offload_native as on
 
 from .errors import OffloadError
 from .host_bank import ExpertLayout, HostExpertBank
+from .policy import OffloadPolicy
 
-STATS = ("hits", "fetched", "cpu", "prefetch_hits", "prefetched")  # csrc/offload_exchange.h
+STATS = on.STATS_COLUMNS   # the stats table's columns, as the kernels write them
 
 
 @dataclass
@@ -68,8 +69,10 @@ class ExpertCache:
     """
 
     def __init__(self, layouts: list[ExpertLayout], slots: list[int], n_expert: int,
-                 device: torch.device, elastic: bool | None = None):
+                 device: torch.device, elastic: bool | None = None,
+                 policy: OffloadPolicy = OffloadPolicy()):
         self.layouts, self.n_expert, self.device = layouts, n_expert, device
+        self.policy = policy
         self.n_layer = len(layouts)
         if elastic is None:
             elastic = device.type == "cuda" and on.elastic_supported()
@@ -100,10 +103,10 @@ class ExpertCache:
         self.slot_last_use = torch.zeros((L, S), **i32)
         self.slot_pinned = torch.zeros((L, S), **i32)
         self.expert_freq = torch.zeros((L, E), **i32)
-        # eviction scores (see native.offload_native.SCORE_DECAY): decayed choices, fixed point
+        # eviction scores: decayed choices, fixed point (native.offload_native.decayed_scores)
         self.expert_score = torch.zeros((L, E), **i32)
         self.expert_seen = torch.zeros((L, E), **i32)
-        self.score_decay = torch.from_numpy(on.score_decay_table()).to(device)
+        self.score_decay = torch.from_numpy(on.score_decay_table(policy.score_decay)).to(device)
         self.n_slots = torch.tensor(self._slots, **i32)
         self.stats = torch.zeros((L, len(STATS)), **i32)
         self.cpu_pending = torch.zeros(L, **i32)   # experts the plan gave the CPU this step
@@ -247,9 +250,13 @@ class ExpertCache:
         return placed
 
     def warm_start(self, bank: HostExpertBank, profile: np.ndarray | None = None,
-                   pin_fraction: float = 0.25, top_k: int = 8) -> None:
+                   pin_fraction: float | None = None, top_k: int = 8) -> None:
         """Fill every layer: the profile's hottest experts first (the top `pin_fraction` of the
-        slots pinned), else experts 0, 1, 2, ... so decoding starts with a full cache."""
+        slots pinned; None: the policy's), else experts 0, 1, 2, ... so decoding starts with a
+        full cache."""
+        decay = self.policy.score_decay
+        if pin_fraction is None:
+            pin_fraction = self.policy.warm_pin_share
         for L in range(self.n_layer):
             order = (np.argsort(-profile[L], kind="stable") if profile is not None
                      else np.arange(self.n_expert))
@@ -261,7 +268,7 @@ class ExpertCache:
                 self.expert_freq[L].copy_(torch.from_numpy(profile[L].astype(np.int32)))
                 # the score an expert chosen at the profile's rate would have settled at
                 share = profile[L] * top_k / max(1, profile[L].sum())   # choices a token
-                steady = share / (1 - on.SCORE_DECAY) * on.SCORE_ONE
+                steady = share / (1 - decay) * on.SCORE_ONE
                 self.expert_score[L].copy_(torch.from_numpy(np.minimum(steady, on.SCORE_MAX).astype(np.int32)))
 
     def observe_chunk(self, layer: int, counts: torch.Tensor, n_tokens: int,
@@ -269,11 +276,10 @@ class ExpertCache:
         """A prefill chunk of n_tokens chose each expert counts[e] times: its frequency, weighed
         as that many decode steps' worth of evidence (the decay's sum over them), joins the
         scores as of `step` (a device scalar: no sync)."""
-        decay = on.SCORE_DECAY
+        decay = self.policy.score_decay
         weight = (1 - decay ** n_tokens) / (1 - decay)          # sum of decay^j, j < n_tokens
-        age = (step.long() - self.expert_seen[layer].long()).clamp(0, on.SCORE_STEPS)
-        table = torch.cat([self.score_decay.long(), self.score_decay.new_zeros(1).long()])
-        now = (self.expert_score[layer].long() * table[age]) >> 16
+        now = on.decayed_scores(self.expert_score[layer], self.expert_seen[layer], step,
+                                self.score_decay)
         add = (counts.double() / n_tokens * weight * on.SCORE_ONE).round().long()
         self.expert_score[layer].copy_((now + add).clamp(max=on.SCORE_MAX))
         self.expert_seen[layer].copy_(step.expand_as(self.expert_seen[layer]))
@@ -281,8 +287,7 @@ class ExpertCache:
     # -- statistics --------------------------------------------------------------------------------
     def read_stats(self) -> CacheStats:
         s = self.stats.cpu().numpy().astype(np.int64)
-        return CacheStats(hits=s[:, 0], fetched=s[:, 1], cpu=s[:, 2], prefetch_hits=s[:, 3],
-                          prefetched=s[:, 4])
+        return CacheStats(**{name: s[:, i] for i, name in enumerate(STATS)})
 
     def reset_stats(self) -> None:
         self.stats.zero_()

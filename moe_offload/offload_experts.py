@@ -21,6 +21,8 @@ Legend: T tokens, H hidden, E experts, K top-k, F expert ff, L MoE layers.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from native import offload_native as on
@@ -30,42 +32,33 @@ from native.ops import QTensor, _cuda
 from .errors import OffloadError
 from .expert_cache import ExpertCache
 from .host_bank import HostExpertBank
-from .placement import staging_bytes as two_staging_buffers
 from .models.layers import route_topk
+from .placement import staging_bytes as two_staging_buffers
+from .policy import OffloadPolicy
 from .scheduler import Scheduler
 
-MAX_FETCH = 64  # plan kernel's selection limit (T * K)
-# grid of a PCIe copy: each block takes SM room from the kernels computing beside it. At 8 GiB
-# (scripts/dev/offload_timeline.py, 64 steps) 16 and 32 blocks decoded alike in a same-machine
-# A/B (140.4, 143.4 vs 142.0, 141.5 tok/s); 128 blocks were 20% slower than 32
-FETCH_BLOCKS = 16
-
-
-def _pool_args(pool: torch.Tensor, lay) -> tuple:
-    """(type, address, slot bytes) of gate, up, down inside a pool of [gate|up|down] slots, flat."""
-    return tuple(v for bank in lay.banks(pool.data_ptr(), pool.shape[1]) for v in bank)
+MAX_FETCH = on.MAX_SELECTIONS  # the plan kernel's selection limit (T * K); fetch lists hold it
 
 
 class OffloadEngine:
     """Shared state of the offloaded experts of every layer (one per runtime)."""
 
     def __init__(self, cache: ExpertCache, bank: HostExpertBank, scheduler: Scheduler, *,
-                 top_k: int, hidden: int, ff: int, max_tok: int = 8, staging_experts: int = 32,
-                 timeout_s: float = 30.0, overlap_misses: bool = True):
+                 top_k: int, hidden: int, ff: int, policy: OffloadPolicy = OffloadPolicy()):
         if _cuda is None:
             raise OffloadError("the offload runtime needs the CUDA extension (native._cuda)")
         self.cache, self.bank, self.scheduler = cache, bank, scheduler
         dev = cache.device
         self.device, self.top_k, self.hidden, self.ff = dev, top_k, hidden, ff
-        self.max_tok = max(1, min(max_tok, MAX_FETCH // top_k))
-        self.timeout_s = timeout_s
+        self.max_tok = max(1, min(policy.decode_tokens, MAX_FETCH // top_k))
+        self.timeout_s = policy.worker_timeout_s
         L = cache.n_layer
         self.step = torch.zeros((), dtype=torch.int32, device=dev)
         self.host_step = 0
-        self.max_in_flight = 2   # decode steps launched before the host waits for the oldest
+        self.max_in_flight = policy.steps_in_flight
         self.error = torch.zeros((), dtype=torch.int32, device=dev)
         self.fetch_list = torch.zeros(1 + 2 * MAX_FETCH, dtype=torch.int32, device=dev)
-        self.moe_scratch = torch.empty(_cuda.moe_scratch_bytes(self.max_tok, top_k, ff),
+        self.moe_scratch = torch.empty(on.moe_scratch_bytes(self.max_tok, top_k, ff),
                                        dtype=torch.uint8, device=dev)
         self.exchange = on.ExchangeBuffers.allocate(L, self.max_tok, top_k, hidden, pin=True)
         self._ex = {t: self.exchange.as_dict(t) for t in range(1, self.max_tok + 1)}
@@ -78,8 +71,8 @@ class OffloadEngine:
         for lay, host in zip(bank.layouts, bank.banks):
             layers.append({**dict(zip(("gate", "up", "down"), lay.banks(host.data_ptr(), lay.expert_bytes))),
                            "ff": ff, "n_experts": cache.n_expert})
-        self.worker = on.make_worker(self._ex[self.max_tok], layers, timeout_s)
-        self.in_step = False
+        self.worker = on.make_worker(self._ex[self.max_tok], layers, self.timeout_s)
+        self.in_step = False   # inside decode_step(): the model's expert calls decode
         self.trace: torch.Tensor | None = None    # [N, L, K] ids replayed instead of the router's
         self.record: torch.Tensor | None = None   # [N, L, K] int32: the ids each decode step used
         # the step's row of trace and record, chosen once a step on the device (begin_device_step);
@@ -91,7 +84,7 @@ class OffloadEngine:
         # prefill staging: two buffers of `staging_experts` experts each (per the largest
         # layout), allocated by the first prefill that streams (ensure_staging); an elastic
         # runtime frees them after a prompt so that decode's cache can use the memory
-        self._staging_shape = (staging_experts, max(lay.expert_bytes for lay in bank.layouts))
+        self._staging_shape = (policy.staging_experts, max(lay.expert_bytes for lay in bank.layouts))
         self.staging: list[torch.Tensor] | None = None
         self.copy_stream = torch.cuda.Stream(dev)
         self.prefill_streamed = torch.zeros(L, dtype=torch.int64)  # experts streamed per layer
@@ -107,9 +100,9 @@ class OffloadEngine:
         # a layer's misses are fetched on their own stream while the experts resident before the
         # step compute (plan -> pair_slots: row 0 resident, row 1 fetched or guessed, computed
         # once the copies land); False: wait for every copy, then one pool call
-        self.overlap_misses = overlap_misses
+        self.overlap_misses = policy.overlap_misses
         self.fetch_stream = torch.cuda.Stream(dev)
-        self.fetch_blocks = FETCH_BLOCKS
+        self.fetch_blocks = policy.fetch_blocks
         self.pair_slots = torch.full((2, MAX_FETCH), -1, dtype=torch.int32, device=dev)
 
     def set_predictor(self, predict, k: int | None = None) -> None:
@@ -163,6 +156,18 @@ class OffloadEngine:
         self.worker.wait_step()
         self.check()
 
+    @contextlib.contextmanager
+    def decode_step(self):
+        """The body of one decode step (eager or being captured): the model's expert calls take
+        the decode path inside it, bracketed by begin_device_step / end_device_step."""
+        self.in_step = True
+        try:
+            self.begin_device_step()
+            yield
+            self.end_device_step()
+        finally:
+            self.in_step = False
+
     def begin_device_step(self) -> None:
         """First thing a (captured) decode step does on the device: the step counter, and the
         rows of the trace and the record this step uses (one choice a step, not one a layer)."""
@@ -192,43 +197,53 @@ class OffloadEngine:
         return ((self.step.long() - 1) % table.shape[0]).view(1)
 
     def decode_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One MoE layer of a decode step, all on the device (capturable): x [T, H], the router's
+        ids [T, K] and weights [T, K] -> y [T, H].
+          prefetch  side stream     layer L+1's router on x -> slots for its guesses (prefetch kernel)
+          plan      plan kernel     each selection: hit | fetch over PCIe | CPU (the scheduler's split)
+          fetch     fetch stream    the planned copies, host bank -> slots; then L+1's guesses
+          hits      pool kernel(s)  resident experts at once; fetched and guessed ones once landed
+          CPU       wait_add kernel the worker's sum over this layer's CPU misses, added to y"""
         T = x.shape[0]
-        ex = self._ex[T]
-        if self._trace_row is not None:   # routing-trace regime: same scheduler and kernels, other ids
+        if self._trace_row is not None:   # a replayed trace: same scheduler and kernels, its ids
             ids = self._trace_row[L].expand(T, -1)
-        ids32 = ids.to(torch.int32).contiguous()
-        w = w.float().contiguous()
-        x = x.contiguous()
+        ids32, w, x = ids.to(torch.int32).contiguous(), w.float().contiguous(), x.contiguous()
         main = torch.cuda.current_stream()
         if self._record_row is not None:
             self._record_ids(L, ids32, main)
         guessed = self._guessing(L - 1)
-        if guessed:   # their slots are taken: the plan sees them as resident
+        if guessed:   # this layer's guesses took their slots: the plan sees them as resident
             main.wait_event(self._guessed[L])
-        self._guess_ahead(L, x, main)
-        on.plan(self.tables, ex, L, ids32, w, x, self.step, self.scheduler.fetch_fraction,
-                self.fetch_list, self.pair_slots)
-        pool, host = self.cache.pools[L], self.bank.banks[L]
+        self._guess_ahead(L, x, main)                                             # prefetch
+        on.plan(self.tables, self._ex[T], L, ids32, w, x, self.step,              # plan
+                self.scheduler.fetch_fraction, self.fetch_list, self.pair_slots)
+        self._fetch_planned(L, T, main)                                           # fetch
+        self._copy_guesses(L)
+        y = torch.empty_like(x)                                                   # hits
+        if self.overlap_misses:   # resident before the step: at once, beside the copies
+            self._pool(L, x, self.pair_slots[0], None, w, y, accumulate=False)
+        main.wait_event(self._fetched[L])
+        if guessed:
+            main.wait_event(self._prefetched[L])
+        if self.overlap_misses:   # fetched and guessed: once their bytes have landed
+            self._pool(L, x, self.pair_slots[1], None, w, y, accumulate=True)
+        else:
+            self._pool(L, x, ids32, self.cache.slot_of_expert[L], w, y, accumulate=False)
+        on.wait_add(self._ex[T], L, self.step, self.cache.cpu_pending, y, self.timeout_s,  # CPU
+                    self.error)
+        return y
+
+    def _fetch_planned(self, L: int, T: int, main) -> None:
+        """The plan's copies into layer L's slots: on the fetch stream (overlap), else in line."""
+        pool = self.cache.pools[L]
         fetcher = self.fetch_stream if self.overlap_misses else main
         if fetcher is not main:
             fetcher.wait_stream(main)
         with torch.cuda.stream(fetcher):
             if pool.shape[0]:
-                on.fetch(self.fetch_list, host, pool, min(MAX_FETCH, T * self.top_k), self.fetch_blocks)
+                on.fetch(self.fetch_list, self.bank.banks[L], pool, min(MAX_FETCH, T * self.top_k),
+                         self.fetch_blocks)
             self._fetched[L].record(fetcher)
-        self._copy_guesses(L)
-        y = torch.empty_like(x)
-        if self.overlap_misses:   # experts resident before the step compute at once
-            self._pool(L, x, self.pair_slots[0], None, w, y, accumulate=False)
-        main.wait_event(self._fetched[L])
-        if guessed:   # ... and the guessed ones once their bytes have landed
-            main.wait_event(self._prefetched[L])
-        if self.overlap_misses:
-            self._pool(L, x, self.pair_slots[1], None, w, y, accumulate=True)
-        else:
-            self._pool(L, x, ids32, self.cache.slot_of_expert[L], w, y, accumulate=False)
-        on.wait_add(ex, L, self.step, self.cache.cpu_pending, y, self.timeout_s, self.error)
-        return y
 
     def _record_ids(self, L: int, ids32: torch.Tensor, main) -> None:
         """record[step row, L] = the first token's ids, on the record's stream (joined by
@@ -244,12 +259,9 @@ class OffloadEngine:
         """y (+)= the experts of the pairs whose slot (soe[ids], or ids themselves: slot ids) is
         in layer L's pool; the others contribute nothing."""
         pool = self.cache.pools[L]
-        n = self.cache.n_expert if soe is not None else pool.shape[0]
-        _cuda.moe_ffn_pool(x.data_ptr(), x.shape[0], self.hidden, self.ff, ids.data_ptr(),
-                           w.data_ptr(), self.top_k, 0 if soe is None else soe.data_ptr(), n,
-                           pool.shape[0], *_pool_args(pool, self.bank.layouts[L]), y.data_ptr(), 0,
-                           self.moe_scratch.data_ptr(), self.moe_scratch.numel(),
-                           torch.cuda.current_stream().cuda_stream, accumulate)
+        on.pool_moe_ffn(x, ids, w, self.bank.layouts[L].banks(pool.data_ptr(), pool.shape[1]),
+                        pool.shape[0], y, self.moe_scratch, top_k=self.top_k, ff=self.ff,
+                        slot_of_expert=soe, n_experts=self.cache.n_expert, accumulate=accumulate)
 
     def _guess_ahead(self, L: int, x: torch.Tensor, main) -> None:
         """On the side stream: layer L+1's router on x -> slots for its guessed experts, leaving

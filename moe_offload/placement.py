@@ -11,6 +11,7 @@ from loaders import LoadedModel
 from native import ops
 
 from .models.qwen35moe import DELTA_CHUNK
+from .policy import OffloadPolicy
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight",
                    "ffn_down_exps.weight")
@@ -74,24 +75,9 @@ class PlanSketch:
         return d
 
 
-PREFILL_CHUNK = 2048           # tokens per prefill chunk (the runtime's default)
-STAGING_EXPERTS = 32           # experts per prefill staging buffer (two are kept)
-# Device memory that appears outside torch's allocator after the runtime measures the context:
-# kernel images loaded lazily at their first launch (ours and cuBLAS's), the prefetch stream's
-# cuBLAS state. 64 MiB was 10 MiB short at a 6 GiB cap on the H200 (nvidia-smi 6.01 GiB).
-CONTEXT_MARGIN = 192 << 20
-# Once a decode step has been captured, what lives outside torch and our pools is measured again
-# and this is kept above it (for kernels a later, longer prompt may load) instead of the margin
-# above: on the H200 the start-up figure plus 192 MiB left 110 MiB of the 8 GiB cap unused.
-LATE_LOAD_MARGIN = 48 << 20
-# context + cuBLAS as the runtime measures them (~676 MiB on the H200) plus that margin
-CUDA_CONTEXT_ESTIMATE = (680 << 20) + CONTEXT_MARGIN
-
-
-DECODE_GRAPHS = 96 << 20        # pools of the captured decode graphs (one per attention bucket)
-# What torch may still need during decode once the elastic cache has grown: the graph pools, the
-# eager warm-up step before each capture, logits and sampling.
-DECODE_HEADROOM = DECODE_GRAPHS + (64 << 20)
+# context + cuBLAS as the runtime measures them on the H200 (the sketch's stand-in for that
+# measurement; the policy's context margin is added to it)
+CUDA_CONTEXT_MEASURED = 680 << 20
 
 
 def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = False) -> int:
@@ -118,13 +104,13 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     return int(1.25 * (live + max(proj, attn, delta, moe)) + logits + (64 << 20))
 
 
-def gpu_workspace_bytes(c, n_ctx: int, prefill_chunk: int = PREFILL_CHUNK) -> int:
+def gpu_workspace_bytes(c, n_ctx: int, policy: OffloadPolicy = OffloadPolicy()) -> int:
     """The workspace a cap must always leave besides the expert cache: the worst prefill chunk
     (a full chunk attending over the whole context) and the decode graph pools."""
-    return prefill_workspace_bytes(c, min(prefill_chunk, n_ctx), n_ctx) + DECODE_GRAPHS
+    return prefill_workspace_bytes(c, min(policy.prefill_chunk, n_ctx), n_ctx) + policy.decode_graphs
 
 
-def staging_bytes(expert_bytes: int, staging_experts: int = STAGING_EXPERTS) -> int:
+def staging_bytes(expert_bytes: int, staging_experts: int = OffloadPolicy.staging_experts) -> int:
     """The two prefill staging buffers, each `staging_experts` of the largest expert."""
     return 2 * staging_experts * expert_bytes
 
@@ -143,7 +129,8 @@ def host_weight_names(model: LoadedModel, host_embedding: bool = True,
     return names
 
 
-def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanSketch:
+def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192,
+                policy: OffloadPolicy = OffloadPolicy()) -> PlanSketch:
     """How a VRAM cap splits (the runtime's defaults): dense part, KV + state for `n_ctx`,
     workspace, expert cache during prefill and while decoding."""
     on_host = set(host_weight_names(model))
@@ -157,9 +144,9 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanS
     kv = kv_bytes_per_token(model) * n_ctx
     state = recurrent_state_bytes(model)
     per_layer = expert_bytes_per_layer(model)
-    ws = gpu_workspace_bytes(model.config, n_ctx)
-    work = ws + CUDA_CONTEXT_ESTIMATE + \
-        staging_bytes(max(per_layer.values(), default=0))
+    ws = gpu_workspace_bytes(model.config, n_ctx, policy)
+    work = ws + CUDA_CONTEXT_MEASURED + policy.context_margin + \
+        staging_bytes(max(per_layer.values(), default=0), policy.staging_experts)
     n_layers = len(per_layer)
     total_experts = n_layers * model.config.n_expert
     mean = sum(per_layer.values()) // n_layers if n_layers else 0
@@ -168,7 +155,7 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192) -> PlanS
     # decoding a short conversation lends the cache the workspace and the KV not yet used (an
     # elastic KV maps about one 2 MiB chunk per K and V tensor to begin with)
     kv_start = min(kv, 2 * len(model.config.attention_layers) * KV_CHUNK_ESTIMATE)
-    decode_left = left + ws + kv - kv_start - DECODE_HEADROOM
+    decode_left = left + ws + kv - kv_start - policy.decode_headroom
     decode_fit = min(total_experts, max(0, decode_left) // mean) if mean else 0
     return PlanSketch(vram_bytes, n_ctx, dense, host, kv, state, work, max(0, left), mean,
                       total_experts, int(fit), int(decode_fit), left >= 0)

@@ -15,9 +15,14 @@ The scheduler owns no buffers: it decides; placement (the cache) and the model d
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
+
+from native.offload_native import MAX_SELECTIONS
+
+from .policy import OffloadPolicy
 
 
 @dataclass
@@ -32,12 +37,13 @@ class Scheduler:
     rates: Rates
     fetch_fraction: torch.Tensor            # [2] float32 on the device: q, min_fetch (plan kernel)
     forced: float | None = None             # user override (e.g. 0: CPU only, 1: PCIe only)
-    ema: float = 0.2
+    ema: float = OffloadPolicy.cpu_rate_ema  # weight of a new measurement of the CPU rate
     history: list[float] = field(default_factory=list)
 
     @classmethod
-    def create(cls, rates: Rates, device: torch.device, forced: float | None = None) -> "Scheduler":
-        s = cls(rates, torch.zeros(2, dtype=torch.float32, device=device), forced)
+    def create(cls, rates: Rates, device: torch.device, forced: float | None = None,
+               ema: float = OffloadPolicy.cpu_rate_ema) -> "Scheduler":
+        s = cls(rates, torch.zeros(2, dtype=torch.float32, device=device), forced, ema)
         s.apply()
         return s
 
@@ -53,7 +59,7 @@ class Scheduler:
         if self.forced is not None:
             return 0
         p, c = self.rates.link_bytes_per_s, self.rates.cpu_bytes_per_s
-        return int(min(64, p // c)) if c > 0 else 64
+        return int(min(MAX_SELECTIONS, p // c)) if c > 0 else MAX_SELECTIONS
 
     def apply(self) -> None:
         q = self.q()
@@ -68,3 +74,49 @@ class Scheduler:
         r = self.rates
         r.cpu_bytes_per_s = (1 - self.ema) * r.cpu_bytes_per_s + self.ema * rate
         self.apply()
+
+
+def measure_rates(cache, bank, config) -> Rates:
+    """The link's rate (the fetch kernel into layer 0's slots) and the CPU's (its expert FFN on
+    two experts a call, as decode hands it 1-3 a layer: per-call costs included), with this
+    model's experts; 0 / 1 where there is nothing to measure."""
+    from native import offload_native as on
+    lay, host = bank.layouts[0], bank.banks[0]
+    pool, eb = cache.pools[0], lay.expert_bytes
+    link = 0.0
+    if bank.pinned and pool.shape[0]:
+        n = min(8, pool.shape[0])
+        fl = torch.zeros(1 + 2 * MAX_SELECTIONS, dtype=torch.int32)
+        fl[0] = n
+        fl[1:1 + 2 * n:2] = torch.arange(n)
+        fl[2:2 + 2 * n:2] = torch.arange(n)
+        fl = fl.to(cache.device)
+        scratch = torch.empty((n, pool.shape[1]), dtype=torch.uint8, device=cache.device)
+        on.fetch(fl, host, scratch, n)
+        torch.cuda.synchronize()
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        for _ in range(5):
+            on.fetch(fl, host, scratch, n)
+        ev1.record()
+        ev1.synchronize()
+        link = 5 * n * eb / (ev0.elapsed_time(ev1) / 1e3)
+        del scratch
+    cpu = 1.0
+    if on.cpu_available():
+        K, n_cpu = config.n_expert_used, min(2, config.n_expert_used)
+        x = torch.randn(1, config.n_embd)
+        ids = torch.full((1, K), -1, dtype=torch.int32)
+        ids[0, :n_cpu] = torch.arange(n_cpu, dtype=torch.int32)
+        w = torch.full((1, K), 1.0 / K)
+        y = torch.empty(1, config.n_embd)
+        banks = lay.banks(host.data_ptr(), eb)
+
+        def run():
+            on.host_moe_ffn(x, ids, w, banks, config.n_expert, y, ff=config.n_ff_exp)
+        run()
+        t = time.perf_counter()
+        for _ in range(5):
+            run()
+        cpu = 5 * n_cpu * eb / (time.perf_counter() - t)
+    return Rates(link, cpu)

@@ -7,7 +7,7 @@ Every launch is asynchronous on the current CUDA stream and safe to capture in a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -136,37 +136,50 @@ class ElasticBuffer:
 
 # ---- shared descriptors ---------------------------------------------------------------------------
 
-# An expert's score: how often it was chosen lately, each choice weighing SCORE_DECAY^age (age in
-# decode steps), in fixed point (SCORE_ONE = one choice). The cache evicts the smallest score
-# first, then the least recently used: frequency where routing is near uniform, recency where
-# it repeats. Replayed offline on the 35B's recorded routing (scripts/dev/guess_sim.py, 116
-# slots a layer): 7% fewer bytes over PCIe than least-recently-used alone with the model's own
-# routing, as few misses in the trace regime. The decay is a table (exact integer arithmetic:
-# the kernels and this reference agree bit for bit); ages past its end count as 0.
-SCORE_DECAY = 0.99
-SCORE_ONE = 1 << 16
-SCORE_STEPS = 1024
+# ---- protocol constants (csrc/offload_exchange.h, exported by both extensions) ----------------------
+
+def _protocol(name: str, fallback):
+    """A constant the kernels and Python share, as the extension states it (the CPU extension is
+    always built; the fallback, the header's value, only serves a tree with no extension)."""
+    for ext in (_cpu, _cuda):
+        if ext is not None and hasattr(ext, name):
+            return getattr(ext, name)
+    return fallback
+
+
+MAX_SELECTIONS = int(_protocol("MAX_SELECTIONS", 64))   # T * K a layer's plan takes; list length
+STATS_COLUMNS = tuple(_protocol("STATS_COLUMNS", ("hits", "fetched", "cpu", "prefetch_hits",
+                                                  "prefetched")))   # CacheTables::stats, in order
+SCORE_ONE = int(_protocol("SCORE_ONE", 1 << 16))        # one choice, in the score's fixed point
+SCORE_STEPS = int(_protocol("SCORE_STEPS", 1024))       # decay table length: older counts as 0
+OUTPUT_DTYPES = dict(_protocol("OUTPUT_DTYPES", {"F32": 0, "F16": 1, "BF16": 30}))  # dequantize's
 SCORE_MAX = 1 << 30   # scores seeded from the host stop here (int32, with room for decode's adds)
 
 
-def score_decay_table() -> "np.ndarray":
-    """[SCORE_STEPS] int32: round(SCORE_DECAY^age * SCORE_ONE)."""
+# ---- the eviction score: the kernels' definition (offload_exchange.h) in one numpy/torch mirror -----
+# An expert's score counts its choices lately, each weighing decay^age (age in decode steps), in
+# fixed point (SCORE_ONE = one choice); the cache evicts the smallest score first, then the least
+# recently used. The decay is a policy number (OffloadPolicy.score_decay); the kernels read it as
+# a table, so that they and this mirror agree bit for bit.
+
+def score_decay_table(decay: float) -> "np.ndarray":
+    """[SCORE_STEPS] int32: round(decay^age * SCORE_ONE)."""
     import numpy as np
-    return np.round(SCORE_DECAY ** np.arange(SCORE_STEPS) * SCORE_ONE).astype(np.int32)
+    return np.round(decay ** np.arange(SCORE_STEPS) * SCORE_ONE).astype(np.int32)
 
 
-def decayed_score(score: int, seen: int, step: int, table) -> int:
-    """An expert's score at `step`, last updated at `seen` (the kernels' decayed_score)."""
+def decayed_scores(score, seen, step, table):
+    """Scores last updated at steps `seen`, as of `step` (the kernels' decayed_score): numpy
+    arrays or scalars, or torch tensors on any device (no host sync); int64 results."""
+    if any(isinstance(v, torch.Tensor) for v in (score, seen, step, table)):
+        score, seen, step, table = (v.long() if isinstance(v, torch.Tensor) else int(v)
+                                    for v in (score, seen, step, table))
+    else:
+        import numpy as np
+        score, seen, step, table = (np.asarray(v, dtype=np.int64) for v in (score, seen, step, table))
     age = step - seen
-    return 0 if age >= SCORE_STEPS else (int(score) * int(table[max(age, 0)])) >> 16
-
-
-def decayed_scores(score: "np.ndarray", seen: "np.ndarray", step: int, table) -> "np.ndarray":
-    """decayed_score over arrays of experts (int64)."""
-    import numpy as np
-    age = np.clip(step - seen.astype(np.int64), 0, SCORE_STEPS - 1)
-    out = (score.astype(np.int64) * table.astype(np.int64)[age]) >> 16
-    return np.where(step - seen.astype(np.int64) >= SCORE_STEPS, 0, out)
+    kept = (score * table[age.clip(0, SCORE_STEPS - 1)]) >> 16
+    return kept * (age < SCORE_STEPS)
 
 
 @dataclass
@@ -264,6 +277,45 @@ def wait_add(exchange: dict, layer: int, step: torch.Tensor, cpu_pending: torch.
                                              int(timeout_s * 1e9), ptr(error), _stream())
 
 
+# ---- expert FFNs over slot pools and host banks ------------------------------------------------------
+# A bank is (type id, address, expert stride) for each of gate, up and down (host_bank.ExpertLayout
+# .banks), experts laid out from one address: cache slots, staging rows, a host bank.
+
+def moe_scratch_bytes(n_tok: int, top_k: int, ff: int) -> int:
+    """Scratch pool_moe_ffn needs for n_tok tokens of top_k experts of width ff."""
+    return int(_need(_cuda, "the expert-pool kernel").moe_scratch_bytes(n_tok, top_k, ff))
+
+
+def pool_moe_ffn(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, banks, n_slots: int,
+                 y: torch.Tensor, scratch: torch.Tensor, *, top_k: int, ff: int,
+                 slot_of_expert: torch.Tensor | None = None, n_experts: int = 0,
+                 accumulate: bool = False) -> None:
+    """y [T, H] (+)= the experts of a slot pool for every (token, k) whose slot -- slot_of_expert
+    [ids] (n_experts of them), or ids themselves when it is None -- lies in [0, n_slots); the
+    others contribute nothing. x, y f32 [T, H], ids int32 [T, K] (K = top_k), w f32 [T, K],
+    all contiguous."""
+    T, H = x.shape
+    ext = _need(_cuda, "the expert-pool kernel")
+    ext.moe_ffn_pool(x.data_ptr(), T, H, ff, ids.data_ptr(), w.data_ptr(), top_k,
+                     ptr(slot_of_expert), n_experts if slot_of_expert is not None else n_slots,
+                     n_slots, *(v for b in banks for v in b), y.data_ptr(), 0, scratch.data_ptr(),
+                     scratch.numel(), _stream(), accumulate)
+
+
+def cpu_available() -> bool:
+    return _cpu is not None
+
+
+def host_moe_ffn(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, banks, n_experts: int,
+                 y: torch.Tensor, *, ff: int) -> None:
+    """The CPU worker's kernel on host banks: y [T, H] = sum_k w * expert_ids(x); ids < 0 skip.
+    CPU tensors: x, y f32 [T, H], ids int32 [T, K], w f32 [T, K]."""
+    T, H = x.shape
+    _need(_cpu, "the CPU expert kernel").moe_ffn(
+        x.data_ptr(), T, H, ff, n_experts, ids.data_ptr(), w.data_ptr(), ids.shape[-1],
+        *(v for b in banks for v in b), y.data_ptr(), 0)
+
+
 # ---- the decisions of plan and prefetch, in numpy (the kernels' reference; tests compare) -------
 
 _NEVER = 2**63 - 1   # LLONG_MAX: a slot used this step or pinned is never a victim
@@ -281,6 +333,7 @@ class LayerTablesRef:
     n_slots: int
     expert_score: "np.ndarray | None" = None   # [E] (None: zeros)
     expert_seen: "np.ndarray | None" = None    # [E] (None: zeros)
+    decay: "np.ndarray" = field(kw_only=True)  # [SCORE_STEPS] score_decay_table(policy's decay)
 
     def __post_init__(self):
         import numpy as np
@@ -289,10 +342,9 @@ class LayerTablesRef:
             self.expert_score = np.zeros(E, np.int64)
         if self.expert_seen is None:
             self.expert_seen = np.zeros(E, np.int64)
-        self._decay = score_decay_table()
 
     def score(self, e: int, step: int) -> int:
-        return decayed_score(self.expert_score[e], self.expert_seen[e], step, self._decay)
+        return int(decayed_scores(self.expert_score[e], self.expert_seen[e], step, self.decay))
 
     def keys(self, step: int) -> list[int]:
         """How evictable each usable slot is, smaller first: free, then the smallest score,
@@ -309,7 +361,7 @@ class LayerTablesRef:
     def victim_key(self, s: int, e: int, step: int) -> int:
         """Order of occupied evictable slots (smaller goes first): expert e's score, then the
         slot's last use."""
-        return (self.score(e, step) << 32) | int(self.slot_last_use[s])
+        return (self.score(e, step) << 32) | int(self.slot_last_use[s])   # C++ victim_key
 
     def assign(self, want: list[int], keys: list[int], step: int) -> list[tuple[int, int]]:
         """Slots of smallest key (ties: lower slot) for `want` in turn, evicting their experts."""
@@ -363,7 +415,7 @@ def prefetch_reference(t: LayerTablesRef, guess: list[int], reserve: int, step: 
     """What offload_prefetch decides: slots for the guessed experts not resident (unique, in
     order), leaving `reserve` evictable slots; the list [(expert, slot)]."""
     keys = t.keys(step)
-    cap = min(sum(k != _NEVER for k in keys) - reserve, 64)
+    cap = min(sum(k != _NEVER for k in keys) - reserve, MAX_SELECTIONS)
     want: list[int] = []
     for e in guess:
         if len(want) >= cap:

@@ -23,6 +23,10 @@ from ..errors import CLIError
 from .inputs import check, check_fraction, check_positive
 from .model_args import add_placement_args, placement_options, size_arg
 
+from moe_offload.policy import OffloadPolicy
+
+POLICY = OffloadPolicy()   # the defaults --help states and a run starts from
+
 EPILOG = """\
 examples:
   ftpatch bench 35b.gguf --vram 8GiB                      # pp512, pp2048, tg128, 3 reps
@@ -56,7 +60,8 @@ def add_parser(sub) -> None:
     s.add_argument("-n", "--gen", type=int, default=128, help="decode tokens (default 128)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
     s.add_argument("--ctx", type=int, default=4096, help="context to budget for (default 4096)")
-    s.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
+    s.add_argument("--chunk", type=int, default=POLICY.prefill_chunk,
+                   help=f"prefill chunk (default {POLICY.prefill_chunk})")
     s.add_argument("--trace", action="store_true",
                    help="replay a routing trace with realistic locality instead of the model's own")
     s.add_argument("--trace-repeat", type=float, default=None, help="trace: repeat probability")
@@ -67,7 +72,8 @@ def add_parser(sub) -> None:
     s.add_argument("--no-prefetch", action="store_true",
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
-                   help="experts guessed per token for the next layer (default: 5/8 of the top-k)")
+                   help=f"experts guessed per token for the next layer (default: "
+                        f"{POLICY.prefetch_share:g} of the top-k, {POLICY.guesses(8)} of 8)")
     s.add_argument("--no-elastic", action="store_true",
                    help="keep the expert cache at its prefill size while decoding and the KV "
                         "allocated for the whole --ctx (by default the cache grows into the prefill "
@@ -135,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     """One cap (args.vram, bytes): prefill and decode measured, as one JSON object."""
     from loaders import open_model
-    from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+    from moe_offload import RoutingRecorder, open_runtime
     from moe_offload.trace import TraceParams, make_trace, routing_stats, trace_stats
     if args.prefetch_k is not None and args.prefetch_k < 1:
         raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
@@ -148,13 +154,12 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     c = loaded.config
     if max(sizes + [16 + args.gen]) > args.ctx:
         raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
-    opts = RuntimeOptions(vram=vram, n_ctx=args.ctx, profile=args.profile,
-                          fetch_fraction=args.fetch_fraction, use_graphs=not args.no_graphs,
-                          prefetch=not args.no_prefetch, prefetch_k=args.prefetch_k,
-                          prefill_chunk=args.chunk, elastic=not args.no_elastic,
-                          overlap_misses=not args.no_overlap, **placement_options(args))
+    policy = POLICY.with_(fetch_fraction=args.fetch_fraction, prefetch=not args.no_prefetch,
+                          prefetch_k=args.prefetch_k, prefill_chunk=args.chunk,
+                          elastic=not args.no_elastic, overlap_misses=not args.no_overlap)
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
-        rt = OffloadRuntime(loaded, opts)
+        rt = open_runtime(loaded, vram, policy=policy, ctx=args.ctx, profile=args.profile,
+                          use_graphs=not args.no_graphs, **placement_options(args))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     dev = rt.device
@@ -165,7 +170,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                   "synthetic": "ftpatch.synth.preset" in loaded.metadata},
         "vram_cap": vram, "ctx": args.ctx, "load_s": round(load_s, 2),
         "load_breakdown_s": {k: round(v, 2) for k, v in rt.report.seconds.items()},
-        "budget": rt.report.budget, "elastic": rt.cache.elastic,
+        "budget": rt.report.budget, "elastic": rt.report.elastic, "policy": policy.as_dict(),
         "slots_per_layer": {"prefill": rt.report.slots_per_layer[0],
                             "decode": rt.report.decode_slots_per_layer[0]},
         "pinned": rt.report.pinned, "host_weights": rt.report.host_weights,
@@ -175,7 +180,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         tp = TraceParams(**{k: v for k, v in (("repeat", args.trace_repeat),
                                               ("skew", args.trace_skew)) if v is not None})
         trace = make_trace(args.gen + 32, c.n_layer, c.n_expert, c.n_expert_used, tp)
-        rt.engine.trace = torch.from_numpy(trace).long().to(dev)
+        rt.replay(trace)
         result["regime"] = tp.label()
         result["trace_stats"] = trace_stats(trace, c.n_expert).as_dict()
         trace_params = tp
@@ -198,15 +203,13 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                 times.append(n / (time.perf_counter() - t))
             del st
         result[f"pp{n}"] = _spread(times)
-        result[f"pp{n}"]["streamed_experts_per_run"] = rt.stats()["prefill_streamed"] // (args.reps + 1)
+        result[f"pp{n}"]["streamed_experts_per_run"] = rt.stats().prefill_streamed // (args.reps + 1)
         console.print(f"pp{n}: {statistics.median(times):.0f} tok/s (min {min(times):.0f}, "
                       f"max {max(times):.0f}, {args.reps} reps)")
 
     # -- decode ---------------------------------------------------------------------------------
     tg, ttft = [], []
-    rec = torch.zeros((args.gen, c.n_layer, c.n_expert_used), dtype=torch.int32, device=dev)
-    if trace_params is None:
-        rt.engine.record = rec  # before any capture: the graph records the ids it routes
+    recorder = rt.attach_recorder(RoutingRecorder(args.gen)) if trace_params is None else None
     for r in range(args.reps + 1):
         st = rt.new_state(1, args.ctx)
         toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, 16))).to(dev)
@@ -226,7 +229,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
             tg.append(args.gen / (time.perf_counter() - t))
     result[f"tg{args.gen}"] = _spread(tg)
     result["ttft_s"] = _spread(ttft[1:])
-    stats = rt.stats()
+    stats = rt.stats().as_dict()
     per_tok = max(1, args.gen)
     result["cache"] = {
         "hit_rate": round(stats["hit_rate"], 4), "slots_per_layer": stats["cache_slots"][0],
@@ -238,13 +241,13 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         "cpu_ms_per_token": round(stats["cpu_expert_s"] / per_tok * 1e3, 3),
         "fetch_fraction": round(stats["fetch_fraction"], 3), "min_fetch": stats["min_fetch"],
         "rates": stats["rates"],
-        "prefetch": rt.engine.predict is not None and trace_params is None,
+        "prefetch": rt.prefetching,
         "prefetched_per_token": round(stats["prefetched"] / per_tok, 2),
         "prefetch_precision": round(stats["prefetch_precision"], 4),
         "prefetch_recall": round(stats["prefetch_recall"], 4),
     }
     if trace_params is None:
-        result["routing_stats"] = routing_stats(rec.cpu().numpy(), c.n_expert).as_dict()
+        result["routing_stats"] = routing_stats(recorder.numpy(), c.n_expert).as_dict()
     result["vram"] = rt.vram_peaks()
     result["prefill_memory"] = rt.prefill_memory[-8:]   # torch's use vs the elastic estimate
     console.print(f"tg{args.gen}: {statistics.median(tg):.1f} tok/s (min {min(tg):.1f}, max "
@@ -254,13 +257,13 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         console.print(f"prefetch: {stats['prefetched'] / per_tok:.1f} experts/token guessed, precision "
                       f"{stats['prefetch_precision']:.1%}, recall {stats['prefetch_recall']:.1%}")
     v = result["vram"]
-    cache = (f"expert cache {v['cache_peak'] / 2**30:.2f} GiB" if rt.cache.outside_torch else
+    cache = (f"expert cache {v['cache_peak'] / 2**30:.2f} GiB" if rt.report.cache_outside_torch else
              "expert cache included")
     console.print(f"VRAM peak: allocator {v['reserved_peak'] / 2**30:.2f} GiB reserved ({cache}; "
                   f"{stats['cache_slots'][0]} slots a layer now), nvidia-smi {(v['nvidia_smi_peak'] or 0) / 2**30:.2f} GiB (cap {vram / 2**30:.2f} GiB)")
     if args.save_profile:
         from moe_offload.expert_cache import save_profile
-        save_profile(args.save_profile, rt.cache.routing_counts(), str(loaded.metadata.get("general.name")))
+        save_profile(args.save_profile, rt.routing_counts(), str(loaded.metadata.get("general.name")))
     rt.close()
     return result
 

@@ -178,7 +178,7 @@ def add_placement_args(s: argparse.ArgumentParser) -> None:
 
 
 def placement_options(args) -> dict:
-    """RuntimeOptions fields of add_placement_args' flags."""
+    """open_runtime options (RuntimeOptions fields) of add_placement_args' flags."""
     return {"host_head": bool(getattr(args, "host_head", False)),
             "host_embedding": not getattr(args, "gpu_embedding", False)}
 
@@ -204,12 +204,11 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
     if dev.type != "cuda":
         raise CLIError(f"--vram caps GPU memory, so it needs a CUDA device, not --device {dev}")
     try:
-        from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+        from moe_offload import open_runtime
     except ImportError as e:
         raise CLIError(f"--vram needs the offload runtime (moe_offload.runtime), which does not "
                        f"import here ({e}); run without --vram") from None
-    return OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=n_ctx, device=str(dev),
-                                                 **(placement or {})))
+    return open_runtime(loaded, vram, ctx=n_ctx, device=str(dev), **(placement or {}))
 
 
 def offload_stats_lines(m: dict) -> list[str]:

@@ -41,6 +41,8 @@ def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 class Qwen35Moe:
     """The model: config + {GGUF name: weight} + experts[layer](x, ids, weights) -> y."""
 
+    FUSED_PROJECTIONS = FUSED_PROJECTIONS   # what weights.upload_weights may fuse on a GPU
+
     def __init__(self, config, tensors: Mapping[str, QTensor | torch.Tensor],
                  experts: Sequence[Experts]):
         self.config = c = config

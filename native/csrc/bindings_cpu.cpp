@@ -30,6 +30,8 @@
 //       (gate = base, up = base + F*row_bytes, both with stride 2F*row_bytes).
 //       y[t] = sum_k weights[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k];
 //       ids[t,k] < 0 skips the slot (e.g. experts computed elsewhere); ids >= E raise.
+// Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
+//   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
 //   set_tables(dict name -> buffer)   IQ grids from loaders.quants.iq_tables() (copied).
 //   tables_ready() -> bool
@@ -74,6 +76,7 @@ std::vector<std::string> type_names() {
 PYBIND11_MODULE(_cpu, m) {
     m.doc() = "ftpatch CPU kernels on raw ggml blocks (see bindings_cpu.cpp for the contract)";
     ft::register_native_error();
+    ft::export_protocol(m);
     auto release = py::call_guard<py::gil_scoped_release>();
 
     m.def("dequantize",

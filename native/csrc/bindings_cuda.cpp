@@ -43,6 +43,8 @@
 //   moe_scratch_bytes(n_tok, top_k, ff) -> int
 //   residual_rms_norm, conv_silu_step, delta_rule_step, route_topk, attention_step, swiglu: the decode-step
 //       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0).
+// Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
+//   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
 //   set_tables(dict name -> buffer)   IQ grids from loaders.quants.iq_tables(); uploaded now to the
 //       current device (other devices at first use: do that outside capture). Needed before any
@@ -82,6 +84,7 @@ std::vector<uint8_t> buffer_bytes(const py::handle& obj) {
 PYBIND11_MODULE(_cuda, m) {
     m.doc() = "ftpatch CUDA kernels on raw ggml blocks (see bindings_cuda.cpp for the contract)";
     ft::register_native_error();
+    ft::export_protocol(m);
     auto release = py::call_guard<py::gil_scoped_release>();
 
     m.def("dequantize",

@@ -4,11 +4,33 @@
 #include <pybind11/pybind11.h>
 
 #include "offload_exchange.h"
+#include "quants.h"
 
 namespace ft {
 
 template <class T> T* dict_ptr(const pybind11::dict& d, const char* key) {
     return reinterpret_cast<T*>(d[key].cast<uintptr_t>());
+}
+
+// The constants Python shares with the kernels, as module attributes of both extensions (the CPU
+// one is always built, so CI checks them; native.offload_native reads them from there):
+//   MAX_SELECTIONS   T * K a decode step's layer may select (fetch lists hold that many entries)
+//   STATS_COLUMNS    names of CacheTables::stats' columns, in order
+//   SCORE_ONE, SCORE_STEPS   the eviction score's fixed point and the decay table's length
+//   OUTPUT_DTYPES    {name: ggml id} of dequantize's output types (F32, F16, BF16)
+inline void export_protocol(pybind11::module_& m) {
+    namespace py = pybind11;
+    m.attr("MAX_SELECTIONS") = kMaxSelections;
+    py::tuple cols(static_cast<size_t>(kStatsCols));
+    for (int i = 0; i < kStatsCols; ++i) cols[i] = py::str(kStatsNames[i]);
+    m.attr("STATS_COLUMNS") = cols;
+    m.attr("SCORE_ONE") = kScoreOne;
+    m.attr("SCORE_STEPS") = kScoreSteps;
+    py::dict dtypes;
+    dtypes["F32"] = int(QType::F32);
+    dtypes["F16"] = int(QType::F16);
+    dtypes["BF16"] = int(QType::BF16);
+    m.attr("OUTPUT_DTYPES") = dtypes;
 }
 
 inline CacheTables cache_tables_from(const pybind11::dict& d) {

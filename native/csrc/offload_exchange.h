@@ -33,15 +33,43 @@ struct CacheTables {
     int max_slots;            // S (row stride of the slot arrays)
 };
 
-// kPrefetched: experts copied in ahead of their layer on a guess (offload_prefetch); kPrefetchHits:
-// selections served by such a copy in the same step.
-// Expert scores (eviction: smallest score first, then least recently used): fixed point with
-// kScoreOne per choice; an age of kScoreSteps steps or more decays a score to 0. The decay table
-// comes from native/offload_native.py (score_decay_table), so both sides compute the same keys.
+// Selections a decode step may hand the plan kernel for one layer (T * K): the length of every
+// fetch and prefetch list and of pair_slots' rows.
+constexpr int kMaxSelections = 64;
+
+// Per-layer counters (CacheTables::stats). kPrefetched: experts copied in ahead of their layer on
+// a guess (offload_prefetch); kPrefetchHits: selections served by such a copy in the same step.
+enum StatsCol { kHits = 0, kFetched = 1, kCpu = 2, kPrefetchHits = 3, kPrefetched = 4, kStatsCols = 5 };
+constexpr const char* kStatsNames[kStatsCols] = {"hits", "fetched", "cpu", "prefetch_hits",
+                                                 "prefetched"};
+
+// ---- the eviction score: its one definition (offload.cu; mirrored in numpy by
+// native/offload_native.py's decayed_scores, which tests hold to it bit for bit) -------------------
+// An expert's score counts its choices lately, each weighing decay^age (age in decode steps), in
+// fixed point (kScoreOne per choice). `decay` is a table of kScoreSteps entries, decay^age in
+// fixed point, built by the runtime from its policy; an age of kScoreSteps or more counts as 0.
+// Victims go smallest key first: free slots, then the expert of smallest score, then the least
+// recently used slot.
 constexpr int kScoreOne = 1 << 16;
 constexpr int kScoreSteps = 1024;
 
-enum StatsCol { kHits = 0, kFetched = 1, kCpu = 2, kPrefetchHits = 3, kPrefetched = 4, kStatsCols = 5 };
+#if defined(__CUDACC__)
+#define FT_OFFLOAD_HD __host__ __device__ __forceinline__
+#else
+#define FT_OFFLOAD_HD inline
+#endif
+
+// Expert score `score`, last updated at step `seen`, as of `step`.
+FT_OFFLOAD_HD uint32_t decayed_score(int32_t score, int32_t seen, int32_t step, const int32_t* decay) {
+    const int32_t age = step - seen;
+    if (age >= kScoreSteps) return 0;
+    return (uint32_t)(((uint64_t)(uint32_t)score * (uint32_t)decay[age < 0 ? 0 : age]) >> 16);
+}
+
+// Eviction key of an occupied, evictable slot: its expert's decayed score, then its last use.
+FT_OFFLOAD_HD long long victim_key(uint32_t score, int32_t last_use) {
+    return ((long long)score << 32) | (uint32_t)last_use;
+}
 
 // Host-side exchange area (page-locked), one row per layer.
 struct Exchange {

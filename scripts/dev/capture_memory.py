@@ -9,7 +9,7 @@ import torch
 
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
-from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+from moe_offload import open_runtime
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
@@ -19,7 +19,7 @@ args = ap.parse_args()
 MiB = 1 << 20
 loaded = open_model(args.model)
 c = loaded.config
-rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram))
+rt = open_runtime(loaded, args.vram)
 orig = rt._capture
 
 
@@ -46,5 +46,5 @@ p = rt.vram_peaks()
 print(f"after {args.steps} steps: smi {(rt.smi.sample() or 0) / MiB:.0f} MiB, peak "
       f"{(p['nvidia_smi_peak'] or 0) / MiB:.0f} (cap {args.vram / MiB:.0f}); torch reserved "
       f"{torch.cuda.memory_reserved() / MiB:.0f}; cache {rt.cache.nbytes / MiB:.0f}; slots "
-      f"{min(rt.cache.slots)}-{max(rt.cache.slots)}; outside budget {rt._outside / MiB:.0f}")
+      f"{min(rt.cache.slots)}-{max(rt.cache.slots)}; outside budget {rt.vram.outside / MiB:.0f}")
 rt.close()

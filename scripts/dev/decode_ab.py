@@ -43,7 +43,7 @@ import torch
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload.budget import SmiPeak
-from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+from moe_offload import RoutingRecorder, open_runtime
 from moe_offload.trace import TraceParams, make_trace
 from native import ops
 from native.ops import _cpu, _cuda
@@ -62,10 +62,9 @@ args = ap.parse_args()
 
 loaded = open_model(args.model)
 c = loaded.config
-rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram))
+rt = open_runtime(loaded, args.vram)
 if args.trace:
-    rt.engine.trace = torch.from_numpy(make_trace(256, c.n_layer, c.n_expert, c.n_expert_used,
-                                                  TraceParams())).long().cuda()
+    rt.replay(make_trace(256, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()))
 st = rt.new_state(1)
 tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
 threads0 = _cpu.threads() if _cpu is not None else 0
@@ -94,10 +93,8 @@ def steps(n: int) -> float:
 
 
 def recapture() -> None:
-    """Drop the captured graphs: the next steps capture anew, in a new pool (a pool whose graphs
-    are all gone asserts when captured into again)."""
-    rt._graphs.clear()
-    rt._graph_pool = torch.cuda.graph_pool_handle()
+    """Drop the captured graphs: the next steps capture anew."""
+    rt._drop_graphs()
 
 
 def apply(v: str, on: bool) -> None:
@@ -131,9 +128,7 @@ def apply(v: str, on: bool) -> None:
     elif m := re.fullmatch(r"moemin(\d+)", v):
         ops.PREFILL_MOE_MIN_TOKENS = int(m[1]) if on else moemin0
     elif v == "record":
-        rt.engine.record = (torch.zeros((256, c.n_layer, c.n_expert_used), dtype=torch.int32,
-                                        device="cuda") if on else None)
-        recapture()
+        rt.attach_recorder(RoutingRecorder(256) if on else None)
     elif v != "base":
         raise SystemExit(f"unknown variant {v!r}")
 
@@ -171,7 +166,7 @@ for r in range(args.rounds):
             steps(15)
         rt.reset_stats()
         tps = steps(args.steps)
-        s = rt.stats()
+        s = rt.stats().as_dict()
         got[v].append((tps, s["pcie_bytes"] / args.steps / 1e6, s["hit_rate"],
                        s["cpu"] / args.steps))
         apply(v, False)

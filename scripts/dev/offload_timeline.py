@@ -19,14 +19,14 @@ import torch
 
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
-from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+from moe_offload import OffloadPolicy, open_runtime
 from moe_offload.trace import TraceParams, make_trace
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("--vram", type=size_arg, default="8GiB")
 ap.add_argument("--prefetch-k", type=int, default=None)
-ap.add_argument("--fetch-blocks", type=int, default=None, help="grid of a PCIe copy (default 32)")
+ap.add_argument("--fetch-blocks", type=int, default=None, help="grid of a PCIe copy (default: the policy's)")
 ap.add_argument("--trace", action="store_true")
 ap.add_argument("--no-overlap", action="store_true", help="fetch misses before any expert computes")
 ap.add_argument("--depths", default=None, help="comma list of decode steps in flight to A/B "
@@ -40,14 +40,11 @@ args = ap.parse_args()
 
 loaded = open_model(args.model)
 c = loaded.config
-rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram, prefetch_k=args.prefetch_k,
-                                                 overlap_misses=not args.no_overlap,
-                                                 cpu_threads=args.cpu_threads))
-if args.fetch_blocks:
-    rt.engine.fetch_blocks = args.fetch_blocks
+policy = OffloadPolicy().with_(prefetch_k=args.prefetch_k, overlap_misses=not args.no_overlap,
+                               fetch_blocks=args.fetch_blocks)
+rt = open_runtime(loaded, args.vram, policy=policy, cpu_threads=args.cpu_threads)
 if args.trace:
-    rt.engine.trace = torch.from_numpy(make_trace(256, c.n_layer, c.n_expert, c.n_expert_used,
-                                                  TraceParams())).long().cuda()
+    rt.replay(make_trace(256, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()))
 st = rt.new_state(1)
 tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
 for _ in range(48):
@@ -151,7 +148,7 @@ by = {k: union([(e["ts"], e["ts"] + e["dur"]) for e in ev if kind(e["name"]) == 
 span = max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)
 both = length(inter(by["fetch"], by["compute"]))
 busy = length(union([(e["ts"], e["ts"] + e["dur"]) for e in ev]))
-s = rt.stats()
+s = rt.stats().as_dict()
 print(f"{args.vram / 2**30:.0f} GiB, {'trace' if args.trace else 'model routing'}, "
       f"{rt.cache.slots[0]} slots a layer: {N / wall:.1f} tok/s while profiled; "
       f"kernel span {span / N / 1e3:.2f} ms a token")

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload.models import qwen35moe as q
-from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+from moe_offload import open_runtime
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
@@ -35,7 +35,7 @@ args = ap.parse_args()
 
 loaded = open_model(args.model)
 c = loaded.config
-rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram))
+rt = open_runtime(loaded, args.vram)
 
 
 def converse() -> None:

@@ -8,7 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from loaders import open_model
 from loaders.synth import parse_size
-from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+from moe_offload import OffloadPolicy, open_runtime
 
 path = sys.argv[1]
 vram = parse_size(sys.argv[2] if len(sys.argv) > 2 else "8GiB")
@@ -21,7 +21,7 @@ def table(prof, n=18):
 
 
 for label, opts in (("eager", dict(use_graphs=False)),):
-    rt = OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=4096, **opts))
+    rt = open_runtime(loaded, vram, ctx=4096, **opts)
     toks = torch.randint(0, c.n_vocab, (1, 2048)).cuda()
     st = rt.new_state()
     rt.prefill(toks[:, :256], st)
@@ -50,7 +50,7 @@ for label, opts in (("eager", dict(use_graphs=False)),):
     del rt
 
 for q in (None, 0.0, 1.0):
-    rt = OffloadRuntime(loaded, RuntimeOptions(vram=vram, n_ctx=1024, fetch_fraction=q))
+    rt = open_runtime(loaded, vram, ctx=1024, policy=OffloadPolicy(fetch_fraction=q))
     st = rt.new_state()
     nxt = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
     for _ in range(8):
@@ -63,7 +63,7 @@ for q in (None, 0.0, 1.0):
         nxt = rt.decode(nxt, st).argmax(-1)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
-    s = rt.stats()
+    s = rt.stats().as_dict()
     print(f"graphs, fetch fraction {q}: {64 / dt:.1f} tok/s ({dt / 64 * 1e3:.2f} ms/token), hit {s['hit_rate']:.1%}, "
           f"fetched/tok {s['fetched'] / 64:.1f}, cpu/tok {s['cpu'] / 64:.1f}, CPU busy "
           f"{(sum(rt.engine.worker.busy_ns()) - busy0) / 64 / 1e6:.2f} ms/tok for "

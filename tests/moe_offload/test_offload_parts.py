@@ -6,7 +6,7 @@ import torch
 
 from loaders import open_model
 from loaders.quants import dequantize_reference
-from moe_offload.budget import VramBudget
+from moe_offload.budget import VramLedger
 from moe_offload.errors import OffloadError
 from moe_offload.expert_cache import ExpertCache, load_profile, save_profile
 from moe_offload.host_bank import HostExpertBank
@@ -215,7 +215,7 @@ def test_plan_slots_respects_budget(mixed):
 
 
 def test_budget_refuses_with_numbers():
-    b = VramBudget(8 << 30)
+    b = VramLedger(8 << 30)
     b.reserve("dense weights", 3 << 30)
     b.reserve("kv", 1 << 30)
     assert b.left == 4 << 30
@@ -274,7 +274,9 @@ def test_host_bank_layers_share_one_buffer(mixed):
 def test_prefill_choices_and_a_profile_join_the_eviction_scores(mixed):
     """A prefill chunk weighs as many decode steps as it has tokens (decayed); a warm start from
     a routing profile starts each expert at the score its rate would settle at."""
-    from native.offload_native import SCORE_DECAY, SCORE_ONE, score_decay_table
+    from moe_offload.policy import OffloadPolicy
+    from native.offload_native import SCORE_ONE, score_decay_table
+    SCORE_DECAY = OffloadPolicy().score_decay
     bank = HostExpertBank(mixed, pin=False, threads=2)
     c = mixed.config
     cache = ExpertCache(bank.layouts, [3] * c.n_layer, c.n_expert, torch.device("cpu"))
@@ -289,7 +291,7 @@ def test_prefill_choices_and_a_profile_join_the_eviction_scores(mixed):
     before = int(score[3])
     cache.observe_chunk(0, torch.zeros(c.n_expert, dtype=torch.long), 4,
                         torch.tensor(8, dtype=torch.int32))   # nothing chosen, 3 steps later
-    assert int(cache.expert_score[0, 3]) == (before * int(score_decay_table()[3])) >> 16
+    assert int(cache.expert_score[0, 3]) == (before * int(score_decay_table(SCORE_DECAY)[3])) >> 16
     assert int(cache.expert_score[1, 3]) == 0                  # other layers untouched
     prof = np.zeros((c.n_layer, c.n_expert), np.int64)
     prof[:, 9] = 30

@@ -48,10 +48,12 @@ def reference(loaded):
 
 
 def _runtime(loaded, **kw):
-    from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+    """open_runtime at 2 GiB, 6 slots a layer, 256 positions; OffloadPolicy fields go to the policy."""
+    from moe_offload import OffloadPolicy, open_runtime
+    policy = {k: kw.pop(k) for k in list(kw) if k in OffloadPolicy.__dataclass_fields__}
     kw.setdefault("cache_slots", 6)
-    kw.setdefault("n_ctx", 256)
-    return OffloadRuntime(loaded, RuntimeOptions(vram=2 << 30, **kw))
+    return open_runtime(loaded, 2 << 30, policy=OffloadPolicy(**policy), ctx=kw.pop("n_ctx", 256),
+                        **kw)
 
 
 def _follow(rt, prompt, toks):
@@ -70,7 +72,7 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
         out = _follow(rt, prompt, toks)
         for i, (a, b) in enumerate(zip(out, ref)):
             _close(a, b, f"step {i} (fetch fraction {fraction})")
-        s = rt.stats()
+        s = rt.stats().as_dict()
         assert s["selections"] == STEPS * loaded.config.n_layer * loaded.config.n_expert_used
         assert s["hits"] > 0
         if fraction == 0.0:
@@ -93,7 +95,7 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
     for name, kw in (("off", dict(prefetch=False)), ("on", dict(prefetch=True))):
         rt = _runtime(loaded, **kw)
         try:
-            outs[name], stats[name] = _follow(rt, prompt, toks), rt.stats()
+            outs[name], stats[name] = _follow(rt, prompt, toks), rt.stats().as_dict()
         finally:
             rt.close()
     for i, (a, b) in enumerate(zip(outs["on"], ref)):
@@ -106,7 +108,7 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
     rt = _runtime(loaded, fetch_fraction=0.0)   # CPU-only misses: nothing may cross the link
     try:
         _follow(rt, prompt, toks[:4])
-        assert rt.engine.predict is None and rt.stats()["prefetched"] == 0
+        assert not rt.prefetching and rt.stats().prefetched == 0
     finally:
         rt.close()
 
@@ -127,16 +129,14 @@ def test_offloaded_layers_match_reference(loaded, fraction, overlap):
     try:
         for step in range(12):
             eng.arm(1)
-            eng.in_step = True
-            eng.begin_device_step()
             outs = []
-            for L in range(c.n_layer):
-                x = torch.randn(1, c.n_embd, generator=g)
-                ids = torch.randperm(c.n_expert, generator=g)[:c.n_expert_used].view(1, -1)
-                w = torch.softmax(torch.randn(1, c.n_expert_used, generator=g), -1)
-                y = eng.decode_layer(L, x.cuda(), ids.cuda(), w.cuda())
-                outs.append((y, moe_ffn_ref(x, *refs[L], ids, w)))
-            eng.in_step = False
+            with eng.decode_step():
+                for L in range(c.n_layer):
+                    x = torch.randn(1, c.n_embd, generator=g)
+                    ids = torch.randperm(c.n_expert, generator=g)[:c.n_expert_used].view(1, -1)
+                    w = torch.softmax(torch.randn(1, c.n_expert_used, generator=g), -1)
+                    y = eng.decode_layer(L, x.cuda(), ids.cuda(), w.cuda())
+                    outs.append((y, moe_ffn_ref(x, *refs[L], ids, w)))
             eng.settle()
             eng.check()
             for L, (y, ref) in enumerate(outs):
@@ -145,8 +145,8 @@ def test_offloaded_layers_match_reference(loaded, fraction, overlap):
                 cos = float(torch.nn.functional.cosine_similarity(y.flatten(), ref.flatten(), dim=0))
                 assert err < 0.03 and cos > 0.9995, f"step {step} layer {L}: rel err {err:.3g}, cos {cos:.6f}"
         s = rt.stats()
-        assert s["hits"] > 0
-        assert (s["fetched"] > 0) == (fraction > 0) and (s["cpu"] > 0) == (fraction < 1)
+        assert s.hits > 0
+        assert (s.fetched > 0) == (fraction > 0) and (s.cpu > 0) == (fraction < 1)
     finally:
         rt.close()
 
@@ -156,7 +156,7 @@ def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, ref
     expert streams); the next decode step grows it back; a shrink in the middle of decoding keeps
     the experts of highest score, then the most recent (moved with their bytes). The prefill
     staging is freed after the prompt (lent to the cache). Logits stay the all-on-GPU ones."""
-    import moe_offload.runtime as runtime
+    import moe_offload.elastic as elastic
     from native import offload_native as on
     prompt, toks, ref = reference
     rt = _runtime(loaded, cache_slots=10)
@@ -167,9 +167,9 @@ def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, ref
         assert rt.cache.slots == [10] * L
         st = rt.new_state(1, 256)
         with monkeypatch.context() as m:   # a prompt that needs the whole cap
-            m.setattr(runtime, "prefill_workspace_bytes", lambda *a, **k: rt.opts.vram)
+            m.setattr(elastic, "prefill_workspace_bytes", lambda *a, **k: rt.opts.vram)
             out = [rt.prefill(prompt, st)]
-        assert rt.cache.slots == [0] * L and rt.stats()["prefill_streamed"] > 0
+        assert rt.cache.slots == [0] * L and rt.stats().prefill_streamed > 0
         assert rt.engine.staging is None   # streamed through it, then lent to the cache
         for t in toks[:12]:
             out.append(rt.decode(t, st))
@@ -206,7 +206,6 @@ def test_elastic_kv_grows_with_the_context_and_gives_its_memory_back(loaded, mon
     """The KV maps memory as the conversation grows, the cache giving up slots when the cap
     cannot hold both; a new conversation gives the KV's memory back to the cache. Logits follow
     those of a runtime whose KV is allocated for the whole context."""
-    import moe_offload.runtime as runtime
     from native import offload_native as on
     if not on.elastic_supported():
         pytest.skip("this GPU has no virtual memory management")
@@ -224,11 +223,12 @@ def test_elastic_kv_grows_with_the_context_and_gives_its_memory_back(loaded, mon
             st = rt.new_state(1, n_ctx)
             assert st.elastic_kv == elastic
             if elastic:
-                assert st.kv_rows == per_chunk and rt.stats()["kv_bytes"] == n_kv * chunk
+                assert st.kv_rows == per_chunk and rt.stats().kv_bytes == n_kv * chunk
                 with monkeypatch.context() as m:   # no room beside the cache: it gives way
-                    m.setattr(runtime, "DECODE_HEADROOM", rt.opts.vram)
+                    m.setattr(rt.vram, "policy", rt.policy.with_(decode_graphs=rt.opts.vram,
+                                                                 decode_extra=0))
                     out = [rt.prefill(prompt, st)]
-                assert st.kv_rows >= n_prompt and rt.stats()["kv_bytes"] == n_kv * 3 * chunk
+                assert st.kv_rows >= n_prompt and rt.stats().kv_bytes == n_kv * 3 * chunk
                 assert rt.cache.slots == [0] * c.n_layer
             else:
                 out = [rt.prefill(prompt, st)]
@@ -239,7 +239,7 @@ def test_elastic_kv_grows_with_the_context_and_gives_its_memory_back(loaded, mon
             outs[elastic] = out
             if elastic:   # a new conversation: the KV shrinks, the next decode regrows the cache
                 st = rt.new_state(1, n_ctx)
-                assert rt.stats()["kv_bytes"] == n_kv * chunk
+                assert rt.stats().kv_bytes == n_kv * chunk
                 rt.prefill(prompt[:, :16], st)
                 rt.decode(toks[0], st)
                 assert rt.cache.slots == [10] * c.n_layer
@@ -337,19 +337,18 @@ def test_trace_replayed_and_record_written_once_a_step(loaded, reference, graphs
     g = torch.Generator().manual_seed(1)
     trace = torch.stack([torch.stack([torch.randperm(c.n_expert, generator=g)[:c.n_expert_used]
                                       for _ in range(c.n_layer)]) for _ in range(N)]).cuda()
+    from moe_offload import RoutingRecorder
     rt = _runtime(loaded, fetch_fraction=1.0, use_graphs=graphs)
     try:
-        rt.engine.trace = trace
-        rt.engine.record = torch.full((N, c.n_layer, c.n_expert_used), -1, dtype=torch.int32,
-                                      device="cuda")
+        rt.replay(trace)
+        recorder = rt.attach_recorder(RoutingRecorder(N))
         _follow(rt, prompt, toks)
-        rt.engine.settle()
-        rec = rt.engine.record.long()
+        rt.stats()   # a sync point
+        rec = recorder.ids.long()
         written = (rec >= 0).all(-1).all(-1)
         assert int(written.sum()) == N   # more steps than rows: every row was written
         assert torch.equal(rec, trace)
-        s = rt.stats()
-        assert s["selections"] > 0
+        assert rt.stats().selections > 0
     finally:
         rt.close()
 
@@ -359,15 +358,15 @@ def test_record_of_model_routing_equal_with_and_without_graphs(loaded, reference
     misses over PCIe: the same kernels, the same logits, the same routing)."""
     prompt, toks, _ = reference
     c = loaded.config
+    from moe_offload import RoutingRecorder
     recs = []
     for graphs in (True, False):
         rt = _runtime(loaded, fetch_fraction=1.0, use_graphs=graphs)
         try:
-            rt.engine.record = torch.full((64, c.n_layer, c.n_expert_used), -1, dtype=torch.int32,
-                                          device="cuda")
+            recorder = rt.attach_recorder(RoutingRecorder(64))
             _follow(rt, prompt, toks)
-            rt.engine.settle()
-            recs.append((rt.engine.record.cpu(), int(rt.engine.step)))
+            rt.stats()   # a sync point
+            recs.append((recorder.ids.cpu(), int(rt.engine.step)))
         finally:
             rt.close()
     (a, steps_a), (b, steps_b) = recs

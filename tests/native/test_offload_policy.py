@@ -3,9 +3,16 @@
 the GPU in test_offload_policy_gpu.py."""
 import numpy as np
 
-from native.offload_native import (SCORE_DECAY, SCORE_ONE, SCORE_STEPS, LayerTablesRef,
-                                   decayed_score, plan_reference, prefetch_reference,
-                                   score_decay_table)
+from moe_offload.policy import OffloadPolicy
+from native.offload_native import (SCORE_ONE, SCORE_STEPS, LayerTablesRef, decayed_scores,
+                                   plan_reference, prefetch_reference, score_decay_table)
+
+SCORE_DECAY = OffloadPolicy().score_decay
+TABLE = score_decay_table(SCORE_DECAY)
+
+
+def decayed_score(score, seen, step, table) -> int:
+    return int(decayed_scores(score, seen, step, table))
 
 
 def _tables(E: int, S: int, resident: dict[int, int], last: dict[int, int] | None = None,
@@ -28,7 +35,7 @@ def _tables(E: int, S: int, resident: dict[int, int], last: dict[int, int] | Non
     sc, seen = np.zeros(E, np.int64), np.zeros(E, np.int64)
     for e, (n, at) in (score or {}).items():
         sc[e], seen[e] = n * SCORE_ONE, at
-    return LayerTablesRef(soe, eos, lu, pin, fq, S, sc, seen)
+    return LayerTablesRef(soe, eos, lu, pin, fq, S, sc, seen, decay=TABLE)
 
 
 def test_hits_stay_and_the_least_recently_used_slot_goes_first():
@@ -62,7 +69,7 @@ def test_a_frequent_expert_outlives_a_recent_one_until_its_score_decays():
 
 
 def test_scores_decay_in_fixed_point_and_count_each_choice():
-    table = score_decay_table()
+    table = score_decay_table(SCORE_DECAY)
     assert table.shape == (SCORE_STEPS,) and table[0] == SCORE_ONE
     assert abs(table[100] / SCORE_ONE - SCORE_DECAY ** 100) < 1e-4
     assert decayed_score(3 * SCORE_ONE, 7, 7, table) == 3 * SCORE_ONE

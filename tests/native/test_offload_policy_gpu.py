@@ -5,11 +5,13 @@ import numpy as np
 import pytest
 import torch
 
+from moe_offload.policy import OffloadPolicy
 from native import offload_native as on
 
 pytestmark = pytest.mark.gpu
 
 L, E, S, T, K, H = 2, 40, 16, 2, 4, 64
+TABLE = on.score_decay_table(OffloadPolicy().score_decay)
 
 
 def _random_tables(rng):
@@ -35,13 +37,13 @@ def test_plan_and_prefetch_kernels_match_the_reference():
     soe, eos, last, pinned, freq, n_slots, score, seen = _random_tables(rng)
     refs = [on.LayerTablesRef(soe[i].copy(), eos[i].copy(), last[i].copy(), pinned[i].copy(),
                               freq[i].copy(), int(n_slots[i]), score[i].astype(np.int64),
-                              seen[i].astype(np.int64)) for i in range(L)]
+                              seen[i].astype(np.int64), decay=TABLE) for i in range(L)]
     dev = {k: torch.from_numpy(v).cuda() for k, v in
            dict(soe=soe, eos=eos, last=last, pinned=pinned, freq=freq, n_slots=n_slots,
                 score=score, seen=seen).items()}
     stats = torch.zeros((L, 5), dtype=torch.int32, device="cuda")
     pending = torch.zeros(L, dtype=torch.int32, device="cuda")
-    decay = torch.from_numpy(on.score_decay_table()).cuda()
+    decay = torch.from_numpy(TABLE).cuda()
     tables = on.CacheTablesPtrs(dev["soe"], dev["eos"], dev["last"], dev["pinned"], dev["freq"],
                                 dev["n_slots"], stats, pending, dev["score"], dev["seen"],
                                 decay).as_dict()

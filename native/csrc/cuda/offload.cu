@@ -27,7 +27,7 @@ namespace ft {
 namespace {
 
 constexpr int kPlanThreads = 256;
-constexpr int kMaxSel = 64;  // T * K selections per step (T <= 8 tokens, K <= 8)
+constexpr int kMaxSel = kMaxSelections;  // T * K selections per step (offload_exchange.h)
 
 __global__ void step_begin_kernel(int32_t* step) { *step += 1; }
 
@@ -47,11 +47,9 @@ __device__ LayerTables layer_tables(const CacheTables& tab, int layer) {
             tab.n_slots[layer], tab.n_experts};
 }
 
-// Expert e's score at `step`: its stored score decayed by the steps since it was stored.
+// Expert e's score at `step` (the one definition: offload_exchange.h).
 __device__ __forceinline__ uint32_t decayed_score(const LayerTables& t, int32_t e, int32_t step) {
-    const int32_t age = step - t.seen[e];
-    if (age >= kScoreSteps) return 0;
-    return (uint32_t)(((uint64_t)(uint32_t)t.score[e] * (uint32_t)t.decay[age < 0 ? 0 : age]) >> 16);
+    return ft::decayed_score(t.score[e], t.seen[e], step, t.decay);
 }
 
 // Block-wide: key[s] = how evictable slot s is, smaller first: free slots, then the expert of
@@ -64,7 +62,7 @@ __device__ int slot_keys(const LayerTables& t, int32_t step, long long* key) {
         const bool never = t.pinned[s] || t.last[s] >= step;
         key[s] = never ? LLONG_MAX
                : old < 0 ? LLONG_MIN
-                         : ((long long)decayed_score(t, old, step) << 32) | (uint32_t)t.last[s];
+                         : victim_key(decayed_score(t, old, step), t.last[s]);
         n += !never;
     }
     return n;

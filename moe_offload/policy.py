@@ -1,0 +1,76 @@
+"""Every number of the offload policy, in one frozen object.
+
+The runtime, the engine, the cache, the scheduler and placement read their choices from an
+`OffloadPolicy`; `ftpatch bench --json` prints it and `bench --help` takes its defaults from it.
+What a number means and why it is what it is stays beside it; how each was measured belongs in
+docs/BENCHMARKS.md. Protocol constants shared with the kernels (selection limit, score fixed
+point, stats columns) are not policy: they come from the native extension (native.offload_native).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from .errors import OffloadError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    # -- where a layer's misses go (scheduler.py) ---------------------------------------------------
+    fetch_fraction: float | None = None  # share of misses fetched over PCIe; None: q = p/(p+c) from rates
+    cpu_rate_ema: float = 0.2            # weight of each new measurement of the CPU's expert rate
+    observe_every: int = 16              # decode steps between folds of the worker's timings
+    observe_min_experts: int = 8         # CPU experts a window needs before its rate is trusted
+    # -- decode: guesses and copies (offload_experts.py) -------------------------------------------
+    prefetch: bool = True                # guess layer L+1's experts during layer L
+    prefetch_k: int | None = None        # experts guessed a token; None: prefetch_share of the top-k
+    prefetch_share: float = 6 / 8        # default guesses a token, as a share of the top-k
+    overlap_misses: bool = True          # resident experts compute while the misses cross PCIe
+    fetch_blocks: int = 16               # grid of a PCIe copy: each block takes SM room from compute
+    steps_in_flight: int = 2             # decode steps launched before the host waits for the oldest
+    decode_tokens: int = 8               # most tokens a decode step (the pool kernel's limit)
+    worker_timeout_s: float = 30.0       # the GPU gives up on the CPU's share of a layer after this
+    # -- eviction (expert_cache.py; the kernels' score: native.offload_native.decayed_scores) -------
+    score_decay: float = 0.99            # each choice of an expert weighs score_decay^age (decode steps)
+    warm_pin_share: float = 0.25         # slots a routing profile's hottest experts keep for good
+    # -- memory under the cap (runtime.py, placement.py) -------------------------------------------
+    elastic: bool = True                 # the cache lends VRAM to prompts and the KV, takes it back
+    graph_bucket: int = 256              # attention-length bucket per captured decode graph
+    prefill_chunk: int = 2048            # tokens per prefill chunk
+    staging_experts: int = 32            # experts per prefill staging buffer (two are kept)
+    context_margin: int = 192 * MiB      # above the measured CUDA context, for kernels loaded later
+    late_load_margin: int = 48 * MiB     # ... once a capture has loaded decode's kernels (measured again)
+    decode_graphs: int = 96 * MiB        # pools of the captured decode graphs (one per bucket)
+    decode_extra: int = 64 * MiB         # torch's other decode needs: the eager warm-up, logits, sampling
+    capture_slack: float = 1.25          # a later capture may need this much more than the first did
+    capture_extra: int = 16 * MiB        # ... and this much beside
+
+    def __post_init__(self):
+        if self.fetch_fraction is not None and not 0.0 <= self.fetch_fraction <= 1.0:
+            raise OffloadError(f"fetch_fraction {self.fetch_fraction}: give a share in [0, 1]")
+        if self.prefetch_k is not None and self.prefetch_k < 1:
+            raise OffloadError(f"prefetch_k {self.prefetch_k}: guess at least 1 expert a token, "
+                               "or turn guessing off (prefetch=False, --no-prefetch)")
+        if not 0.0 < self.score_decay < 1.0:
+            raise OffloadError(f"score_decay {self.score_decay}: give a factor in (0, 1)")
+
+    @property
+    def decode_headroom(self) -> int:
+        """What torch keeps free beside the grown cache until a capture has been measured."""
+        return self.decode_graphs + self.decode_extra
+
+    def capture_headroom(self, measured: int) -> int:
+        """What torch keeps free beside the cache once a capture was measured to need `measured`."""
+        return int(measured * self.capture_slack) + self.capture_extra
+
+    def guesses(self, top_k: int) -> int:
+        """Experts guessed a token one layer ahead."""
+        return self.prefetch_k if self.prefetch_k is not None else max(1, int(self.prefetch_share * top_k))
+
+    def with_(self, **changes) -> "OffloadPolicy":
+        """A copy with some numbers changed (None values are ignored: 'the default')."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
