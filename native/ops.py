@@ -123,6 +123,15 @@ def _load(name: str):
         ext = __import__(f"native.{name}", fromlist=["_"])
     except ImportError:
         return None
+    if name == "_cuda" and torch.cuda.is_available():   # a GPU this build has no code for: one line
+        from . import build_info
+        gpu = torch.cuda.current_device()
+        build_info.unusable = build_info.mismatch(torch.cuda.get_device_name(gpu),
+                                                  torch.cuda.get_device_capability(gpu),
+                                                  build_info.built_archs(ext))
+        if build_info.unusable:
+            warnings.warn(build_info.unusable + "; using the reference path")
+            return None
     if hasattr(ext, "set_tables"):  # IQ grids from gguf-py, once per process
         try:
             ext.set_tables(iq_tables())

@@ -31,9 +31,11 @@ def version_text() -> str:
                      f"{', '.join(_cpu.available_isas())}; FTPATCH_CPU_ISA picks one)")
     except ImportError as e:
         lines.append(f"CPU kernels: not built ({e}); the torch reference runs instead")
-    import importlib.util
-    lines.append("CUDA kernels: " + ("built" if importlib.util.find_spec("native._cuda") else
-                                     "not built (no nvcc at install time)"))
+    from native import build_info
+    cuda = build_info.summary()["cuda"]
+    lines.append(f"CUDA kernels: built by nvcc {cuda['compiler']} for {', '.join(cuda['archs'])}"
+                 if cuda else "CUDA kernels: not built (no NVIDIA driver or nvcc at install time; "
+                              "docs/INSTALL.md)")
     return "\n".join(lines)
 
 
@@ -50,7 +52,7 @@ class _Version(argparse.Action):
 
 # The command modules, in the order --help lists them; each maps its command names to
 # (add_parser, run) in COMMANDS.
-COMMAND_MODULES = ("inspect", "synth", "tokenize", "logits", "run", "chat", "bench")
+COMMAND_MODULES = ("inspect", "synth", "tokenize", "logits", "run", "chat", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,6 +56,8 @@
 //       (d = amax/127, q = rint(x/d)); y exact for that x up to float32 sums. "f32": float x, FMA.
 //       moe_ffn uses the same rule per projection (the down input h is rounded the same way).
 //   device_limits() -> {"sms": int, "smem_optin": int}   of the current device
+//   built_archs() -> [str]   what the binary holds: "sm_XY" machine code, "compute_XY" PTX
+//   built_with() -> str      the nvcc version that compiled it
 #include <pybind11/pybind11.h>
 
 #include "offload_bindings.h"
@@ -231,6 +233,17 @@ PYBIND11_MODULE(_cuda, m) {
         cuda::set_tables(copy);
     }, py::arg("tables"));
     m.def("tables_ready", &cuda::tables_ready);
+    m.def("built_archs", [] {   // FT_CUDA_ARCHS: set by CMakeLists.txt, comma-separated
+        std::vector<std::string> out;
+        std::string all = FT_CUDA_ARCHS;
+        for (size_t a = 0, b; a < all.size(); a = b + 1) {
+            b = all.find(',', a);
+            if (b == std::string::npos) b = all.size();
+            if (b > a) out.push_back(all.substr(a, b - a));
+        }
+        return out;
+    });
+    m.def("built_with", [] { return std::string(FT_CUDA_VERSION); });
     m.def("block_sizes", [] {
         py::dict out;
 #define FT_X(NAME, ...) \

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from freetoken_patch.cli import bench_compare, build_parser
+from freetoken_patch.cli import bench_compare, build_parser, llama_bench
 from loaders import open_model
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -85,7 +85,7 @@ def write_script(folder: Path, name: str, body: str) -> Path:
 def install(folder: Path, monkeypatch, vram_mib: dict[int, int] | None = None) -> Path:
     """Both fakes in `folder`; bench_compare polls the fake nvidia-smi. Returns llama-bench's path."""
     smi = write_script(folder, "nvidia-smi", SMI)
-    monkeypatch.setattr(bench_compare, "NVIDIA_SMI", str(smi))
+    monkeypatch.setattr(llama_bench, "NVIDIA_SMI", str(smi))
     monkeypatch.setenv("FAKE_SMI_FILE", str(folder / "smi_state"))
     monkeypatch.setenv("FAKE_VRAM", json.dumps({str(k): v for k, v in (vram_mib or {}).items()}))
     return write_script(folder, "llama-bench", LLAMA)
@@ -135,17 +135,17 @@ def test_one_cap_keeps_the_old_json(tiny_model, tmp_path):
 def test_fit_n_cpu_moe_is_the_smallest_that_fits(tiny_model):
     model = open_model(str(tiny_model))
     layers = model.config.n_layer
-    totals = [bench_compare.llama_gpu_bytes(model, n, 528)["total"] for n in range(layers + 1)]
+    totals = [llama_bench.llama_gpu_bytes(model, n, 528)["total"] for n in range(layers + 1)]
     assert all(a > b for a, b in zip(totals, totals[1:]))       # each layer's experts off the GPU
     for n in range(layers + 1):
-        fit = bench_compare.fit_n_cpu_moe(model, totals[n], 528)
+        fit = llama_bench.fit_n_cpu_moe(model, totals[n], 528)
         assert fit["n_cpu_moe"] == n and fit["estimate"]["total"] == totals[n]
-    assert bench_compare.fit_n_cpu_moe(model, totals[-1] - 1, 528)["n_cpu_moe"] is None
+    assert llama_bench.fit_n_cpu_moe(model, totals[-1] - 1, 528)["n_cpu_moe"] is None
 
 
 def test_caps_interleaved_with_llama_bench(tiny_model, tmp_path, monkeypatch):
     model = open_model(str(tiny_model))
-    caps = [bench_compare.llama_gpu_bytes(model, n, 512)["total"] for n in (1, 3)]
+    caps = [llama_bench.llama_gpu_bytes(model, n, 512)["total"] for n in (1, 3)]
     caps = [-(-c // MiB) * MiB for c in caps]                     # whole MiB: --vram takes sizes
     # at the estimated N the fake uses 1 MiB over the first cap: ftpatch must retry with N + 1
     over, under = caps[0] // MiB + 1, caps[0] // MiB - 50
@@ -208,6 +208,6 @@ def test_llama_bench_trouble_is_one_line_and_ours_is_written(tiny_model, tmp_pat
 def test_parse_llama_json_takes_the_samples():
     rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 2.0, "stddev_ts": 1.0, "samples_ts": [1.0, 3.0, 2.0]},
             {"n_prompt": 0, "n_gen": 128, "avg_ts": 5.0, "stddev_ts": 0.0}]
-    t = bench_compare.parse_llama_json(json.dumps(rows))
+    t = llama_bench.parse_llama_json(json.dumps(rows))
     assert t["pp512"]["median"] == 2.0 and (t["pp512"]["min"], t["pp512"]["max"]) == (1.0, 3.0)
     assert t["tg128"]["median"] == 5.0 and t["tg128"]["avg_ts"] == 5.0
