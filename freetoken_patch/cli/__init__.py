@@ -52,7 +52,8 @@ class _Version(argparse.Action):
 
 # The command modules, in the order --help lists them; each maps its command names to
 # (add_parser, run) in COMMANDS.
-COMMAND_MODULES = ("inspect", "synth", "tokenize", "logits", "run", "chat", "bench", "doctor")
+COMMAND_MODULES = ("inspect", "synth", "tokenize", "logits", "run", "chat", "bench", "freetoken",
+                   "pr_notes", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

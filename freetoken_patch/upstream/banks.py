@@ -185,5 +185,10 @@ def load_gguf_expert_banks(model_path: str, num_layers: int, *, first_layer: int
                 if device is None:
                     pins(layer, hosts[layer])
     sources = {role: [b[role] for b in banks] for role in ("gate_up", "down")}
+    from freetoken.utils import init_logger
+    gib = sum(t.numel() * t.element_size() for ts in sources.values() for t in ts) / 2**30
+    init_logger(__name__).info_rank0(
+        f"GGUF expert banks (ftpatch, {bank_threads()} threads): {gib:.1f} GiB of {num_layers} "
+        f"layers {'in host RAM' if device is None else f'on {device}'}")
     return ExpertBanks("gguf", sources, kind=QuantKind.GGUF, kernel="ggml", layout=None,
                        layer_tags=tags, row_tail_bytes=tails)

@@ -67,23 +67,39 @@ def warm_cache(paths: list[Path]) -> None:
                 pass
 
 
-def _load_once(model: str, loader: str, layers: int) -> dict:
-    """In this (fresh) process: one bank load, timed."""
+def _load_once(model: str, loader: str, layers: int, tree: str = "") -> dict:
+    """In this (fresh) process: one bank load, timed. `loader`: freetoken (as installed),
+    patched (our runtime patch) or pr (the FreeToken tree a PR build wrote, at `tree`)."""
     os.environ["FREETOKEN_SKIP_BANK_PIN"] = "1"
-    from freetoken_patch.upstream import hooks
-    hooks.apply()
-    fn = (hooks.original("freetoken.models.gguf.experts", "load_gguf_expert_banks")
-          if loader == "freetoken" else hooks.HOOKS[0].ours())
+    if loader == "pr":
+        sys.path.insert(0, tree)
+        from freetoken.models.gguf import experts
+        if not experts.__file__.startswith(tree):
+            raise RuntimeError(f"the PR tree {tree} did not shadow FreeToken ({experts.__file__})")
+        fn = experts.load_gguf_expert_banks
+    else:
+        from freetoken_patch.upstream import hooks
+        hooks.apply()
+        fn = (hooks.original("freetoken.models.gguf.experts", "load_gguf_expert_banks")
+              if loader == "freetoken" else hooks.HOOKS[0].ours())
     path = str(_shards(model)[0])
+    # a server parses the header once, for the config, before it loads banks; FreeToken's loader
+    # reuses that parse (cached), so it is taken and timed apart here
+    t0 = time.perf_counter()
+    from freetoken.models.gguf.reader import gguf_tensor_index
+    gguf_tensor_index(path)
+    header = time.perf_counter() - t0
     t0 = time.perf_counter()
     banks = fn(path, layers)
     seconds = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for ts in banks.sources.values() for t in ts)
-    return {"seconds": seconds, "bank_bytes": nbytes}
+    return {"seconds": seconds, "bank_bytes": nbytes, "freetoken_header_seconds": header}
 
 
-def bank_load(model: str, *, repeats: int = 2, caches=("cold", "warm"), threads: int | None = None) -> dict:
-    """Alternating runs of both loaders under each cache state; one JSON-able record."""
+def bank_load(model: str, *, repeats: int = 2, caches=("cold", "warm"), threads: int | None = None,
+              pr_tree: str | None = None) -> dict:
+    """Alternating runs of the loaders under each cache state (FreeToken's, our patch's, and a
+    PR build's when `pr_tree` is given); one JSON-able record."""
     from loaders import open_gguf
     g = open_gguf(model)
     layers = int(g.get("qwen35moe.block_count"))
@@ -93,17 +109,19 @@ def bank_load(model: str, *, repeats: int = 2, caches=("cold", "warm"), threads:
     g.close()
     env = dict(os.environ)
     if threads:
-        env["FTPATCH_FT_BANK_THREADS"] = str(threads)
+        env["FTPATCH_FT_BANK_THREADS"] = env["FREETOKEN_GGUF_LOAD_WORKERS"] = str(threads)
+    loaders = LOADERS + (("pr",) if pr_tree else ())
     from .banks import bank_threads
     runs = []
     for cache in caches:
         for rep in range(repeats):
-            for loader in LOADERS:
+            for loader in loaders:
                 (drop_cache if cache == "cold" else warm_cache)(paths)
                 cached_kib = _meminfo("Cached")
                 out = subprocess.run(
                     [sys.executable, "-m", "freetoken_patch.upstream.measure", "_one", model,
-                     loader, str(layers)], env=env, capture_output=True, text=True, check=False)
+                     loader, str(layers), str(Path(pr_tree).resolve()) if pr_tree else ""],
+                    env=env, capture_output=True, text=True, check=False)
                 if out.returncode:
                     raise RuntimeError(f"bank load ({loader}) failed: {out.stderr[-2000:]}")
                 rec = json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,8 +131,11 @@ def bank_load(model: str, *, repeats: int = 2, caches=("cold", "warm"), threads:
             "layers": layers, "threads": threads or bank_threads(), "machine": machine(),
             "method": "fresh process per run, loaders alternated; cold: posix_fadvise DONTNEED "
                       "on every shard before the run; warm: every shard read through first; "
-                      "host banks + pin pipeline with FREETOKEN_SKIP_BANK_PIN=1",
-            "runs": runs}
+                      "FreeToken's header parse (gguf_tensor_index, cached, which a server does "
+                      "for its config first) done before the timed call and timed apart; our "
+                      "loader's own header parse is inside its time; host banks + pin pipeline "
+                      "with FREETOKEN_SKIP_BANK_PIN=1",
+            "pr_tree": str(pr_tree or ""), "runs": runs}
 
 
 def parity(workdir: str | Path) -> dict:
@@ -182,7 +203,7 @@ def compare(a, b) -> dict:
 
 def _main(argv: list[str]) -> None:
     if argv[0] == "_one":
-        print(json.dumps(_load_once(argv[1], argv[2], int(argv[3]))))
+        print(json.dumps(_load_once(argv[1], argv[2], int(argv[3]), argv[4])))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""`ftpatch freetoken` and `ftpatch pr-notes` through the command line's own parser."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from freetoken_patch.cli import main
+
+
+def test_doctor_reports_hooks_here_and_in_a_child(freetoken, capsys):
+    try:
+        assert main(["freetoken", "doctor", "--json"]) == 0
+    finally:
+        from freetoken_patch import upstream
+        upstream.revert()
+    r = json.loads(capsys.readouterr().out)
+    assert r["version"] == "0.2.1" and r["refused"] is None
+    assert all(r["hooks"].values()) and all(r["child_hooks"].values())
+
+
+def test_profile_command(freetoken, tmp_path, capsys):
+    from freetoken.moe.pool_policy import load_profile
+    counts = np.arange(4 * 16).reshape(4, 16) % 7
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"model": "", "counts": counts.tolist()}))
+    out = tmp_path / "ft.json"
+    assert main(["freetoken", "profile", str(ours), "-o", str(out),
+                 "--model-path", "/m/Q-IQ3_S-00002-of-00003.gguf"]) == 0
+    assert json.loads(out.read_text())["model"] == "Q-IQ3_S"
+    assert load_profile(out, 4, 16).shape == (4, 16)
+
+
+def test_pr_notes_build_writes_diff_and_text(freetoken, tmp_path, capsys):
+    from pathlib import Path
+    site = Path(freetoken.__file__).parents[1]
+    assert main(["pr-notes", "build", "2", "--freetoken", str(site), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "2.diff").read_text().startswith("--- a/freetoken/")
+    assert (tmp_path / "tree" / "freetoken" / "models" / "gguf" / "reader.py").is_file()
+    assert "{{" not in (tmp_path / "2.md").read_text()
