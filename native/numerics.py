@@ -65,7 +65,11 @@ class _Emulation:
 
     def _w(self, w: ops.QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """w dequantized (float64), rounded to `dtype` first if given; kept while w.data lives."""
-        per_data = _DEQUANTIZED.setdefault(w.data, {})
+        held = _DEQUANTIZED.get(id(w.data))
+        if held is None or held[0]() is not w.data:        # new, or an id reused after a free
+            held = _DEQUANTIZED[id(w.data)] = (weakref.ref(w.data), {})
+            weakref.finalize(w.data, _DEQUANTIZED.pop, id(w.data), None)
+        per_data = held[1]
         key = (tuple(w.shape), w.qtype.name, dtype)
         if key not in per_data:
             full = per_data.get(key[:2] + (None,))
@@ -109,8 +113,9 @@ class _Emulation:
         return y if out is None else out.copy_(y)
 
 
-# Dequantized weights by the tensor holding their blocks (gone with it): contexts reuse them.
-_DEQUANTIZED: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+# Dequantized weights by the tensor holding their blocks (dropped with it): contexts reuse them.
+# Keyed by id, not by the tensor: a tensor's == is elementwise, which a dict key cannot use.
+_DEQUANTIZED: dict[int, tuple[weakref.ref, dict]] = {}
 
 
 @contextlib.contextmanager

@@ -327,7 +327,8 @@ PREFILL_DTYPE = torch.float16
 # decode kernels (8 tokens a launch) need no bf16 copy of 32 experts (200 MB on the 35B): a short
 # prompt then borrows far less of an elastic expert cache, which decode must refill after it.
 PREFILL_MOE_MIN_TOKENS = 64
-# The grouped expert GEMMs' operands (torch._grouped_mm runs bfloat16 on every GPU it supports).
+# The grouped expert GEMMs' operands: bfloat16, the type torch._grouped_mm runs (with float16 it
+# falls back to a loop of GEMMs: pp2048 at 8 GiB halves, docs/BENCHMARKS.md "GPU fidelity").
 PREFILL_MOE_DTYPE = torch.bfloat16
 
 

@@ -36,21 +36,24 @@ def _logits(model, toks, decode=False):
 
 @pytest.mark.parametrize("name", list(TYPES))
 def test_cuda_logits_no_less_faithful_than_ggml_q8(synth_model, name):
-    prefill, decode, bar = [], [], []
+    """A prompt (prefill GEMMs at 16 bits, experts through the decode kernels) is at least as close
+    to the exact logits as ggml's scheme, averaged over seeded files; token by token the decode
+    kernels are ggml's scheme itself, so their logits track its emulation (float32 sums aside)."""
+    prefill, bar = [], []
     for seed in (0, 1):
         loaded = open_model(synth_model(seed=seed, **TYPES[name]))
         toks = torch.randint(0, loaded.config.n_vocab, (1, N_TOK), generator=torch.Generator().manual_seed(seed))
         cpu = build_model(loaded, "cpu")
         exact = _logits(cpu, toks)
         with emulate("ggml-q8"):
-            bar.append(_agreement(_logits(cpu, toks), exact))
+            ggml = _logits(cpu, toks)
+        bar.append(_agreement(ggml, exact))
         gpu = build_model(loaded, "cuda")
         prefill.append(_agreement(_logits(gpu, toks.cuda()), exact))
-        decode.append(_agreement(_logits(gpu, toks.cuda(), decode=True), exact))
-    bar = np.mean(bar, 0)
-    for what, got in (("prefill", np.mean(prefill, 0)), ("decode", np.mean(decode, 0))):
-        # decode reproduces ggml's scheme itself: equal up to float32 summation order, which may
-        # flip one near-tie position's top-1; float types are exact in both (1e-6: float noise)
-        slack = np.array([1 / N_TOK, 2e-5]) if what == "decode" else np.array([0.0, 1e-6])
-        assert (got + slack >= bar).all(), (f"{name} {what}: top-1 {got[0]:.2f} corr {got[1]:.5f} "
-                                            f"vs ggml q8 {bar[0]:.2f} / {bar[1]:.5f}")
+        decode = _logits(gpu, toks.cuda(), decode=True)
+        same_scheme = _agreement(decode, ggml)[1]
+        assert same_scheme >= 0.9995, f"{name} seed {seed}: decode vs ggml's scheme corr {same_scheme:.6f}"
+    got, bar = np.mean(prefill, 0), np.mean(bar, 0)
+    # float types are exact on both sides: 1e-6 of float noise
+    assert (got + np.array([0.0, 1e-6]) >= bar).all(), (
+        f"{name} prefill: top-1 {got[0]:.2f} corr {got[1]:.5f} vs ggml q8 {bar[0]:.2f} / {bar[1]:.5f}")

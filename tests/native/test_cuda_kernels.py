@@ -235,9 +235,9 @@ def test_matmul_no_less_faithful_than_ggml_q8(ext, name, wide):
     blocks = random_tensor(q, (n_out, h), rng)
     w = dequantize_reference(blocks, q, (n_out, h)).astype(np.float64)
     x = _wide_range_x(rng, n_tok, h) if wide else rng.standard_normal((n_tok, h), dtype=np.float32)
-    y = _nan(n_tok, n_out)
-    ext.matmul(q.type_id, _dev(blocks).data_ptr(), n_out, h, blocks.shape[1], _dev(x).data_ptr(),
-               n_tok, y.data_ptr(), _stream())
+    wd, xd, y = _dev(blocks), _dev(x), _nan(n_tok, n_out)   # held until the kernel has run
+    ext.matmul(q.type_id, wd.data_ptr(), n_out, h, blocks.shape[1], xd.data_ptr(), n_tok,
+               y.data_ptr(), _stream())
     _sync()
     ref = x.astype(np.float64) @ w.T
     rms = lambda e: float(np.sqrt(np.mean(e * e)))
