@@ -17,7 +17,7 @@ import torch
 
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
-from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+from moe_offload import open_runtime
 from native import ops
 
 VARIANTS = {"bf16": (torch.bfloat16, torch.bfloat16), "f16": (torch.float16, torch.bfloat16),
@@ -33,7 +33,7 @@ args = ap.parse_args()
 
 loaded = open_model(args.model)
 c = loaded.config
-rt = OffloadRuntime(loaded, RuntimeOptions(vram=args.vram))
+rt = open_runtime(loaded, args.vram)
 gen = torch.Generator().manual_seed(0)
 names = args.variants.split(",")
 
