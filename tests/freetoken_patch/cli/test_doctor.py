@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from freetoken_patch.cli import doctor, main
@@ -65,3 +66,15 @@ def test_plan_with_a_gpu_suggests_a_command(tiny_model):
     assert m["command"] == f"ftpatch chat {tiny_model} --vram 6.75GiB --ctx 4096"
     m = doctor.model_plan(str(tiny_model), 4096, gpu, {"total_bytes": 1 << 30})
     assert not m["runs_on_gpu"] and "host RAM" in m["reasons"][0]
+
+
+def test_version_shows_the_build(capsys):
+    from native import build_info
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    out = capsys.readouterr().out
+    cuda = build_info.summary()["cuda"]
+    if cuda is None:
+        assert "CUDA kernels: not built" in out
+    else:   # CI builds sm_90 with PTX
+        assert f"CUDA kernels: built by nvcc {cuda['compiler']} for {', '.join(cuda['archs'])}" in out

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On the GPU machine (no internet): build the extensions through the project's build backend with
+# NVIDIA's compiler wheels from the package registry and the system nvcc hidden from the PATH, as
+# on a laptop with a driver and no toolkit; then run scripts/gpu_session.sh (GPU tests, kernel
+# bench, and with STAGES="tests offload" the 8 GiB benchmark) on that build.
+#
+# Carry: .whl, holding in .whl/nvcc/ either the compiler wheels (nvidia-cuda-nvcc, -crt, -cccl,
+# -runtime, nvidia-nvvm, all 13.0.x, the driver's CUDA: 104.5 MB, over a call's 64 MiB) or
+# nvtc-13.0.tar.xz, the files those wheels install less the two the build never runs (libnvvm.so,
+# __nvcc_device_query). Do not carry .gpubin (gpu_session.sh would copy those prebuilt modules
+# over the ones built here).
+#   ARCHS=90 (default) or "" for the default list (sm_86;89;90;120 + compute_80 PTX)
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+t0=$SECONDS
+
+# 1. the wheels, unpacked where the backend finds them (it searches sys.path for nvidia/cu*/bin/nvcc)
+rm -rf /tmp/nvtc && mkdir -p /tmp/nvtc
+if compgen -G "$ROOT/.whl/nvcc/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvtc "$ROOT"/.whl/nvcc/*.whl \
+    > "$OUT/registry_build.log" 2>&1 || { echo "wheel install failed"; exit 1; }
+else
+  tar -xJf "$ROOT"/.whl/nvcc/nvtc-*.tar.xz -C /tmp/nvtc || { echo "no compiler in .whl/nvcc"; exit 1; }
+fi
+ls /tmp/nvtc/nvidia/cu13/bin
+# 2. nvcc hidden: every PATH entry holding one is dropped; no CUDACXX
+NO_NVCC=$(echo "$PATH" | tr : '\n' | while read -r d; do [ -x "$d/nvcc" ] || echo "$d"; done | paste -sd:)
+unset CUDACXX
+PATH=$NO_NVCC command -v nvcc && { echo "nvcc still on the PATH"; exit 1; }
+# 3. the build: no isolation (nothing to download here; the image has scikit-build-core,
+#    pybind11, cmake, ninja); the backend sees the driver and no nvcc, and uses /tmp/nvtc
+rm -rf /tmp/regwh /tmp/regbuild
+PATH=$NO_NVCC PYTHONPATH=/tmp/nvtc FTPATCH_CUDA_ARCHS=${ARCHS-90} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  $PY -m pip wheel -v --no-build-isolation --no-deps -w /tmp/regwh -C build-dir=/tmp/regbuild . \
+  >> "$OUT/registry_build.log" 2>&1 || { tail -30 "$OUT/registry_build.log"; echo "build failed"; exit 1; }
+grep -E "ftpatch build:|ftpatch: building" "$OUT/registry_build.log"
+echo "registry-compiler build: $((SECONDS - t0)) s"
+# 4. the built modules into native/ (where gpu_session.sh and the tests import them from)
+rm -rf /tmp/regsite && $PY -m zipfile -e /tmp/regwh/*.whl /tmp/regsite
+rm -f "$ROOT"/native/_c*.so && cp /tmp/regsite/native/_c*.so "$ROOT/native/"
+ls -l "$ROOT"/native/_c*.so
+PYTHONPATH=$ROOT $PY -c "import native._cuda as c; print('native._cuda: nvcc', c.built_with(), c.built_archs())"
+PYTHONPATH=$ROOT $PY -m freetoken_patch.cli --version
+# 5. tests and benchmarks on this build
+OUT=$OUT bash scripts/gpu_session.sh
