@@ -131,7 +131,7 @@ svg .grid{stroke:#eceff3}svg .axis{stroke:#8a939e}svg .tick{font-size:11px;fill:
 svg .label{font-size:12px;fill:#333}svg .cap{stroke:#999;stroke-dasharray:5 4}
 svg .pt{cursor:pointer;stroke:#fff;stroke-width:1}svg .pt:hover{stroke:#000;stroke-width:2}
 svg .hidden{display:none}
-.legend{display:flex;flex-wrap:wrap;gap:6px;margin-top:4px}
+.legend{display:flex;flex-wrap:wrap;gap:6px;margin-top:4px;max-width:640px}
 .key{font:12px system-ui,sans-serif;border:1px solid #ccd3db;background:#f6f8fa;border-radius:4px;
 padding:2px 8px;cursor:pointer}.key span{display:inline-block;width:10px;height:10px;margin-right:5px;
 border-radius:2px}.key.off{opacity:.4}
@@ -141,7 +141,7 @@ dl.meta{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:
 dl.meta dt{font-weight:600}dl.meta dd{margin:0}
 #tip{position:fixed;pointer-events:none;background:#1d232b;color:#fff;padding:5px 8px;border-radius:4px;
 font-size:12px;white-space:pre;display:none;z-index:9}
-table.files td{text-align:left;vertical-align:top}details{margin:8px 0}code{font-size:12px}.note{color:#5b6570}
+table.files td,table.files th{text-align:left;vertical-align:top}details{margin:8px 0}code{font-size:12px}.note{color:#5b6570}
 """
 
 SCRIPT_HEAD = """
@@ -203,6 +203,8 @@ def _meta(sources: list[D.Source]) -> str:
     for s in sources:
         d = s.data
         src = d.get("source") or ""
+        if d.get("transcribed"):
+            src += f" ({d['transcribed']})"
         if d.get("synthetic_sample"):
             src = f"synthetic sample: {d['synthetic_sample']}"
         lb = d.get("llama_bench") or {}

@@ -136,7 +136,13 @@ def test_renders_in_headless_chromium(page, tmp_path):
     assert r.returncode == 0 and shot.exists(), r.stderr[-2000:]
     if os.environ.get("FTPATCH_KEEP_SCREENSHOT"):
         shutil.copy(shot, os.environ["FTPATCH_KEEP_SCREENSHOT"])
-    from PIL import Image, ImageStat
+    # the error hook works: the same page with a broken script says so
+    broken = tmp_path / "broken.html"
+    broken.write_text(out.read_text().replace("</body>", "<script>no_such_function()</script></body>"))
+    dom = subprocess.run(flags + ["--dump-dom", broken.as_uri()], capture_output=True, text=True, timeout=180)
+    assert "data-js-errors" in re.search(r"<html[^>]*>", dom.stdout)[0]
+    Image = pytest.importorskip("PIL.Image")
+    from PIL import ImageStat
     img = Image.open(shot).convert("L")
     assert img.size == (1400, 1800)
     assert ImageStat.Stat(img).stddev[0] > 10                     # not one flat colour
