@@ -10,6 +10,7 @@ with a `"source"` naming the document).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -108,7 +109,20 @@ def test_names(sources: list[Source]) -> list[str]:
 
 
 def _num(v):
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """v if it is a finite number (not a bool), else None."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return v if ok else None
+
+
+def finite(data):
+    """The JSON value with NaN and infinities as None (a browser's JSON.parse refuses them)."""
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [finite(v) for v in data]
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    return data
 
 
 def _ours(sources, metric, scale=1.0) -> list[Series]:

@@ -260,7 +260,7 @@ def _every_figure(sources: list[D.Source]) -> str:
 
 def _embedded(sources: list[D.Source]) -> str:
     return "".join(f'<script type="application/json" class="ftpatch-source" data-name="{escape(s.name)}">'
-                   + json.dumps(s.data).replace("</", "<\\/") + "</script>" for s in sources)
+                   + json.dumps(D.finite(s.data)).replace("</", "<\\/") + "</script>" for s in sources)
 
 
 def page(sources: list[D.Source], title: str = "ftpatch bench report") -> str:

@@ -197,3 +197,20 @@ def test_readme_table_is_made_from_committed_json(tmp_path, monkeypatch):
                  "--markdown-image", "docs/results/charts/summary.png"]) == 0
     assert readme.read_text() == (ROOT / "README.md").read_text(), \
         "README's results table differs from `ftpatch bench report docs/results/*.json --markdown README.md --png docs/results/charts`"
+
+
+def test_nan_in_a_result_does_not_break_the_page(tmp_path):
+    d = json.loads(SAMPLES[1].read_text())
+    d["cache"]["prefetch_precision"] = float("nan")
+    d["tg128"]["max"] = float("inf")
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(d))
+    out = tmp_path / "nan.html"
+    assert main(["bench", "report", str(bad), "-o", str(out)]) == 0
+    html = out.read_text()
+    blob = re.search(r'<script type="application/json"[^>]*>(.*?)</script>', html, re.S)[1]
+
+    def refuse(c):
+        raise ValueError(c)
+    assert json.loads(blob, parse_constant=refuse)["cache"]["prefetch_precision"] is None
+    assert "nan" not in re.findall(r'data-value="([^"]*)"', html)
