@@ -253,6 +253,18 @@ def test_token_list_shorter_than_token_types(tmp_path):
             r"has 100")
 
 
+def test_a_vocabulary_of_special_tokens_builds_quickly():
+    # 150k control tokens: a regex alternation of them took seconds to compile
+    n = 150_000
+    md = {"tokenizer.ggml.tokens": [f"<t{i}>" for i in range(n)] + builtin_vocab().tokens,
+          "tokenizer.ggml.token_type": np.array([3] * n + builtin_vocab().token_types.tolist(),
+                                                np.int32),
+          "tokenizer.ggml.pre": "qwen35"}
+    with bounded():
+        tok = Tokenizer.from_metadata(md)
+        assert tok.encode("a<t7><t149999>b", parse_special=True)[1:3] == [7, 149999]
+
+
 def test_out_of_range_special_ids_are_ignored_as_llama_cpp_does():
     v = builtin_vocab()
     md = {"tokenizer.ggml.tokens": v.tokens, "tokenizer.ggml.token_type": v.token_types,
