@@ -44,8 +44,10 @@ def compare(ours: dict, theirs: dict | None) -> dict:
 
 
 def run_caps(caps: list[int], measure: Callable[[int], dict], llama: LlamaBench | None = None,
-             log: Callable[[str], None] = print) -> dict:
-    """Ours at each cap, then llama-bench at that cap; one JSON object for the whole run."""
+             log: Callable[[str], None] = print,
+             progress: Callable[[dict], None] | None = None) -> dict:
+    """Ours at each cap, then llama-bench at that cap; one JSON object for the whole run.
+    progress(partial) gets the object so far after each cap (bench writes --out with it)."""
     from ..errors import CLIError
     runs, theirs, failed = [], [], None
     for cap in caps:
@@ -62,13 +64,19 @@ def run_caps(caps: list[int], measure: Callable[[int], dict], llama: LlamaBench 
         if llama is not None:
             threads = int((r.get("machine") or {}).get("cpu_threads") or os.cpu_count() or 1)
             theirs.append(llama.run_at(cap, threads))
-    ok = [r for r in runs if "error" not in r]
-    if not ok and failed is not None:
+        if progress is not None:
+            progress(_assemble(caps, runs, theirs, llama))
+    if not any("error" not in r for r in runs) and failed is not None:
         raise failed
+    return _assemble(caps, runs, theirs, llama)
+
+
+def _assemble(caps: list[int], runs: list[dict], theirs: list, llama: LlamaBench | None) -> dict:
+    ok = [r for r in runs if "error" not in r]
     first = ok[0] if ok else {}
     out = {"kind": "ftpatch-bench-caps", "caps": list(caps),
            "machine": first.get("machine"), "model": first.get("model"),
-           "regime": first.get("regime"), "runs": runs}
+           "regime": first.get("regime"), "runs": list(runs)}
     if llama is not None:
         out["llama_bench"] = {"binary": llama.binary, "error": llama.error,
                               "runs": [t for t in theirs if t is not None]}
@@ -156,7 +164,12 @@ def run_cli(args, sizes: list[int], console, run_one) -> int:
                            model=open_model(args.model), prompt_sizes=sizes, gen=args.gen,
                            reps=args.reps, extra=shlex.split(args.llama_bench_args), log=log)
         llama.available()
-    result = run_caps(caps, measure, llama, log)
+    def progress(partial: dict) -> None:       # a run cut short keeps the caps it finished
+        if args.out:
+            partial.update(method=method, run=info, complete=False)
+            with open(args.out, "w") as f:
+                json.dump(partial, f, indent=1)
+    result = run_caps(caps, measure, llama, log, progress)
     result.update(method=method, run=info)
     write_result(args, result)
     for row in result.get("comparison", []):

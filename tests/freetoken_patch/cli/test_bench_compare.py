@@ -157,11 +157,15 @@ def test_caps_interleaved_with_llama_bench(tiny_model, tmp_path, monkeypatch):
 
     def run_one(a, sizes, console):
         order.append(("ours", a.vram, len(calls(tmp_path))))
+        if len(order) == 2:                   # the first cap is on disk before the second runs
+            partial = json.loads(out.read_text())
+            assert partial["complete"] is False and len(partial["runs"]) == 1
+            assert partial["llama_bench"]["runs"][0]["n_cpu_moe"] == 2
         return ours(a.vram)
     assert bench_compare.run_cli(args, [512], quiet(), run_one) == 0
     got = json.loads(out.read_text())
     assert [o[1] for o in order] == caps and [o[2] for o in order] == [0, 2]   # ours, then theirs
-    assert got["kind"] == "ftpatch-bench-caps" and got["caps"] == caps
+    assert got["kind"] == "ftpatch-bench-caps" and got["caps"] == caps and "complete" not in got
     assert [r["vram_cap"] for r in got["runs"]] == caps
     first, second = got["llama_bench"]["runs"]
     assert first["n_cpu_moe_estimated"] == 1 and first["n_cpu_moe"] == 2
