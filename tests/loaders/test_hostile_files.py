@@ -389,3 +389,78 @@ def test_limits_leave_real_templates_alone():
     big = [{"role": "user", "content": "word " * 200_000}] * 3     # 3 MB of prompt
     out = ChatTemplate(src).render(big)
     assert len(out) > 3_000_000 and np.isfinite(len(out))
+
+
+# What tool-calling templates do (recursive schema macros, "    " * depth, selectattr / map /
+# unique, tuple unpacking, namespace lists, printf and str.format, caller): the checks must
+# leave the output exactly as Jinja's plain sandbox renders it.
+CONSTRUCTS = r'''{%- macro conv(t) -%}{%- if t == "integer" or t == "float" -%}{{ "number" }}{%- else -%}{{ t }}{%- endif -%}{%- endmacro -%}
+{%- macro ptype(param) -%}
+    {%- set param_type = "any" -%}
+    {%- if "type" in param -%}
+        {%- set raw = param["type"] -%}
+        {%- if raw is iterable and raw is not string -%}{%- set param_type = raw | join(" | ") -%}{%- else -%}{%- set param_type = raw -%}{%- endif -%}
+        {{ conv(param_type) }}
+    {%- elif "oneOf" in param -%}
+        {%- set one = param["oneOf"]|selectattr("type", "defined")|list -%}
+        {%- set one = one|map(attribute="type")|unique|list -%}
+        {{ conv(one | join(" | ")) }}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro ts(properties, required, depth=0) -%}
+    {%- for name, param in properties.items() -%}
+        {%- set offset = "    " * depth -%}
+        {%- set decl = name ~ ("?" if name not in required else "") -%}
+        {%- set t = ptype(param) -%}
+        {%- if t == "object" -%}
+            {{ "\n" + offset + decl + ": {" }}{{- ts(param.get("properties", {}), param.get("required", []), depth + 1) -}}{{- "\n" + offset + "}," }}
+        {%- else -%}
+            {%- for field, fname in [("maximum", "Maximum"), ("minimum", "Minimum")] -%}
+                {%- if field in param -%}{{ " " + fname ~ "=" ~ param[field] }}{%- endif -%}
+            {%- endfor -%}
+            {{ "\n" + offset + decl + ": " + t + "," }}
+            {%- if "examples" in param %}{{ "// " + param["examples"]|string|replace("'", '"') }}{% endif -%}
+        {%- endif -%}
+    {%- endfor -%}
+{%- endmacro -%}
+{%- set ns = namespace(n=0, names=[]) -%}
+{%- for tool in tools or [] -%}
+  {%- set f = tool.function -%}
+  {%- set ns.n = ns.n + 1 -%}
+  {%- set ns.names = ns.names + [f.name] -%}
+  // {{ f.description }}
+type {{ f.name }} = (_: {{ '{' }}{{ ts(f.parameters.properties, f.parameters.required or []) }}
+}) => any;
+{% endfor -%}
+{{ ns.n }} tools: {{ ns.names|join(', ') }} {{ "%s-%d" % ("x", 3) }} {{ "{}/{:>4}".format("a", 7) }}
+{%- for m in messages[::-1] %}{{ loop.index0 }}{{ m.role|upper }}{{ (m.content if m.content is string else m.content|tojson)|truncate(20) }}{% endfor %}
+{{ messages|length }} {{ (messages|map(attribute='role')|list)[-1] }} {{ messages[0].content.split(' ')|reverse|join('_') }}
+{%- set d = {'a': [1, 2], 'b': {'c': none}} %} {{ d|tojson(indent=2) }} {{ d.items()|list|length }} {{ dict(x=1).x }}
+{%- for k, v in d|dictsort %} {{ k }}={{ v }}{% endfor %}{{ strftime_now("%Y")|length }}
+{%- macro wrap() %}[{{ caller() }}]{% endmacro %}{% call wrap() %}inner{% endcall %}
+'''
+CONSTRUCTS_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "w", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "examples": ["a'b"], "maximum": 3},
+        "n": {"type": ["integer", "null"]},
+        "o": {"oneOf": [{"type": "integer"}, {"type": "float"}]},
+        "sub": {"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}},
+        "required": ["city"]}}}]
+CONSTRUCTS_MESSAGES = [
+    {"role": "system", "content": "sys prompt here"},
+    {"role": "user", "content": [{"type": "text", "text": "multi"}]},
+    {"role": "assistant", "content": "a very long answer that will be truncated somewhere"}]
+
+
+def test_limits_leave_tool_templates_alone():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from loaders.chat_template import _raise_exception, _strftime_now, _tojson
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    kw = dict(messages=CONSTRUCTS_MESSAGES, tools=CONSTRUCTS_TOOLS, add_generation_prompt=True,
+              bos_token="", eos_token="")
+    plain = env.from_string(CONSTRUCTS).render(**kw)
+    assert "type get_weather" in plain and "sub?: {\n    q: number," in plain
+    assert ChatTemplate(CONSTRUCTS).render(CONSTRUCTS_MESSAGES, tools=CONSTRUCTS_TOOLS) == plain
