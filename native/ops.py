@@ -146,6 +146,12 @@ def _load(name: str):
 _cpu = _load("_cpu")
 _cuda = _load("_cuda")
 
+# ggml ids of the float element types the kernels write (dequantize) and read (KV caches), as the
+# extensions state them (OUTPUT_DTYPES, csrc/offload_bindings.h); the header's values without one
+_GGML_DTYPE = {getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[name]): int(i)
+               for name, i in (getattr(_cpu or _cuda, "OUTPUT_DTYPES", None)
+                               or {"F32": 0, "F16": 1, "BF16": 30}).items()}
+
 
 def _ext_for(device: torch.device):
     return _cuda if device.type == "cuda" else _cpu if device.type == "cpu" else None
@@ -370,7 +376,7 @@ def cuda_prefill_matmul(x: torch.Tensor, w: QTensor, workspace: torch.Tensor | N
         raise NativeError(f"{w.name}: cuda_prefill_matmul needs native._cuda and x, W [O, H] on one "
                           f"CUDA device (x on {x.device}, W {list(w.shape)} on {w.device})")
     (o, h), data = w.shape, _rows(w)
-    ggml_dtype = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}[dtype]
+    ggml_dtype = _GGML_DTYPE[dtype]
     size = o * h * torch.finfo(dtype).bits // 8
     if workspace is None:
         wt = torch.empty(o, h, dtype=dtype, device=x.device)
@@ -411,7 +417,7 @@ def cuda_prefill_moe(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
     tok = order[:starts[-1]] // k
     wts = weights.reshape(-1)[order[:starts[-1]]].float()
     dt = PREFILL_MOE_DTYPE
-    ggml_dtype = {torch.float16: 1, torch.bfloat16: 30}[dt]
+    ggml_dtype = _GGML_DTYPE[dt]
     xs, xs_scale = _x_for_gemm(x.index_select(0, tok), dt)           # [N, H] grouped by expert
     ends = counts.cumsum(0).to(torch.int32)    # on the device: group offsets need no more syncs
     y = torch.zeros(t, h, dtype=torch.float32, device=x.device)
@@ -535,7 +541,7 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     caches [B, n_ctx, Hkv, d] (F32 or F16; d 64, 128, 256 or 512) written at pos (int64 device
     scalar, < n_attn) -> [B, Hq*d]."""
     bsz, n_ctx, hkv, d = k_cache.shape
-    dtypes = {torch.float32: 0, torch.float16: 1}
+    dtypes = {t: _GGML_DTYPE[t] for t in (torch.float32, torch.float16)}
     if k_cache.dtype not in dtypes or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() \
             or not v_cache.is_contiguous() or pos.dtype != torch.int64:
         raise NativeError("attention_step: caches must be contiguous F32 or F16, pos int64")

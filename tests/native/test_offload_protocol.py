@@ -54,3 +54,8 @@ def test_one_score_mirror_for_numpy_and_torch():
     got = on.decayed_scores(torch.from_numpy(score).int(), torch.from_numpy(seen).int(),
                             torch.tensor(30, dtype=torch.int32), torch.from_numpy(table))
     assert got.tolist() == want
+
+
+def test_ops_reads_the_dtype_ids_from_the_extension():
+    from native import ops
+    assert ops._GGML_DTYPE == {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
