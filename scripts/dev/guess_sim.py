@@ -10,7 +10,11 @@ import os
 
 import numpy as np
 
-from native.offload_native import LayerTablesRef, plan_reference, prefetch_reference
+from moe_offload.policy import OffloadPolicy
+from native.offload_native import (LayerTablesRef, plan_reference, prefetch_reference,
+                                   score_decay_table)
+
+DECAY = score_decay_table(OffloadPolicy().score_decay)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("dir")
@@ -96,7 +100,7 @@ def simulate(slots: int, guess, when: str = "early", late=None):
     for _ in range(nL):
         t = {"lfu": FrequencyFirst, "lru": RecencyFirst}.get(args.policy, LayerTablesRef)(np.full(E, -1, np.int64), np.full(slots, -1, np.int64),
                            np.zeros(slots, np.int64), np.zeros(slots, np.int64),
-                           np.zeros(E, np.int64), slots)
+                           np.zeros(E, np.int64), slots, decay=DECAY)
         t.expert_of_slot[:] = np.arange(slots)     # warm start: experts 0, 1, 2, ...
         t.slot_of_expert[:slots] = np.arange(slots)
         tabs.append(t)
