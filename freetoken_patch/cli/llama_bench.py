@@ -146,14 +146,21 @@ def spread_of(samples: list[float]) -> dict:
             "reps": len(samples), "all": [round(x, 2) for x in samples]}
 
 
-def parse_llama_json(text: str) -> dict:
-    """llama-bench -o json (a list of test objects) -> {"pp512": spread, "tg128": spread, ...}
-    from each test's samples_ts (avg_ts alone when samples are absent)."""
-    rows = json.loads(text)
+def llama_rows(text: str) -> list[dict]:
+    """llama-bench -o json's list of test objects (lines a build prints before it: skipped)."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), 0)
+    rows = json.loads("\n".join(lines[start:]))
     if not isinstance(rows, list):
         raise ValueError("llama-bench's JSON is not a list of tests")
+    return rows
+
+
+def parse_llama_json(text: str) -> dict:
+    """llama-bench -o json -> {"pp512": spread, "tg128": spread, ...} from each test's
+    samples_ts (avg_ts alone when samples are absent)."""
     tests = {}
-    for r in rows:
+    for r in llama_rows(text):
         n_p, n_g = int(r.get("n_prompt", 0)), int(r.get("n_gen", 0))
         name = f"pp{n_p}" if n_g == 0 else f"tg{n_g}" if n_p == 0 else f"pp{n_p}+tg{n_g}"
         samples = r.get("samples_ts") or [r["avg_ts"]]
@@ -218,7 +225,7 @@ class LlamaBench:
             return att
         try:
             att["tests"] = parse_llama_json(out)
-            att["raw"] = json.loads(out)
+            att["raw"] = llama_rows(out)
         except (ValueError, KeyError, TypeError) as e:
             att["error"] = f"its output is not llama-bench JSON ({e})"
         return att

@@ -207,6 +207,8 @@ def _meta(sources: list[D.Source]) -> str:
             src += f" ({d['transcribed']})"
         if d.get("synthetic_sample"):
             src = f"synthetic sample: {d['synthetic_sample']}"
+        if d.get("complete") is False:
+            src += " (incomplete: the run stopped before its last cap)"
         lb = d.get("llama_bench") or {}
         lbt = ""
         if lb:

@@ -212,6 +212,6 @@ def test_llama_bench_trouble_is_one_line_and_ours_is_written(tiny_model, tmp_pat
 def test_parse_llama_json_takes_the_samples():
     rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 2.0, "stddev_ts": 1.0, "samples_ts": [1.0, 3.0, 2.0]},
             {"n_prompt": 0, "n_gen": 128, "avg_ts": 5.0, "stddev_ts": 0.0}]
-    t = llama_bench.parse_llama_json(json.dumps(rows))
+    t = llama_bench.parse_llama_json("build: fake (0)\n" + json.dumps(rows, indent=2))
     assert t["pp512"]["median"] == 2.0 and (t["pp512"]["min"], t["pp512"]["max"]) == (1.0, 3.0)
     assert t["tg128"]["median"] == 5.0 and t["tg128"]["avg_ts"] == 5.0
