@@ -157,7 +157,32 @@ def open_model_named(path, *, strict: bool = True):
 
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_params", "stop_reason", "size_arg",
-           "parse_device", "context_size", "check_fits", "open_model_named"]
+           "parse_device", "context_size", "check_fits", "open_model_named", "add_template_arg",
+           "chat_template_for"]
+
+
+def add_template_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's own "
+                        "(tokenizer.chat_template), e.g. when the file's template is refused")
+
+
+def chat_template_for(args, metadata, model_path):
+    """The chat template: --chat-template FILE if given, else the model's own (or ChatML)."""
+    from loaders.chat_template import ChatTemplate
+    path = getattr(args, "chat_template", None)
+    if path is None:
+        return ChatTemplate.from_metadata(metadata, str(model_path))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError as e:
+        raise CLIError(f"--chat-template {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--chat-template {path}: not UTF-8 text (byte {e.start})") from None
+    return ChatTemplate(text, where=str(path))
 
 
 def add_vram_arg(s: argparse.ArgumentParser) -> None:

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from ..errors import CLIError
-from .model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for, check_fits,
+from .model_args import (add_model_args, add_sampling_args, add_template_arg, add_vram_arg, build_for,
+                         chat_template_for, check_fits,
                          device_for, offload_stats_lines, open_model_named, placement_options,
                          sampling_params, stop_reason)
 
@@ -22,6 +23,7 @@ examples:
   ftpatch run model.gguf -p "Once upon a time" -n 64
   ftpatch run model.gguf -p "Write a haiku about GPUs" --chat --temp 0.7 --seed 1
   ftpatch run 35b.gguf -p "Explain PCIe" --chat --vram 8GiB   # a model bigger than the GPU
+  ftpatch run model.gguf -p "Hi" --chat --chat-template chatml.jinja   # not the file's template
 """
 
 
@@ -36,13 +38,13 @@ def add_parser(sub) -> None:
     add_vram_arg(s)
     s.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the model's chat template")
+    add_template_arg(s)
     add_sampling_args(s, n_default=128, n_predict_alias=True)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loaders.chat_template import ChatTemplate
     from loaders.tokenizer import Tokenizer
     from moe_offload.generate import DoneEvent, Session
     device = device_for(args.device, args.vram)
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.model} has no tokenizer metadata, so `run` cannot read or write "
                        "text; use `ftpatch logits MODEL --tokens IDS` instead")
     tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
-    template = ChatTemplate.from_metadata(loaded.metadata, str(args.model))
+    template = chat_template_for(args, loaded.metadata, args.model)
     if args.chat:
         text = template.render([{"role": "user", "content": args.prompt}],
                                bos_token=tok.bos_token, eos_token=tok.eos_token)

@@ -17,7 +17,8 @@ import argparse
 import sys
 
 from ...errors import CLIError
-from ..model_args import (add_model_args, add_sampling_args, add_vram_arg, build_for,
+from ..model_args import (add_model_args, add_sampling_args, add_template_arg, add_vram_arg, build_for,
+                          chat_template_for,
                           context_size, device_for, open_model_named, placement_options,
                           sampling_params)
 from .conversation import HELP, Conversation, answer, command
@@ -46,6 +47,7 @@ examples:
   ftpatch chat model.gguf --temp 0.7 --system "Answer briefly."
   ftpatch chat model.gguf --no-think -n 2048       # skip the reasoning block (Qwen3.5 templates)
   ftpatch chat model.gguf --vram 8GiB --ctx 8192   # hot experts on the GPU under an 8 GiB cap
+  ftpatch chat model.gguf --chat-template my.jinja # a template of yours instead of the file's
   printf 'hi\\n/stats\\n' | ftpatch chat             # scripted: one message per line
 """
 
@@ -65,12 +67,12 @@ def add_parser(sub) -> None:
     s.add_argument("--system", metavar="TEXT", help="system prompt (change it with /system)")
     s.add_argument("--no-think", action="store_true",
                    help="ask the chat template to skip the reasoning block (enable_thinking=false)")
+    add_template_arg(s)
     add_vram_arg(s)
 
 
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     """The model, its session and the banner lines; bad input raises one clear error."""
-    from loaders.chat_template import ChatTemplate
     from loaders.synth import default_model_path, ensure_default_model
     from loaders.tokenizer import Tokenizer
     from moe_offload.generate import Session
@@ -93,7 +95,7 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
             raise CLIError(f"{path} has no tokenizer metadata, so chat cannot read or write text; "
                            "use `ftpatch logits MODEL --tokens IDS` instead")
         tok = Tokenizer.from_metadata(md, str(path))
-        template = ChatTemplate.from_metadata(md, str(path))
+        template = chat_template_for(args, md, path)
         n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
         model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
         session = Session(model, model.new_state(1, n_ctx), tok, template)

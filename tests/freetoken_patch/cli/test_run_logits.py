@@ -170,3 +170,32 @@ def test_offload_stats_lines_name_the_cache_and_an_elastic_kv():
     assert lines[0].startswith("expert cache: hit rate 75.0%, 30 hits, 10 misses (8 fetched")
     assert "114 slots a layer now, 6.00 GiB of VRAM; the KV maps 40 MiB" in lines[1]
     assert "KV" not in offload_stats_lines({**m, "kv_bytes": 0})[1]   # KV allocated whole
+
+
+# ---- --chat-template ---------------------------------------------------------------------------------
+
+HOSTILE = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def hostile_template_model(tiny_model, tmp_path_factory):
+    return rewrite(tiny_model, tmp_path_factory.mktemp("hostile") / "m.gguf",
+                   metadata={"tokenizer.chat_template": ("str", HOSTILE)})
+
+
+def test_a_refused_template_names_the_override_and_the_override_works(hostile_template_model,
+                                                                         tmp_path, capsys):
+    assert main(["run", str(hostile_template_model), "-p", "hi", "--chat", "-n", "2"]) == 1
+    assert "--chat-template" in _err(capsys)
+    mine = tmp_path / "chatml.jinja"
+    mine.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                    "{% endfor %}<|im_start|>assistant\n")
+    assert main(["run", str(hostile_template_model), "-p", "hi", "--chat", "-n", "2", "--temp", "0",
+                 "--chat-template", str(mine)]) == 0
+    capsys.readouterr()
+    for bad, needle in ((tmp_path / "missing.jinja", "No such file"), (tmp_path / "bin.jinja", "not UTF-8")):
+        if bad.name == "bin.jinja":
+            bad.write_bytes(b"\xff\xfe{{")
+        assert main(["run", str(hostile_template_model), "-p", "hi", "--chat",
+                     "--chat-template", str(bad)]) == 1
+        assert needle in _err(capsys)
