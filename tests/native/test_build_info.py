@@ -46,3 +46,32 @@ def test_summary_has_the_cpu_build():
     assert set(s) == {"cpu", "cuda"}
     if s["cpu"] is not None:
         assert s["cpu"]["isa"] in s["cpu"]["available"]
+
+
+def _fake_gpu(monkeypatch, archs, name="NVIDIA GeForce RTX 5090", cc=(12, 0)):
+    import sys
+    import types
+
+    import torch
+    fake = types.SimpleNamespace(built_archs=lambda: archs, set_tables=lambda tables: None)
+    monkeypatch.setitem(sys.modules, "native._cuda", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cc)
+    monkeypatch.setattr(build_info, "unusable", None)
+    return fake
+
+
+def test_loading_on_a_gpu_without_code_warns_one_line_and_falls_back(monkeypatch):
+    from native import ops
+    _fake_gpu(monkeypatch, ["sm_90"])
+    with pytest.warns(UserWarning, match=r"RTX 5090 \(compute capability 12.0\).*FTPATCH_CUDA_ARCHS=120"):
+        assert ops._load("_cuda") is None
+    assert "RTX 5090" in build_info.unusable
+
+
+def test_loading_on_a_covered_gpu_keeps_the_extension(monkeypatch):
+    from native import ops
+    fake = _fake_gpu(monkeypatch, DEFAULT)
+    assert ops._load("_cuda") is fake and build_info.unusable is None
