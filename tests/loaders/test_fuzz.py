@@ -31,9 +31,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the worker module beside this file
 import fuzz_gguf  # noqa: E402
-from fuzz_gguf import _enc_str, _enc_value, load_base  # noqa: E402
+from fuzz_gguf import load_base  # noqa: E402
 from loaders.chat_template import ChatTemplate, ChatTemplateError, TemplateLimits  # noqa: E402
-from loaders.vocab import builtin_vocab, vocab_metadata  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REGRESSIONS = HERE / "fuzz_regressions"
@@ -47,51 +46,9 @@ CI_SECONDS = 4.0
 
 # -- base files ----------------------------------------------------------------------------------
 
-def _kv(md: dict) -> list:
-    out = []
-    for key, v in md.items():
-        if isinstance(v, str):
-            out.append((key, 8, v))
-        elif isinstance(v, bool):
-            out.append((key, 7, v))
-        elif isinstance(v, int):
-            out.append((key, 4, v))
-        elif isinstance(v, np.ndarray):
-            out.append((key, 9, (fuzz_gguf._SUB_OF_DTYPE[v.dtype], v.tolist())))
-        else:
-            out.append((key, 9, (8, list(v))))
-    return out
-
-
-def write_vocab_gguf(path: Path, n_merges: int = 40) -> Path:
-    """A vocabulary-only GGUF (as llama.cpp's ggml-vocab-*.gguf files are)."""
-    md = {"general.architecture": "qwen35moe", **vocab_metadata(builtin_vocab(n_merges))}
-    kv = _kv(md)
-    head = b"GGUF" + np.array([3], "<u4").tobytes() + np.array([0, len(kv)], "<u8").tobytes()
-    head += b"".join(_enc_str(k) + np.array([t], "<u4").tobytes() + _enc_value(t, v)
-                     for k, t, v in kv)
-    path.write_bytes(head + b"\0" * (-len(head) % 32))
-    return path
-
-
 @pytest.fixture(scope="session")
 def fuzz_bases(tmp_path_factory) -> dict[str, Path]:
-    """A small qwen35moe model (every tensor kind, 4 layers, 40-merge vocabulary, ~330 KB) and
-    a vocabulary-only file. Both are deterministic, so regression files stay meaningful."""
-    from loaders import synth
-    d = tmp_path_factory.mktemp("fuzz_bases")
-    vocab = write_vocab_gguf(d / "vocab.gguf")
-    synth.PRESETS["fuzz"] = synth.Preset(
-        n_layer=4, n_embd=64, n_vocab=None, n_expert=4, n_expert_used=2, n_ff_exp=32,
-        n_ff_shexp=32, n_head=2, n_head_kv=1, head_dim=32, n_rot=16, rope_sections=(4, 2, 2, 0),
-        ssm_d_inner=64, ssm_d_state=16, ssm_n_v_heads=4, ssm_n_k_heads=2, n_ctx_train=256)
-    try:
-        model = synth.synthesize(d / "model.gguf", synth.SynthOptions(
-            preset="fuzz", type="Q8_0", embed_type="Q8_0", vocab=str(vocab), mtp=True),
-            threads=1)[0]
-    finally:
-        del synth.PRESETS["fuzz"]
-    return {"model": model, "vocab": vocab}
+    return fuzz_gguf.make_bases(tmp_path_factory.mktemp("fuzz_bases"))
 
 
 def test_bases_are_valid(fuzz_bases):
