@@ -2,7 +2,8 @@
 state for gated delta-net layers (shared/docs/qwen35moe.md §4.8).
 
 Everything is allocated once for `n_ctx` positions and updated in place, so buffer addresses
-never change (a CUDA graph can capture a decode step). The B rows of a batch advance together:
+never change (a CUDA graph can capture a decode step); on the CPU the KV's pages are taken from
+the OS only as positions are written. The B rows of a batch advance together:
 they share one position counter. With `kv_alloc` (the offload runtime, B = 1) the KV rows are
 address space reserved for n_ctx positions with memory mapped only behind the first `kv_rows`:
 `map_kv` grows or shrinks that as the conversation does, the addresses staying put.
@@ -11,11 +12,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import OffloadError
 
 DEFAULT_N_CTX = 4096
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU from calloc'd pages (numpy), which the OS maps only when written, so a
+    large --ctx costs host memory as the conversation reaches it, not up front."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = 1
+    for d in shape:
+        n *= d
+    raw = np.zeros(n * torch.finfo(dtype).bits // 8, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 @dataclass
@@ -58,10 +72,15 @@ class State:
         self._kv_bufs: list = []
         self._kv_row = c.n_head_kv * c.head_dim * torch.finfo(kv_dtype).bits // 8  # bytes a position
         if kv_alloc is None:
-            self.k = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
-                      for i in c.attention_layers}
-            self.v = {i: torch.zeros(kv_shape, dtype=kv_dtype, device=self.device)
-                      for i in c.attention_layers}
+            try:
+                self.k = {i: _zeros(kv_shape, kv_dtype, self.device) for i in c.attention_layers}
+                self.v = {i: _zeros(kv_shape, kv_dtype, self.device) for i in c.attention_layers}
+            except (MemoryError, torch.OutOfMemoryError):
+                total = 2 * len(c.attention_layers) * B * self.n_ctx * self._kv_row
+                raise OffloadError(
+                    f"a KV cache for {self.n_ctx:,} positions needs {total / 2**30:.1f} GiB "
+                    f"({2 * len(c.attention_layers) * self._kv_row:,} bytes a position) and "
+                    f"{self.device} cannot provide it; lower --ctx") from None
         else:
             if B != 1:
                 raise OffloadError("an elastic KV cache holds one sequence (batch 1)")

@@ -67,3 +67,28 @@ def test_elastic_kv_maps_what_the_context_uses(config):
 def test_elastic_kv_holds_one_sequence(config):
     with pytest.raises(OffloadError, match="batch 1"):
         State(config, 2, 64, "cpu", torch.float16, kv_alloc=FakeElastic)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_cpu_kv_takes_memory_only_as_positions_are_written(tiny_model):
+    """A large --ctx on the CPU reserves address space; pages come as the conversation grows."""
+    c = open_model(tiny_model).config
+    before = _resident_bytes()
+    st = State(c, 1, 1_000_000, "cpu")
+    kv = sum(t.nbytes for t in (*st.k.values(), *st.v.values()))
+    assert kv >= 500 << 20
+    assert _resident_bytes() - before < kv // 10
+    layer = c.attention_layers[0]
+    assert float(st.k[layer][0, 999_999].abs().sum()) == 0.0    # reads as zeros
+    st.k[layer][0, :1000] = 1.0
+    assert _resident_bytes() - before < kv // 10
+
+
+def test_a_kv_cache_too_large_for_the_device_is_one_error_with_numbers(tiny_model):
+    c = open_model(tiny_model).config
+    with pytest.raises(OffloadError, match=r"KV cache for 1,000,000,000,000 positions needs .* GiB .*lower --ctx"):
+        State(c, 1, 10**12, "cpu")
