@@ -53,7 +53,7 @@ class _Version(argparse.Action):
 # The command modules, in the order --help lists them; each maps its command names to
 # (add_parser, run) in COMMANDS.
 COMMAND_MODULES = ("inspect", "synth", "tokenize", "logits", "run", "chat", "bench", "freetoken",
-                   "pr_notes", "doctor")
+                   "pr_notes", "doctor", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

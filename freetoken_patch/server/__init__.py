@@ -1,3 +1,11 @@
-"""Reserved for the OpenAI-compatible server behind `ftpatch serve` (FastAPI + uvicorn): request
-models, a batcher that feeds the runtime's multi-sequence steps, a store of prefix snapshots, and
-metrics. Nothing is built yet; the package exports no names."""
+"""The OpenAI-compatible server behind `ftpatch serve` (FastAPI + uvicorn).
+
+  app.py            routes, pydantic request/response models, checks, auth, request counts
+  engine.py         the bounded queue and the one thread that owns the model: active sequences
+                    advanced in turn (interleaved, not batched), a prefix cache of recent States
+  openai_format.py  error objects, message content, SSE chunks, the reasoning and tool-call parsers
+  metrics.py        Prometheus text for /metrics
+
+FastAPI and uvicorn come with the `serve` extra (pip install 'ftpatch[serve]'); importing this
+package does not need them, `server.app` does.
+"""

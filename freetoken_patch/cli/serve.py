@@ -1,0 +1,128 @@
+"""`ftpatch serve [MODEL]`: an OpenAI-compatible HTTP server (freetoken_patch/server/)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import CLIError
+from .inputs import check
+from .model_args import (add_model_args, add_template_arg, add_vram_arg, build_for,
+                         chat_template_for, context_size, device_for, open_model_named,
+                         placement_options)
+
+DESCRIPTION = """\
+Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
+reasoning_content), POST /v1/completions, GET /v1/models, /health and /metrics (Prometheus).
+Without MODEL it serves the embedded default (a tiny random-weights model, for trying clients).
+
+One thread owns the model. Up to --parallel requests are active at once and take turns, one
+decode step each (interleaved, not batched: N requests share one sequence's speed; batched
+decode, which fetches the experts several sequences need once per layer, is not built yet).
+More requests wait in a queue of --queue; past that the server answers 429. A follow-up whose
+prompt starts with a recent conversation prefills only the new tokens. Under --vram the
+offload runtime holds one sequence, so --parallel is 1 there.
+"""
+
+EPILOG = """\
+examples:
+  ftpatch serve                                      # the embedded default on 127.0.0.1:8080
+  ftpatch serve model.gguf --vram 8GiB --ctx 16384
+  ftpatch serve model.gguf --device cuda --parallel 8 --api-key "$KEY" --host 0.0.0.0
+
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="unused")
+  client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
+"""
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description=DESCRIPTION, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(s, model_optional=True, device_default=None,
+                   model_help="GGUF file, shard or folder (default: the embedded random-weights "
+                              "model)",
+                   device_help="cpu (default) or cuda / cuda:N (the whole model in VRAM; with "
+                               "--vram: the GPU the runtime uses)")
+    add_vram_arg(s)
+    add_template_arg(s)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
+    s.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="requests generated at once, taking turns step by step (default 4; "
+                        "interleaved, not batched)")
+    s.add_argument("--queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for a slot; more get 429 (default 64)")
+    s.add_argument("--prefix-cache", type=int, default=4, metavar="N",
+                   help="finished conversations whose state is kept for follow-ups (default 4; "
+                        "each holds a context's KV cache)")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise CLIError("ftpatch serve needs the server packages: pip install 'ftpatch[serve]'") \
+            from None
+    check("--port", args.port, 0 <= args.port <= 65535, "give a port from 0 to 65535")
+    check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
+    check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
+    check("--prefix-cache", args.prefix_cache, 0 <= args.prefix_cache <= 256, "give 0 to 256")
+    served = load(args)
+    from ..server.app import create_app
+    note = lambda line: print(f"ftpatch serve: {line}", file=sys.stderr)  # noqa: E731
+    eng = served.engine
+    note(f"{served.model_id} | context {served.n_ctx} | {eng.parallel} at once (interleaved), "
+         f"queue {eng.queue_size}" + (" | --vram: one sequence at a time"
+                                      if eng.single_state and args.parallel > 1 else ""))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        note(f"listening on {args.host} without --api-key: anyone who reaches it can use it")
+    note(f"http://{args.host}:{args.port}/v1 (Ctrl-C finishes the requests in flight and exits)")
+    config = uvicorn.Config(create_app(served), host=args.host, port=args.port,
+                            log_level="warning", timeout_graceful_shutdown=None)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def load(args: argparse.Namespace):
+    """The model named by the flags (or the embedded default), its engine, and the app's Served."""
+    from loaders.synth import default_model_path, ensure_default_model
+    from loaders.tokenizer import Tokenizer
+    from ..server.engine import Engine
+    from ..server.app import Served
+    from ..server.metrics import Metrics
+    dev = device_for(args.device, args.vram)
+    if args.model is None:
+        path = default_model_path()
+        ensure_default_model()
+    else:
+        path = args.model
+    loaded = open_model_named(path)
+    md = loaded.metadata
+    if "tokenizer.ggml.tokens" not in md:
+        raise CLIError(f"{path} has no tokenizer metadata, so the server cannot read or write "
+                       "text")
+    tok = Tokenizer.from_metadata(md, str(path))
+    template = chat_template_for(args, md, path)
+    n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
+    model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
+    metrics = Metrics()
+    engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
+                    prefix_cache=args.prefix_cache, metrics=metrics)
+    return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
+
+
+def model_id(path) -> str:
+    """The served model's id: the file's stem (a split set's without its shard suffix)."""
+    import re
+    p = Path(path)
+    stem = p.name if p.is_dir() else p.stem
+    return re.sub(r"-\d{5}-of-\d{5}$", "", stem)
+
+
+COMMANDS = {"serve": (add_parser, run)}

@@ -1,0 +1,580 @@
+"""The FastAPI app: OpenAI-compatible routes, their pydantic request/response models, the checks
+that turn a bad request into one 4xx error object naming the field and the fix, API-key auth
+and per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moe_offload import DoneEvent, SamplingParams, TokenEvent
+
+from .engine import Engine, Failure, Job, QueueFull, ShuttingDown
+from .metrics import Metrics
+from .openai_format import (ApiError, OutputParser, collect, error_body, new_id, now, sse,
+                            template_messages, tool_call_object)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+# ---- request models ---------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and 1.0 is not an integer; unknown fields are ignored
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int | None = None
+    logprobs: Union[bool, int, None] = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+# ---- response models ----------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] = {}
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+# ---- what the app serves --------------------------------------------------------------------------
+
+@dataclass
+class Served:
+    """The model behind the app: its engine, tokenizer, chat template and names."""
+    engine: Engine
+    tokenizer: Any
+    template: Any
+    model_id: str
+    n_ctx: int
+    api_key: str | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    created: int = field(default_factory=now)
+
+
+def create_app(served: Served) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, at shutdown, drains it."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        served.engine.start()
+        yield
+        await run_in_threadpool(served.engine.shutdown, True)
+
+    app = FastAPI(title="ftpatch", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.served = served
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        msg, param = _validation_message(e.errors())
+        return JSONResponse(error_body(msg, param=param, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.url.path}; the routes are {', '.join(ENDPOINTS)}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(
+                   e.status_code, str(e.detail))
+        return JSONResponse(error_body(msg, code=str(e.status_code)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request, e: Exception):
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}"[:500],
+                                       "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        eng = served.engine
+        return {"status": "ok", "model": served.model_id, "parallel": eng.parallel,
+                "active": eng.n_active, "queued": eng.queue_length}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(served.metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served.model_id, "object": "model", "created": served.created,
+            "owned_by": "ftpatch", "meta": {"n_ctx": served.n_ctx}}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        _check_model(served, req.model)
+        params = _sampling(req, req.max_completion_tokens)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise ApiError(400, "response_format other than text is not supported yet; leave it "
+                                "out", param="response_format", code="unsupported")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        use_tools = bool(tools) and req.tool_choice != "none"
+        text, ids = await run_in_threadpool(_render_chat, served, req, tools if use_tools else None)
+        job = _submit(served, ids, params)
+        parser = OutputParser(text, tools, parse_tools=use_tools)
+        rid = new_id("chatcmpl")
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _stream(_chat_chunks(served, job, parser, rid, usage))
+        done, parts = await _collect(job, parser)
+        reasoning, content, calls = collect(parts)
+        msg = ChatMessageOut(content=content if content or not calls else None,
+                             reasoning_content=reasoning or None,
+                             tool_calls=[tool_call_object(c) for c in calls] or None)
+        return ChatCompletion(id=rid, created=now(), model=served.model_id,
+                              choices=[ChatChoice(message=msg,
+                                                  finish_reason=_finish(done, bool(calls)))],
+                              usage=_usage(job, done)).model_dump(exclude_none=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        _check_model(served, req.model)
+        params = _sampling(req, None)
+        if req.echo or req.suffix:
+            raise ApiError(400, "echo and suffix are not supported; leave them out",
+                           param="echo" if req.echo else "suffix", code="unsupported")
+        ids = await run_in_threadpool(_encode_prompt, served, req.prompt)
+        job = _submit(served, ids, params)
+        rid = new_id("cmpl")
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _stream(_completion_chunks(served, job, rid, usage))
+        done, parts = await _collect(job, None)
+        text = "".join(t for _, t in parts)
+        return Completion(id=rid, created=now(), model=served.model_id,
+                          choices=[CompletionChoice(text=text, finish_reason=_finish(done, False))],
+                          usage=_usage(job, done)).model_dump(exclude_none=True)
+
+    return _Observe(app, served)
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    e = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if e.get("type") == "json_invalid":
+        return (f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}); "
+                "send a JSON object", None)
+    loc = [p for p in e.get("loc", ()) if p != "body"]
+    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
+    if e.get("type") == "missing":
+        return f"{name} is required; add it to the request", name
+    got = e.get("input")
+    shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) \
+        else type(got).__name__
+    return f"{name}: {e.get('msg', 'invalid')} (got {shown}); fix its type or leave it out", name
+
+
+def _check_model(served: Served, name: str | None) -> None:
+    if name not in (None, "", "default", served.model_id):
+        raise ApiError(404, f"model {name!r} is not served here; this server serves "
+                            f"{served.model_id!r} (\"default\" or no model field also work)",
+                       param="model", code="model_not_found")
+
+
+def _bad(param: str, value: Any, fix: str) -> ApiError:
+    return ApiError(400, f"{param}={json.dumps(value) if _jsonable(value) else value!r}: {fix}",
+                    param=param, code="invalid_value")
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v, allow_nan=False)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
+def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingParams:
+    """The request's sampling fields, each range-checked, as SamplingParams."""
+    if req.n not in (None, 1):
+        raise _bad("n", req.n, "this server returns one choice per request; leave n out or "
+                               "send 1 (send several requests for several answers)")
+    if req.logprobs:
+        raise _bad("logprobs", req.logprobs, "log probabilities are not supported yet; leave "
+                                             "logprobs out")
+    n_max = max_completion_tokens if max_completion_tokens is not None else req.max_tokens
+    which = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
+    if n_max is not None and not 1 <= n_max <= 1 << 31:
+        raise _bad(which, n_max, "give 1 or more (leave it out to generate until the end of "
+                                 "the text or a full context)")
+    t = req.temperature
+    if t is not None and not (_finite(t) and 0 <= t <= 2):
+        raise _bad("temperature", t, "give a number from 0 (greedy) to 2")
+    if req.top_p is not None and not (_finite(req.top_p) and 0 < req.top_p <= 1):
+        raise _bad("top_p", req.top_p, "give a number above 0 and at most 1 (1 = off)")
+    if req.top_k is not None and req.top_k < 0:
+        raise _bad("top_k", req.top_k, "give 0 (off) or more")
+    if req.min_p is not None and not (_finite(req.min_p) and 0 <= req.min_p <= 1):
+        raise _bad("min_p", req.min_p, "give a number from 0 (off) to 1")
+    if req.repeat_penalty is not None and not (_finite(req.repeat_penalty)
+                                               and 0 < req.repeat_penalty <= 10):
+        raise _bad("repeat_penalty", req.repeat_penalty, "give a number above 0 (1 = off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not (_finite(v) and -2 <= v <= 2):
+            raise _bad(name, v, "give a number from -2 to 2 (0 = off)")
+    if req.frequency_penalty:
+        raise _bad("frequency_penalty", req.frequency_penalty,
+                   "not supported yet (the sampler has presence and repeat penalties); send 0 "
+                   "or use presence_penalty")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > 16 or any(len(s) > 1000 for s in stop):
+        raise _bad("stop", f"{len(stop)} strings", "give at most 16 stop strings of at most "
+                                                    "1000 characters")
+    if req.seed is not None and not -(1 << 63) <= req.seed < 1 << 64:
+        raise _bad("seed", req.seed, "give an integer that fits 64 bits")
+    d = SamplingParams()
+    return SamplingParams(
+        temperature=d.temperature if t is None else t,
+        top_k=d.top_k if req.top_k is None else req.top_k,
+        top_p=d.top_p if req.top_p is None else req.top_p,
+        min_p=d.min_p if req.min_p is None else req.min_p,
+        repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        seed=None if req.seed is None else req.seed % (1 << 64),
+        max_tokens=sys.maxsize if n_max is None else n_max,
+        stop=tuple(s for s in stop if s))
+
+
+def _render_chat(served: Served, req: ChatRequest, tools: list | None) -> tuple[str, list[int]]:
+    """Render the conversation with the chat template and tokenize it (in a worker thread)."""
+    from loaders import GGUFError
+    if not req.messages:
+        raise ApiError(400, "messages is empty; send at least one message", param="messages",
+                       code="invalid_value")
+    msgs = template_messages(m.model_dump(exclude_none=True) for m in req.messages)
+    for m in msgs:
+        if m["role"] == "developer":
+            m["role"] = "system"
+    kwargs = dict(req.chat_template_kwargs or {})
+    bad = RESERVED_TEMPLATE_KEYS & kwargs.keys()
+    if bad:
+        raise ApiError(400, f"chat_template_kwargs.{sorted(bad)[0]} is set by the server; leave "
+                            "it out", param="chat_template_kwargs", code="invalid_value")
+    think = kwargs.pop("enable_thinking", None)
+    if think is not None and not isinstance(think, bool):
+        raise _bad("chat_template_kwargs.enable_thinking", think, "give true or false")
+    tok = served.tokenizer
+    try:
+        text = served.template.render(msgs, add_generation_prompt=True, enable_thinking=think,
+                                      bos_token=tok.bos_token, eos_token=tok.eos_token,
+                                      tools=tools, **kwargs)
+    except GGUFError as e:
+        raise ApiError(400, f"the chat template could not render these messages: {e}",
+                       param="messages", code="template_error") from None
+    ids = tok.encode(text, add_special=False, parse_special=True)
+    _check_fits(served, ids, "messages")
+    return text, ids
+
+
+def _encode_prompt(served: Served, prompt: str | list[int]) -> list[int]:
+    tok = served.tokenizer
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_special=True, parse_special=True)
+    else:
+        bad = [i for i in prompt if not 0 <= i < len(tok)]
+        if bad:
+            raise _bad("prompt", bad[0], f"token ids run from 0 to {len(tok) - 1}")
+        ids = list(prompt)
+    if not ids:
+        raise ApiError(400, "prompt is empty; give some text", param="prompt",
+                       code="invalid_value")
+    _check_fits(served, ids, "prompt")
+    return ids
+
+
+def _check_fits(served: Served, ids: list[int], param: str) -> None:
+    if len(ids) >= served.n_ctx:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens and the context holds "
+                            f"{served.n_ctx} (the reply needs at least one more); shorten the "
+                            "{} or restart the server with a larger --ctx".format(param),
+                       param=param, code="context_length_exceeded")
+
+
+def _submit(served: Served, ids: list[int], params: SamplingParams) -> Job:
+    job = Job(ids, params)
+    try:
+        served.engine.submit(job)
+    except QueueFull:
+        raise ApiError(429, f"the server is busy: {served.engine.queue_size} requests are "
+                            "queued already; retry after a moment", code="queue_full",
+                       type="rate_limit_error", headers={"Retry-After": "1"}) from None
+    except ShuttingDown:
+        raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+    return job
+
+
+# ---- replies --------------------------------------------------------------------------------------
+
+async def _collect(job: Job, parser: OutputParser | None):
+    """Wait for the whole reply: (DoneEvent, parts)."""
+    parts: list = []
+    try:
+        while True:
+            ev = await job.events.get()
+            if isinstance(ev, Failure):
+                raise ApiError(ev.status, ev.message)
+            text = ev.text
+            parts += parser.push(text) if parser else [("content", text)] if text else []
+            if isinstance(ev, DoneEvent):
+                if parser:
+                    parts += parser.finish()
+                return ev, parts
+    finally:
+        job.cancel()     # a no-op once done; frees the slot when the client went away
+
+
+def _finish(done: DoneEvent, tool_calls: bool) -> str:
+    if done.reason in ("length", "context"):
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def _usage(job: Job, done: DoneEvent | None) -> Usage:
+    n_gen = len(done.tokens) if done is not None else 0
+    return Usage(prompt_tokens=len(job.prompt), completion_tokens=n_gen,
+                 total_tokens=len(job.prompt) + n_gen,
+                 prompt_tokens_details={"cached_tokens": job.n_cached})
+
+
+def _stream(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(job: Job):
+    """The job's events until its end; cancels the job if the consumer leaves first."""
+    try:
+        while True:
+            ev = await job.events.get()
+            yield ev
+            if not isinstance(ev, TokenEvent):
+                return
+    finally:
+        job.cancel()
+
+
+async def _chat_chunks(served: Served, job: Job, parser: OutputParser, rid: str, usage: bool):
+    created = now()
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": served.model_id,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                 "finish_reason": finish}]})
+
+    def deltas(parts) -> list[str]:
+        out = []
+        for kind, val in parts:
+            if kind == "tool_call":
+                out.append(chunk({"tool_calls": [tool_call_object(val, n_calls[0])]}))
+                n_calls[0] += 1
+            elif kind == "reasoning":
+                out.append(chunk({"reasoning_content": val}))
+            else:
+                out.append(chunk({"content": val}))
+        return out
+
+    n_calls = [0]
+    yield chunk({"role": "assistant", "content": ""})
+    async for ev in _events(job):
+        if isinstance(ev, Failure):
+            yield sse(error_body(ev.message, "server_error"))
+            return
+        for c in deltas(parser.push(ev.text)):
+            yield c
+        if isinstance(ev, DoneEvent):
+            for c in deltas(parser.finish()):
+                yield c
+            yield chunk({}, _finish(ev, n_calls[0] > 0))
+            if usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": served.model_id, "choices": [],
+                           "usage": _usage(job, ev).model_dump()})
+            yield sse("[DONE]")
+
+
+async def _completion_chunks(served: Served, job: Job, rid: str, usage: bool):
+    created = now()
+
+    def chunk(text: str, finish: str | None = None) -> str:
+        return sse({"id": rid, "object": "text_completion", "created": created,
+                    "model": served.model_id,
+                    "choices": [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": finish}]})
+
+    async for ev in _events(job):
+        if isinstance(ev, Failure):
+            yield sse(error_body(ev.message, "server_error"))
+            return
+        if ev.text:
+            yield chunk(ev.text)
+        if isinstance(ev, DoneEvent):
+            yield chunk("", _finish(ev, False))
+            if usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": served.model_id, "choices": [],
+                           "usage": _usage(job, ev).model_dump()})
+            yield sse("[DONE]")
+
+
+# ---- auth and counts --------------------------------------------------------------------------
+
+class _Observe:
+    """ASGI wrapper: the API key on every route but /health, and requests counted by route
+    and status (a plain wrapper, so streamed bodies pass through unbuffered)."""
+
+    def __init__(self, app: FastAPI, served: Served):
+        self.app, self.served = app, served
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        status = [500]
+
+        async def sending(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            key = self.served.api_key
+            if key and path != "/health" and not _authorized(scope, key):
+                resp = JSONResponse(error_body(
+                    "a valid API key is required: send the header 'Authorization: Bearer KEY' "
+                    "with the key the server was started with (--api-key)",
+                    code="invalid_api_key"), status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, sending)
+            return await self.app(scope, receive, sending)
+        finally:
+            self.served.metrics.request(endpoint, status[0])
+
+
+def _authorized(scope, key: str) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            got = value.decode("latin-1")
+            scheme, _, token = got.partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                       key.encode())
+    return False
+
+
+__all__ = ["create_app", "Served", "ChatRequest", "CompletionRequest", "ChatCompletion",
+           "Completion"]
