@@ -19,9 +19,7 @@ import shlex
 import subprocess
 from typing import Callable
 
-from .llama_bench import LlamaBench
-
-GiB = 1 << 30
+from .llama_bench import LlamaBench, size_text
 
 
 # -- several caps, ours and theirs interleaved -------------------------------------------------------------
@@ -51,7 +49,7 @@ def run_caps(caps: list[int], measure: Callable[[int], dict], llama: LlamaBench 
     from ..errors import CLIError
     runs, theirs, failed = [], [], None
     for cap in caps:
-        log(f"-- cap {cap / GiB:g} GiB: ftpatch")
+        log(f"-- cap {size_text(cap)}: ftpatch")
         try:
             r = measure(cap)
         except CLIError:
@@ -59,7 +57,7 @@ def run_caps(caps: list[int], measure: Callable[[int], dict], llama: LlamaBench 
         except Exception as e:         # this cap failed (does not fit, ...): the others still run
             failed = e
             r = {"vram_cap": cap, "error": f"{type(e).__name__}: {e}"}
-            log(f"cap {cap / GiB:g} GiB: {r['error']}")
+            log(f"cap {size_text(cap)}: {r['error']}")
         runs.append(r)
         if llama is not None:
             threads = int((r.get("machine") or {}).get("cpu_threads") or os.cpu_count() or 1)
@@ -175,6 +173,6 @@ def run_cli(args, sizes: list[int], console, run_one) -> int:
     for row in result.get("comparison", []):
         parts = [f"{t} {v['ratio']:.2f}x" for t, v in row["tests"].items() if v["ratio"]]
         if parts:
-            log(f"cap {row['vram_cap'] / GiB:g} GiB, ours / llama.cpp (--n-cpu-moe "
+            log(f"cap {size_text(row['vram_cap'])}, ours / llama.cpp (--n-cpu-moe "
                 f"{row.get('llama_n_cpu_moe')}): " + ", ".join(parts))
     return 0

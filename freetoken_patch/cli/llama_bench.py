@@ -30,6 +30,11 @@ LLAMA_UBATCH = 512                # llama-bench's default -ub: the compute buffe
 LLAMA_CONTEXT_FALLBACK = 680 * MiB  # CUDA context + cuBLAS, if placement no longer names it
 
 
+def size_text(n: int) -> str:
+    """8 GiB, 700 MiB: a cap as --vram takes it."""
+    return f"{n / GiB:g} GiB" if n >= GiB else f"{n / MiB:g} MiB"
+
+
 # -- the --n-cpu-moe that fits a cap ------------------------------------------------------------------
 
 def llama_gpu_bytes(model, n_cpu_moe: int, n_ctx: int, n_ubatch: int = LLAMA_UBATCH) -> dict:
@@ -244,10 +249,10 @@ class LlamaBench:
         if n is None:
             res["error"] = (f"does not fit: every expert on the CPU is estimated at "
                             f"{fit['estimate']['total'] / GiB:.2f} GiB")
-            self.log(f"llama-bench at {cap / GiB:g} GiB: {res['error']}")
+            self.log(f"llama-bench at {size_text(cap)}: {res['error']}")
             return res
         while n <= fit["n_layers"]:
-            self.log(f"llama-bench at {cap / GiB:g} GiB: --n-cpu-moe {n}")
+            self.log(f"llama-bench at {size_text(cap)}: --n-cpu-moe {n}")
             att = self.run_once(n, threads)
             res["attempts"].append({k: v for k, v in att.items() if k != "raw"})
             if "error" in att:
