@@ -65,13 +65,14 @@ print(json.dumps(rows, indent=2))
 SMI = r'''
 import os, sys
 q = " ".join(sys.argv[1:])
-if "--query-compute-apps" in q:
-    try:
-        print(open(os.environ["FAKE_SMI_FILE"]).read(), end="")
-    except OSError:
-        pass
+try:
+    pid, mib = open(os.environ["FAKE_SMI_FILE"]).read().split(",")
+except (OSError, ValueError):
+    pid, mib = None, 0
+if "--query-compute-apps" in q and pid and not os.environ.get("FAKE_SMI_NO_PID"):
+    print(f"{pid}, {int(mib)}")
 elif "--query-gpu=memory.used" in q:
-    print("0")
+    print(1000 + int(mib))       # the device: 1000 MiB used by others, plus the fake's
 '''
 
 
@@ -215,3 +216,28 @@ def test_parse_llama_json_takes_the_samples():
     t = llama_bench.parse_llama_json("build: fake (0)\n" + json.dumps(rows, indent=2))
     assert t["pp512"]["median"] == 2.0 and (t["pp512"]["min"], t["pp512"]["max"]) == (1.0, 3.0)
     assert t["tg128"]["median"] == 5.0 and t["tg128"]["avg_ts"] == 5.0
+
+
+def test_vram_from_the_whole_device_where_processes_are_not_listed(tiny_model, tmp_path, monkeypatch):
+    """nvidia-smi inside a container may list no pid of ours: the device's use above what it was
+    before llama-bench started is taken instead."""
+    llama = install(tmp_path, monkeypatch, {0: 300})
+    monkeypatch.setenv("FAKE_SMI_NO_PID", "1")
+    lb = llama_bench.LlamaBench(str(llama), str(tiny_model), open_model(str(tiny_model)), [64], 8, 1,
+                                log=lambda m: None)
+    att = lb.run_once(0, 2)
+    assert att["vram_peak"] == 300 * MiB and att["vram_method"] == "device"
+
+
+def test_real_llama_bench_json_is_read():
+    """data/llama_bench_cpu_tiny.json: `llama-bench -m tiny.gguf -p 64 -n 16 -r 2 -t 2 -ngl 99
+    --n-cpu-moe 1 -o json`, a CPU build of llama.cpp as vendored in llama-cpp-python 0.3.36, on
+    the tiny synthetic model (2 shared cores: the numbers only test the reading)."""
+    text = (Path(__file__).parent / "data" / "llama_bench_cpu_tiny.json").read_text()
+    rows = llama_bench.llama_rows(text)
+    assert [(r["n_prompt"], r["n_gen"], r["n_cpu_moe"]) for r in rows] == [(64, 0, 1), (0, 16, 1)]
+    t = llama_bench.parse_llama_json(text)
+    for name, r in zip(("pp64", "tg16"), rows):
+        assert t[name]["median"] == pytest.approx(sum(r["samples_ts"]) / 2)
+        assert (t[name]["min"], t[name]["max"]) == (min(r["samples_ts"]), max(r["samples_ts"]))
+        assert t[name]["avg_ts"] == r["avg_ts"]
