@@ -9,13 +9,14 @@
 # nvtc-13.0.tar.xz, the files those wheels install less the two the build never runs (libnvvm.so,
 # __nvcc_device_query). Do not carry .gpubin (gpu_session.sh would copy those prebuilt modules
 # over the ones built here).
-#   ARCHS=90 (default) or "" for the default list (sm_86;89;90;120 + compute_80 PTX)
+#   ARCHS=90 (default), or "" for CMakeLists.txt's list (sm_86, 89, 90, 120 + compute_80 PTX)
+#   STAGES="tests" / "tests offload" / none (see gpu_session.sh)
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+PY=$(command -v "${PYTHON:-python3}")
 t0=$SECONDS
 
 # 1. the wheels, unpacked where the backend finds them (it searches sys.path for nvidia/cu*/bin/nvcc)
@@ -27,10 +28,19 @@ else
   tar -xJf "$ROOT"/.whl/nvcc/nvtc-*.tar.xz -C /tmp/nvtc || { echo "no compiler in .whl/nvcc"; exit 1; }
 fi
 ls /tmp/nvtc/nvidia/cu13/bin
-# 2. nvcc hidden: every PATH entry holding one is dropped; no CUDACXX
-NO_NVCC=$(echo "$PATH" | tr : '\n' | while read -r d; do [ -x "$d/nvcc" ] || echo "$d"; done | paste -sd:)
+# 2. nvcc hidden: PATH entries holding one are dropped, the other programs there (cmake, ...)
+#    linked from /tmp/no_nvcc_bin; no CUDACXX
+rm -rf /tmp/no_nvcc_bin && mkdir -p /tmp/no_nvcc_bin
+NO_NVCC=$(echo "$PATH" | tr : '\n' | while read -r d; do
+  if [ -x "$d/nvcc" ]; then
+    for f in "$d"/*; do [ "${f##*/}" = nvcc ] || [ -e "/tmp/no_nvcc_bin/${f##*/}" ] || ln -s "$f" /tmp/no_nvcc_bin/; done
+  else echo "$d"; fi; done | paste -sd:):/tmp/no_nvcc_bin
 unset CUDACXX
 PATH=$NO_NVCC command -v nvcc && { echo "nvcc still on the PATH"; exit 1; }
+# the backend's decision here, with no hint: it must see the driver and ask for the wheels
+decision=$(PATH=$NO_NVCC $PY build_backend/ftpatch_build.py 2>&1)
+echo "$decision" | tee -a "$OUT/registry_build.log"
+[[ $decision == *"wheels: nvidia"* ]] || { echo "the backend did not ask for the registry compiler"; exit 1; }
 # 3. the build: no isolation (nothing to download here; the image has scikit-build-core,
 #    pybind11, cmake, ninja); the backend sees the driver and no nvcc, and uses /tmp/nvtc
 rm -rf /tmp/regwh /tmp/regbuild
@@ -45,5 +55,6 @@ rm -f "$ROOT"/native/_c*.so && cp /tmp/regsite/native/_c*.so "$ROOT/native/"
 ls -l "$ROOT"/native/_c*.so
 PYTHONPATH=$ROOT $PY -c "import native._cuda as c; print('native._cuda: nvcc', c.built_with(), c.built_archs())"
 PYTHONPATH=$ROOT $PY -m freetoken_patch.cli --version
-# 5. tests and benchmarks on this build
+# 5. tests and benchmarks on this build (STAGES as gpu_session.sh's; STAGES=none: the build alone)
+[ "${STAGES-}" = none ] && exit 0
 OUT=$OUT bash scripts/gpu_session.sh
