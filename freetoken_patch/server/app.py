@@ -258,18 +258,32 @@ def create_app(served: Served) -> FastAPI:
 # ---- checks -------------------------------------------------------------------------------------
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    e = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    # the deepest error names the most specific field (stop[0], not stop, for [1])
+    e = max(errors, key=lambda x: len(x.get("loc", ())), default={"msg": "invalid", "loc": ()})
     if e.get("type") == "json_invalid":
         return (f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}); "
                 "send a JSON object", None)
-    loc = [p for p in e.get("loc", ()) if p != "body"]
-    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
+    where = _field(e)
+    if where == "body":
+        return "the request body must be a JSON object", None
     if e.get("type") == "missing":
-        return f"{name} is required; add it to the request", name
+        return f"{where} is required; add it to the request", where
     got = e.get("input")
     shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) \
         else type(got).__name__
-    return f"{name}: {e.get('msg', 'invalid')} (got {shown}); fix its type or leave it out", name
+    if sum(_field(x) == where for x in errors) > 1:      # a union: no member accepted it
+        return f"{where} has the wrong type (got {shown}); see the OpenAI API for its types", where
+    return f"{where}: {e.get('msg', 'invalid')} (got {shown}); fix its value", where
+
+
+def _field(e: dict) -> str:
+    """An error's location as the client spells it (messages[0].role), union tags dropped."""
+    loc = [p for p in e.get("loc", ()) if p != "body"
+           and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
 def _check_model(served: Served, name: str | None) -> None:
@@ -280,8 +294,9 @@ def _check_model(served: Served, name: str | None) -> None:
 
 
 def _bad(param: str, value: Any, fix: str) -> ApiError:
-    return ApiError(400, f"{param}={json.dumps(value) if _jsonable(value) else value!r}: {fix}",
-                    param=param, code="invalid_value")
+    shown = (f"{value:g}" if isinstance(value, float)      # 0, not 0.0, as the client wrote it
+             else json.dumps(value) if _jsonable(value) else repr(value))
+    return ApiError(400, f"{param}={shown}: {fix}", param=param, code="invalid_value")
 
 
 def _jsonable(v: Any) -> bool:
