@@ -1,0 +1,134 @@
+"""Tool calls and reasoning end to end with the `openai` client: the tools reach the chat
+template, a scripted model reply (the tiny model cannot write one) comes back as tool_calls
+(whole and as stream deltas) or reasoning_content, and tool results go back in."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+# A Qwen3-style template: the tools as JSON lines in the system turn, tool calls and results.
+TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for t in tools %}
+{{ t | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'tool' %}<tool_response>
+{{ m.content }}
+</tool_response>{% else %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+XML_REPLY = ["<think>\nThe user wants", " weather.\n</think>\n\n", "<tool_", "call>\n<function=",
+             "get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n",
+             "</parameter>\n</function>\n</tool_call>"]
+
+
+class Script:
+    """The reply the scripted model gives next, and the prompts it was shown."""
+    reply: list[str] = []
+    prompts: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def client(tiny_parts, kit):
+    from loaders.chat_template import ChatTemplate
+    tok = tiny_parts[1]
+
+    def record(ids):
+        Script.prompts.append(tok.decode(ids))
+        return Script.reply
+
+    served = kit.make_served(tiny_parts, n_ctx=1024, template=ChatTemplate(TEMPLATE),
+                             generate_fn=kit.scripted(record))
+    with kit.live(served) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_tool_call_returned_whole(client):
+    Script.reply = XML_REPLY
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
+    assert '"name": "get_weather"' in Script.prompts[-1]            # the template saw the tools
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    assert choice.message.content is None
+    assert choice.message.reasoning_content == "The user wants weather."
+
+
+def test_tool_call_streamed_as_deltas(client):
+    Script.reply = XML_REPLY
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                                 stream=True))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 3}
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                        for c in chunks)
+    assert reasoning == "The user wants weather."
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_json_style_call_and_tool_choice_none(client):
+    Script.reply = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n',
+                    "</tool_call>"]
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert "<tools>" not in Script.prompts[-1]
+    assert r.choices[0].message.content == "".join(Script.reply)
+
+
+def test_tool_result_round_trip(client):
+    Script.reply = ["It is ", "22 C in Paris."]
+    msgs = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "22 C"}]}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS)
+    prompt = Script.prompts[-1]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\n22 C\n</tool_response>" in prompt
+    assert r.choices[0].message.content == "It is 22 C in Paris."
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_reasoning_split_and_thinking_switch(client):
+    Script.reply = ["<think>", "\n2+2", " is 4\n</think>", "\n\nFour."]
+    r = client.chat.completions.create(model="tiny", messages=ASK)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == ("2+2 is 4", "Four.")
+    Script.reply = ["Four."]
+    r = client.chat.completions.create(model="tiny", messages=ASK,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert Script.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    assert r.choices[0].message.content == "Four."
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
