@@ -85,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
     note(f"http://{args.host}:{args.port}/v1 (Ctrl-C finishes the requests in flight and exits)")
     config = uvicorn.Config(create_app(served), host=args.host, port=args.port,
                             log_level="warning", timeout_graceful_shutdown=None)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:    # uvicorn re-raises Ctrl-C once it has drained and shut down
+        pass
+    note("stopped")
     return 0
 
 
