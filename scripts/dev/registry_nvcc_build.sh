@@ -7,8 +7,8 @@
 # Carry: .whl, holding in .whl/nvcc/ either the compiler wheels (nvidia-cuda-nvcc, -crt, -cccl,
 # -runtime, nvidia-nvvm, all 13.0.x, the driver's CUDA: 104.5 MB, over a call's 64 MiB) or
 # nvtc-13.0.tar.xz, the files those wheels install less the two the build never runs (libnvvm.so,
-# __nvcc_device_query). Do not carry .gpubin (gpu_session.sh would copy those prebuilt modules
-# over the ones built here).
+# __nvcc_device_query). A .gpubin folder is set aside (gpu_session.sh would copy its prebuilt
+# modules over the ones built here).
 #   ARCHS=90 (default), or "" for CMakeLists.txt's list (sm_86, 89, 90, 120 + compute_80 PTX)
 #   STAGES="tests" / "tests offload" / none (see gpu_session.sh)
 set -u -o pipefail
@@ -52,6 +52,9 @@ echo "registry-compiler build: $((SECONDS - t0)) s"
 # 4. the built modules into native/ (where gpu_session.sh and the tests import them from)
 rm -rf /tmp/regsite && $PY -m zipfile -e /tmp/regwh/*.whl /tmp/regsite
 rm -f "$ROOT"/native/_c*.so && cp /tmp/regsite/native/_c*.so "$ROOT/native/"
+# prebuilt modules left by an earlier call on this machine would be copied over these by
+# gpu_session.sh: set them aside
+[ -d "$ROOT/.gpubin" ] && rm -rf /tmp/gpubin.aside && mv "$ROOT/.gpubin" /tmp/gpubin.aside
 ls -l "$ROOT"/native/_c*.so
 PYTHONPATH=$ROOT $PY -c "import native._cuda as c; print('native._cuda: nvcc', c.built_with(), c.built_archs())"
 PYTHONPATH=$ROOT $PY -m freetoken_patch.cli --version
