@@ -94,8 +94,14 @@ class Metrics:
                       *self.decode_tps.lines(f"{p}decode_tokens_per_second")]
             runtime = dict(self.runtime)
         for name, (val, what) in {**self.gauges(), **runtime}.items():
-            lines += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} gauge", f"{p}{name} {val:g}"]
+            lines += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} gauge",
+                      f"{p}{name} {_number(val)}"]
         return "\n".join(lines) + "\n"
+
+
+def _number(v: float) -> str:
+    """Whole numbers (byte counts) in full, others to 6 significant digits."""
+    return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
 
 
 def runtime_gauges(stats: dict) -> dict:

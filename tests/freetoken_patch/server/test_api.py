@@ -137,3 +137,50 @@ def test_models_health_metrics(client, server):
                  "ftpatch_time_to_first_token_seconds_bucket",
                  "ftpatch_decode_tokens_per_second_count"):
         assert name in text
+
+
+class OneState:
+    """The tiny model as the offload runtime presents it: one State for every new_state()
+    call, and stats()."""
+
+    def __init__(self, model):
+        self.model, self.device = model, model.device
+        self.state = model.new_state(1, 256)
+
+    def new_state(self, batch=1, n_ctx=None):
+        self.state.reset()
+        return self.state
+
+    def prefill(self, *a, **kw):
+        return self.model.prefill(*a, **kw)
+
+    def decode(self, *a, **kw):
+        return self.model.decode(*a, **kw)
+
+    def stats(self):
+        return {"hit_rate": 0.75, "cache_bytes": 1 << 20, "kv_bytes": 4096, "pcie_bytes": 0}
+
+
+def test_one_state_runtime_runs_one_sequence_and_reuses_it(tiny_parts, kit):
+    model, tok, tmpl = tiny_parts
+    served = kit.make_served((OneState(model), tok, tmpl), parallel=4)
+    assert served.engine.single_state and served.engine.parallel == 1
+    with kit.live(served) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        first = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, temperature=0)
+        follow = MSGS + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "More?"}]
+        r = c.chat.completions.create(model="tiny", messages=follow, max_tokens=3, temperature=0)
+        assert r.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        text, _ = _reference(tiny_parts, _chat_ids(tiny_parts, follow),
+                             SamplingParams(temperature=0, max_tokens=3))
+        assert r.choices[0].message.content == text.strip()
+        # a conversation that shares nothing starts over on the same State
+        other = [{"role": "system", "content": "Be brief."}] + MSGS
+        r2 = c.chat.completions.create(model="tiny", messages=other, max_tokens=2, temperature=0)
+        text2, _ = _reference(tiny_parts, _chat_ids(tiny_parts, other),
+                              SamplingParams(temperature=0, max_tokens=2))
+        assert r2.choices[0].message.content == text2.strip()
+        metrics = httpx.get(url + "/metrics").text
+    assert "ftpatch_expert_cache_hit_rate 0.75" in metrics
+    assert "ftpatch_expert_cache_bytes 1048576" in metrics
