@@ -3,6 +3,7 @@ that turn a bad request into one 4xx error object naming the field and the fix, 
 and per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -25,6 +26,7 @@ from .openai_format import (ApiError, OutputParser, collect, error_body, new_id,
                             template_messages, tool_call_object)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+DISCONNECT_POLL_S = 1.0   # how often a non-streamed request checks that its client is there
 RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
@@ -208,7 +210,7 @@ def create_app(served: Served) -> FastAPI:
             "owned_by": "ftpatch", "meta": {"n_ctx": served.n_ctx}}]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, request: Request):
         _check_model(served, req.model)
         params = _sampling(req, req.max_completion_tokens)
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -223,7 +225,7 @@ def create_app(served: Served) -> FastAPI:
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(_chat_chunks(served, job, parser, rid, usage))
-        done, parts = await _collect(job, parser)
+        done, parts = await _collect(job, parser, request)
         reasoning, content, calls = collect(parts)
         msg = ChatMessageOut(content=content if content or not calls else None,
                              reasoning_content=reasoning or None,
@@ -234,7 +236,7 @@ def create_app(served: Served) -> FastAPI:
                               usage=_usage(job, done)).model_dump(exclude_none=True)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         _check_model(served, req.model)
         params = _sampling(req, None)
         if req.echo or req.suffix:
@@ -246,7 +248,7 @@ def create_app(served: Served) -> FastAPI:
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _stream(_completion_chunks(served, job, rid, usage))
-        done, parts = await _collect(job, None)
+        done, parts = await _collect(job, None, request)
         text = "".join(t for _, t in parts)
         return Completion(id=rid, created=now(), model=served.model_id,
                           choices=[CompletionChoice(text=text, finish_reason=_finish(done, False))],
@@ -433,12 +435,24 @@ def _submit(served: Served, ids: list[int], params: SamplingParams) -> Job:
 
 # ---- replies --------------------------------------------------------------------------------------
 
-async def _collect(job: Job, parser: OutputParser | None):
-    """Wait for the whole reply: (DoneEvent, parts)."""
+async def _collect(job: Job, parser: OutputParser | None, request: Request):
+    """Wait for the whole reply: (DoneEvent, parts). A client that hangs up is noticed within
+    a second and its sequence dropped."""
     parts: list = []
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     try:
         while True:
-            ev = await job.events.get()
+            try:
+                ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                ev = None
+            if loop.time() - checked >= DISCONNECT_POLL_S:
+                checked = loop.time()
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client closed the connection") from None
+            if ev is None:
+                continue
             if isinstance(ev, Failure):
                 raise ApiError(ev.status, ev.message)
             text = ev.text

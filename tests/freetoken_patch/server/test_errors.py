@@ -200,3 +200,17 @@ def test_engine_takes_turns_and_admits_between_steps(tiny_parts, kit):
 
     asyncio.run(run())
     assert log == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2), (3, 0), (3, 1), (3, 2)]
+
+
+def test_client_giving_up_on_a_whole_reply_frees_its_slot(tiny_parts, kit):
+    served = kit.make_served(tiny_parts, parallel=1,
+                             generate_fn=kit.scripted(lambda p: iter(lambda: "z", None),
+                                                      delay=0.002))
+    eng = served.engine
+    with kit.live(served) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json={**OK, "max_tokens": 10 ** 9},
+                       timeout=0.5)
+        r = httpx.post(url + "/v1/chat/completions", json={**OK, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "zzz"
+        _wait(lambda: eng.n_active == 0, "the engine to go idle")
