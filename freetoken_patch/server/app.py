@@ -142,7 +142,7 @@ class Completion(BaseModel):
     usage: Usage
 
 
-# ---- what the app serves --------------------------------------------------------------------------
+# ---- what the app serves -------------------------------------------------------------------------
 
 @dataclass
 class Served:
@@ -433,7 +433,7 @@ def _submit(served: Served, ids: list[int], params: SamplingParams) -> Job:
     return job
 
 
-# ---- replies --------------------------------------------------------------------------------------
+# ---- replies -------------------------------------------------------------------------------------
 
 async def _collect(job: Job, parser: OutputParser | None, request: Request):
     """Wait for the whole reply: (DoneEvent, parts). A client that hangs up is noticed within

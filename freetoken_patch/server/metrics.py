@@ -80,7 +80,8 @@ class Metrics:
             for (ep, st), n in sorted(self.requests.items()):
                 lines.append(f'{p}requests_total{{endpoint="{ep}",status="{st}"}} {n}')
             for name, val, what in (
-                    ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
+                    ("prompt_tokens_total", self.prompt_tokens,
+                     "Prompt tokens of finished requests."),
                     ("prompt_tokens_cached_total", self.cached_prompt_tokens,
                      "Prompt tokens taken from a cached prefix instead of prefilled."),
                     ("generated_tokens_total", self.generated_tokens, "Tokens generated.")):

@@ -121,7 +121,8 @@ class ReasoningSplitter:
                 i = self.buf.find(THINK_CLOSE)
                 if i >= 0:
                     self._emit(out, "reasoning", self.buf[:i].rstrip())
-                    self.buf, self.mode, self.trim = self.buf[i + len(THINK_CLOSE):], "content", True
+                    self.buf = self.buf[i + len(THINK_CLOSE):]
+                    self.mode, self.trim = "content", True
                     continue
                 body = self.buf[:len(self.buf) - _partial_suffix(self.buf, THINK_CLOSE)]
                 keep = len(body) - len(body.rstrip())            # trailing blanks may end it
@@ -151,7 +152,7 @@ class ReasoningSplitter:
                 out.append((kind, text))
 
 
-# ---- tool calls -----------------------------------------------------------------------------------
+# ---- tool calls ----------------------------------------------------------------------------------
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
@@ -180,8 +181,8 @@ def parse_tool_block(block: str, types: dict[str, dict[str, str]] | None = None)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return []
         args = obj.get("arguments", obj.get("parameters", {}))
-        return [{"name": obj["name"],
-                 "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}]
+        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return [{"name": obj["name"], "arguments": text}]
     calls = []
     for fm in _FUNCTION.finditer(body):
         name = fm.group(1).strip()

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from moe_offload import GREEDY, SamplingParams, generate  # noqa: E402
+from moe_offload import SamplingParams, generate  # noqa: E402
 
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -59,7 +59,8 @@ def test_chat_stream_equals_non_stream_and_reports_usage(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
     assert finals == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
         whole.usage.completion_tokens

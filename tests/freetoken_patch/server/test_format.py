@@ -16,7 +16,8 @@ TOOLS = [{"type": "function", "function": {
 
 XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
             "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
-JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+JSON_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+             '</tool_call>')
 
 
 def _run(text, prompt="", tools=None, step=None):
@@ -79,7 +80,8 @@ def test_content_parts_and_tool_messages_for_the_template():
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
          "function": {"name": "f", "arguments": '{"x": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"}])
-    assert msgs[0]["content"] == "" and msgs[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert msgs[0]["content"] == ""
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert msgs[1] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
 
 

@@ -127,8 +127,8 @@ def test_reasoning_split_and_thinking_switch(client):
     m = r.choices[0].message
     assert (m.reasoning_content, m.content) == ("2+2 is 4", "Four.")
     Script.reply = ["Four."]
-    r = client.chat.completions.create(model="tiny", messages=ASK,
-                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(model="tiny", messages=ASK, extra_body=no_think)
     assert Script.prompts[-1].endswith("<think>\n\n</think>\n\n")
     assert r.choices[0].message.content == "Four."
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
