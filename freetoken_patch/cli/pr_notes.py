@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
         if name == "check":
             b.add_argument("--json", help="write the record here (evidence kind pr_tests)")
     m = cmds.add_parser("measure", help="write evidence JSON: bank-load times or loader parity")
-    m.add_argument("what", choices=("bank-load", "parity"))
+    m.add_argument("what", choices=("bank-load", "fill-threads", "parity"))
     m.add_argument("--model", help="bank-load: the GGUF to load (any shard or folder)")
     m.add_argument("--repeats", type=int, default=2, help="bank-load: runs per loader and cache")
     m.add_argument("--cache", default="cold,warm", help="bank-load: cold, warm or both")
@@ -56,7 +56,12 @@ def run(args) -> int:
               f"after: {rec['after']['outcomes']}")
         return 0 if rec["diff_applies"] and rec["after"]["returncode"] == 0 else 1
     from freetoken_patch.upstream import measure
-    if args.what == "bank-load":
+    if args.what == "fill-threads":
+        if not args.model:
+            raise CLIError("measure fill-threads needs --model")
+        rec = measure.fill_threads(args.model, repeats=args.repeats,
+                                   caches=tuple(c for c in args.cache.split(",") if c))
+    elif args.what == "bank-load":
         if not args.model:
             raise CLIError("measure bank-load needs --model")
         rec = measure.bank_load(args.model, repeats=args.repeats,

@@ -23,6 +23,9 @@ def bank_load(d: dict) -> str:
     rows = [f"| page cache | {head} |", "|---" * (len(loaders) + 1) + "|"]
     nbytes = d["runs"][0]["bank_bytes"]
     headers = [r["freetoken_header_seconds"] for r in d["runs"]]
+    cached: dict[str, list[float]] = {}
+    for r in d["runs"]:
+        cached.setdefault(r["cache"], []).append(r["page_cache_kib_before"] / 2**20)
     for cache in dict.fromkeys(r["cache"] for r in d["runs"]):
         cells, base = [], None
         for k in loaders:
@@ -41,7 +44,9 @@ def bank_load(d: dict) -> str:
         "Median (min-max) wall time of the bank-loading call, its bank bytes per second, and the "
         f"speed-up over FreeToken 0.2.1. Method: {d['method']}.", "",
         f"FreeToken's header parse of this file (gguf-py's reader, outside the times above): "
-        f"median {statistics.median(headers):.1f} s over {len(headers)} runs."])
+        f"median {statistics.median(headers):.1f} s over {len(headers)} runs. The page cache "
+        "(all files, /proc/meminfo Cached) before the runs: " + "; ".join(
+            f"{c} {min(v):.1f}-{max(v):.1f} GiB" for c, v in cached.items()) + "."])
 
 
 def parity(d: dict) -> str:
@@ -68,7 +73,28 @@ def pr_tests(d: dict) -> str:
         f"{'applies' if d['diff_applies'] else 'DOES NOT APPLY'}"])
 
 
-RENDERERS = {"bank_load": bank_load, "parity": parity, "pr_tests": pr_tests}
+def fill_threads(d: dict) -> str:
+    counts = sorted({r["threads"] for r in d["runs"]})
+    rows = ["| page cache | " + " | ".join(f"{n} thread{'s' * (n > 1)}" for n in counts) + " |",
+            "|---" * (len(counts) + 1) + "|"]
+    nbytes = d["runs"][0]["bank_bytes"]
+    for cache in dict.fromkeys(r["cache"] for r in d["runs"]):
+        cells, base = [], None
+        for n in counts:
+            s = [r["seconds"] for r in d["runs"] if r["cache"] == cache and r["threads"] == n]
+            med = statistics.median(s)
+            base = base or med
+            cells.append(f"{med:.2f} s ({min(s):.2f}-{max(s):.2f}, n={len(s)}; "
+                         f"{nbytes / med / 1e9:.2f} GB/s; {base / med:.2f}x)")
+        rows.append(f"| {cache} | " + " | ".join(cells) + " |")
+    return "\n".join([
+        f"`{d['model']}`: {d['file_bytes'] / 2**30:.2f} GiB, {d['layers']} MoE layers, "
+        f"{nbytes / 2**30:.2f} GiB of expert banks. Machine: {_machine(d['machine'])}.", "",
+        *rows, "", f"Median (min-max), speed-up over one thread. Method: {d['method']}."])
+
+
+RENDERERS = {"bank_load": bank_load, "parity": parity, "pr_tests": pr_tests,
+             "fill_threads": fill_threads}
 
 
 def render(path: Path) -> str:

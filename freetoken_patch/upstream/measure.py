@@ -51,6 +51,7 @@ def _shards(model: str) -> list[Path]:
 
 
 def drop_cache(paths: list[Path]) -> None:
+    os.sync()   # pages still dirty (a file just written) are not dropped
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -201,9 +202,74 @@ def compare(a, b) -> dict:
     return {"identical": identical, "metadata_equal": same_meta, "bank_bytes": nbytes}
 
 
+def _fill_once(model: str, threads: int) -> dict:
+    """In this (fresh) process: the patched loader's fill alone (no FreeToken: its banks are
+    lazy anonymous mappings like FreeToken's host banks), with `threads` threads, timed."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from loaders import open_gguf
+
+    from . import banks
+    g = open_gguf(model)
+    t0 = time.perf_counter()
+    plan = banks._plan(g, int(g.get("qwen35moe.block_count")), 0)
+    dst, jobs = [], []
+    for layer, spec in enumerate(plan):
+        b = {}
+        for role, srcs in (("gate_up", spec.parts), ("down", [spec.down])):
+            e, _, r = srcs[0].array.shape
+            shape = (e, sum(s.array.shape[1] for s in srcs), r)
+            buf = mmap.mmap(-1, shape[0] * shape[1] * shape[2])
+            b[role] = torch.frombuffer(buf, dtype=torch.uint8).view(shape)
+        dst.append(b)
+        jobs += banks._jobs(layer, spec, b)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(lambda j: banks._run_job(j, True), jobs))
+    for spec in plan:
+        for src in (*spec.parts, spec.down):
+            banks._drop_page_cache(src)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "bank_bytes": sum(t.numel() for b in dst for t in b.values())}
+
+
+def fill_threads(model: str, threads=(1, 2, 4, 8), caches=("cold", "warm"), repeats: int = 2) -> dict:
+    """The patched loader's fill at several thread counts (no FreeToken needed: it runs where
+    FreeToken cannot, e.g. a Python 3.12 host); same cache method as `bank_load`."""
+    from loaders import open_gguf
+    g = open_gguf(model)
+    paths = [Path(p) for p in g.paths]
+    name, layers = Path(g.paths[0]).name, int(g.get("qwen35moe.block_count"))
+    g.close()
+    runs = []
+    for cache in caches:
+        for rep in range(repeats):
+            for n in threads:
+                (drop_cache if cache == "cold" else warm_cache)(paths)
+                cached_kib = _meminfo("Cached")
+                out = subprocess.run([sys.executable, "-m", "freetoken_patch.upstream.measure",
+                                      "_fill", model, str(n)], capture_output=True, text=True,
+                                     check=False)
+                if out.returncode:
+                    raise RuntimeError(f"fill ({n} threads) failed: {out.stderr[-2000:]}")
+                rec = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.append(dict(rec, threads=n, cache=cache, repeat=rep,
+                                 page_cache_kib_before=cached_kib))
+    return {"kind": "fill_threads", "model": name, "layers": layers, "shards": len(paths),
+            "file_bytes": sum(p.stat().st_size for p in paths), "machine": machine(),
+            "method": "fresh process per run, thread counts alternated; cold: posix_fadvise "
+                      "DONTNEED on every shard first; warm: every shard read through first; "
+                      "the patched loader's jobs into lazy anonymous mappings, header parse "
+                      "included; no FreeToken code runs", "runs": runs}
+
+
 def _main(argv: list[str]) -> None:
     if argv[0] == "_one":
         print(json.dumps(_load_once(argv[1], argv[2], int(argv[3]), argv[4])))
+    elif argv[0] == "_fill":
+        print(json.dumps(_fill_once(argv[1], int(argv[2]))))
 
 
 if __name__ == "__main__":

@@ -38,3 +38,19 @@ def test_pr_notes_build_writes_diff_and_text(freetoken, tmp_path, capsys):
     assert (tmp_path / "2.diff").read_text().startswith("--- a/freetoken/")
     assert (tmp_path / "tree" / "freetoken" / "models" / "gguf" / "reader.py").is_file()
     assert "{{" not in (tmp_path / "2.md").read_text()
+
+
+def test_serve_passes_its_arguments_to_freetoken(freetoken, monkeypatch):
+    """FreeToken's own entry point gets `serve` and every argument, with the patch applied.
+    (FreeToken's server itself needs its web stack and a GPU: not run here.)"""
+    from freetoken_patch import upstream
+    seen = []
+    monkeypatch.setattr("freetoken.cli.main",
+                        lambda argv: seen.append((list(argv), upstream.applied())) or 0)
+    try:
+        assert main(["freetoken", "serve", "--model", "m.gguf", "--port", "8000"]) == 0
+    finally:
+        upstream.revert()
+    argv, hooks_applied = seen[0]
+    assert argv == ["serve", "--model", "m.gguf", "--port", "8000"]
+    assert all(hooks_applied.values())
