@@ -6,7 +6,10 @@ Public names:
                                    targets that re-apply in FreeToken's child processes)
   check, inspect, VERSION, PatchRefused   the install the patch is for (version, RECORD hashes)
   write_profile, convert_profile   routing profiles for FreeToken's --moe-cache-split profile:
-  doctor                           what is installed, applied here and in a spawned child
+Modules beside them: `doctor` (what is installed, applied here and in a spawned child, and
+what this machine cannot run), `prbuild` (pr_notes/<N> -> FreeToken's patched tree and a diff;
+`check` runs each PR's tests before and after), `measure` (bank-load times, loader parity, as
+JSON) and `evidence` (that JSON rendered into the PR text).
 Importing this package imports no FreeToken module; `apply` does.
 """
 from .errors import PatchRefused

@@ -54,6 +54,11 @@ def unavailable() -> list[str]:
         out.append("no CUDA device: FreeToken's engine, kernels, OffloadMoeCache and pinned "
                    "banks (cudaHostRegister) do not run; the bank loader runs on CPU "
                    "(device=cpu or FREETOKEN_SKIP_BANK_PIN=1)")
+    try:
+        import freetoken.server.api_server  # noqa: F401  (the web stack `ft serve` needs)
+    except Exception as exc:   # what is missing is the message
+        out.append(f"`ft serve` cannot start its server here ({type(exc).__name__}: {exc}); "
+                   "the CPU install leaves out FreeToken's web stack and CUDA packages")
     out.append("`ft daemon` starts `python -m freetoken.cli serve` itself: it runs unpatched; "
                "serve through `ftpatch freetoken serve` instead")
     return out
