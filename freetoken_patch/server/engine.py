@@ -10,7 +10,8 @@ layer) needs multi-sequence steps in the runtime and is not here yet.
 Prefix reuse: a finished sequence's State stays in a small LRU (`prefix_cache` entries) keyed
 by the tokens it holds, with snapshots at its prompt's end. A new request whose prompt starts
 with those tokens (or with a snapshot's prefix of them) takes that State over and prefills
-only the rest. The offload runtime has one State per batch size, so under --vram the engine
+only the rest. The first turn of a prompt with several (a system prompt, the tools) is
+prefilled on its own with a snapshot after it, so conversations that open the same way share it. The offload runtime has one State per batch size, so under --vram the engine
 runs one sequence at a time and caches that one State.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from moe_offload import DoneEvent, OffloadError, SamplingParams, TokenEvent, generate
 
@@ -235,15 +238,33 @@ class Engine:
                 else:
                     history, snaps = entry.tokens, entry.snaps
             job.n_cached = len(history)
+            self.reused_tokens += len(history)
+            cut = self._first_turn_end(job.prompt)
+            if len(history) < cut:
+                # prefill the first turn (a system prompt, the tools) on its own and keep a
+                # rewind point there: other conversations that open the same way reuse it
+                head = job.prompt[len(history):cut]
+                self.model.prefill(torch.tensor([head], device=self.model.device), state)
+                self.prefilled_tokens += len(head)
+                snaps = (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
+                history = job.prompt[:cut]
             seq = _Seq(job, state, history, job.prompt[len(history):], snaps)
             seq.gen = self.generate_fn(self.model, state, seq.feed, job.params,
                                        tokenizer=self.tokenizer, history=history)
             self.prefilled_tokens += len(seq.feed)
-            self.reused_tokens += len(history)
             return seq
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
             job.put(Failure(_message(e)))
             return None
+
+    def _first_turn_end(self, prompt: list[int]) -> int:
+        """Just after the first end-of-turn id of a prompt that has another turn after that
+        one's end (a system turn before the user's); 0 when there is none."""
+        if not self.cache.size or self.tokenizer is None:
+            return 0
+        eot = self.tokenizer.eog_ids
+        ends = [i + 1 for i, t in enumerate(prompt) if t in eot]
+        return ends[0] if len(ends) >= 2 else 0
 
     def _step(self, seq: _Seq) -> bool:
         """Advance one sequence by one event; False when it is finished."""

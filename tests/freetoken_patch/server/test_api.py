@@ -185,3 +185,19 @@ def test_one_state_runtime_runs_one_sequence_and_reuses_it(tiny_parts, kit):
         metrics = httpx.get(url + "/metrics").text
     assert "ftpatch_expert_cache_hit_rate 0.75" in metrics
     assert "ftpatch_expert_cache_bytes 1048576" in metrics
+
+
+def test_shared_system_prompt_reused_across_conversations(client, server, tiny_parts):
+    served, _ = server
+    system = {"role": "system", "content": "You answer questions about geography, briefly."}
+    a = [system, {"role": "user", "content": "Where is Lima?"}]
+    b = [system, {"role": "user", "content": "Which river runs through Cairo?"}]
+    ra = client.chat.completions.create(model="tiny", messages=a, max_tokens=2, temperature=0)
+    rb = client.chat.completions.create(model="tiny", messages=b, max_tokens=3, temperature=0)
+    ids_a, ids_b = _chat_ids(tiny_parts, a), _chat_ids(tiny_parts, b)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+    cached = rb.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= shared                  # the system turn, not more
+    assert ra.usage.prompt_tokens_details.cached_tokens < cached
+    text, _ = _reference(tiny_parts, ids_b, SamplingParams(temperature=0, max_tokens=3))
+    assert rb.choices[0].message.content == text.strip()
