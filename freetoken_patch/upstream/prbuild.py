@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import os
 import re
 import shutil
 import tomllib
@@ -24,7 +25,18 @@ from pathlib import Path
 
 from ..errors import CLIError
 
-PR_ROOT = Path(__file__).resolve().parents[2] / "pr_notes"
+NOTES_ENV = "FTPATCH_PR_NOTES"
+
+
+def notes_root() -> Path:
+    """pr_notes/: $FTPATCH_PR_NOTES, else the source checkout's (beside this package), else
+    ./pr_notes. An installed wheel ships no pr_notes/: run from the repository root."""
+    for cand in (os.environ.get(NOTES_ENV), Path(__file__).resolve().parents[2] / "pr_notes",
+                 Path.cwd() / "pr_notes"):
+        if cand and Path(cand).is_dir():
+            return Path(cand)
+    raise CLIError("no pr_notes/ folder found: run from the repository root or set "
+                   f"{NOTES_ENV}")
 EVIDENCE_RE = re.compile(r"\{\{evidence:([\w.-]+)\}\}")
 
 
@@ -40,7 +52,8 @@ class PR:
         return self.folder / "change"
 
 
-def find_pr(number: int, root: Path = PR_ROOT) -> PR:
+def find_pr(number: int, root: Path | None = None) -> PR:
+    root = root or notes_root()
     hits = [p for p in sorted(root.iterdir()) if p.is_dir() and p.name.split("-")[0] == f"{number}"]
     if not hits:
         have = ", ".join(p.name for p in sorted(root.iterdir()) if (p / "pr.toml").is_file())
@@ -50,7 +63,8 @@ def find_pr(number: int, root: Path = PR_ROOT) -> PR:
     return PR(number, folder, meta["title"], tuple(meta.get("insert", ())))
 
 
-def list_prs(root: Path = PR_ROOT) -> list[PR]:
+def list_prs(root: Path | None = None) -> list[PR]:
+    root = root or notes_root()
     return [find_pr(int(p.name.split("-")[0]), root) for p in sorted(root.iterdir())
             if (p / "pr.toml").is_file()]
 
@@ -179,7 +193,7 @@ def unified(rel: str, before: str | None, after: str) -> str:
     return "".join(lines)
 
 
-def build(number: int, freetoken_dir: str | Path, out: str | Path, root: Path = PR_ROOT,
+def build(number: int, freetoken_dir: str | Path, out: str | Path, root: Path | None = None,
           text: bool = True) -> tuple[Path, Path]:
     """Write BUILD/tree (FreeToken's sources with the PR applied), BUILD/<N>.diff and, with
     `text`, BUILD/<N>.md (the PR text with its evidence rendered)."""
@@ -230,7 +244,7 @@ def _pytest(tree: Path, tests: list[str]) -> dict:
     return {"returncode": proc.returncode, "outcomes": outcomes, "tail": proc.stdout[-3000:]}
 
 
-def check(number: int, freetoken_dir: str | Path, out: str | Path, root: Path = PR_ROOT) -> dict:
+def check(number: int, freetoken_dir: str | Path, out: str | Path, root: Path | None = None) -> dict:
     """Build PR `number`, apply its diff to a clean copy of FreeToken's files, run its tests on
     the unpatched and the patched tree; a JSON-able record (evidence kind `pr_tests`)."""
     import subprocess

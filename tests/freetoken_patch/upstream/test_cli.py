@@ -31,8 +31,9 @@ def test_profile_command(freetoken, tmp_path, capsys):
     assert load_profile(out, 4, 16).shape == (4, 16)
 
 
-def test_pr_notes_build_writes_diff_and_text(freetoken, tmp_path, capsys):
+def test_pr_notes_build_writes_diff_and_text(freetoken, tmp_path, monkeypatch):
     from pathlib import Path
+    monkeypatch.setenv("FTPATCH_PR_NOTES", str(Path(__file__).resolve().parents[3] / "pr_notes"))
     site = Path(freetoken.__file__).parents[1]
     assert main(["pr-notes", "build", "2", "--freetoken", str(site), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "2.diff").read_text().startswith("--- a/freetoken/")

@@ -10,7 +10,8 @@ import pytest
 from freetoken_patch.errors import CLIError
 from freetoken_patch.upstream import evidence, prbuild
 
-PRS = [pr.number for pr in prbuild.list_prs()]
+NOTES = Path(__file__).resolve().parents[3] / "pr_notes"   # the checkout's, installed or not
+PRS = [pr.number for pr in prbuild.list_prs(NOTES)]
 
 
 def test_merge_replaces_adds_and_imports():
@@ -65,7 +66,7 @@ def test_insert_needs_one_anchor():
 
 def test_diffs_name_freetoken_paths(freetoken, tmp_path):
     for n in PRS:
-        _, diff = prbuild.build(n, Path(freetoken.__file__).parents[1], tmp_path / str(n))
+        _, diff = prbuild.build(n, Path(freetoken.__file__).parents[1], tmp_path / str(n), NOTES)
         heads = [line for line in diff.read_text().splitlines() if line.startswith(("--- ", "+++ "))]
         assert heads and all(h[4:].startswith(("a/freetoken/", "b/freetoken/", "b/tests/", "/dev/null"))
                              for h in heads), heads
@@ -74,7 +75,7 @@ def test_diffs_name_freetoken_paths(freetoken, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("number", PRS)
 def test_pr_applies_and_its_tests_fail_before_pass_after(freetoken, tmp_path, number):
-    rec = prbuild.check(number, Path(freetoken.__file__).parents[1], tmp_path)
+    rec = prbuild.check(number, Path(freetoken.__file__).parents[1], tmp_path, NOTES)
     assert rec["diff_applies"], rec["diff_check_stderr"]
     assert rec["after"]["returncode"] == 0 and rec["after"]["outcomes"].get("passed"), rec["after"]["tail"]
     assert rec["before"]["returncode"] != 0, rec["before"]["tail"]
@@ -82,6 +83,6 @@ def test_pr_applies_and_its_tests_fail_before_pass_after(freetoken, tmp_path, nu
 
 @pytest.mark.parametrize("number", PRS)
 def test_pr_text_renders_from_its_evidence(number):
-    pr = prbuild.find_pr(number)
+    pr = prbuild.find_pr(number, NOTES)
     text = evidence.render_pr(pr)
     assert "{{" not in text and text.startswith(f"# {pr.title}")
