@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,6 +55,7 @@ class Job:
     events: asyncio.Queue | None = None
     cancelled: bool = False
     n_cached: int = 0                 # prompt tokens taken from a cached prefix
+    head_s: float = 0.0               # time to prefill the first turn apart (see _admit)
 
     def __post_init__(self):
         if self.loop is None:
@@ -244,7 +246,9 @@ class Engine:
                 # prefill the first turn (a system prompt, the tools) on its own and keep a
                 # rewind point there: other conversations that open the same way reuse it
                 head = job.prompt[len(history):cut]
+                t0 = time.perf_counter()
                 self.model.prefill(torch.tensor([head], device=self.model.device), state)
+                job.head_s = time.perf_counter() - t0
                 self.prefilled_tokens += len(head)
                 snaps = (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
                 history = job.prompt[:cut]
@@ -288,7 +292,7 @@ class Engine:
             if self.metrics is not None:
                 t = ev.timings
                 self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
-                                      t.ttft_s, t.decode_tps)
+                                      seq.job.head_s + t.ttft_s, t.decode_tps)
         seq.job.put(ev)
         return False
 
