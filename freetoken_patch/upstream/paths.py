@@ -27,8 +27,15 @@ def resolve_model_path(value: str) -> str:
     a folder of GGUF files)."""
     p = Path(os.path.expanduser(value))
     if p.is_dir():
-        if _checkpoint_folder(p) or not any(p.glob("*.gguf")):
+        # a multimodal projector (mmproj-*.gguf, FreeToken's --mmproj) often sits beside the model
+        models = sorted(x for x in p.glob("*.gguf") if not x.name.startswith("mmproj"))
+        if _checkpoint_folder(p) or not models:
             return value
+        names = {m.group("stem") if (m := SPLIT_RE.match(x.name)) else x.name for x in models}
+        if len(names) > 1:
+            raise GGUFError(f"{p}: folder holds more than one model ({', '.join(sorted(names))}); "
+                            "name the file")
+        p = models[0]
     elif not (p.is_file() and SPLIT_RE.match(p.name)):
         return value
     return str(split_paths(p)[0])

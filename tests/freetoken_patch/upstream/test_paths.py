@@ -28,6 +28,13 @@ def test_any_shard_and_folder_resolve_to_shard_one(split_set):
     assert resolve_model_path(str(split_set[0].parent)) == first
 
 
+def test_projector_beside_the_model_is_ignored(tmp_path, tiny_model):
+    import shutil
+    shutil.copy(tiny_model, tmp_path / "model.gguf")
+    (tmp_path / "mmproj-model-f16.gguf").write_bytes(b"")
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path / "model.gguf")
+
+
 def test_other_paths_pass_untouched(tmp_path, tiny_model):
     assert resolve_model_path(str(tiny_model)) == str(tiny_model)
     assert resolve_model_path("Qwen/Qwen3.6-35B-A3B") == "Qwen/Qwen3.6-35B-A3B"
