@@ -267,7 +267,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
                 "send a JSON object", None)
     where = _field(e)
     if where == "body":
-        return "the request body must be a JSON object", None
+        return ("the request body must be a JSON object, sent with the header 'Content-Type: "
+                "application/json'"), None
     if e.get("type") == "missing":
         return f"{where} is required; add it to the request", where
     got = e.get("input")
