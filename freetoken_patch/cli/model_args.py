@@ -236,8 +236,11 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
     return open_runtime(loaded, vram, ctx=n_ctx, device=str(dev), **(placement or {}))
 
 
-def offload_stats_lines(m: dict) -> list[str]:
-    """The offload runtime's stats() as lines for people (chat's /stats, run's summary)."""
+def offload_stats_lines(m) -> list[str]:
+    """The offload runtime's stats() (RuntimeStats, or its dict) as lines for people (chat's
+    /stats, run's summary)."""
+    if hasattr(m, "as_dict"):
+        m = m.as_dict()
     fetched, cpu = int(m.get("fetched", 0)), int(m.get("cpu", 0))
     lines = [f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, {m.get('hits', 0)} "
              f"hits, {fetched + cpu} misses ({fetched} fetched over PCIe, {cpu} run on the CPU)"]

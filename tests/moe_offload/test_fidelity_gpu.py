@@ -26,6 +26,14 @@ def _agreement(got: torch.Tensor, ref: torch.Tensor) -> np.ndarray:
                      float(np.corrcoef(got.flatten().numpy(), ref.flatten().numpy())[0, 1])])
 
 
+def _all_q8(loaded) -> bool:
+    """Every quantized weight of the model goes through the int8-activation kernels."""
+    import native._cuda as ext
+    accum = ext.matmul_accum()
+    return all(accum.get(w.qtype.name) == "q8" for w in loaded.weights.values()
+               if w.qtype.family != "float")
+
+
 def _logits(model, toks, decode=False):
     with torch.inference_mode():
         state = model.new_state(1, toks.shape[1] + 1)
@@ -51,8 +59,13 @@ def test_cuda_logits_no_less_faithful_than_ggml_q8(synth_model, name):
         gpu = build_model(loaded, "cuda")
         prefill.append(_agreement(_logits(gpu, toks.cuda()), exact))
         decode = _logits(gpu, toks.cuda(), decode=True)
-        same_scheme = _agreement(decode, ggml)[1]
-        assert same_scheme >= 0.9995, f"{name} seed {seed}: decode vs ggml's scheme corr {same_scheme:.6f}"
+        if _all_q8(loaded):   # the decode kernels are ggml's scheme: they track its emulation
+            same = _agreement(decode, ggml)[1]
+            assert same >= 0.9995, f"{name} seed {seed}: decode vs ggml's scheme corr {same:.6f}"
+        else:                 # some weights accumulate in float32: at least as close as the bar
+            got, want = _agreement(decode, exact), bar[-1]
+            assert (got + np.array([0.0, 1e-6]) >= want).all(), (
+                f"{name} seed {seed} decode: {got} vs ggml q8 {want}")
     got, bar = np.mean(prefill, 0), np.mean(bar, 0)
     # float types are exact on both sides: 1e-6 of float noise
     assert (got + np.array([0.0, 1e-6]) >= bar).all(), (
