@@ -235,9 +235,11 @@ def _fill_once(model: str, threads: int) -> dict:
     return {"seconds": seconds, "bank_bytes": sum(t.numel() for b in dst for t in b.values())}
 
 
-def fill_threads(model: str, threads=(1, 2, 4, 8), caches=("cold", "warm"), repeats: int = 2) -> dict:
-    """The patched loader's fill at several thread counts (no FreeToken needed: it runs where
-    FreeToken cannot, e.g. a Python 3.12 host); same cache method as `bank_load`."""
+def fill_threads(model: str, threads=None, caches=("cold", "warm"), repeats: int = 2) -> dict:
+    """The patched loader's fill at several thread counts (default 1, 2, 4, ... up to the CPU
+    count); no FreeToken code runs; same cache method as `bank_load`."""
+    cpus = os.cpu_count() or 1
+    threads = threads or tuple(1 << i for i in range(cpus.bit_length()) if 1 << i <= cpus)
     from loaders import open_gguf
     g = open_gguf(model)
     paths = [Path(p) for p in g.paths]
