@@ -46,7 +46,10 @@ class OffloadEngine:
     def __init__(self, cache: ExpertCache, bank: HostExpertBank, scheduler: Scheduler, *,
                  top_k: int, hidden: int, ff: int, policy: OffloadPolicy = OffloadPolicy()):
         if _cuda is None:
-            raise OffloadError("the offload runtime needs the CUDA extension (native._cuda)")
+            from native import build_info
+            raise OffloadError(build_info.unusable or "the offload runtime needs the CUDA extension "
+                               "(native._cuda), and this install has none: reinstall where nvcc "
+                               "or an NVIDIA driver is present (docs/INSTALL.md)")
         self.cache, self.bank, self.scheduler = cache, bank, scheduler
         dev = cache.device
         self.device, self.top_k, self.hidden, self.ff = dev, top_k, hidden, ff
