@@ -56,12 +56,16 @@ rm -f "$ROOT"/native/_c*.so && cp /tmp/regsite/native/_c*.so "$ROOT/native/"
 # gpu_session.sh: set them aside
 [ -d "$ROOT/.gpubin" ] && rm -rf /tmp/gpubin.aside && mv "$ROOT/.gpubin" /tmp/gpubin.aside
 ls -l "$ROOT"/native/_c*.so
-PYTHONPATH=$ROOT $PY -c "import native._cuda as c; print('native._cuda: nvcc', c.built_with(), c.built_archs())"
-PYTHONPATH=$ROOT $PY -m freetoken_patch.cli --version
-t1=$SECONDS; PYTHONPATH=$ROOT $PY -m freetoken_patch.cli doctor; echo "doctor rc=$? in $((SECONDS - t1)) s"
+# the bare machine's missing packages (gguf, prompt_toolkit) as gpu_session.sh installs them
+if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl > /dev/null 2>&1
+fi
+PYTHONPATH=$ROOT:/tmp/site $PY -c "import native._cuda as c; print('native._cuda: nvcc', c.built_with(), c.built_archs())"
+PYTHONPATH=$ROOT:/tmp/site $PY -m freetoken_patch.cli --version
+t1=$SECONDS; PYTHONPATH=$ROOT:/tmp/site $PY -m freetoken_patch.cli doctor; echo "doctor rc=$? in $((SECONDS - t1)) s"
 # 5. tests and benchmarks on this build (STAGES as gpu_session.sh's; STAGES=none: the build alone)
 [ "${STAGES-}" = none ] && exit 0
 OUT=$OUT bash scripts/gpu_session.sh
 if [ -f /tmp/35b.gguf ]; then   # made by the offload stage: doctor's plan for it on this GPU
-  PYTHONPATH=$ROOT $PY -m freetoken_patch.cli doctor /tmp/35b.gguf; echo "doctor 35b rc=$?"
+  PYTHONPATH=$ROOT:/tmp/site $PY -m freetoken_patch.cli doctor /tmp/35b.gguf; echo "doctor 35b rc=$?"
 fi
