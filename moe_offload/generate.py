@@ -28,6 +28,7 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0      # CTRL-style: positive logits / rp, negative * rp
     presence_penalty: float = 0.0    # subtracted once from every token seen
+    frequency_penalty: float = 0.0   # subtracted once per occurrence of a token seen (OpenAI's)
     penalty_last_n: int = 64         # how many recent context tokens the penalties look at
     seed: int | None = None          # None: a fresh random seed
     max_tokens: int = 256
@@ -49,10 +50,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, V]; recent [B, n] context ids the penalties see (or None)."""
         p, x = self.p, logits.float().clone()
-        if recent is not None and recent.numel() and (p.repeat_penalty != 1.0 or p.presence_penalty):
+        if recent is not None and recent.numel() and _penalized(p):
             seen = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, recent, True)
             pen = torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty) - p.presence_penalty
             x = torch.where(seen, pen, x)
+            if p.frequency_penalty:
+                counts = torch.zeros_like(x).scatter_add_(-1, recent, torch.ones_like(recent, dtype=x.dtype))
+                x = x - p.frequency_penalty * counts
         if p.temperature <= 0:
             return x.argmax(-1)
         if 0 < p.top_k < x.shape[-1]:
@@ -188,8 +192,12 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     yield DoneEvent(reason, tail, tuple(out), timings)
 
 
+def _penalized(p: SamplingParams) -> bool:
+    return p.repeat_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 def _recent(context: list[int], p: SamplingParams, dev) -> torch.Tensor | None:
-    if p.penalty_last_n <= 0 or (p.repeat_penalty == 1.0 and not p.presence_penalty):
+    if p.penalty_last_n <= 0 or not _penalized(p):
         return None
     return torch.tensor([context[-p.penalty_last_n:]], dtype=torch.int64, device=dev)
 

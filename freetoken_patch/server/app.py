@@ -343,10 +343,6 @@ def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingPara
         v = getattr(req, name)
         if v is not None and not (_finite(v) and -2 <= v <= 2):
             raise _bad(name, v, "give a number from -2 to 2 (0 = off)")
-    if req.frequency_penalty:
-        raise _bad("frequency_penalty", req.frequency_penalty,
-                   "not supported yet (the sampler has presence and repeat penalties); send 0 "
-                   "or use presence_penalty")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 16 or any(len(s) > 1000 for s in stop):
         raise _bad("stop", f"{len(stop)} strings", "give at most 16 stop strings of at most "
@@ -361,6 +357,7 @@ def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingPara
         min_p=d.min_p if req.min_p is None else req.min_p,
         repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
         presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed % (1 << 64),
         max_tokens=sys.maxsize if n_max is None else n_max,
         stop=tuple(s for s in stop if s))

@@ -68,6 +68,10 @@ def test_penalties():
     assert Sampler(SamplingParams(temperature=0, presence_penalty=1.5))(LOGITS, recent).tolist() == [0]
     neg = torch.tensor([[-1.0, -2.0]])                      # negative logits are multiplied
     assert Sampler(SamplingParams(temperature=0, repeat_penalty=3.0))(neg, torch.tensor([[0]])).tolist() == [1]
+    # frequency: once per occurrence -- token 4 seen twice, 3.0 - 2 * 0.6 = 1.8 < 2.0; seen once it stays on top
+    freq = SamplingParams(temperature=0, frequency_penalty=0.6)
+    assert Sampler(freq)(LOGITS, torch.tensor([[4, 4]])).tolist() == [0]
+    assert Sampler(freq)(LOGITS, torch.tensor([[4]])).tolist() == [4]
 
 
 def test_stop_scanner_holds_back_partial_matches():

@@ -53,7 +53,7 @@ BAD = [
     ("top_p 0", {**OK, "top_p": 0}, "top_p=0: give a number above 0", "top_p", 400),
     ("top_p > 1", {**OK, "top_p": 1.5}, "top_p=1.5", "top_p", 400),
     ("n = 2", {**OK, "n": 2}, "one choice per request", "n", 400),
-    ("frequency_penalty", {**OK, "frequency_penalty": 0.5}, "use presence_penalty",
+    ("frequency_penalty out of range", {**OK, "frequency_penalty": 2.5}, "from -2 to 2",
      "frequency_penalty", 400),
     ("prompt too long", {**OK, "messages": [{"role": "user", "content": "word " * 200}]},
      "the context holds 64", "messages", 400),
