@@ -33,7 +33,7 @@ def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
 def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
                       n_help: str | None = None, n_predict_alias: bool = False) -> None:
     """-n/--max-tokens, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty,
-    --seed, --stop (read back with `sampling_params(args)`); `n_predict_alias` also accepts
+    --frequency-penalty, --seed, --stop (read back with `sampling_params(args)`); `n_predict_alias` also accepts
     llama.cpp's --n-predict, unlisted."""
     s.add_argument("-n", "--max-tokens", dest="max_tokens", type=int, default=n_default,
                    metavar="N", help=n_help or f"most tokens to generate (default {n_default}; "
@@ -54,6 +54,8 @@ def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
                    help="penalise the last 64 context tokens, > 0 (default 1.0 = off)")
     s.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="subtract from tokens already present (default 0)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract from a token once per time it is present (default 0)")
     s.add_argument("--seed", type=int, metavar="N",
                    help="random seed, 0 or more (default: a fresh one)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -75,12 +77,14 @@ def sampling_params(args: argparse.Namespace):
     check("--repeat-penalty", args.repeat_penalty,
           math.isfinite(args.repeat_penalty) and args.repeat_penalty > 0,
           "give a number above 0 (1 = off)")
-    check("--presence-penalty", args.presence_penalty, math.isfinite(args.presence_penalty),
-          "give a finite number (0 = off)")
+    for flag, v in (("--presence-penalty", args.presence_penalty),
+                    ("--frequency-penalty", args.frequency_penalty)):
+        check(flag, v, math.isfinite(v), "give a finite number (0 = off)")
     check_seed("--seed", args.seed)
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                          presence_penalty=args.presence_penalty, seed=args.seed,
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed,
                           max_tokens=sys.maxsize if n == -1 else n, stop=tuple(args.stop))
 
 

@@ -108,6 +108,7 @@ def test_the_console_script_with_bytes_that_are_not_utf8(tiny_model):
     (["--repeat-penalty", "0"], "--repeat-penalty 0: give a number above 0"),
     (["--repeat-penalty", "nan"], "--repeat-penalty nan"),
     (["--presence-penalty", "inf"], "--presence-penalty inf: give a finite number"),
+    (["--frequency-penalty", "nan"], "--frequency-penalty nan: give a finite number"),
     (["--seed", "-1"], "--seed -1: give a whole number from 0"),
     (["--seed", str(2**64)], "--seed 18446744073709551616"),
     (["-n", "0"], "-n 0: give 1 or more tokens, or -1 for no limit"),
