@@ -33,8 +33,8 @@ def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
 def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
                       n_help: str | None = None, n_predict_alias: bool = False) -> None:
     """-n/--max-tokens, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --presence-penalty,
-    --frequency-penalty, --seed, --stop (read back with `sampling_params(args)`); `n_predict_alias` also accepts
-    llama.cpp's --n-predict, unlisted."""
+    --frequency-penalty, --seed, --stop (read back with `sampling_params(args)`);
+    `n_predict_alias` also accepts llama.cpp's --n-predict, unlisted."""
     s.add_argument("-n", "--max-tokens", dest="max_tokens", type=int, default=n_default,
                    metavar="N", help=n_help or f"most tokens to generate (default {n_default}; "
                                               "-1 = until the end of text or a full context)")
