@@ -3,7 +3,8 @@ number (shared/docs/BENCHMARKS.md): warm-up, then the median of N repetitions an
 TTFT, VRAM peaks by the allocator and by nvidia-smi, load time, expert-cache statistics, and the
 routing regime (the model's own routing, or a replayed trace with stated locality) on every line.
 
-`ftpatch bench kernels` runs the per-type kernel benchmark instead (bench_kernels.py).
+`ftpatch bench kernels` runs the per-type kernel benchmark instead (bench_kernels.py);
+`ftpatch bench serve` loads an OpenAI-compatible server on this machine (bench_serve.py).
 Several caps in one call (`--vram 4GiB,6GiB,8GiB`) and llama.cpp's `llama-bench` beside ours
 (`--compare-llama-bench BIN`): bench_compare.py. `ftpatch bench report RESULTS.json...` turns
 results into an HTML page, PNG charts and the README's table: bench_report.py.
@@ -35,6 +36,7 @@ examples:
   ftpatch bench 35b.gguf --vram 4GiB,8GiB --compare-llama-bench ~/llama.cpp/build/bin/llama-bench
   ftpatch bench report caps.json -o report.html --png charts/   # charts of results (JSON)
   ftpatch bench kernels                                   # per-type kernel throughput (GB/s)
+  ftpatch bench serve --concurrency 1,2,4                 # load a server: TTFT, tok/s (--help)
 
 method: each size runs once untimed, then --reps times; the median is reported with min and
 max. pp N = N prompt tokens / prefill wall time (random token ids, one chunk per --chunk).
@@ -47,8 +49,9 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
                        description="Measure prefill (pp) and decode (tg) throughput of a model "
                                    "under a hard VRAM cap, with cache and routing statistics.")
-    s.add_argument("model", help="GGUF model; or the word 'kernels' (kernel benchmark) or "
-                                  "'report' followed by result files (charts and tables)")
+    s.add_argument("model", help="GGUF model; or the word 'kernels' (kernel benchmark), "
+                                  "'report' followed by result files (charts and tables) or "
+                                  "'serve' (load a server; its own flags: bench serve --help)")
     s.add_argument("--vram", default="8GiB", type=size_list_arg,
                    help="VRAM cap, or several separated by commas (default 8GiB)")
     s.add_argument("--compare-llama-bench", metavar="BIN",
@@ -94,6 +97,8 @@ def add_parser(sub) -> None:
         pass
     from . import bench_report
     bench_report.add_arguments(s.add_argument_group("report options (with 'report')"))
+    from . import bench_serve
+    bench_serve.attach(s)   # `bench serve ...` is parsed and run by bench_serve
 
 
 def size_list_arg(text: str) -> list[int]:

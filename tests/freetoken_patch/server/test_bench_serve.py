@@ -1,0 +1,89 @@
+"""`ftpatch bench serve`: the in-process server on the tiny model (JSON shape, every request
+counted, prefix reuse seen in cached_tokens), and the refusals (a non-loopback --url, a bad
+--concurrency) as one line each."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freetoken_patch.cli import main
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def test_in_process_levels_and_followup(tiny_model, capsys, tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", str(tiny_model), "--ctx", "512", "--concurrency", "1,2",
+               "--requests", "2", "--max-tokens", "4", "--prompt-tokens", "64", "--json",
+               "--out", str(out)])
+    assert rc == 0
+    cap = capsys.readouterr()
+    r = json.loads(cap.out)
+    assert json.loads(out.read_text()) == r
+    assert r["kind"] == "ftpatch-bench-serve" and r["model"] == tiny_model.stem
+    assert r["server"]["mode"] == "in-process" and r["server"]["url"].startswith(
+        "http://127.0.0.1:")
+    assert isinstance(r["method"], str) and r["method"]
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
+    for lv in r["levels"]:
+        assert lv["requests"] == lv["sent"] == lv["ok"] == 2 and lv["errors"] == 0
+        assert lv["skipped_time_limit"] == 0
+        assert 0 < lv["completion_tokens"] <= 2 * 4
+        assert lv["aggregate_decode_tps"] > 0 and lv["wall_s"] > 0
+        assert lv["ttft_s"]["n"] == 2
+        assert all(lv["ttft_s"][k] > 0 for k in ("p50", "p90", "p99"))
+        ps = lv["per_stream_decode_tps"]
+        if ps["streams"]:
+            assert 0 < ps["min"] <= ps["median"] <= ps["max"]
+    fu = r["followup"]
+    assert fu["turns"] == 2 and fu["first"]["error"] is None
+    [turn] = fu["followups"]
+    reuse, fresh = turn["with_reuse"], turn["without_reuse"]
+    assert reuse["error"] is None and fresh["error"] is None
+    assert reuse["cached_tokens"] >= fu["first"]["prompt_tokens"]
+    assert fresh["cached_tokens"] == 0
+    assert reuse["ttft_s"] > 0 and fresh["ttft_s"] > 0
+    assert "bench serve:" in cap.err and "turn 2:" in cap.err
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8080", "http://example.com",
+                                 "https://192.168.0.1/v1", "ftp://127.0.0.1:21"])
+def test_non_loopback_url_refused(url, capsys):
+    assert main(["bench", "serve", "--url", url]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ftpatch: error: --url {url}:")
+
+
+def test_loopback_urls_accepted():
+    from freetoken_patch.cli.bench_serve import loopback_url
+    assert loopback_url("http://127.0.0.1:8080/v1") == "http://127.0.0.1:8080"
+    assert loopback_url("http://127.3.0.9:1") == "http://127.3.0.9:1"
+    assert loopback_url("http://localhost:8080/") == "http://localhost:8080"
+    assert loopback_url("http://[::1]:8080") == "http://[::1]:8080"
+
+
+@pytest.mark.parametrize("value", ["1,x", "0", "", "2,,4", "300"])
+def test_bad_concurrency_refused(value, capsys):
+    assert main(["bench", "serve", "--concurrency", value]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ftpatch: error: --concurrency ")
+
+
+def test_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "usage: ftpatch bench serve" in text and "examples:" in text
+
+
+def test_url_mode_against_a_running_server(tiny_parts, kit, capsys):
+    with kit.live(kit.make_served(tiny_parts, parallel=2)) as url:
+        assert main(["bench", "serve", "--url", url + "/v1", "--concurrency", "2",
+                     "--requests", "3", "--max-tokens", "3", "--turns", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["server"] == {"mode": "url", "url": url, "n_ctx": 256, "parallel": 2}
+    [lv] = r["levels"]
+    assert lv["sent"] == lv["ok"] == 3 and r["followup"] is None
