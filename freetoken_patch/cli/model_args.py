@@ -162,7 +162,7 @@ def open_model_named(path, *, strict: bool = True):
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_params", "stop_reason", "size_arg",
            "parse_device", "context_size", "check_fits", "open_model_named", "add_template_arg",
-           "chat_template_for"]
+           "chat_template_for", "load_for_text"]
 
 
 def add_template_arg(s: argparse.ArgumentParser) -> None:
@@ -187,6 +187,23 @@ def chat_template_for(args, metadata, model_path):
     except UnicodeDecodeError as e:
         raise CLIError(f"--chat-template {path}: not UTF-8 text (byte {e.start})") from None
     return ChatTemplate(text, where=str(path))
+
+
+def load_for_text(args, path, dev, what: str):
+    """A model that reads and writes text, as chat and serve open it: (loaded, tokenizer, chat
+    template, n_ctx, model). `what` names the command in the error for a file without a
+    tokenizer."""
+    from loaders.tokenizer import Tokenizer
+    loaded = open_model_named(path)
+    md = loaded.metadata
+    if "tokenizer.ggml.tokens" not in md:
+        raise CLIError(f"{path} has no tokenizer metadata, so {what} cannot read or write text; "
+                       "use `ftpatch logits MODEL --tokens IDS` instead")
+    tok = Tokenizer.from_metadata(md, str(path))
+    template = chat_template_for(args, md, path)
+    n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
+    model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
+    return loaded, tok, template, n_ctx, model
 
 
 def add_vram_arg(s: argparse.ArgumentParser) -> None:

@@ -7,9 +7,8 @@ from pathlib import Path
 
 from ..errors import CLIError
 from .inputs import check
-from .model_args import (add_model_args, add_template_arg, add_vram_arg, build_for,
-                         chat_template_for, context_size, device_for, open_model_named,
-                         placement_options)
+from .model_args import (add_model_args, add_template_arg, add_vram_arg, device_for,
+                         load_for_text)
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
@@ -96,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
 def load(args: argparse.Namespace):
     """The model named by the flags (or the embedded default), its engine, and the app's Served."""
     from loaders.synth import default_model_path, ensure_default_model
-    from loaders.tokenizer import Tokenizer
     from ..server.engine import Engine
     from ..server.app import Served
     from ..server.metrics import Metrics
@@ -106,15 +104,7 @@ def load(args: argparse.Namespace):
         ensure_default_model()
     else:
         path = args.model
-    loaded = open_model_named(path)
-    md = loaded.metadata
-    if "tokenizer.ggml.tokens" not in md:
-        raise CLIError(f"{path} has no tokenizer metadata, so the server cannot read or write "
-                       "text")
-    tok = Tokenizer.from_metadata(md, str(path))
-    template = chat_template_for(args, md, path)
-    n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
-    model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
+    _, tok, template, n_ctx, model = load_for_text(args, path, dev, "the server")
     metrics = Metrics()
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics)

@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...errors import CLIError
-from ..model_args import (add_model_args, add_sampling_args, add_template_arg, add_vram_arg, build_for,
-                          chat_template_for,
-                          context_size, device_for, open_model_named, placement_options,
-                          sampling_params)
+from ..model_args import (add_model_args, add_sampling_args, add_template_arg, add_vram_arg,
+                          device_for, load_for_text, sampling_params)
 from .conversation import HELP, Conversation, answer, command
 from .screens import PlainScreen, TerminalScreen
 
@@ -74,7 +71,6 @@ def add_parser(sub) -> None:
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     """The model, its session and the banner lines; bad input raises one clear error."""
     from loaders.synth import default_model_path, ensure_default_model
-    from loaders.tokenizer import Tokenizer
     from moe_offload.generate import Session
     dev = device_for(args.device, args.vram)
     embedded = args.model is None
@@ -89,15 +85,8 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     else:
         path = args.model
     with screen.busy(f"loading {path}"):
-        loaded = open_model_named(path)
+        loaded, tok, template, n_ctx, model = load_for_text(args, path, dev, "chat")
         md = loaded.metadata
-        if "tokenizer.ggml.tokens" not in md:
-            raise CLIError(f"{path} has no tokenizer metadata, so chat cannot read or write text; "
-                           "use `ftpatch logits MODEL --tokens IDS` instead")
-        tok = Tokenizer.from_metadata(md, str(path))
-        template = chat_template_for(args, md, path)
-        n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
-        model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
         session = Session(model, model.new_state(1, n_ctx), tok, template)
     conv = Conversation(session, params, args.system, False if args.no_think else None)
     where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"
