@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (repeat it until it says "compare rc="): build llama.cpp's llama-bench (CUDA,
-# sm_90) from .llama/llama.cpp-src.tar.gz into build/llama.cpp (kept between calls on a warm
-# machine), then ftpatch bench at each cap of $CAPS with --compare-llama-bench, then the report.
+# sm_90) from .llama/llama.cpp-src.tar.gz into $LLAMA_BUILD (default build/llama.cpp; kept between
+# calls on a warm machine), then ftpatch bench at each cap of $CAPS with --compare-llama-bench, then the report.
 # Source: llama.cpp as vendored in the PyPI sdist llama-cpp-python 0.3.36 (models/, docs/,
 # tests/, examples/ removed). Carry: .llama .whl (and .gpubin if built here). To make the tarball
 # (no network on the GPU machine): pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36,
@@ -13,15 +13,16 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-LB=$ROOT/build/llama.cpp/bin/llama-bench
+LLAMA_BUILD=${LLAMA_BUILD:-$ROOT/build/llama.cpp}
+LB=$LLAMA_BUILD/bin/llama-bench
 if [[ ! -x $LB ]]; then
   t0=$SECONDS
   [[ -d /tmp/llama.cpp ]] || tar xzf .llama/llama.cpp-src.tar.gz -C /tmp
-  cmake -S /tmp/llama.cpp -B build/llama.cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+  cmake -S /tmp/llama.cpp -B "$LLAMA_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     > "$OUT/llama_cmake.log" 2>&1 || { echo "llama.cpp cmake failed:"; tail -20 "$OUT/llama_cmake.log"; exit 1; }
-  timeout ${BUILD_LIMIT:-540} cmake --build build/llama.cpp --target llama-bench -j "$(nproc)" > "$OUT/llama_build.log" 2>&1
+  timeout ${BUILD_LIMIT:-540} cmake --build "$LLAMA_BUILD" --target llama-bench -j "$(nproc)" > "$OUT/llama_build.log" 2>&1
   rc=$?
   echo "llama-bench build rc=$rc in $((SECONDS - t0)) s: $(tail -1 "$OUT/llama_build.log")"
   [[ -x $LB ]] || { echo "not built yet: call again (the build goes on from where it stopped)"; exit 0; }
