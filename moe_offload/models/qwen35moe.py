@@ -107,11 +107,7 @@ class Qwen35Moe:
     def _attention(self, L, a, k_cache, v_cache, pos, n_attn) -> torch.Tensor:
         """Gated full attention (doc §4.3). a [B, T, H]; caches [B, n_ctx, Hkv, d]."""
         c = self.config
-        hq, hkv, d = c.n_head, c.n_head_kv, c.head_dim
-        if "attn_qkv.weight" in L:  # fused variant: rows [q|gate interleaved, k, v]
-            qg, k, v = _mm(a, L["attn_qkv.weight"]).split([2 * hq * d, hkv * d, hkv * d], -1)
-        else:
-            qg, k, v = self._proj(L, ATTN_IN, a)
+        qg, k, v = self._attention_in(L, a)
         o = gated_attention(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"], c.rms_eps,
                             pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn)
         return _mm(o, L["attn_output.weight"])
@@ -171,3 +167,53 @@ class Qwen35Moe:
         if fused is not None:
             return list(_mm(a, fused).split(fused.parts, dim=-1))
         return [_mm(a, L[n]) for n in names]
+
+    # -- many sequences, each at its own position ------------------------------------------------
+
+    def decode_many(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
+        """One token for each of B single-sequence states, each at its own position: tokens [B]
+        -> logits [B, V]; advances every state by one. Norms, projections, router and experts
+        run on the [B, H] batch (a layer's experts read once for all B, grouped by expert);
+        only the mixer's core runs per sequence, on that sequence's KV or conv/ssm state."""
+        c = self.config
+        B, H, eps = tokens.shape[0], c.n_embd, c.rms_eps
+        if len(states) != B or any(st.batch != 1 for st in states):
+            raise OffloadError(f"decode_many takes one single-sequence state per token; got "
+                               f"{B} tokens and {len(states)} states")
+        for st in states:
+            st.check_room(1)
+        one = torch.arange(1, device=self.device)
+        pos = [st.pos + one for st in states]                                   # B x [1]
+        n_attn = [st.attn_len(1) for st in states]
+        x = ops.dequantize(self.embd.data[tokens], self.embd.qtype, (B, H))      # [B, H]
+        moe_out: tuple = ()
+        for i, L in enumerate(self.blk):
+            a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, 1, H)
+            if c.recurrent[i]:
+                mix, z, beta, alpha = self._proj(L, SSM_IN, a)                # [B, 1, ...]
+                o = torch.cat([gated_delta_net(
+                    mix[b:b + 1], z[b:b + 1], beta[b:b + 1], alpha[b:b + 1], st.conv[i],
+                    st.ssm[i], L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
+                    L["ssm_norm.weight"], c.ssm_n_k_heads, eps) for b, st in enumerate(states)])
+                m = _mm(o, L["ssm_out.weight"])
+            else:
+                qg, k, v = self._attention_in(L, a)                             # [B, 1, ...]
+                o = torch.cat([gated_attention(
+                    qg[b:b + 1], k[b:b + 1], v[b:b + 1], L["attn_q_norm.weight"],
+                    L["attn_k_norm.weight"], eps, pos[b], c.n_rot, c.rope_base, st.k[i],
+                    st.v[i], n_attn[b]) for b, st in enumerate(states)])
+                m = _mm(o, L["attn_output.weight"])
+            f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B, H))
+            moe_out = self._moe(L, self.experts[i], f)
+        h = residual_rms_norm(x, self.out_norm, eps, *moe_out)                  # [B, H]
+        for st in states:
+            st.advance(1)
+        return _mm(h, self.head)
+
+    def _attention_in(self, L, a) -> list[torch.Tensor]:
+        """Attention's input projections of a [B, T, H] -> qg [.., 2*Hq*d], k, v [.., Hkv*d]."""
+        c = self.config
+        if "attn_qkv.weight" in L:  # fused variant: rows [q|gate interleaved, k, v]
+            hq, hkv, d = c.n_head, c.n_head_kv, c.head_dim
+            return list(_mm(a, L["attn_qkv.weight"]).split([2 * hq * d, hkv * d, hkv * d], -1))
+        return self._proj(L, ATTN_IN, a)
