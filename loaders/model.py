@@ -142,3 +142,45 @@ def open_model(path: str | os.PathLike, *, strict: bool = True) -> LoadedModel:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise GGUFError(f"{f.path}: {problems[0]}{more}")
     return LoadedModel(f, arch, config, weights, aside, extras, problems)
+
+
+def mtp_weights(model: LoadedModel) -> dict[str, Weight]:
+    """The first MTP / NextN block's weights (kept aside by open_model), checked against the
+    architecture's MTP schema: {} when the file has none; GGUFError naming the first problem
+    when it has a broken one. Optional NextN tensors are included when present."""
+    schema = model.arch.mtp_schema
+    if schema is None or not getattr(model.config, "n_nextn", 0):
+        return {}
+    specs = schema(model.config)
+    prefix = specs[0].name[:specs[0].name.index(".", 4) + 1]     # "blk.N."
+    found = {n: w for n, w in model.aside.items() if n.startswith(prefix)}
+    tensors = model.file.tensors
+    out, slots = {}, {}
+    for spec in specs:
+        if spec.slot is not None:
+            slots.setdefault(spec.slot, {}).setdefault(spec.group or "", []).append(spec)
+            continue
+        if spec.name not in found:
+            if spec.name.endswith("nextn.shared_head_norm.weight"):   # optional (doc §2.5)
+                continue
+            raise GGUFError(f"{model.file.path}: MTP tensor {spec.name!r} is missing")
+        if (err := _check(spec, tensors[spec.name])) is not None:
+            raise GGUFError(f"{model.file.path}: {err}")
+        out[spec.name] = found[spec.name]
+    for groups in slots.values():
+        present = [g for g, ss in groups.items() if all(s.name in found for s in ss)]
+        if not present:
+            names = " or ".join("+".join(s.name for s in ss) for ss in groups.values())
+            raise GGUFError(f"{model.file.path}: MTP tensors {names} are missing")
+        for s in groups["fused" if "fused" in present else present[0]]:
+            if (err := _check(s, tensors[s.name])) is not None:
+                raise GGUFError(f"{model.file.path}: {err}")
+            out[s.name] = found[s.name]
+    H, V = model.config.n_embd, model.config.n_vocab
+    for suffix in ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"):
+        name = prefix + suffix
+        if name in found:
+            if (err := _check(TensorSpec(name, ((V, H),), "embed"), tensors[name])) is not None:
+                raise GGUFError(f"{model.file.path}: {err}")
+            out[name] = found[name]
+    return out

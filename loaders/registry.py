@@ -33,6 +33,7 @@ class Architecture:
     parse_config: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]]], Any]
     tensor_schema: Callable[[Any], list[TensorSpec]]
     extra_prefixes: Callable[[Any], tuple[str, ...]]  # names kept aside (e.g. the MTP block)
+    mtp_schema: Callable[[Any], list[TensorSpec]] | None = None  # the MTP block, when runnable
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .archs.qwen35moe import Qwen35MoeConfig, tensor_schema
+from .archs.qwen35moe import Qwen35MoeConfig, mtp_schema, tensor_schema
 from .errors import GGUFError
 from .quants import QuantType, float_bytes, quant_type, random_tensor
 from .registry import TensorSpec
@@ -172,15 +172,7 @@ def plan_tensors(opts: SynthOptions, c: Qwen35MoeConfig, extra: list[TensorSpec]
 
 def _mtp_specs(c: Qwen35MoeConfig) -> list[TensorSpec]:
     """The NextN block at index n_layer: a full-attention layer + MoE + the MTP projections."""
-    full = replace(c, n_layer=c.n_layer + 1, recurrent=(True,) * c.n_layer + (False,))
-    b = f"blk.{c.n_layer}."
-    specs = [s for s in tensor_schema(full) if s.name.startswith(b)]
-    H = c.n_embd
-    specs += [TensorSpec(b + "nextn.eh_proj.weight", ((H, 2 * H),), "mtp"),
-              TensorSpec(b + "nextn.enorm.weight", ((H,),), "norm", matrix=False),
-              TensorSpec(b + "nextn.hnorm.weight", ((H,),), "norm", matrix=False),
-              TensorSpec(b + "nextn.shared_head_norm.weight", ((H,),), "norm", matrix=False)]
-    return specs
+    return mtp_schema(c)
 
 
 def _metadata(opts: SynthOptions, p: Preset, c: Qwen35MoeConfig, vocab: VocabSpec) -> dict:

@@ -39,6 +39,8 @@ class Snapshot:
     n_past: int
     conv: dict[int, torch.Tensor]
     ssm: dict[int, torch.Tensor]
+    mtp_past: int = 0                      # MTP rows written (mtp.py), and the trunk's hidden
+    mtp_hidden: torch.Tensor | None = None  # states still owed to it
 
 
 class State:
@@ -101,6 +103,15 @@ class State:
                     for i in c.recurrent_layers}
         self.n_past = 0
         self.pos = torch.zeros((), dtype=torch.int64, device=self.device)
+        # speculative decoding (models/mtp.py, generate.SpeculativeDecoder): the MTP layer's KV,
+        # its rows written, the trunk's hidden states [m, H] it has not yet seen (positions
+        # mtp_past..n_past-1), and the delta-net state after each token of a verify step
+        self.mtp_k: torch.Tensor | None = None
+        self.mtp_v: torch.Tensor | None = None
+        self.mtp_past = 0
+        self.mtp_hidden: torch.Tensor | None = None
+        self.steps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps_taken = 0   # tokens of the last forward whose states `steps` holds
 
     # -- elastic KV ---------------------------------------------------------------------------
 
@@ -140,6 +151,47 @@ class State:
             b.close()
         self._kv_bufs = []
 
+    # -- speculative decoding ------------------------------------------------------------------
+
+    def add_mtp_kv(self) -> None:
+        """The MTP layer's KV [B, n_ctx, Hkv, d] (one full-attention layer; allocated whole)."""
+        if self.mtp_k is None:
+            c, B = self.config, self.batch
+            shape = (B, self.n_ctx, c.n_head_kv, c.head_dim)
+            self.mtp_k = _zeros(shape, self.kv_dtype, self.device)
+            self.mtp_v = _zeros(shape, self.kv_dtype, self.device)
+
+    def keep_steps(self, depth: int) -> None:
+        """From now on, a forward of 2..depth+1 tokens keeps the delta-net state after each of
+        its first `depth` tokens (the state after the last is the live one), so that `rewind`
+        can go back to any of them: a verify step's rejected drafts cost no recomputation.
+        depth 0 stops it. The buffers are allocated once (fixed addresses for graph capture)."""
+        c, B, f32 = self.config, self.batch, dict(dtype=torch.float32, device=self.device)
+        if depth <= 0:
+            self.steps = {}
+        elif not self.steps or next(iter(self.steps.values()))[0].shape[0] < depth:
+            self.steps = {i: (torch.zeros(depth, B, c.ssm_conv_dim, c.ssm_d_conv - 1, **f32),
+                              torch.zeros(depth, B, c.ssm_n_v_heads, c.ssm_d_state,
+                                          c.ssm_head_v_dim, **f32))
+                          for i in c.recurrent_layers}
+        self.steps_taken = 0
+
+    def rewind(self, n: int) -> None:
+        """Drop the last n tokens of the last forward (n < its length): KV rows beyond are
+        garbage anyway; the delta-net state goes back to the one kept after its token T-1-n."""
+        if n <= 0:
+            return
+        t = self.steps_taken - 1 - n
+        if t < 0:
+            raise OffloadError(f"cannot rewind {n} tokens: the last forward kept "
+                               f"{self.steps_taken} states")
+        for i, (conv, ssm) in self.steps.items():
+            self.conv[i].copy_(conv[t])
+            self.ssm[i].copy_(ssm[t])
+        self.n_past -= n
+        self.pos.sub_(n)
+        self.steps_taken = 0
+
     # -- bookkeeping --------------------------------------------------------------------------
 
     @property
@@ -170,11 +222,13 @@ class State:
             t.zero_()
         self.n_past = 0
         self.pos.zero_()
+        self.mtp_past, self.mtp_hidden, self.steps_taken = 0, None, 0
 
     def snapshot(self) -> Snapshot:
         """A copy of the small recurrent part; with the KV rows below n_past it is the whole state."""
         return Snapshot(self.n_past, {i: t.clone() for i, t in self.conv.items()},
-                        {i: t.clone() for i, t in self.ssm.items()})
+                        {i: t.clone() for i, t in self.ssm.items()}, self.mtp_past,
+                        None if self.mtp_hidden is None else self.mtp_hidden.clone())
 
     def restore(self, snap: Snapshot) -> None:
         """Rewind to a snapshot taken from this state (valid while its KV rows were not rewritten
@@ -185,9 +239,13 @@ class State:
             self.ssm[i].copy_(t)
         self.n_past = snap.n_past
         self.pos.fill_(snap.n_past)
+        self.mtp_past, self.mtp_hidden = snap.mtp_past, snap.mtp_hidden
+        self.steps_taken = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole state for n_ctx positions (an elastic KV maps less: kv_mapped)."""
-        ts = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.ssm.values())
+        ts = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.ssm.values(),
+              *(t for t in (self.mtp_k, self.mtp_v) if t is not None),
+              *(t for pair in self.steps.values() for t in pair))
         return sum(t.numel() * t.element_size() for t in ts)

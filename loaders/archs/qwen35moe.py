@@ -282,6 +282,25 @@ def tensor_schema(c: Qwen35MoeConfig) -> list[TensorSpec]:
     return specs
 
 
+def mtp_schema(c: Qwen35MoeConfig) -> list[TensorSpec]:
+    """The first MTP / NextN block (blk.{n_layer}, doc §2.5): a full-attention layer with its MoE
+    (§2.2-2.3 shapes) and the NextN projections; embed_tokens and shared_head_head are optional
+    (their absence means token_embd and the trunk's head)."""
+    from dataclasses import replace
+    full = replace(c, n_layer=c.n_layer + 1, recurrent=(True,) * c.n_layer + (False,))
+    b = f"blk.{c.n_layer}."
+    H, T = c.n_embd, TensorSpec
+    return [s for s in tensor_schema(full) if s.name.startswith(b)] + [
+        T(b + "nextn.eh_proj.weight", ((H, 2 * H),), "mtp"),
+        T(b + "nextn.enorm.weight", ((H,),), "norm", matrix=False),
+        T(b + "nextn.hnorm.weight", ((H,),), "norm", matrix=False),
+        T(b + "nextn.shared_head_norm.weight", ((H,),), "norm", matrix=False)]
+
+
+MTP_OPTIONAL = ("nextn.shared_head_norm.weight", "nextn.embed_tokens.weight",
+                "nextn.shared_head_head.weight")   # suffixes a NextN block may lack
+
+
 def extra_prefixes(c: Qwen35MoeConfig) -> tuple[str, ...]:
     """The MTP / NextN block (blk.{n_layer}..): recognised, loaded, not run in the main pass."""
     return tuple(f"blk.{c.n_layer + j}." for j in range(c.n_nextn))
@@ -299,4 +318,4 @@ CONVERTER_TRANSFORMS = {
     "q_gate_interleaved": "attn_q.weight",     # per head: 256 query rows then 256 gate rows
 }
 
-ARCHITECTURE = register(Architecture(ARCH, parse_config, tensor_schema, extra_prefixes))
+ARCHITECTURE = register(Architecture(ARCH, parse_config, tensor_schema, extra_prefixes, mtp_schema))

@@ -156,16 +156,30 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> t
 def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                     alpha_raw: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                     conv_w: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
-                    norm_w: torch.Tensor, n_k_heads: int, eps: float, chunk: int = 64) -> torch.Tensor:
+                    norm_w: torch.Tensor, n_k_heads: int, eps: float, chunk: int = 64,
+                    steps: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The delta-net mixer between its input and output projections (doc §4.4).
 
     mix [B, T, C] raw q|k|v projections, z [B, T, Hv*dv], beta_raw / alpha_raw [B, T, Hv];
     conv_state [B, C, Kc-1] and ssm_state [B, Hv, dk, dv] are updated in place. Value head j
     reads q/k head j mod Hk (tiled, not interleaved). Returns [B, T, Hv*dv].
+    steps (conv [D, B, C, Kc-1], ssm [D, B, Hv, dk, dv], D >= T-1): the tokens run one at a
+    time, as decode runs them, and the states after each of the first T-1 are kept there
+    (a speculative verify step rewinds to one of them).
     """
     B, T, _ = mix.shape
     hv, dk, dv = ssm_state.shape[1:]
     hk = n_k_heads
+    if steps is not None and T > 1:
+        outs = []
+        for t in range(T):
+            one = (u[:, t:t + 1].contiguous() for u in (mix, z, beta_raw, alpha_raw))
+            outs.append(gated_delta_net(*one, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
+                                        norm_w, n_k_heads, eps))
+            if t < T - 1:
+                steps[0][t].copy_(conv_state)
+                steps[1][t].copy_(ssm_state)
+        return torch.cat(outs, dim=1)
     if T == 1 and _kernel_for(mix):
         y = ops.cuda_conv_silu_step(mix[:, 0], conv_state, conv_w)
         o = ops.cuda_delta_rule_step(y, z[:, 0], beta_raw[:, 0], alpha_raw[:, 0], ssm_a, dt_bias,

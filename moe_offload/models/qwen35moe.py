@@ -63,14 +63,19 @@ class Qwen35Moe:
 
     # -- entry points -------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] int64 on the model's device -> logits [B, T or 1, V]; advances state."""
+    def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False,
+                hidden: bool = False):
+        """tokens [B, T] int64 on the model's device -> logits [B, T or 1, V]; advances state.
+        hidden: -> (logits, the final-normed hidden states [B, T, H]: the MTP head's input).
+        With state.keep_steps(D) and 1 < T <= D+1, the delta-net states after each token are
+        kept (state.rewind)."""
         c = self.config
         B, T = tokens.shape
         H, eps = c.n_embd, c.rms_eps
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
+        keep = bool(state.steps) and 1 < T <= next(iter(state.steps.values()))[0].shape[0] + 1
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)
         # the residual stream [B*T, H], a fresh tensor updated in place
@@ -79,23 +84,28 @@ class Qwen35Moe:
         for i, L in enumerate(self.blk):
             a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, T, H)
             if c.recurrent[i]:
-                m = self._delta_net(L, a, state.conv[i], state.ssm[i])
+                m = self._delta_net(L, a, state.conv[i], state.ssm[i],
+                                    state.steps[i] if keep else None)
             else:
                 m = self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
             f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B * T, H))
             moe_out = self._moe(L, self.experts[i], f)
         h = residual_rms_norm(x, self.out_norm, eps, *moe_out).view(B, T, H)
         state.advance(T)
-        if last_only:
-            h = h[:, -1:]
-        return _mm(h, self.head)
+        state.steps_taken = T if keep else 0
+        logits = _mm(h[:, -1:] if last_only else h, self.head)
+        return (logits, h) if hidden else logits
 
     def prefill(self, tokens: torch.Tensor, state: State, chunk: int = 512,
-                all_logits: bool = False) -> torch.Tensor:
-        """A long prompt in chunks of `chunk` tokens -> last logits [B, V] (or all [B, T, V])."""
+                all_logits: bool = False, hidden: bool = False):
+        """A long prompt in chunks of `chunk` tokens -> last logits [B, V] (or all [B, T, V]);
+        hidden: -> (those logits, every position's final-normed hidden state [B, T, H])."""
         state.check_room(tokens.shape[1])
-        outs = [self.forward(tokens[:, s:s + chunk], state, last_only=not all_logits)
+        outs = [self.forward(tokens[:, s:s + chunk], state, last_only=not all_logits, hidden=hidden)
                 for s in range(0, tokens.shape[1], chunk)]
+        if hidden:
+            logits = torch.cat([o[0] for o in outs], dim=1) if all_logits else outs[-1][0][:, 0]
+            return logits, torch.cat([o[1] for o in outs], dim=1)
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, 0]
 
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
@@ -112,13 +122,13 @@ class Qwen35Moe:
                             pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn)
         return _mm(o, L["attn_output.weight"])
 
-    def _delta_net(self, L, a, conv_state, ssm_state) -> torch.Tensor:
+    def _delta_net(self, L, a, conv_state, ssm_state, steps=None) -> torch.Tensor:
         """Gated delta-net (doc §4.4). a [B, T, H]; value head j reads q/k head j mod Hk."""
         c = self.config
         mix, z, beta_raw, alpha_raw = self._proj(L, SSM_IN, a)  # [B, T, C | Hv*dv | Hv | Hv]
         o = gated_delta_net(mix, z, beta_raw, alpha_raw, conv_state, ssm_state,
                             L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
-                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, DELTA_CHUNK)
+                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, DELTA_CHUNK, steps)
         return _mm(o, L["ssm_out.weight"])
 
     # -- experts ------------------------------------------------------------------------------------

@@ -155,3 +155,38 @@ def upload_weights(model: LoadedModel, device: torch.device | str = "cpu",
             gate, up = b["ffn_gate_exps"], b["ffn_up_exps"]
         experts.append(ResidentExperts(gate, up, b["ffn_down_exps"]))
     return tensors, experts
+
+
+def upload_mtp(model: LoadedModel, device: torch.device | str = "cpu",
+               experts_device: torch.device | str | None = None
+               ) -> tuple[dict[str, QTensor | torch.Tensor], ResidentExperts] | None:
+    """The MTP / NextN block the loader kept aside (loaders.model.mtp_weights checks it) ->
+    ({name after "blk.N.": QTensor or f32 vector}, its ResidentExperts), or None when the file
+    has none. Same conventions as upload_weights (no fusing: one layer, few launches)."""
+    from loaders.model import mtp_weights
+    ws = mtp_weights(model)
+    if not ws:
+        return None
+    device = torch.device(device)
+    edev = torch.device(experts_device) if experts_device is not None else device
+    prefix = next(iter(ws))[:next(iter(ws)).index(".", 4) + 1]
+    tensors: dict[str, QTensor | torch.Tensor] = {}
+    bank: dict[str, QTensor] = {}
+    for name, w in ws.items():
+        key = name[len(prefix):]
+        if name.endswith(_EXPERTS):
+            bank[key.split(".")[0]] = QTensor.from_weight(w, edev)
+        elif name.endswith(_ELEMENTWISE):
+            tensors[key] = ops.dequantize(w.data, w.qtype, w.shape).to(dtype=torch.float32,
+                                                                       copy=True)
+        elif name.endswith("ffn_gate_inp_shexp.weight"):
+            tensors[key] = QTensor.from_numpy(w.data, w.qtype, (1, w.shape[-1]), name)
+        else:
+            tensors[key] = QTensor.from_weight(w, torch.device("cpu"))
+    if device.type != "cpu":
+        _pack(tensors, list(tensors), device)
+    if "ffn_gate_up_exps" in bank:
+        gate, up = split_gate_up(bank["ffn_gate_up_exps"])
+    else:
+        gate, up = bank["ffn_gate_exps"], bank["ffn_up_exps"]
+    return tensors, ResidentExperts(gate, up, bank["ffn_down_exps"])

@@ -1,0 +1,84 @@
+"""The MTP (NextN) draft head of qwen35moe (shared/docs/qwen35moe.md §2.5, §4.7).
+
+From the trunk's final-normed hidden state h_t of token t and the embedding of token t+1, one
+full-attention + MoE block with its own weights (blk.{n_layer}) and its own KV cache guesses
+token t+2:
+
+    x = eh_proj · [rms_norm(emb(t+1)) ⊙ enorm ; rms_norm(h_t) ⊙ hnorm]     (embedding first)
+    x = x + Attn(rms_norm(x) ⊙ attn_norm);  x = x + MoE(rms_norm(x) ⊙ post_attention_norm)
+    g = rms_norm(x) ⊙ (shared_head_norm or output_norm);  logits = (shared_head_head or output) · g
+
+The MTP row of h_t sits at position t of the MTP layer's KV (`State.mtp_k/v`, `State.mtp_past`
+rows written): RoPE only sees differences of positions, so any fixed offset would do. To draft
+further than one token the head is chained on itself: g (the same kind of vector as the trunk's
+final-normed hidden state) stands in for h of the drafted token.
+
+The block's attention and MoE are the trunk model's own code (`_attention`, `_moe`), and its
+routed experts are an injected callable like any layer's: the offload runtime can put them where
+it likes.
+"""
+from __future__ import annotations
+
+import torch
+
+from native import ops
+from native.ops import QTensor
+
+from ..errors import OffloadError
+from ..state import State
+from .layers import residual_rms_norm, rms_norm
+from .weights import Experts, upload_mtp
+
+
+def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    return ops.matmul(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+
+
+class MtpHead:
+    """The NextN block beside a trunk model (Qwen35Moe or anything with its `_attention`,
+    `_moe`, `embd`, `head`, `out_norm`). tensors: the block's weights keyed by the name after
+    "blk.N." ("attn_q.weight", "nextn.eh_proj.weight", ...)."""
+
+    def __init__(self, model, tensors: dict, experts: Experts):
+        missing = [n for n in ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight",
+                               "attn_norm.weight", "post_attention_norm.weight") if n not in tensors]
+        if missing:
+            raise OffloadError(f"the MTP block lacks {', '.join(missing)}")
+        self.model, self.config, self.L, self.experts = model, model.config, tensors, experts
+        self.embd: QTensor = tensors.get("nextn.embed_tokens.weight", model.embd)
+        self.head: QTensor = tensors.get("nextn.shared_head_head.weight", model.head)
+        self.norm: torch.Tensor = tensors.get("nextn.shared_head_norm.weight", model.out_norm)
+        self.device = model.device
+
+    @classmethod
+    def load(cls, loaded, model, experts_device: torch.device | str | None = None
+             ) -> "MtpHead | None":
+        """The file's MTP block on the model's device (experts on `experts_device`, default the
+        same), or None when the file has none."""
+        up = upload_mtp(loaded, model.device, experts_device)
+        return None if up is None else cls(model, *up)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, state: State,
+                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """hidden [B, T, H] (the trunk's final-normed states of positions p..p+T-1, p =
+        state.mtp_past), tokens [B, T] (the tokens at p+1..p+T) -> (draft logits [B, T, V] for
+        p+2..p+T+1, or None; the head's normed states g [B, T, H]). Writes T MTP KV rows."""
+        c, L = self.config, self.L
+        B, T = tokens.shape
+        H, eps = c.n_embd, c.rms_eps
+        state.add_mtp_kv()
+        p = state.mtp_past
+        if p + T > state.n_ctx:
+            raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; {p + T} needed")
+        pos = torch.arange(p, p + T, device=self.device)
+        e = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype, (B * T, H))
+        z = torch.cat((rms_norm(e.float(), L["nextn.enorm.weight"], eps),
+                       rms_norm(hidden.reshape(B * T, H).float(), L["nextn.hnorm.weight"], eps)), -1)
+        x = _mm(z, L["nextn.eh_proj.weight"]).contiguous()          # the residual stream [N, H]
+        a = residual_rms_norm(x, L["attn_norm.weight"], eps).view(B, T, H)
+        m = self.model._attention(L, a, state.mtp_k, state.mtp_v, pos, p + T)
+        f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.reshape(B * T, H))
+        moe_out = self.model._moe(L, self.experts, f)
+        g = residual_rms_norm(x, self.norm, eps, *moe_out).view(B, T, H)
+        state.mtp_past = p + T
+        return (_mm(g, self.head) if logits else None), g
