@@ -79,6 +79,9 @@ def build_parser(prog: str = "ftpatch bench serve") -> argparse.ArgumentParser:
     add_template_arg(s)
     s.add_argument("--parallel", type=int, default=4, metavar="N",
                    help="in-process server: requests generated at once (default 4)")
+    s.add_argument("--no-batch", action="store_true",
+                   help="in-process server: requests take turns, one decode step each, instead "
+                        "of one step for all (to compare)")
     s.add_argument("--url", metavar="URL",
                    help="a running server (http://127.0.0.1:PORT); loopback addresses only")
     s.add_argument("--api-key", metavar="KEY", help="with --url: the server's API key")
@@ -196,7 +199,8 @@ def _own_server(args: argparse.Namespace, queue: int):
         time.sleep(0.02)
     eng = served.engine
     info = {"mode": "in-process", "url": f"http://127.0.0.1:{port}",
-            "parallel": eng.parallel, "queue": eng.queue_size, "prefix_cache": eng.cache.size,
+            "parallel": eng.parallel, "decode": eng.mode, "queue": eng.queue_size,
+            "prefix_cache": eng.cache.size,
             "single_state": eng.single_state, "n_ctx": served.n_ctx,
             "device": str(args.device or ("cuda" if args.vram is not None else "cpu")),
             "vram": args.vram, "load_s": round(load_s, 3)}
@@ -450,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
         info.setdefault("n_ctx", (m.get("meta") or {}).get("n_ctx"))
         if health.status_code == 200:
             info.setdefault("parallel", health.json().get("parallel"))
+            info.setdefault("decode", health.json().get("mode"))
         run_id = secrets.token_hex(4)
         result = {"kind": "ftpatch-bench-serve", "model": m["id"], "server": info,
                   "settings": {"concurrency": levels, "requests": args.requests,
@@ -490,7 +495,7 @@ def _table(result: dict) -> None:
     p = lambda s="": print(s, file=sys.stderr)  # noqa: E731
     srv = result["server"]
     p(f"bench serve: {result['model']} at {srv['url']} ({srv['mode']}, parallel "
-      f"{srv.get('parallel')})")
+      f"{srv.get('parallel')}, {srv.get('decode') or 'decode mode not reported'})")
     p(f"{'conc':>4} {'ok':>4} {'err':>4} {'agg tok/s':>10} {'stream med':>10} {'min':>7} "
       f"{'max':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8}")
     for lv in result["levels"]:

@@ -15,12 +15,15 @@ Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (strea
 reasoning_content), POST /v1/completions, GET /v1/models, /health and /metrics (Prometheus).
 Without MODEL it serves the embedded default (a tiny random-weights model, for trying clients).
 
-One thread owns the model. Up to --parallel requests are active at once and take turns, one
-decode step each (interleaved, not batched: N requests share one sequence's speed; batched
-decode, which fetches the experts several sequences need once per layer, is not built yet).
-More requests wait in a queue of --queue; past that the server answers 429. A follow-up whose
-prompt starts with a recent conversation prefills only the new tokens. Under --vram the
-offload runtime holds one sequence, so --parallel is 1 there.
+One thread owns the model. Up to --parallel requests are active at once. On the plain model
+(the CPU, or a GPU holding the whole model) they are batched: each step advances every active
+request by one token together (a layer's experts read once for all of them), and a newcomer's
+prompt goes in by chunks of --prefill-chunk tokens between those steps, so a long prompt does
+not stall the others. Under --vram the offload runtime holds one sequence, so requests run one
+at a time there (--parallel is 1); --no-batch makes the plain model take turns instead, one
+request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
+the server answers 429. A follow-up whose prompt starts with a recent conversation prefills
+only the new tokens.
 """
 
 EPILOG = """\
@@ -50,8 +53,14 @@ def add_parser(sub) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
     s.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="requests generated at once, taking turns step by step (default 4; "
-                        "interleaved, not batched)")
+                   help="requests generated at once (default 4; batched on the plain model, "
+                        "one at a time under --vram)")
+    s.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens a new request feeds between two decode steps of the "
+                        "running ones (default 256; batched mode)")
+    s.add_argument("--no-batch", action="store_true",
+                   help="let active requests take turns, one decode step each, instead of "
+                        "stepping them together (to compare)")
     s.add_argument("--queue", type=int, default=64, metavar="N",
                    help="requests that may wait for a slot; more get 429 (default 64)")
     s.add_argument("--prefix-cache", type=int, default=4, metavar="N",
@@ -72,13 +81,14 @@ def run(args: argparse.Namespace) -> int:
     check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
     check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
     check("--prefix-cache", args.prefix_cache, 0 <= args.prefix_cache <= 256, "give 0 to 256")
+    check("--prefill-chunk", args.prefill_chunk, 1 <= args.prefill_chunk <= 1 << 20,
+          "give 1 or more")
     served = load(args)
     from ..server.app import create_app
     note = lambda line: print(f"ftpatch serve: {line}", file=sys.stderr)  # noqa: E731
     eng = served.engine
-    note(f"{served.model_id} | context {served.n_ctx} | {eng.parallel} at once (interleaved), "
-         f"queue {eng.queue_size}" + (" | --vram: one sequence at a time"
-                                      if eng.single_state and args.parallel > 1 else ""))
+    note(f"{served.model_id} | context {served.n_ctx} | {eng.parallel} at once ({describe(eng)}), "
+         f"queue {eng.queue_size}")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         note(f"listening on {args.host} without --api-key: anyone who reaches it can use it")
     note(f"http://{args.host}:{args.port}/v1 (Ctrl-C finishes the requests in flight and exits)")
@@ -107,8 +117,19 @@ def load(args: argparse.Namespace):
     _, tok, template, n_ctx, model = load_for_text(args, path, dev, "the server")
     metrics = Metrics()
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
-                    prefix_cache=args.prefix_cache, metrics=metrics)
+                    prefix_cache=args.prefix_cache, metrics=metrics,
+                    prefill_chunk=getattr(args, "prefill_chunk", 256),
+                    batch=False if getattr(args, "no_batch", False) else None)
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
+
+
+def describe(engine) -> str:
+    """How the engine steps its sequences, for the startup line."""
+    if engine.batched:
+        return f"batched: one decode step for all, prompts in chunks of {engine.prefill_chunk}"
+    if engine.single_state:
+        return "one sequence at a time: the --vram runtime decodes one sequence a step"
+    return "interleaved: one decode step each in turn"
 
 
 def model_id(path) -> str:

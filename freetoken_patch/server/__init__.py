@@ -2,7 +2,9 @@
 
   app.py            routes, pydantic request/response models, checks, auth, request counts
   engine.py         the bounded queue and the one thread that owns the model: active sequences
-                    advanced in turn (interleaved, not batched), a prefix cache of recent States
+                    advanced together (batched, newcomers' prompts in chunks) or in turn
+                    (interleaved: the --vram runtime), a prefix cache of recent States
+  sequence.py       one request's sampling and stop rules fed logits from a batched step
   openai_format.py  error objects, message content, SSE chunks, the reasoning and tool-call parsers
   metrics.py        Prometheus text for /metrics
 

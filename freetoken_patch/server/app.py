@@ -196,6 +196,7 @@ def create_app(served: Served) -> FastAPI:
     async def health():
         eng = served.engine
         return {"status": "ok", "model": served.model_id, "parallel": eng.parallel,
+                "mode": eng.mode, "prefill_chunk": eng.prefill_chunk,
                 "active": eng.n_active, "queued": eng.queue_length}
 
     @app.get("/metrics")

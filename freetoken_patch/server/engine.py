@@ -1,18 +1,24 @@
 """The engine: one thread owns the model; requests wait in a bounded queue; up to `parallel`
-sequences are active, each with its own State, and the loop advances them one step each in
-turn (round robin), admitting queued requests (their prefill) between steps.
+sequences are active, each with its own State. Two modes, chosen at start (`Engine.mode`, shown
+by /health and the startup line):
 
-This interleaves sequences; it does not batch them. Each step is one sequence's decode (or a
-new one's prefill), so N active requests share the model's single-sequence speed. True
-batched decode (one step for several sequences, the union of their experts fetched once per
-layer) needs multi-sequence steps in the runtime and is not here yet.
+  batched       the plain model (CPU, or a GPU without --vram): every step advances all the
+                sequences that are decoding by one token in one `model.decode_many` call (a
+                layer's experts read once for the batch), and a newcomer's prompt goes in by
+                chunks of `prefill_chunk` tokens, one chunk between two decode steps, so a long
+                prompt does not stall the running streams. Each sequence samples from its own
+                row with its own TokenStream (sequence.py): seed, penalties and stops as alone.
+  interleaved   the offload runtime (--vram), a custom generate_fn, or --no-batch: the active
+                sequences take turns, one generate() step each (round robin), a newcomer's
+                prompt prefilled whole when it is admitted.
 
-Prefix reuse: a finished sequence's State stays in a small LRU (`prefix_cache` entries) keyed
-by the tokens it holds, with snapshots at its prompt's end. A new request whose prompt starts
-with those tokens (or with a snapshot's prefix of them) takes that State over and prefills
-only the rest. The first turn of a prompt with several (a system prompt, the tools) is
-prefilled on its own with a snapshot after it, so conversations that open the same way share it. The offload runtime has one State per batch size, so under --vram the engine
-runs one sequence at a time and caches that one State.
+Requests join at step boundaries and leave when they end. Prefix reuse: a finished sequence's
+State stays in a small LRU (`prefix_cache` entries) keyed by the tokens it holds, with
+snapshots at its prompt's end. A new request whose prompt starts with those tokens (or with a
+snapshot's prefix of them) takes that State over and prefills only the rest. The first turn of
+a prompt with several (a system prompt, the tools) is prefilled on its own with a snapshot
+after it, so conversations that open the same way share it. The offload runtime has one State
+per batch size, so under --vram the engine runs one sequence at a time and caches that one.
 """
 from __future__ import annotations
 
@@ -27,7 +33,10 @@ import torch
 
 from moe_offload import DoneEvent, OffloadError, SamplingParams, TokenEvent, generate
 
+from .sequence import TokenStream
+
 MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
+PREFILL_CHUNK = 256  # prompt tokens a newcomer feeds between two batched decode steps
 
 
 class QueueFull(Exception):
@@ -88,7 +97,10 @@ class _Seq:
     history: list[int]                # ids already in the state when it started
     feed: list[int]                   # prompt ids this sequence prefills
     snaps: list
-    gen: object = None
+    gen: object = None                # interleaved: the generate() stream
+    stream: TokenStream | None = None  # batched: sampling and stops, fed logits from outside
+    fed: int = 0                      # batched: prompt ids of `feed` already prefilled
+    cut: int = 0                      # batched: keep a snapshot once `fed` reaches it (0: none)
     sampled: list[int] = field(default_factory=list)
     done: bool = False
 
@@ -136,18 +148,27 @@ class PrefixCache:
 
 class Engine:
     """The queue, the engine thread and its sequences. `generate_fn` (moe_offload.generate by
-    default) can be replaced by a scripted stream in tests; `metrics` (server.metrics.Metrics)
-    gets each finished sequence and the runtime's stats()."""
+    default) can be replaced by a scripted stream in tests (the interleaved mode); `batch`:
+    None picks the batched mode wherever the model has `decode_many` and generate_fn is
+    generate(), False keeps the interleaved one; `metrics` (server.metrics.Metrics) gets each
+    finished sequence and the runtime's stats()."""
 
     def __init__(self, model, tokenizer, n_ctx: int, *, parallel: int = 4, queue_size: int = 64,
-                 prefix_cache: int = 4, generate_fn: Callable = generate, metrics=None):
+                 prefix_cache: int = 4, prefill_chunk: int = PREFILL_CHUNK,
+                 generate_fn: Callable = generate, batch: bool | None = None, metrics=None):
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.generate_fn, self.metrics = generate_fn, metrics
         self.queue_size = queue_size
+        self.prefill_chunk = max(1, int(prefill_chunk))
         first = model.new_state(1, n_ctx)
         # the offload runtime hands out the same State each time: one sequence at a time
         self.single_state = model.new_state(1, n_ctx) is first
         self.parallel = 1 if self.single_state else parallel
+        can_batch = (hasattr(model, "decode_many") and generate_fn is generate
+                     and not self.single_state)
+        self.batched = can_batch if batch is None else bool(batch) and can_batch
+        self.mode = "batched" if self.batched else "interleaved"
+        self.batch_size = 0            # sequences in the last decode step
         self.cache = PrefixCache(min(prefix_cache, 1) if self.single_state else prefix_cache)
         self._max_states = 1 if self.single_state else self.parallel + self.cache.size
         self._free = [first]
@@ -196,7 +217,9 @@ class Engine:
     def gauges(self) -> dict:
         return {"queue_length": (self.queue_length, "Requests waiting for a sequence slot."),
                 "requests_in_flight": (self.n_active, "Sequences being generated now."),
-                "parallel": (self.parallel, "Sequences that can be active at once.")}
+                "parallel": (self.parallel, "Sequences that can be active at once."),
+                "decode_batch_size": (self.batch_size, "Sequences advanced by the last decode "
+                                                       "step (1 when interleaved).")}
 
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -215,18 +238,88 @@ class Engine:
                 if seq is not None:
                     ring.append(seq)
             self.n_active = len(ring)
-            if not ring:
-                continue
-            seq = ring.popleft()
-            if seq.job.cancelled or not self._step(seq):
-                self._retire(seq)
-            else:
-                ring.append(seq)
+            if ring:
+                (self._batch_step if self.batched else self._turn)(ring)
             self.n_active = len(ring)
+
+    def _turn(self, ring: deque) -> None:
+        """Interleaved: the sequence at the front takes one generate() step, then goes last."""
+        seq = ring.popleft()
+        if seq.job.cancelled or not self._step(seq):
+            self._retire(seq)
+        else:
+            ring.append(seq)
+        self.batch_size = 1
+
+    def _batch_step(self, ring: deque) -> None:
+        """Batched: one prompt chunk of the first sequence still prefilling, then one decode
+        step of every sequence with a token to feed; finished and cancelled ones leave."""
+        pre = next((s for s in ring if not s.job.cancelled and s.fed < len(s.feed)), None)
+        if pre is not None:
+            self._prefill_chunk(pre)
+        live = [s for s in ring if not s.done and not s.job.cancelled
+                and s.stream.pending is not None]
+        if live:
+            self.batch_size = len(live)
+            try:
+                ids = torch.tensor([s.stream.pending for s in live], device=self.model.device)
+                logits = self.model.decode_many(ids, [s.state for s in live])    # [B, V]
+            except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
+                for s in live:
+                    self._fail(s, e)
+            else:
+                for s, row in zip(live, logits):
+                    self._emit(s, s.stream.push(row[None], s.state.n_free))
+        for s in [s for s in ring if s.done or s.job.cancelled]:
+            ring.remove(s)
+            self._retire(s)
+
+    def _prefill_chunk(self, seq: _Seq) -> None:
+        """Feed the next chunk of a newcomer's prompt (ending at its first-turn cut if that
+        comes first); at the prompt's end, sample its first token."""
+        start = seq.fed
+        end = min(start + self.prefill_chunk, len(seq.feed))
+        if start < seq.cut < end:
+            end = seq.cut
+        t0 = time.perf_counter()
+        try:
+            ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
+            logits = self.model.prefill(ids, seq.state, chunk=self.prefill_chunk)       # [1, V]
+        except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
+            self._fail(seq, e)
+            return
+        seq.stream.prefilled(end - start, time.perf_counter() - t0)
+        seq.fed = end
+        self.prefilled_tokens += end - start
+        if end == seq.cut or end == len(seq.feed):   # a rewind point: the first turn, the prompt
+            if not (seq.snaps and seq.snaps[-1].n_past == seq.state.n_past):
+                seq.snaps = (seq.snaps + [seq.state.snapshot()])[-MAX_SNAPSHOTS:]
+        if end == len(seq.feed):
+            self._emit(seq, seq.stream.push(logits, seq.state.n_free))
+
+    def _emit(self, seq: _Seq, events: list) -> None:
+        for ev in events:
+            if isinstance(ev, TokenEvent):
+                seq.sampled.append(ev.token)
+            else:
+                seq.done = True
+                self._finished(seq, ev)
+            seq.job.put(ev)
+
+    def _fail(self, seq: _Seq, e: BaseException) -> None:
+        seq.job.put(Failure(_message(e)))
+        seq.done, seq.state = True, self._broken(seq.state)
+
+    def _finished(self, seq: _Seq, ev: DoneEvent) -> None:
+        if self.metrics is not None:
+            t = ev.timings
+            self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
+                                  seq.job.head_s + t.ttft_s, t.decode_tps)
 
     def _admit(self, job: Job) -> _Seq | None:
         if job.cancelled:
             return None
+        state = None
         try:
             entry, n, snap = self.cache.take(job.prompt) if self.cache.size else (None, 0, None)
             if entry is None:
@@ -242,6 +335,12 @@ class Engine:
             job.n_cached = len(history)
             self.reused_tokens += len(history)
             cut = self._first_turn_end(job.prompt)
+            if self.batched:     # the prompt goes in by chunks, between decode steps
+                seq = _Seq(job, state, history, job.prompt[len(history):], snaps,
+                           cut=max(0, cut - len(history)))
+                seq.stream = TokenStream(job.params, self.model.device, self.tokenizer,
+                                         job.prompt, len(seq.feed))
+                return seq
             if len(history) < cut:
                 # prefill the first turn (a system prompt, the tools) on its own and keep a
                 # rewind point there: other conversations that open the same way reuse it
@@ -259,6 +358,10 @@ class Engine:
             return seq
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
             job.put(Failure(_message(e)))
+            if state is not None:
+                state = self._broken(state)
+                if state is not None:
+                    self._free.append(state)
             return None
 
     def _first_turn_end(self, prompt: list[int]) -> int:
@@ -278,8 +381,7 @@ class Engine:
             seq.done = True
             return False
         except Exception as e:   # noqa: BLE001
-            seq.job.put(Failure(_message(e)))
-            seq.done, seq.state = True, self._broken(seq.state)
+            self._fail(seq, e)
             return False
         if isinstance(ev, TokenEvent):
             if not seq.sampled and seq.state.n_past:
@@ -289,10 +391,7 @@ class Engine:
             return True
         seq.done = True
         if isinstance(ev, DoneEvent):
-            if self.metrics is not None:
-                t = ev.timings
-                self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
-                                      seq.job.head_s + t.ttft_s, t.decode_tps)
+            self._finished(seq, ev)
         seq.job.put(ev)
         return False
 

@@ -84,6 +84,7 @@ def test_url_mode_against_a_running_server(tiny_parts, kit, capsys):
         assert main(["bench", "serve", "--url", url + "/v1", "--concurrency", "2",
                      "--requests", "3", "--max-tokens", "3", "--turns", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["server"] == {"mode": "url", "url": url, "n_ctx": 256, "parallel": 2}
+    assert r["server"] == {"mode": "url", "url": url, "n_ctx": 256, "parallel": 2,
+                           "decode": "batched"}
     [lv] = r["levels"]
     assert lv["sent"] == lv["ok"] == 3 and r["followup"] is None

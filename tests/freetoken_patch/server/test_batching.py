@@ -1,0 +1,161 @@
+"""The engine's batched mode on the tiny model: running sequences advance together in one
+decode_many step, a newcomer's prompt goes in by chunks between those steps, and each request's
+sampling (seed, penalties, stops, max_tokens) gives the same text alone and alongside others."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moe_offload import DoneEvent, SamplingParams, generate
+
+pytest.importorskip("fastapi")
+
+
+class Logged:
+    """The tiny model, logging its calls: ("prefill", tokens) and ("decode", batch size)."""
+
+    def __init__(self, model):
+        self.model, self.device, self.log = model, model.device, []
+
+    def new_state(self, *a, **kw):
+        return self.model.new_state(*a, **kw)
+
+    def prefill(self, tokens, state, **kw):
+        self.log.append(("prefill", tokens.shape[1]))
+        return self.model.prefill(tokens, state, **kw)
+
+    def decode_many(self, tokens, states):
+        self.log.append(("decode", len(states)))
+        return self.model.decode_many(tokens, states)
+
+
+def _run_jobs(engine, jobs_at):
+    """Submit Jobs [(prompt, params, after_n_events_of_job_0)]; -> (texts, dones) in order.
+    A job with a delay is submitted once job 0 has streamed that many events."""
+    from freetoken_patch.server.engine import Job
+
+    async def run():
+        jobs = [Job(p, params) for p, params, _ in jobs_at]
+        engine.start()
+        texts, dones = [""] * len(jobs), [None] * len(jobs)
+        later = [(after, j) for j, (_, _, after) in zip(jobs, jobs_at) if after]
+        for j, (_, _, after) in zip(jobs, jobs_at):
+            if not after:
+                engine.submit(j)
+
+        async def drain(i, j):
+            n = 0
+            while True:
+                ev = await j.events.get()
+                assert not hasattr(ev, "status"), ev
+                texts[i] += ev.text
+                n += 1
+                if i == 0:
+                    for after, other in [x for x in later if x[0] <= n]:
+                        engine.submit(other)
+                        later.remove((after, other))
+                if isinstance(ev, DoneEvent):
+                    dones[i] = ev
+                    return
+        await asyncio.gather(*(drain(i, j) for i, j in enumerate(jobs)))
+        engine.shutdown()
+        return texts, dones
+
+    return asyncio.run(run())
+
+
+def _engine(parts, **kw):
+    from freetoken_patch.server.engine import Engine
+    model, tok, _ = parts
+    return Engine(model, tok, 256, **kw)
+
+
+def _alone(parts, prompt, params):
+    model, tok, _ = parts
+    *toks, done = generate(model, model.new_state(1, 256), prompt, params, tokenizer=tok)
+    return "".join(e.text for e in toks) + done.text, done
+
+
+def _prompts(tok):
+    return [tok.encode(t, add_special=True) for t in
+            ("The river runs", "A long time ago in a valley of stones and lanterns",
+             "Copper", "Market day in the harbor town")]
+
+
+PARAMS = [SamplingParams(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=7, max_tokens=8),
+          SamplingParams(temperature=0.0, repeat_penalty=1.3, penalty_last_n=16, max_tokens=6),
+          SamplingParams(temperature=1.2, seed=123, frequency_penalty=0.5, max_tokens=9),
+          SamplingParams(temperature=0.7, seed=99, presence_penalty=0.4, max_tokens=5)]
+
+
+def test_seeded_requests_equal_alone_and_batched(tiny_parts):
+    model, tok, tmpl = tiny_parts
+    prompts, logged = _prompts(tok), Logged(model)
+    eng = _engine((logged, tok, tmpl), parallel=4)
+    assert eng.mode == "batched"
+    texts, dones = _run_jobs(eng, [(p, q, 0) for p, q in zip(prompts, PARAMS)])
+    assert max(b for kind, b in logged.log if kind == "decode") >= 3
+    for p, q, text, done in zip(prompts, PARAMS, texts, dones):
+        ref, ref_done = _alone(tiny_parts, p, q)
+        assert (text, done.tokens, done.reason) == (ref, ref_done.tokens, ref_done.reason)
+
+
+def test_running_sequences_step_together(tiny_parts):
+    model, tok, tmpl = tiny_parts
+    logged = Logged(model)
+    eng = _engine((logged, tok, tmpl), parallel=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eog=True)
+    _run_jobs(eng, [(p, params, 0) for p in _prompts(tok)[:3]])
+    decodes = [b for kind, b in logged.log if kind == "decode"]
+    assert max(decodes) == 3                      # all three in one step
+    assert sum(decodes) == 3 * 5                  # 6 tokens: one from the prompt, 5 decode steps
+
+
+def test_long_newcomer_prefilled_in_chunks_between_decode_steps(tiny_parts):
+    model, tok, tmpl = tiny_parts
+    logged = Logged(model)
+    eng = _engine((logged, tok, tmpl), parallel=2, prefill_chunk=16)
+    short = tok.encode("Once", add_special=True)
+    long = tok.encode(" ".join(["river stone cloud garden lantern"] * 14), add_special=True)
+    assert len(long) > 64
+    run = SamplingParams(temperature=0, max_tokens=40, ignore_eog=True)
+    late = SamplingParams(temperature=0, max_tokens=3, ignore_eog=True)
+    texts, dones = _run_jobs(eng, [(short, run, 0), (long, late, 3)])
+    chunks = [i for i, (kind, n) in enumerate(logged.log) if kind == "prefill" and n != len(short)]
+    assert len(chunks) == -(-len(long) // 16)
+    assert all(n <= 16 for kind, n in logged.log if kind == "prefill")
+    # the running stream took a decode step between each two chunks of the newcomer's prompt
+    for a, b in zip(chunks, chunks[1:]):
+        assert ("decode", 1) in logged.log[a + 1:b]
+    assert texts[1] == _alone(tiny_parts, long, late)[0]
+    assert dones[0].tokens == _alone(tiny_parts, short, run)[1].tokens
+
+
+def test_stop_strings_and_limits_batched(tiny_parts):
+    """Stops cut mid-stream while the others go on; each ends for its own reason."""
+    prompts = _prompts(tiny_parts[1])
+    free = SamplingParams(temperature=0, max_tokens=7)
+    ref, _ = _alone(tiny_parts, prompts[0], free)
+    assert len(ref) >= 3
+    stop = SamplingParams(temperature=0, max_tokens=7, stop=(ref[2:4],))
+    eng = _engine(tiny_parts, parallel=4)
+    texts, dones = _run_jobs(eng, [(prompts[0], stop, 0), (prompts[1], free, 0),
+                                   (prompts[2], SamplingParams(temperature=0, max_tokens=2), 0)])
+    assert texts[0] == ref[:ref.find(ref[2:4])] and dones[0].reason == "stop"
+    assert texts[1] == _alone(tiny_parts, prompts[1], free)[0]
+    assert len(dones[2].tokens) <= 2
+
+
+def test_mode_is_chosen_and_shown(tiny_parts, kit):
+    import httpx
+    eng = _engine(tiny_parts, batch=False)
+    assert eng.mode == "interleaved"
+    served = kit.make_served(tiny_parts)
+    assert served.engine.mode == "batched"
+    scripted = kit.make_served(tiny_parts, generate_fn=kit.scripted(["a"]))
+    assert scripted.engine.mode == "interleaved"          # a stand-in stream cannot batch
+    with kit.live(served) as url:
+        h = httpx.get(url + "/health").json()
+        assert h["mode"] == "batched" and h["prefill_chunk"] == 256
+        assert "ftpatch_decode_batch_size" in httpx.get(url + "/metrics").text
