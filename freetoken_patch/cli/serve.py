@@ -1,4 +1,5 @@
-"""`ftpatch serve [MODEL]`: an OpenAI-compatible HTTP server (freetoken_patch/server/)."""
+"""`ftpatch serve [MODEL]`: an OpenAI- and Anthropic-compatible HTTP server
+(freetoken_patch/server/)."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,10 @@ from .model_args import (add_model_args, add_template_arg, add_vram_arg, device_
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
-reasoning_content), POST /v1/completions, GET /v1/models, /health and /metrics (Prometheus).
-Without MODEL it serves the embedded default (a tiny random-weights model, for trying clients).
+reasoning_content), POST /v1/completions, GET /v1/models, /health and /metrics (Prometheus);
+and Anthropic's POST /v1/messages (streaming, tool_use, thinking; what Claude Code speaks) and
+/v1/messages/count_tokens. Without MODEL it serves the embedded default (a tiny random-weights
+model, for trying clients).
 
 One thread owns the model. Up to --parallel requests are active at once. On the plain model
 (the CPU, or a GPU holding the whole model) they are batched: each step advances every active
@@ -22,8 +25,8 @@ prompt goes in by chunks of --prefill-chunk tokens between those steps, so a lon
 not stall the others. Under --vram the offload runtime holds one sequence, so requests run one
 at a time there (--parallel is 1); --no-batch makes the plain model take turns instead, one
 request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
-the server answers 429. A follow-up whose prompt starts with a recent conversation prefills
-only the new tokens.
+the server answers 429 (529, overloaded, on /v1/messages). A follow-up whose prompt starts with
+a recent conversation prefills only the new tokens.
 """
 
 EPILOG = """\
@@ -35,6 +38,10 @@ examples:
   from openai import OpenAI
   client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="unused")
   client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
+
+  # Claude Code against it (the model id is the file's stem, or "default")
+  ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_AUTH_TOKEN="$KEY" \
+    ANTHROPIC_MODEL=default ANTHROPIC_SMALL_FAST_MODEL=default claude
 """
 
 
@@ -67,7 +74,8 @@ def add_parser(sub) -> None:
                    help="finished conversations whose state is kept for follow-ups (default 4; "
                         "each holds a context's KV cache)")
     s.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
+                        "route but /health")
 
 
 def run(args: argparse.Namespace) -> int:

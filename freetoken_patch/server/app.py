@@ -1,6 +1,7 @@
-"""The FastAPI app: OpenAI-compatible routes, their pydantic request/response models, the checks
-that turn a bad request into one 4xx error object naming the field and the fix, API-key auth
-and per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
+"""The FastAPI app: OpenAI-compatible routes and Anthropic's /v1/messages, their pydantic
+request/response models, the checks that turn a bad request into one 4xx error object naming
+the field and the fix (in the wire format of the route's API), API-key auth and per-route
+request counts (a plain ASGI wrapper, so streams are not buffered)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,13 +21,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_offload import DoneEvent, SamplingParams, TokenEvent
 
+from . import anthropic_format as anthropic
+from .anthropic_format import CountTokensRequest, MessagesRequest
 from .engine import Engine, Failure, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .openai_format import (ApiError, OutputParser, collect, error_body, new_id, now, sse,
                             template_messages, tool_call_object)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+             *anthropic.ROUTES)
 DISCONNECT_POLL_S = 1.0   # how often a non-streamed request checks that its client is there
+PING_S = 5.0              # an Anthropic stream sends `ping` while its prompt is prefilled
 RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
@@ -173,24 +178,24 @@ def create_app(served: Served) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _error(request, e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         msg, param = _validation_message(e.errors())
-        return JSONResponse(error_body(msg, param=param, code="invalid_value"), status_code=400)
+        return _error(request, ApiError(400, msg, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
         msg = {404: f"no route {request.url.path}; the routes are {', '.join(ENDPOINTS)}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(
                    e.status_code, str(e.detail))
-        return JSONResponse(error_body(msg, code=str(e.status_code)), status_code=e.status_code)
+        return _error(request, ApiError(e.status_code, msg, code=str(e.status_code)))
 
     @app.exception_handler(Exception)
     async def _crash(request, e: Exception):
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}"[:500],
-                                       "server_error"), status_code=500)
+        return _error(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"[:500],
+                                        type="server_error"))
 
     @app.get("/health")
     async def health():
@@ -235,6 +240,30 @@ def create_app(served: Served) -> FastAPI:
                               choices=[ChatChoice(message=msg,
                                                   finish_reason=_finish(done, bool(calls)))],
                               usage=_usage(job, done)).model_dump(exclude_none=True)
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request):
+        _check_model(served, req.model, anthropic=True)
+        params = _anthropic_sampling(req)
+        text, ids, tools = await run_in_threadpool(_render_messages, served, req)
+        job = _submit(served, ids, params)
+        parser = OutputParser(text, tools, parse_tools=tools is not None)
+        mid = anthropic.new_message_id()
+        if req.stream:
+            return _stream(_message_events(served, job, parser, mid, req))
+        done, parts = await _collect(job, parser, request)
+        blocks = anthropic.Blocks()
+        blocks.events(parts)
+        return {"id": mid, "type": "message", "role": "assistant", "model": served.model_id,
+                "content": blocks.content,
+                **_stop_fields(served, req, done, blocks.has_tool_use),
+                "usage": anthropic.usage(len(job.prompt), job.n_cached, len(done.tokens))}
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest):
+        _check_model(served, req.model, anthropic=True)
+        _, ids, _ = await run_in_threadpool(_render_messages, served, req, False)
+        return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -290,11 +319,22 @@ def _field(e: dict) -> str:
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
-def _check_model(served: Served, name: str | None) -> None:
+def _check_model(served: Served, name: str | None, anthropic: bool = False) -> None:
     if name not in (None, "", "default", served.model_id):
+        how = (" (Claude Code: set ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL to it)"
+               if anthropic else " (\"default\" or no model field also work)")
         raise ApiError(404, f"model {name!r} is not served here; this server serves "
-                            f"{served.model_id!r} (\"default\" or no model field also work)",
+                            f"{served.model_id!r}, or \"default\"" + how,
                        param="model", code="model_not_found")
+
+
+def _error(request: Request, e: ApiError) -> JSONResponse:
+    """An error in the wire format of the route's API (Anthropic's on /v1/messages)."""
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic.error_body(e.status, e.message, e.code),
+                            status_code=anthropic.error_status(e.status, e.code),
+                            headers=e.headers)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _bad(param: str, value: Any, fix: str) -> ApiError:
@@ -366,7 +406,6 @@ def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingPara
 
 def _render_chat(served: Served, req: ChatRequest, tools: list | None) -> tuple[str, list[int]]:
     """Render the conversation with the chat template and tokenize it (in a worker thread)."""
-    from loaders import GGUFError
     if not req.messages:
         raise ApiError(400, "messages is empty; send at least one message", param="messages",
                        code="invalid_value")
@@ -382,17 +421,46 @@ def _render_chat(served: Served, req: ChatRequest, tools: list | None) -> tuple[
     think = kwargs.pop("enable_thinking", None)
     if think is not None and not isinstance(think, bool):
         raise _bad("chat_template_kwargs.enable_thinking", think, "give true or false")
+    return _render(served, msgs, tools, think, kwargs)
+
+
+def _render(served: Served, msgs: list[dict], tools: list | None, think: bool | None,
+            kwargs: dict, prefill: str = "", check: bool = True) -> tuple[str, list[int]]:
+    """Template messages -> (prompt text, ids), the generation prompt (and a prefill) last."""
+    from loaders import GGUFError
     tok = served.tokenizer
     try:
         text = served.template.render(msgs, add_generation_prompt=True, enable_thinking=think,
                                       bos_token=tok.bos_token, eos_token=tok.eos_token,
-                                      tools=tools, **kwargs)
+                                      tools=tools, **kwargs) + prefill
     except GGUFError as e:
         raise ApiError(400, f"the chat template could not render these messages: {e}",
                        param="messages", code="template_error") from None
     ids = tok.encode(text, add_special=False, parse_special=True)
-    _check_fits(served, ids, "messages")
+    if check:
+        _check_fits(served, ids, "messages")
     return text, ids
+
+
+def _render_messages(served: Served, req: MessagesRequest, check: bool = True
+                     ) -> tuple[str, list[int], list | None]:
+    """An Anthropic request's prompt: (text, ids, the tools the template saw or None)."""
+    msgs, prefill = anthropic.template_messages(req)
+    tools = anthropic.tools_for_template(req)
+    text, ids = _render(served, template_messages(msgs), tools, anthropic.enable_thinking(req),
+                        {}, prefill, check)
+    return text, ids, tools
+
+
+def _anthropic_sampling(req: MessagesRequest) -> SamplingParams:
+    if req.max_tokens < 1:
+        raise _bad("max_tokens", req.max_tokens, "give 1 or more")
+    stops = req.stop_sequences or []
+    if len(stops) > 16 or any(len(s) > 1000 for s in stops):
+        raise _bad("stop_sequences", f"{len(stops)} strings", "give at most 16 stop sequences "
+                                                              "of at most 1000 characters")
+    return _sampling(_Sampling(max_tokens=req.max_tokens, temperature=req.temperature,
+                               top_p=req.top_p, top_k=req.top_k, stop=stops), None)
 
 
 def _encode_prompt(served: Served, prompt: str | list[int]) -> list[int]:
@@ -534,6 +602,51 @@ async def _chat_chunks(served: Served, job: Job, parser: OutputParser, rid: str,
             yield sse("[DONE]")
 
 
+def _stop_fields(served: Served, req: MessagesRequest, done: DoneEvent, tool_use: bool) -> dict:
+    reason = anthropic.stop_reason(done.reason, tool_use)
+    seq = (anthropic.matched_stop(served.tokenizer.decode(done.tokens), req.stop_sequences or [])
+           if reason == "stop_sequence" else None)
+    return {"stop_reason": reason, "stop_sequence": seq}
+
+
+async def _message_events(served: Served, job: Job, parser: OutputParser, mid: str,
+                          req: MessagesRequest):
+    """Anthropic's stream: pings while the prompt is prefilled, message_start, the content
+    blocks' events, message_delta (stop reason, usage), message_stop."""
+    ev = None
+    try:
+        while ev is None:
+            try:
+                ev = await asyncio.wait_for(job.events.get(), PING_S)
+            except asyncio.TimeoutError:
+                yield anthropic.event("ping", {})
+        start_usage = anthropic.usage(len(job.prompt), job.n_cached, 0)
+        if not isinstance(ev, Failure):
+            yield anthropic.event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": served.model_id,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": start_usage}})
+        blocks = anthropic.Blocks()
+        while True:
+            if isinstance(ev, Failure):
+                yield anthropic.event("error", {"error": {"type": "api_error",
+                                                          "message": ev.message}})
+                return
+            for e in blocks.events(parser.push(ev.text)):
+                yield e
+            if isinstance(ev, DoneEvent):
+                for e in blocks.events(parser.finish()) + blocks.finish():
+                    yield e
+                yield anthropic.event("message_delta", {
+                    "delta": _stop_fields(served, req, ev, blocks.has_tool_use),
+                    "usage": anthropic.usage(len(job.prompt), job.n_cached, len(ev.tokens))})
+                yield anthropic.event("message_stop", {})
+                return
+            ev = await job.events.get()
+    finally:
+        job.cancel()
+
+
 async def _completion_chunks(served: Served, job: Job, rid: str, usage: bool):
     created = now()
 
@@ -583,11 +696,11 @@ class _Observe:
         try:
             key = self.served.api_key
             if key and path != "/health" and not _authorized(scope, key):
-                resp = JSONResponse(error_body(
-                    "a valid API key is required: send the header 'Authorization: Bearer KEY' "
-                    "with the key the server was started with (--api-key)",
-                    code="invalid_api_key"), status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"})
+                msg = ("a valid API key is required: send the header 'Authorization: Bearer KEY' "
+                       "or 'x-api-key: KEY' with the key the server was started with (--api-key)")
+                body = (anthropic.error_body(401, msg) if path.startswith("/v1/messages")
+                        else error_body(msg, code="invalid_api_key"))
+                resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, sending)
             return await self.app(scope, receive, sending)
         finally:
@@ -595,12 +708,15 @@ class _Observe:
 
 
 def _authorized(scope, key: str) -> bool:
+    """'Authorization: Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's)."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
-            got = value.decode("latin-1")
-            scheme, _, token = got.partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                       key.encode())
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                   key.encode()):
+                return True
+        elif name == b"x-api-key" and hmac.compare_digest(value.strip(), key.encode()):
+            return True
     return False
 
 

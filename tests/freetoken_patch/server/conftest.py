@@ -11,6 +11,29 @@ import pytest
 
 from moe_offload import DoneEvent, Timings, TokenEvent
 
+# A Qwen3-style template: the tools as JSON lines in the system turn, tool calls and results.
+TOOL_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for t in tools %}
+{{ t | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'tool' %}<tool_response>
+{{ m.content }}
+</tool_response>{% else %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
 
 @pytest.fixture(scope="session")
 def tiny_parts(tiny_model):
@@ -89,4 +112,5 @@ def kit():
     k = Kit()
     k.make_served, k.live, k.scripted = staticmethod(make_served), staticmethod(live), \
         staticmethod(scripted)
+    k.tool_template = TOOL_TEMPLATE
     return k

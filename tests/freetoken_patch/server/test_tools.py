@@ -10,29 +10,6 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-# A Qwen3-style template: the tools as JSON lines in the system turn, tool calls and results.
-TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-# Tools
-<tools>{% for t in tools %}
-{{ t | tojson }}{% endfor %}
-</tools><|im_end|>
-{% endif %}
-{%- for m in messages %}<|im_start|>{{ m.role }}
-{% if m.role == 'tool' %}<tool_response>
-{{ m.content }}
-</tool_response>{% else %}{{ m.content }}{% endif %}
-{%- for c in m.tool_calls or [] %}<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
-
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -58,7 +35,7 @@ def client(tiny_parts, kit):
         Script.prompts.append(tok.decode(ids))
         return Script.reply
 
-    served = kit.make_served(tiny_parts, n_ctx=1024, template=ChatTemplate(TEMPLATE),
+    served = kit.make_served(tiny_parts, n_ctx=1024, template=ChatTemplate(kit.tool_template),
                              generate_fn=kit.scripted(record))
     with kit.live(served) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
