@@ -27,7 +27,8 @@ if [[ ! -x $LB ]]; then
   echo "llama-bench build rc=$rc in $((SECONDS - t0)) s: $(tail -1 "$OUT/llama_build.log")"
   [[ -x $LB ]] || { echo "not built yet: call again (the build goes on from where it stopped)"; exit 0; }
 fi
-"$LB" --help 2>&1 | grep -q -- "--n-cpu-moe" || { echo "this llama-bench has no --n-cpu-moe"; exit 1; }
+lb_help=$("$LB" --help 2>&1 || true)   # (not piped into grep -q: pipefail would see its SIGPIPE)
+grep -q -- "--n-cpu-moe" <<< "$lb_help" || { echo "this llama-bench has no --n-cpu-moe:"; echo "$lb_help" | head -5; exit 1; }
 
 # the Python side: scripts/gpu_session.sh's set-up (wheels into /tmp/site; the extensions from
 # .gpubin/ or built there), then the same paths here
