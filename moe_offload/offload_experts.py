@@ -44,7 +44,8 @@ class OffloadEngine:
     """Shared state of the offloaded experts of every layer (one per runtime)."""
 
     def __init__(self, cache: ExpertCache, bank: HostExpertBank, scheduler: Scheduler, *,
-                 top_k: int, hidden: int, ff: int, policy: OffloadPolicy = OffloadPolicy()):
+                 top_k: int, hidden: int, ff: int, policy: OffloadPolicy = OffloadPolicy(),
+                 link_gbps: float | None = None):
         if _cuda is None:
             from native import build_info
             raise OffloadError(build_info.unusable or "the offload runtime needs the CUDA extension "
@@ -107,6 +108,8 @@ class OffloadEngine:
         self.fetch_stream = torch.cuda.Stream(dev)
         self.fetch_blocks = policy.fetch_blocks
         self.pair_slots = torch.full((2, MAX_FETCH), -1, dtype=torch.int32, device=dev)
+        # an emulated slower host-to-GPU link (--link-gbps): every copy above books it
+        self.link = on.LinkClock(dev, link_gbps) if link_gbps else None
 
     def set_predictor(self, predict, k: int | None = None) -> None:
         """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
@@ -245,7 +248,7 @@ class OffloadEngine:
         with torch.cuda.stream(fetcher):
             if pool.shape[0]:
                 on.fetch(self.fetch_list, self.bank.banks[L], pool, min(MAX_FETCH, T * self.top_k),
-                         self.fetch_blocks)
+                         self.fetch_blocks, self.link, on.LinkClock.FETCH)
             self._fetched[L].record(fetcher)
 
     def _record_ids(self, L: int, ids32: torch.Tensor, main) -> None:
@@ -291,7 +294,8 @@ class OffloadEngine:
         with torch.cuda.stream(side):
             if self.cache.pools[L + 1].shape[0]:
                 on.fetch(self.prefetch_lists[L + 1], self.bank.banks[L + 1], self.cache.pools[L + 1],
-                         min(MAX_FETCH, self.max_tok * self.prefetch_k), self.fetch_blocks)
+                         min(MAX_FETCH, self.max_tok * self.prefetch_k), self.fetch_blocks,
+                         self.link, on.LinkClock.PREFETCH)
             self._prefetched[L + 1].record(side)
 
     def prefill_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -332,12 +336,16 @@ class OffloadEngine:
                 # consecutive experts are adjacent in the bank: one copy a run (with 60% of a
                 # layer missing, runs average ~2.5 experts; each copy costs ~10 us of host time)
                 grp, j = groups[gi], 0
+                if self.link is not None:
+                    self.link.mark(on.LinkClock.STAGING)
                 while j < len(grp):
                     r = 1
                     while whole_rows and j + r < len(grp) and grp[j + r] == grp[j] + r:
                         r += 1
                     buf[j:j + r, :lay.expert_bytes].copy_(host[grp[j]:grp[j] + r], non_blocking=True)
                     j += r
+                if self.link is not None:
+                    self.link.hold(on.LinkClock.STAGING, len(grp) * lay.expert_bytes)
                 ready[gi].record(self.copy_stream)
 
         copy(0)

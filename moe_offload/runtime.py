@@ -56,6 +56,8 @@ class RuntimeOptions:
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
     host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
+    link_gbps: float | None = None         # emulate a slower host-to-GPU link (GB/s): every copy
+                                           # of experts waits as long as that link would take
     device: str = "cuda"
 
 
@@ -196,11 +198,12 @@ class OffloadRuntime:
             fraction = 0.0  # pageable banks: the GPU cannot read them directly
         self.scheduler = Scheduler.create(Rates(1.0, 1.0), dev, forced=fraction, ema=pol.cpu_rate_ema)
         self.engine = OffloadEngine(self.cache, self.bank, self.scheduler, top_k=c.n_expert_used,
-                                    hidden=c.n_embd, ff=c.n_ff_exp, policy=pol)
+                                    hidden=c.n_embd, ff=c.n_ff_exp, policy=pol,
+                                    link_gbps=opts.link_gbps)
         self.model = model_cls(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
         if pol.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
             self.engine.set_predictor(self.model.router_logits, pol.guesses(c.n_expert_used))
-        self.scheduler.rates = measure_rates(self.cache, self.bank, c)
+        self.scheduler.rates = measure_rates(self.cache, self.bank, c, self.engine.link)
         self.scheduler.apply()
         self._torch_peak = 0
         self.prefill_memory: list[dict] = []
@@ -443,7 +446,8 @@ class OffloadRuntime:
             cache_slots=self.cache.slots, cache_bytes=self.cache.nbytes,
             kv_bytes=self.vram.kv_mapped(), fetch_fraction=sch.q(), min_fetch=sch.min_fetch(),
             rates={"link_GBps": sch.rates.link_bytes_per_s / 1e9,
-                   "cpu_GBps": sch.rates.cpu_bytes_per_s / 1e9},
+                   "cpu_GBps": sch.rates.cpu_bytes_per_s / 1e9,
+                   **({"link_emulated_GBps": self.engine.link.gbps} if self.engine.link else {})},
             per_layer=[{"layer": i, "hits": int(s.hits[i]), "fetched": int(s.fetched[i]),
                         "cpu": int(s.cpu[i]), "cpu_s": float(busy[i])} for i in range(len(s.hits))])
 

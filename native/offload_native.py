@@ -153,6 +153,8 @@ STATS_COLUMNS = tuple(_protocol("STATS_COLUMNS", ("hits", "fetched", "cpu", "pre
 SCORE_ONE = int(_protocol("SCORE_ONE", 1 << 16))        # one choice, in the score's fixed point
 SCORE_STEPS = int(_protocol("SCORE_STEPS", 1024))       # decay table length: older counts as 0
 OUTPUT_DTYPES = dict(_protocol("OUTPUT_DTYPES", {"F32": 0, "F16": 1, "BF16": 30}))  # dequantize's
+LINK_WORDS = dict(_protocol("LINK_WORDS", {"free_at": 0, "mark": 1, "marks": 3, "ns_per_byte": 4,
+                                            "bytes": 5, "words": 8}))   # the emulated link's words
 SCORE_MAX = 1 << 30   # scores seeded from the host stop here (int32, with room for decode's adds)
 
 
@@ -263,12 +265,58 @@ def prefetch(tables: dict, layer: int, guess32: torch.Tensor, reserve: int, step
 
 
 def fetch(fetch_list: torch.Tensor, host_bank: torch.Tensor, pool: torch.Tensor,
-          max_fetch: int, blocks: int = 16) -> None:
+          max_fetch: int, blocks: int = 16, link: "LinkClock | None" = None, which: int = 0) -> None:
     """Copy the listed experts into their slots with a grid of `blocks` blocks (more: more PCIe
-    reads in flight, fewer SM slots left to the kernels running beside the copy)."""
-    _need(_cuda, "offload").offload_fetch(ptr(fetch_list), ptr(host_bank), ptr(pool),
-                                          host_bank.shape[1], pool.shape[1], max_fetch, _stream(),
-                                          blocks)
+    reads in flight, fewer SM slots left to the kernels running beside the copy). With `link`,
+    the copy takes as long as the emulated link would make it (mark slot `which`: one a stream)."""
+    ext = _need(_cuda, "offload")
+    if link is not None:
+        link.mark(which)
+    ext.offload_fetch(ptr(fetch_list), ptr(host_bank), ptr(pool), host_bank.shape[1], pool.shape[1],
+                      max_fetch, _stream(), blocks)
+    if link is not None:
+        link.hold(which, host_bank.shape[1], count=fetch_list)
+
+
+class LinkClock:
+    """An emulated host-to-GPU link of `gbps` GB/s (10^9 bytes a second) that every copy of the
+    offload path books: the copy's stream is held until the link, shared by all copies, would have
+    carried its bytes (csrc/offload_exchange.h, LinkWord). The real copy still runs at the real
+    link's speed inside the booking, so the emulation is right while the real link is faster."""
+
+    FETCH, PREFETCH, STAGING = 0, 1, 2   # mark slots: one per stream that copies
+
+    def __init__(self, device: torch.device, gbps: float):
+        if not gbps > 0:
+            raise NativeError(f"an emulated link of {gbps} GB/s: give a rate above 0")
+        self.words = torch.zeros(LINK_WORDS["words"], dtype=torch.int64, device=device)
+        self.set_rate(gbps)
+
+    def set_rate(self, gbps: float) -> None:
+        self.gbps = float(gbps)
+        bits = torch.tensor([1.0 / self.gbps], dtype=torch.float64).view(torch.int64)
+        self.words[LINK_WORDS["ns_per_byte"]] = bits.to(self.words.device)[0]
+
+    def mark(self, which: int) -> None:
+        _need(_cuda, "offload").offload_link_mark(ptr(self.words), which, _stream())
+
+    def hold(self, which: int, bytes_each: int, count: torch.Tensor | None = None) -> None:
+        """After a copy: book count[0] * bytes_each bytes (bytes_each when count is None)."""
+        _need(_cuda, "offload").offload_link_hold(ptr(self.words), which, ptr(count), int(bytes_each),
+                                                  _stream())
+
+    def bytes_booked(self) -> int:
+        return int(self.words[LINK_WORDS["bytes"]].item())
+
+
+def link_schedule_reference(copies: list[tuple[int, int]], gbps: float) -> list[int]:
+    """What LinkClock makes of copies [(start mark ns, bytes)] booked in that order: the ns at which
+    each one's stream is released (the hold kernel's arithmetic)."""
+    free, out = 0, []
+    for mark, nbytes in copies:
+        free = max(free, mark) + int(nbytes * (1.0 / gbps)) if nbytes > 0 else free
+        out.append(free if nbytes > 0 else mark)
+    return out
 
 
 def wait_add(exchange: dict, layer: int, step: torch.Tensor, cpu_pending: torch.Tensor,

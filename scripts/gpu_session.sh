@@ -65,11 +65,13 @@ if [[ "$STAGES" == *" offload "* ]]; then
     for regime in ${REGIMES:-model}; do
       # regimes: model, trace; suffixes -noprefetch (no next-layer guesses), -pfN (N guesses a
       # token), -fixed (no elastic cache), -serial (misses fetched before any expert computes),
-      # -twoN (N guesses a token two layers ahead), -startN (N guesses a token at a layer's start)
+      # -linkX (an emulated host-to-GPU link of X GB/s, e.g. -link11.8), -tN (N CPU threads)
       extra=""; [[ $regime == trace* ]] && extra="--trace"; [[ $regime == *-noprefetch* ]] && extra="$extra --no-prefetch"
       [[ $regime == *-fixed* ]] && extra="$extra --no-elastic"
       [[ $regime == *-serial* ]] && extra="$extra --no-overlap"
       [[ $regime =~ -pf([0-9]+) ]] && extra="$extra --prefetch-k ${BASH_REMATCH[1]}"
+      [[ $regime =~ -link([0-9.]+) ]] && extra="$extra --link-gbps ${BASH_REMATCH[1]}"
+      [[ $regime =~ -t([0-9]+) ]] && extra="$extra --threads ${BASH_REMATCH[1]}"
       t0=$SECONDS
       timeout ${BENCH_LIMIT:-240} $PY -m freetoken_patch.cli bench /tmp/35b.gguf --vram $cap $extra \
         -p ${PP:-512,2048} -n ${TG:-128} --reps ${REPS:-3} --json --out "$OUT/bench_${cap}_${regime}.json" \

@@ -170,7 +170,8 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     dev = rt.device
     result: dict = {
         "machine": {"gpu": torch.cuda.get_device_name(dev), "host": platform.node(),
-                    "cpu_threads": torch.get_num_threads()},
+                    "cpu_threads": args.threads or torch.get_num_threads(),
+                    "link_gbps_emulated": args.link_gbps},
         "model": {"path": args.model, "name": loaded.metadata.get("general.name"),
                   "synthetic": "ftpatch.synth.preset" in loaded.metadata},
         "vram_cap": vram, "ctx": args.ctx, "load_s": round(load_s, 2),

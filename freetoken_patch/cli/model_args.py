@@ -221,12 +221,26 @@ def add_placement_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--gpu-embedding", action="store_true",
                    help="with --vram: keep the token embedding in VRAM (by default it stays in "
                         "pinned host RAM: a token reads one row of it)")
+    s.add_argument("--link-gbps", type=float, metavar="X",
+                   help="with --vram: emulate a slower host-to-GPU link of X GB/s (11.8 is a "
+                        "laptop's RTX 4060 on PCIe 4.0 x8): every copy of experts to the GPU takes "
+                        "as long as that link would need")
+    s.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads for the native kernels (the experts the CPU computes; "
+                        "default: every core)")
 
 
 def placement_options(args) -> dict:
-    """open_runtime options (RuntimeOptions fields) of add_placement_args' flags."""
+    """open_runtime options (RuntimeOptions fields) of add_placement_args' flags, checked."""
+    link, threads = getattr(args, "link_gbps", None), getattr(args, "threads", None)
+    if link is not None:
+        check("--link-gbps", link, math.isfinite(link) and 0.1 <= link <= 1000,
+              "give the emulated link's rate in GB/s, from 0.1 to 1000 (e.g. 11.8)")
+    if threads is not None:
+        check("--threads", threads, 1 <= threads <= 1024, "give 1 or more threads")
     return {"host_head": bool(getattr(args, "host_head", False)),
-            "host_embedding": not getattr(args, "gpu_embedding", False)}
+            "host_embedding": not getattr(args, "gpu_embedding", False),
+            "link_gbps": link, "cpu_threads": threads}
 
 
 def device_for(device: str | None, vram: int | None):
@@ -242,9 +256,19 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
     """The plain model on one device, or (with --vram) the offload runtime, which presents the
     same interface (new_state / prefill / decode) plus stats()."""
     if vram is None:
-        if placement and (placement.get("host_head") or not placement.get("host_embedding", True)):
+        placement = placement or {}
+        if placement.get("host_head") or not placement.get("host_embedding", True):
             raise CLIError("--host-head and --gpu-embedding place weights for the offload "
                            "runtime; add --vram SIZE")
+        if placement.get("link_gbps") is not None:
+            raise CLIError("--link-gbps emulates the link the offload runtime copies experts "
+                           "over; add --vram SIZE")
+        if placement.get("cpu_threads"):
+            import torch
+            from native.ops import _cpu
+            torch.set_num_threads(placement["cpu_threads"])
+            if _cpu is not None:
+                _cpu.set_threads(placement["cpu_threads"])
         from moe_offload.models import build_model
         return build_model(loaded, dev)
     if dev.type != "cuda":

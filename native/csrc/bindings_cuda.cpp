@@ -278,6 +278,8 @@ PYBIND11_MODULE(_cuda, m) {
     //   offload_fetch(fetch_list, host_bank, pool, expert_bytes, slot_bytes, max_fetch, stream,
     //                 blocks=16)
     //   offload_wait_add(exchange: dict, layer, step, cpu_pending, y, timeout_ns, error_flag, stream)
+    //   offload_link_mark(clock, which, stream) / offload_link_hold(clock, which, count, bytes_each,
+    //                 stream)                             the emulated link around a copy (count 0: none)
     //   vmm_supported() / vmm_granularity() / vmm_reserve(nbytes) -> addr / vmm_free(addr, nbytes)
     //   vmm_map(addr, nbytes) -> handle / vmm_unmap(addr, nbytes, handle)
     //                                                     elastic pools (csrc/cuda/vmm.cu; sync)
@@ -328,6 +330,15 @@ PYBIND11_MODULE(_cuda, m) {
           },
           py::arg("fetch_list"), py::arg("host_bank"), py::arg("pool"), py::arg("expert_bytes"),
           py::arg("slot_bytes"), py::arg("max_fetch"), py::arg("stream"), py::arg("blocks") = 16);
+    m.def("offload_link_mark", [](uintptr_t clock, int which, uintptr_t stream) {
+        cuda::offload_link_mark(reinterpret_cast<uint64_t*>(clock), which, stream);
+    }, py::arg("clock"), py::arg("which"), py::arg("stream"));
+    m.def("offload_link_hold",
+          [](uintptr_t clock, int which, uintptr_t count, int64_t bytes_each, uintptr_t stream) {
+              cuda::offload_link_hold(reinterpret_cast<uint64_t*>(clock), which,
+                                      reinterpret_cast<const int32_t*>(count), bytes_each, stream);
+          },
+          py::arg("clock"), py::arg("which"), py::arg("count"), py::arg("bytes_each"), py::arg("stream"));
     m.def("offload_wait_add",
           [](const py::dict& exchange, int layer, uintptr_t step, uintptr_t cpu_pending, uintptr_t y,
              int64_t timeout_ns, uintptr_t error_flag, uintptr_t stream) {

@@ -18,6 +18,7 @@ template <class T> T* dict_ptr(const pybind11::dict& d, const char* key) {
 //   STATS_COLUMNS    names of CacheTables::stats' columns, in order
 //   SCORE_ONE, SCORE_STEPS   the eviction score's fixed point and the decay table's length
 //   OUTPUT_DTYPES    {name: ggml id} of dequantize's output types (F32, F16, BF16)
+//   LINK_WORDS       {name: index} of the emulated link's words (LinkWord)
 inline void export_protocol(pybind11::module_& m) {
     namespace py = pybind11;
     m.attr("MAX_SELECTIONS") = kMaxSelections;
@@ -31,6 +32,14 @@ inline void export_protocol(pybind11::module_& m) {
     dtypes["F16"] = int(QType::F16);
     dtypes["BF16"] = int(QType::BF16);
     m.attr("OUTPUT_DTYPES") = dtypes;
+    py::dict link;
+    link["free_at"] = int(kLinkFreeAt);
+    link["mark"] = int(kLinkMark);
+    link["marks"] = int(kLinkMarks);
+    link["ns_per_byte"] = int(kLinkNsPerByte);
+    link["bytes"] = int(kLinkBytes);
+    link["words"] = int(kLinkWords);
+    m.attr("LINK_WORDS") = link;
 }
 
 inline CacheTables cache_tables_from(const pybind11::dict& d) {

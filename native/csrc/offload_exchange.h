@@ -43,6 +43,21 @@ enum StatsCol { kHits = 0, kFetched = 1, kCpu = 2, kPrefetchHits = 3, kPrefetche
 constexpr const char* kStatsNames[kStatsCols] = {"hits", "fetched", "cpu", "prefetch_hits",
                                                  "prefetched"};
 
+// The emulated host-to-GPU link (`--link-gbps`): int64 words in device memory. Each copy of the
+// offload path (decode fetches, prefetches, prefill staging) marks its start on its stream
+// (offload_link_mark) and is followed by offload_link_hold, which books its bytes on one shared
+// clock (the link is free again at kLinkFreeAt, in globaltimer ns) and holds the stream until
+// the booked slot ends: max(mark, free) + bytes * ns_per_byte. So copies take as long as the
+// slower link would make them, whatever the real one does, and queue behind each other.
+enum LinkWord {
+    kLinkFreeAt = 0,     // ns at which the emulated link is next free
+    kLinkMark = 1,       // kLinkMarks words: the start of the copy in flight on each copying stream
+    kLinkMarks = 3,
+    kLinkNsPerByte = 4,  // the rate, as a double's bits (read every hold: no re-capture to change)
+    kLinkBytes = 5,      // bytes booked so far
+    kLinkWords = 8,
+};
+
 // ---- the eviction score: its one definition (offload.cu; mirrored in numpy by
 // native/offload_native.py's decayed_scores, which tests hold to it bit for bit) -------------------
 // An expert's score counts its choices lately, each weighing decay^age (age in decode steps), in

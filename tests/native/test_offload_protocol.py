@@ -17,6 +17,9 @@ def test_the_cpu_extension_states_the_protocol():
     assert _cpu.SCORE_ONE == on.SCORE_ONE == 1 << 16
     assert _cpu.SCORE_STEPS == on.SCORE_STEPS == 1024
     assert dict(_cpu.OUTPUT_DTYPES) == on.OUTPUT_DTYPES == {"F32": 0, "F16": 1, "BF16": 30}
+    assert dict(_cpu.LINK_WORDS) == on.LINK_WORDS
+    assert on.LINK_WORDS["mark"] + on.LINK_WORDS["marks"] <= on.LINK_WORDS["ns_per_byte"]
+    assert max(on.LINK_WORDS[k] for k in ("free_at", "ns_per_byte", "bytes")) < on.LINK_WORDS["words"]
 
 
 def test_output_dtypes_are_the_ggml_type_ids():
@@ -44,6 +47,7 @@ def test_the_cuda_extension_states_the_same_protocol():
         assert getattr(ext, name) == getattr(_cpu, name), name
     assert tuple(ext.STATS_COLUMNS) == tuple(_cpu.STATS_COLUMNS)
     assert dict(ext.OUTPUT_DTYPES) == dict(_cpu.OUTPUT_DTYPES)
+    assert dict(ext.LINK_WORDS) == dict(_cpu.LINK_WORDS)
 
 
 def test_cache_stats_read_the_columns_by_name():
@@ -71,3 +75,13 @@ def test_one_score_mirror_for_numpy_and_torch():
 def test_ops_reads_the_dtype_ids_from_the_extension():
     from native import ops
     assert ops._GGML_DTYPE == {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
+def test_link_schedule_reference_queues_copies_on_one_clock():
+    """The emulated link's booking (the hold kernel's arithmetic): a copy starts at its mark or
+    when the link frees up, whichever is later, and lasts bytes / rate; an empty copy waits for
+    nothing."""
+    gbps = 10.0   # 10 bytes a ns
+    done = on.link_schedule_reference([(0, 1000), (50, 1000), (1000, 500), (1000, 0), (5000, 10)],
+                                      gbps)
+    assert done == [100, 200, 1050, 1000, 5001]

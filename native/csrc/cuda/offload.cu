@@ -7,6 +7,7 @@
 //   offload_fetch        copies the chosen experts from the page-locked host bank into their
 //                        new cache slots (zero-copy reads over PCIe, ~45-51 GB/s measured)
 //   offload_wait_add     waits (bounded) for the CPU worker's result and adds it to the output
+//   offload_link_mark / offload_link_hold   the emulated slower link (--link-gbps) around a copy
 //   offload_prefetch     before a layer runs: slots for the experts it is guessed to use (the next
 //                        layer's router applied to the current hidden state), filled by
 //                        offload_fetch on a side stream while the current layer computes
@@ -315,6 +316,36 @@ __global__ void wait_add_kernel(Exchange ex, int layer, const int32_t* __restric
     for (int i = threadIdx.x; i < ex.hidden; i += blockDim.x) yt[i] += yh[i];
 }
 
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__global__ void link_mark_kernel(unsigned long long* clock, int which) {
+    clock[kLinkMark + which] = global_ns();
+}
+
+// One thread: books the copy's bytes on the emulated link (from its mark, or once the link is
+// free if a copy booked earlier still holds it) and spins until the booking ends.
+__global__ void link_hold_kernel(unsigned long long* clock, int which, const int32_t* count,
+                                 int64_t bytes_each) {
+    const long long n = count ? max(*count, 0) : 1;
+    const unsigned long long bytes = (unsigned long long)(n * bytes_each);
+    if (bytes == 0) return;
+    const double ns_per_byte = __longlong_as_double((long long)clock[kLinkNsPerByte]);
+    const unsigned long long mark = clock[kLinkMark + which];
+    const unsigned long long need = (unsigned long long)(double(bytes) * ns_per_byte);
+    unsigned long long seen, end, old = atomicAdd(clock + kLinkFreeAt, 0ull);
+    do {
+        seen = old;
+        end = max(seen, mark) + need;
+        old = atomicCAS(clock + kLinkFreeAt, seen, end);
+    } while (old != seen);
+    atomicAdd(clock + kLinkBytes, bytes);
+    while (global_ns() < end) __nanosleep(256);
+}
+
 }  // namespace
 
 // ---- entry points (declared in offload_api.h, wrapped by bindings_cuda.cpp) ----------------------
@@ -366,6 +397,21 @@ void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
     fetch_kernel<<<blocks, 256, 0, as_stream(stream)>>>(
         fetch_list, (const uint4*)host_bank, (uint4*)pool, expert_bytes, slot_bytes);
     check(cudaGetLastError(), "offload_fetch");
+}
+
+void offload_link_mark(uint64_t* clock, int which, uintptr_t stream) {
+    if (which < 0 || which >= kLinkMarks) throw std::invalid_argument("offload_link_mark: which in [0, 3)");
+    link_mark_kernel<<<1, 1, 0, as_stream(stream)>>>(reinterpret_cast<unsigned long long*>(clock), which);
+    check(cudaGetLastError(), "offload_link_mark");
+}
+
+void offload_link_hold(uint64_t* clock, int which, const int32_t* count, int64_t bytes_each,
+                       uintptr_t stream) {
+    if (which < 0 || which >= kLinkMarks || bytes_each < 0)
+        throw std::invalid_argument("offload_link_hold: which in [0, 3), bytes_each >= 0");
+    link_hold_kernel<<<1, 1, 0, as_stream(stream)>>>(reinterpret_cast<unsigned long long*>(clock),
+                                                      which, count, bytes_each);
+    check(cudaGetLastError(), "offload_link_hold");
 }
 
 void offload_wait_add(const Exchange& ex, int layer, const int32_t* step,

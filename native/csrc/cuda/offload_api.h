@@ -43,6 +43,13 @@ void offload_fetch(const int32_t* fetch_list, const void* host_bank, void* pool,
 void offload_wait_add(const Exchange& ex, int layer, const int32_t* step,
                       const int32_t* cpu_pending, float* y, int64_t timeout_ns,
                       int32_t* error_flag, uintptr_t stream);
+// The emulated link (LinkWord, offload_exchange.h; `clock` = int64[kLinkWords] on the device):
+// offload_link_mark stamps the start of the next copy on this stream in mark slot `which`;
+// offload_link_hold, queued after the copy, books count[0] * bytes_each bytes (bytes_each when
+// count is null) from that mark on the shared clock and holds the stream until the booking ends.
+void offload_link_mark(uint64_t* clock, int which, uintptr_t stream);
+void offload_link_hold(uint64_t* clock, int which, const int32_t* count, int64_t bytes_each,
+                       uintptr_t stream);
 // Page-lock (and map) host memory for zero-copy GPU reads; requires device address == host
 // address (UVA), else throws. Synchronous.
 void pin_host(void* p, size_t nbytes);

@@ -139,6 +139,31 @@ def test_placement_flags_need_vram(tiny_model, capsys):
     assert _err(capsys) == ("ftpatch: error: --host-head and --gpu-embedding place weights for the "
                             "offload runtime; add --vram SIZE")
 
+    assert main(["run", str(tiny_model), "-p", "hi", "--link-gbps", "11.8"]) == 1
+    assert _err(capsys) == ("ftpatch: error: --link-gbps emulates the link the offload runtime "
+                            "copies experts over; add --vram SIZE")
+
+
+@pytest.mark.parametrize("flag,value,fix", [("--link-gbps", "0", "from 0.1 to 1000"),
+                                            ("--link-gbps", "nan", "from 0.1 to 1000"),
+                                            ("--threads", "0", "give 1 or more threads")])
+def test_link_and_threads_are_range_checked(tiny_model, capsys, flag, value, fix):
+    assert main(["run", str(tiny_model), "-p", "hi", flag, value]) == 1
+    err = _err(capsys)
+    assert flag in err and fix in err
+
+
+def test_threads_run_the_plain_model(tiny_model, capsys):
+    from native.ops import _cpu
+    before = torch.get_num_threads(), _cpu.threads()
+    try:
+        assert main(["run", str(tiny_model), "-p", "hi", "-n", "2", "--threads", "1",
+                     "--temp", "0"]) == 0
+        assert torch.get_num_threads() == 1 and _cpu.threads() == 1
+    finally:
+        torch.set_num_threads(before[0])
+        _cpu.set_threads(before[1])
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", [[], ["--host-head"]])
