@@ -77,6 +77,8 @@ class SynthOptions:
     tensor_types: tuple[tuple[str, str], ...] = ()  # (regex, type) overrides, last match wins
     routing_skew: float = 0.0           # 0: uniform routing; larger: a few experts win more
     mtp: bool = False                   # add the MTP block (blk.{n_layer}.*)
+    mtp_agree: float | None = None      # an MTP head that agrees with the trunk at this rate
+                                        # (implies mtp; see _agreeing_mtp)
     n_layer: int | None = None          # override the preset's layer count
     split_max_size: int = 0             # bytes per shard (0: one file)
     vocab: str | None = None            # GGUF to copy the tokenizer from (default: built-in)
@@ -170,13 +172,68 @@ def plan_tensors(opts: SynthOptions, c: Qwen35MoeConfig, extra: list[TensorSpec]
     return plans
 
 
-def _mtp_specs(c: Qwen35MoeConfig) -> list[TensorSpec]:
-    """The NextN block at index n_layer: a full-attention layer + MoE + the MTP projections."""
-    return mtp_schema(c)
+def _mtp_specs(c: Qwen35MoeConfig, agree: float | None = None) -> list[TensorSpec]:
+    """The NextN block at index n_layer: a full-attention layer + MoE + the MTP projections
+    (agreeing: its own embedding table, and the trunk's output norm for its head)."""
+    specs = mtp_schema(c)
+    if agree is None:
+        return specs
+    b = f"blk.{c.n_layer}."
+    return [s for s in specs if s.name != b + "nextn.shared_head_norm.weight"] + [
+        TensorSpec(b + "nextn.embed_tokens.weight", ((c.n_vocab, c.n_embd),), "embed")]
+
+
+# An MTP head that agrees with the trunk at a chosen rate (`SynthOptions.mtp_agree`):
+#  - the trunk is made near-bigram: token embeddings EMBED_GAIN times the usual size, so the
+#    residual stream stays the token's own embedding plus comparatively small layer outputs,
+#    and the trunk's next token is (almost always) f(t) = argmax head . (norm(emb t) * out_norm);
+#  - the head sees only the token: eh_proj = [MTP_GAIN * I | 0] (the hidden half zero), enorm
+#    = 1, no shared_head_norm (the trunk's output norm serves), so the block's own layer
+#    outputs are small beside the residual and the head guesses f(token);
+#  - its embedding table (nextn.embed_tokens) is the trunk's with the rows of a random
+#    (1 - rate) share of the vocabulary swapped among themselves: for those tokens the head
+#    guesses f of another token, which agrees with the trunk only by chance.
+# So a draft of the token after t agrees with the trunk iff t is in the kept share: greedy
+# acceptance ~ rate on the tokens a sequence visits (measured in docs/BENCHMARKS.md).
+EMBED_GAIN = 5000.0
+MTP_GAIN = 100.0
+
+
+def _agreeing_mtp(plans: list[_Plan], opts: SynthOptions, c: Qwen35MoeConfig) -> list[_Plan]:
+    rate = float(opts.mtp_agree)
+    b = f"blk.{c.n_layer}.nextn."
+    embed = next(pl for pl in plans if pl.name == "token_embd.weight")
+    V, H = c.n_vocab, c.n_embd
+
+    def make_embd(rng: np.random.Generator) -> np.ndarray:
+        return random_tensor(embed.qtype, embed.shape, rng, scale=0.02 * EMBED_GAIN)
+
+    def make_mtp_embd(rng: np.random.Generator) -> np.ndarray:
+        rows = make_embd(_tensor_seed(opts.seed, "token_embd.weight"))
+        pick = np.random.default_rng([opts.seed, zlib.crc32(b"mtp_agree")])
+        moved = np.flatnonzero(pick.random(V) >= rate)
+        out = rows.copy()
+        if len(moved) > 1:     # a cyclic shift among the moved rows: none keeps its own
+            out[moved] = rows[np.roll(moved, 1 + int(pick.integers(len(moved) - 1)))]
+        return out
+
+    def make_eh(rng: np.random.Generator) -> np.ndarray:
+        w = np.zeros((H, 2 * H), np.float32)
+        w[np.arange(H), np.arange(H)] = MTP_GAIN
+        return float_bytes(w, "F16")
+
+    f16 = quant_type("F16")
+    makers = {"token_embd.weight": (embed.qtype, make_embd),
+              b + "embed_tokens.weight": (embed.qtype, make_mtp_embd),
+              b + "eh_proj.weight": (f16, make_eh),
+              b + "enorm.weight": (quant_type("F32"),
+                                   lambda rng: float_bytes(np.ones(H, np.float32), "F32"))}
+    return [replace(pl, qtype=makers[pl.name][0], make=makers[pl.name][1])
+            if pl.name in makers else pl for pl in plans]
 
 
 def _metadata(opts: SynthOptions, p: Preset, c: Qwen35MoeConfig, vocab: VocabSpec) -> dict:
-    n_blocks = c.n_layer + (1 if opts.mtp else 0)
+    n_blocks = c.n_layer + (1 if opts.mtp or opts.mtp_agree is not None else 0)
     A = ARCH + "."
     md = {
         "general.name": f"synthetic qwen35moe {opts.preset} (random weights)",
@@ -204,8 +261,10 @@ def _metadata(opts: SynthOptions, p: Preset, c: Qwen35MoeConfig, vocab: VocabSpe
         "ftpatch.synth.preset": opts.preset, "ftpatch.synth.seed": (opts.seed, "u32"),
         "ftpatch.synth.routing_skew": (float(opts.routing_skew), "f32"),
     }
-    if opts.mtp:
+    if opts.mtp or opts.mtp_agree is not None:
         md[A + "nextn_predict_layers"] = (1, "u32")
+    if opts.mtp_agree is not None:
+        md["ftpatch.synth.mtp_agree"] = (float(opts.mtp_agree), "f32")
     md.update(vocab_metadata(vocab))
     return md
 
@@ -252,7 +311,12 @@ def synthesize(out: str | os.PathLike, opts: SynthOptions,
     vocab = vocab.padded(n_vocab)
     n_layer = opts.n_layer or preset.n_layer
     c = _config(preset, n_vocab, n_layer)
-    plans = plan_tensors(opts, c, _mtp_specs(c) if opts.mtp else [])
+    agree = opts.mtp_agree
+    if agree is not None and not 0.0 <= agree <= 1.0:
+        raise GGUFError(f"mtp agreement {agree} is not a rate between 0 and 1")
+    plans = plan_tensors(opts, c, _mtp_specs(c, agree) if opts.mtp or agree is not None else [])
+    if agree is not None:
+        plans = _agreeing_mtp(plans, opts, c)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(None, ARCH, split_max_size=opts.split_max_size)

@@ -14,6 +14,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from .errors import OffloadError
+from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder
 from .state import State
 
 
@@ -49,6 +50,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, V]; recent [B, n] context ids the penalties see (or None)."""
+        if self.p.temperature <= 0:
+            return self.filtered(logits, recent).argmax(-1)
+        return torch.multinomial(self.probs(logits, recent), 1, generator=self.generator)[:, 0]
+
+    def probs(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution a draw is made from [B, V] (temperature > 0): speculative sampling
+        compares the target's and the draft's."""
+        return torch.softmax(self.filtered(logits, recent) / self.p.temperature, -1)
+
+    def filtered(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits after penalties and (temperature > 0) top-k, top-p, min-p: -inf where cut."""
         p, x = self.p, logits.float().clone()
         if recent is not None and recent.numel() and _penalized(p):
             seen = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, recent, True)
@@ -58,7 +70,7 @@ class Sampler:
                 counts = torch.zeros_like(x).scatter_add_(-1, recent, torch.ones_like(recent, dtype=x.dtype))
                 x = x - p.frequency_penalty * counts
         if p.temperature <= 0:
-            return x.argmax(-1)
+            return x
         if 0 < p.top_k < x.shape[-1]:
             x = x.masked_fill(x < x.topk(p.top_k, dim=-1).values[..., -1:], float("-inf"))
         if p.top_p < 1.0:
@@ -69,8 +81,7 @@ class Sampler:
         if p.min_p > 0.0:
             probs = torch.softmax(x, -1)
             x = x.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-        probs = torch.softmax(x / p.temperature, -1)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        return x
 
 
 # ---- events -----------------------------------------------------------------------------------
@@ -140,9 +151,12 @@ class _StopScanner:
 
 def generate(model, state: State, prompt: Sequence[int], params: SamplingParams = GREEDY, *,
              tokenizer=None, eog_ids: Iterable[int] | None = None, history: Sequence[int] = (),
-             prefill_chunk: int = 512) -> Iterator[TokenEvent | DoneEvent]:
+             prefill_chunk: int = 512, draft: SpeculativeDecoder | None = None
+             ) -> Iterator[TokenEvent | DoneEvent]:
     """Stream tokens after `prompt` (fed on top of what `state` holds; `history` = the ids
-    already in it, for the penalties). eog_ids default to the tokenizer's."""
+    already in it, for the penalties). eog_ids default to the tokenizer's. draft: decode
+    speculatively with the model's MTP head (a step may give several tokens; what the cache
+    holds is the same as without: every token yielded but the last)."""
     if not len(prompt):
         raise OffloadError("the prompt is empty; give at least one token")
     if state.batch != 1:
@@ -158,33 +172,54 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     out: list[int] = []
 
     t0 = time.perf_counter()
-    logits = model.prefill(torch.tensor([list(prompt)], device=dev), state, chunk=prefill_chunk)
+    prompt_t = torch.tensor([list(prompt)], device=dev)
+    if draft is None:
+        logits = model.prefill(prompt_t, state, chunk=prefill_chunk)
+    else:
+        n_hist = state.n_past
+        logits = draft.prefill(prompt_t, state, prefill_chunk,
+                               list(history) if len(history) == n_hist else None)
     tok = int(sample(logits, _recent(context, params, dev)))
     t_first = time.perf_counter()
     timings = Timings(len(prompt), t_first - t0, 0, 0.0, t_first - t0)
     decode_s, reason = 0.0, "length"
-    while True:
-        out.append(tok)
-        context.append(tok)
-        if tok in eog and not params.ignore_eog:
-            reason = "eog"
-            break
-        text, stopped = stops.push(stream(tok))
-        if stopped:
+    queue: list[int] = []   # tokens of a speculative step not yet yielded
+    taken = 0               # tokens of that step taken so far
+    try:
+        while True:
+            out.append(tok)
+            context.append(tok)
+            taken += 1
+            if tok in eog and not params.ignore_eog:
+                reason = "eog"
+                break
+            text, stopped = stops.push(stream(tok))
+            if stopped:
+                yield TokenEvent(tok, text, timings)
+                reason = "stop"
+                break
             yield TokenEvent(tok, text, timings)
-            reason = "stop"
-            break
-        yield TokenEvent(tok, text, timings)
-        if len(out) >= params.max_tokens:
-            break
-        if state.n_free < 1:
-            reason = "context"
-            break
-        t = time.perf_counter()
-        logits = model.decode(torch.tensor([tok], device=dev), state)
-        tok = int(sample(logits, _recent(context, params, dev)))
-        decode_s += time.perf_counter() - t
-        timings = Timings(len(prompt), timings.prompt_s, len(out), decode_s, timings.ttft_s)
+            if len(out) >= params.max_tokens:
+                break
+            if queue:
+                tok = queue.pop(0)
+                continue
+            if state.n_free < 1:
+                reason = "context"
+                break
+            t = time.perf_counter()
+            if draft is None:
+                logits = model.decode(torch.tensor([tok], device=dev), state)
+                tok = int(sample(logits, _recent(context, params, dev)))
+            else:
+                new = draft.step(state, tok, sample,
+                                 lambda extra: _recent(context + extra, params, dev))
+                tok, queue, taken = new[0], new[1:], 0
+            decode_s += time.perf_counter() - t
+            timings = Timings(len(prompt), timings.prompt_s, len(out), decode_s, timings.ttft_s)
+    finally:   # stopped (or left) inside a speculative step: the cache forgets what follows
+        if draft is not None and queue:
+            draft.truncate(state, taken)
     tail = ""
     if reason != "stop":
         tail, stopped = stops.push(stream(None))
@@ -225,6 +260,7 @@ class Session:
     template: object = None
     tokens: list[int] = field(default_factory=list)      # ids now in the cache, in order
     max_snapshots: int = 4
+    draft: SpeculativeDecoder | None = None              # speculative decoding (MTP head)
     _snaps: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -253,15 +289,17 @@ class Session:
         (leaving the loop) is fine: the session keeps what the cache holds."""
         start, sampled = len(self.tokens), []
         self._snapshot()                          # end of the previous reply
+        gen = generate(self.model, self.state, prompt, params, tokenizer=self.tokenizer,
+                       history=self.tokens, draft=self.draft)
         try:
-            for ev in generate(self.model, self.state, prompt, params, tokenizer=self.tokenizer,
-                               history=self.tokens):
+            for ev in gen:
                 if isinstance(ev, TokenEvent):
                     if not sampled:
                         self._snapshot()          # prompt prefilled, reply not yet fed
                     sampled.append(ev.token)
                 yield ev
         finally:                                  # the last sampled id is never fed
+            gen.close()                           # (a speculative step gives back the rest)
             self.tokens += (list(prompt) + sampled)[:self.state.n_past - start]
 
     def complete(self, text: str, params: SamplingParams = GREEDY) -> Iterator[TokenEvent | DoneEvent]:

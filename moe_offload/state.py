@@ -111,7 +111,7 @@ class State:
         self.mtp_past = 0
         self.mtp_hidden: torch.Tensor | None = None
         self.steps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.steps_taken = 0   # tokens of the last forward whose states `steps` holds
+        self.steps_taken = 0   # tokens of the last forward still in the cache, states kept
 
     # -- elastic KV ---------------------------------------------------------------------------
 
@@ -190,7 +190,7 @@ class State:
             self.ssm[i].copy_(ssm[t])
         self.n_past -= n
         self.pos.sub_(n)
-        self.steps_taken = 0
+        self.steps_taken -= n   # a later rewind goes further back from here
 
     # -- bookkeeping --------------------------------------------------------------------------
 

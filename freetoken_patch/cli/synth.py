@@ -10,7 +10,7 @@ from loaders.quants import QUANT_TYPES
 from loaders.synth import PRESETS, SynthOptions, synthesize
 
 from ..errors import CLIError
-from .inputs import check, check_positive, check_seed
+from .inputs import check, check_fraction, check_positive, check_seed
 from .model_args import size_arg
 
 
@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                    help="router row scales ~ rank^-A: 0 routes uniformly, 1 strongly favours a few "
                         "experts (default 0)")
     s.add_argument("--mtp", action="store_true", help="add the MTP (NextN) block")
+    s.add_argument("--mtp-agree", type=float, metavar="RATE",
+                   help="add an MTP block whose greedy draft agrees with the trunk on about RATE "
+                        "of the tokens (0..1; makes the trunk near-bigram: a speculative "
+                        "decoding benchmark, not a model)")
     s.add_argument("--layers", type=int, help="override the preset's layer count")
     s.add_argument("--split-max-size", type=size_arg, default=0, metavar="SIZE",
                    help="write shards of at most SIZE (e.g. 4GiB): NAME-00001-of-0000N.gguf")
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     check("--routing-skew", args.routing_skew,
           math.isfinite(args.routing_skew) and args.routing_skew >= 0, "give a number >= 0")
     check_positive("--layers", args.layers)
+    check_fraction("--mtp-agree", args.mtp_agree)
     check_positive("--threads", args.threads)
     overrides = []
     for item in args.tensor_type:
@@ -74,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                         expert_type=args.expert_type, down_type=args.down_type,
                         output_type=args.output_type, embed_type=args.embed_type,
                         tensor_types=tuple(overrides), routing_skew=args.routing_skew,
-                        mtp=args.mtp, n_layer=args.layers, split_max_size=args.split_max_size,
+                        mtp=args.mtp, mtp_agree=args.mtp_agree, n_layer=args.layers,
+                        split_max_size=args.split_max_size,
                         vocab=args.vocab)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
     t0 = time.perf_counter()

@@ -59,10 +59,11 @@ class MtpHead:
         return None if up is None else cls(model, *up)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, state: State,
-                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
         """hidden [B, T, H] (the trunk's final-normed states of positions p..p+T-1, p =
-        state.mtp_past), tokens [B, T] (the tokens at p+1..p+T) -> (draft logits [B, T, V] for
-        p+2..p+T+1, or None; the head's normed states g [B, T, H]). Writes T MTP KV rows."""
+        state.mtp_past), tokens [B, T] (the tokens at p+1..p+T) -> (draft logits for p+2..p+T+1:
+        [B, T, V] with logits="all", [B, 1, V] with "last", None with "none"; the head's normed
+        states g [B, T, H]). Writes T MTP KV rows."""
         c, L = self.config, self.L
         B, T = tokens.shape
         H, eps = c.n_embd, c.rms_eps
@@ -81,4 +82,6 @@ class MtpHead:
         moe_out = self.model._moe(L, self.experts, f)
         g = residual_rms_norm(x, self.norm, eps, *moe_out).view(B, T, H)
         state.mtp_past = p + T
-        return (_mm(g, self.head) if logits else None), g
+        if logits == "none":
+            return None, g
+        return _mm(g if logits == "all" else g[:, -1:], self.head), g

@@ -1,0 +1,291 @@
+"""Speculative decoding with the model's own MTP head (models/mtp.py), one sequence.
+
+A step, with n tokens in the cache and t_n sampled but not yet fed:
+  draft    the MTP head on the trunk's hidden states it has not seen yet (the last one is
+           h_{n-1}, paired with t_n) -> d_1; then chained on its own output -> d_2 .. d_k
+  verify   ONE trunk forward of [t_n, d_1 .. d_k] (k+1 positions; logits and hidden states at
+           each), the delta-net state kept after every position (State.keep_steps)
+  accept   greedy: the longest prefix of drafts equal to the trunk's choice, then the trunk's
+           own next token; sampling: d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)),
+           the first refusal draws from norm(max(0, p_i - q_i)), and when all k are kept one
+           more token is drawn from p_{k+1} (Leviathan et al. / Chen et al.: the output has the
+           target's distribution whatever the draft's)
+  rewind   KV rows past the kept positions are garbage (the position counter moves back); the
+           delta-net conv/ssm state goes back to the copy kept after the last accepted position
+           (State.rewind): no recomputation
+The trunk's hidden states of the kept positions become the MTP head's next input, so its KV
+stays in step with the trunk's (State.mtp_past, State.mtp_hidden).
+
+Greedy output equals plain greedy decoding token for token (up to floating-point ties: a verify
+step's matmuls see k+1 rows where decode sees one); sampling has plain sampling's distribution.
+Penalties see the drafted tokens as context, as they would have been.
+
+`DraftPolicy` picks k each step: fixed, or (auto) the k in 0..k_max that maximises the expected
+tokens a step, (1 - a^(k+1)) / (1 - a) for an acceptance rate a (EMA), over the step's measured
+cost (the verify forward of k+1 positions and k draft calls, EMA by k); 0 is plain decoding.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import OffloadError
+from .state import State
+
+K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
+MTP_BACKLOG = 64     # trunk hidden states the MTP head may owe before they are written
+
+
+@dataclass
+class SpecStats:
+    """What speculative decoding did since the decoder was made (or reset)."""
+
+    steps: int = 0            # decode steps (verify forwards), k = 0 included
+    drafted: int = 0          # draft tokens proposed
+    accepted: int = 0         # of which the trunk kept
+    tokens: int = 0           # tokens the steps produced (accepted drafts + one a step)
+    by_k: dict = field(default_factory=dict)   # k -> steps taken with k drafts
+    by_accepted: dict = field(default_factory=dict)   # (k, drafts accepted) -> steps
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "tokens": self.tokens, "acceptance": round(self.acceptance, 4),
+                "tokens_per_step": round(self.tokens_per_step, 3),
+                "by_k": {str(k): n for k, n in sorted(self.by_k.items())}}
+
+    def summary(self) -> str:
+        return (f"speculative: {self.acceptance:.0%} of {self.drafted} drafts accepted, "
+                f"{self.tokens_per_step:.2f} tokens a step")
+
+
+class DraftPolicy:
+    """How many tokens to draft: `fixed` (0..K_MAX), or None for adaptive.
+
+    Adaptive: acceptance a per draft (EMA over drafts, geometric model: a draft is judged only
+    when the ones before it were kept); cost of a step with k drafts measured (EMA of wall
+    time by k). Before a k has been measured its cost is guessed from k = 0's as
+    (1 + prior_slope * k) plus k draft calls at prior_draft each -- optimistic, so it gets tried
+    and measured. While k = 0 wins, every `probe_every` steps one k = 1 step keeps a current.
+    """
+
+    def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
+                 a0: float = 0.6, prior_slope: float = 0.25, prior_draft: float = 0.05,
+                 probe_every: int = 16):
+        if fixed is not None and not 0 <= fixed <= k_max:
+            raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
+        self.fixed, self.k_max, self.ema = fixed, k_max, ema
+        self.a = a0
+        self.cost: dict[int, float] = {}
+        self.prior_slope, self.prior_draft = prior_slope, prior_draft
+        self.probe_every, self._since_draft = probe_every, 0
+
+    @property
+    def max_k(self) -> int:
+        return self.k_max if self.fixed is None else self.fixed
+
+    def expected_tokens(self, k: int) -> float:
+        a = min(self.a, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def step_cost(self, k: int) -> float:
+        if k in self.cost:
+            return self.cost[k]
+        base = self.cost.get(0)
+        if base is None:
+            return 1 + (self.prior_slope + self.prior_draft) * k   # relative to plain decode
+        return base * (1 + (self.prior_slope + self.prior_draft) * k)
+
+    def choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if 0 not in self.cost:
+            return 0                       # measure plain decode first
+        best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        if best == 0 and self._since_draft >= self.probe_every:
+            best = 1
+        return best
+
+    def observe(self, k: int, accepted: int, seconds: float) -> None:
+        """A step with k drafts kept `accepted` of them and took `seconds`."""
+        self._since_draft = 0 if k else self._since_draft + 1
+        old = self.cost.get(k)
+        self.cost[k] = seconds if old is None else old + self.ema * (seconds - old)
+        judged = min(k, accepted + 1)      # drafts after the first refusal were not judged
+        for i in range(judged):
+            self.a += self.ema * ((1.0 if i < accepted else 0.0) - self.a)
+
+
+class SpeculativeDecoder:
+    """Drafts with an MTP head and verifies with the trunk (module docstring). One sequence.
+
+    model: the trunk (Qwen35Moe or OffloadRuntime): forward(tokens, state, hidden=True) or
+    verify(tokens, state) -> (logits [1, T, V], hidden [1, T, H]), prefill(..., hidden=True).
+    mtp: an MtpHead (or the runtime's) with forward(hidden, tokens, state, logits=...).
+    draft: tokens a step (0..K_MAX) or "auto"."""
+
+    def __init__(self, model, mtp, draft: int | str = "auto", *, policy: DraftPolicy | None = None):
+        if mtp is None:
+            raise OffloadError("this model has no MTP block (nextn_predict_layers = 0): "
+                               "speculative decoding needs one; use --draft 0")
+        self.model, self.mtp = model, mtp
+        self.policy = policy or DraftPolicy(None if draft == "auto" else int(draft))
+        self.stats = SpecStats()
+        self.ids: list[int] = []     # ids[p] = the token at position p (and t_n at n_past)
+        self._last = 0               # tokens the last step returned (for truncate)
+        self.device = model.device
+
+    def reset_stats(self) -> None:
+        self.stats = SpecStats()
+
+    # -- the prompt -----------------------------------------------------------------------------
+
+    def prefill(self, tokens: torch.Tensor, state: State, chunk: int = 512,
+                history: list[int] | None = None) -> torch.Tensor:
+        """The prompt tokens [1, T] on top of `state` -> last logits [1, V]; its hidden states
+        are owed to the MTP head. history: the ids already in the state (when they are not
+        known, the MTP head starts afresh at the prompt and drafts from less context)."""
+        state.keep_steps(self.policy.max_k)
+        n0 = state.n_past
+        logits, hidden = self.model.prefill(tokens, state, chunk, hidden=True)
+        if history is not None and len(history) == n0:
+            self.ids = list(history) + tokens[0].tolist()
+        else:
+            self.ids = [0] * n0 + tokens[0].tolist()
+            state.mtp_past, state.mtp_hidden = n0, None
+        owed = state.mtp_hidden
+        if owed is not None and state.mtp_past + owed.shape[0] == n0:
+            state.mtp_hidden = torch.cat((owed, hidden[0]))
+        else:
+            state.mtp_past, state.mtp_hidden = n0, hidden[0]
+        self._catch_up(state, chunk)
+        self._last = 0
+        return logits
+
+    def _catch_up(self, state: State, chunk: int = 512, keep: int = 1) -> None:
+        """Write the MTP rows owed (all but the last `keep`, whose token may not be known)."""
+        owed = state.mtp_hidden
+        if owed is None or owed.shape[0] <= keep:
+            return
+        n = owed.shape[0] - keep
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            p = state.mtp_past
+            toks = torch.tensor([self.ids[p + 1:p + 1 + e - s]], device=self.device)
+            self.mtp.forward(owed[None, s:e], toks, state, logits="none")
+        state.mtp_hidden = owed[n:]
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def step(self, state: State, tok: int, sampler, recent) -> list[int]:
+        """Feed t_n = tok (sampled, not yet in the cache) and return the next tokens: the
+        accepted drafts and one more (>= 1 token). sampler: generate.Sampler; recent(extra ids)
+        -> the penalties' context [1, n] or None."""
+        n = state.n_past
+        if len(self.ids) == n:
+            self.ids.append(tok)
+        else:
+            self.ids[n:] = [tok]
+        k = min(self.policy.choose(), state.n_free - 1)
+        if k < 0:
+            raise OffloadError("the context is full")
+        t0 = time.perf_counter()
+        greedy = sampler.p.temperature <= 0
+        drafts, q = self._draft(state, k, sampler, recent, greedy) if k else ([], [])
+        inp = torch.tensor([[tok] + drafts], device=self.device)
+        logits, hidden = self._verify(inp, state)
+        new, accepted = self._accept(logits[0], drafts, q, sampler, recent, greedy)
+        state.rewind(k - accepted)
+        owed = state.mtp_hidden
+        state.mtp_hidden = hidden[0, :accepted + 1] if owed is None else \
+            torch.cat((owed, hidden[0, :accepted + 1]))
+        self.ids[n + 1:] = new
+        if state.mtp_hidden.shape[0] > MTP_BACKLOG:   # plain steps: keep the MTP head in step
+            self._catch_up(state)
+        self._last = len(new)
+        self.policy.observe(k, accepted, time.perf_counter() - t0)
+        st = self.stats
+        st.steps += 1
+        st.drafted += k
+        st.accepted += accepted
+        st.tokens += len(new)
+        st.by_k[k] = st.by_k.get(k, 0) + 1
+        st.by_accepted[k, accepted] = st.by_accepted.get((k, accepted), 0) + 1
+        return new
+
+    def truncate(self, state: State, used: int) -> None:
+        """Only the first `used` tokens of the last step's return were taken (a stop condition,
+        or the consumer left): the cache keeps what precedes the last one taken."""
+        drop = self._last - used
+        if drop <= 0:
+            return
+        state.rewind(drop)
+        state.mtp_hidden = state.mtp_hidden[:state.mtp_hidden.shape[0] - drop]
+        del self.ids[len(self.ids) - drop:]
+        self._last = used
+        self.stats.tokens -= drop
+
+    def _verify(self, inp: torch.Tensor, state: State):
+        verify = getattr(self.model, "verify", None)
+        if verify is not None:
+            return verify(inp, state)
+        return self.model.forward(inp, state, hidden=True)
+
+    def _draft(self, state: State, k: int, sampler, recent, greedy: bool):
+        """k draft tokens (and, sampling, the distributions q_i they were drawn from)."""
+        owed = state.mtp_hidden
+        p = state.mtp_past
+        toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
+        lg, g = self.mtp.forward(owed[None], toks, state, logits="last")
+        state.mtp_hidden = None
+        base = state.mtp_past                       # rows past it are provisional
+        drafts, qs = [], []
+        for i in range(k):
+            if i:
+                lg, g = self.mtp.forward(g[:, -1:], torch.tensor([[drafts[-1]]], device=self.device),
+                                         state, logits="last")
+            ctx = recent(drafts)
+            if greedy:
+                d = int(sampler.filtered(lg[:, -1], ctx).argmax(-1))
+            else:
+                qi = sampler.probs(lg[:, -1], ctx)[0]
+                d = int(torch.multinomial(qi, 1, generator=sampler.generator))
+                qs.append(qi)
+            drafts.append(d)
+        state.mtp_past = base
+        return drafts, qs
+
+    def _accept(self, logits: torch.Tensor, drafts: list[int], q: list, sampler, recent,
+                greedy: bool) -> tuple[list[int], int]:
+        """logits [k+1, V] of the verify step -> (new tokens, drafts accepted)."""
+        out: list[int] = []
+        for i, d in enumerate(drafts):
+            ctx = recent(drafts[:i])
+            if greedy:
+                t = int(sampler.filtered(logits[i:i + 1], ctx).argmax(-1))
+                if t != d:
+                    return out + [t], i
+                out.append(d)
+                continue
+            p = sampler.probs(logits[i:i + 1], ctx)[0]
+            r = float(torch.rand((), generator=sampler.generator, device=p.device))
+            if r * float(q[i][d]) < float(p[d]):          # r < p/q without dividing by q = 0
+                out.append(d)
+                continue
+            resid = (p - q[i]).clamp(min=0)
+            if float(resid.sum()) <= 0:                 # p == q up to rounding: draw from p
+                resid = p
+            t = int(torch.multinomial(resid / resid.sum(), 1, generator=sampler.generator))
+            return out + [t], i
+        ctx = recent(drafts)
+        out.append(int(sampler(logits[len(drafts):len(drafts) + 1], ctx)))
+        return out, len(drafts)

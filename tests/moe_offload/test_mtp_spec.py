@@ -1,0 +1,280 @@
+"""Speculative decoding with the MTP head: the delta-net rewind, greedy output equal to plain
+greedy for every k (with rejections forced at every draft position), speculative sampling's
+distribution (a Markov chain where it is known exactly, and the tiny model's first two tokens),
+the adaptive policy, the synthetic agreeing head, and a Session that stops mid-step."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loaders import open_model
+from moe_offload.generate import GREEDY, DoneEvent, SamplingParams, Session, generate
+from moe_offload.models import build_model
+from moe_offload.models.mtp import MtpHead
+from moe_offload.speculative import DraftPolicy, SpeculativeDecoder
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
+PROMPT = [5, 17, 300, 42, 9, 100, 77, 12]
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_model):
+    loaded = open_model(synth_model(mtp=True, type="Q4_K", seed=3))
+    model = build_model(loaded, "cpu")
+    return loaded, model, MtpHead.load(loaded, model)
+
+
+def _tokens(model, params, draft=None, prompt=PROMPT, n_ctx=256):
+    evs = list(generate(model, model.new_state(1, n_ctx), prompt, params, draft=draft))
+    assert isinstance(evs[-1], DoneEvent)
+    return list(evs[-1].tokens)
+
+
+def test_rewind_returns_to_the_state_after_each_token(tiny):
+    _, model, _ = tiny
+    toks = torch.tensor([PROMPT[:5]])
+    for keep in range(1, 5):   # keep `keep` of 4 verify tokens
+        ref = model.new_state(1, 64)
+        model.prefill(toks, ref)
+        model.forward(torch.tensor([[3, 4, 5, 6][:keep]]), ref)
+        st = model.new_state(1, 64)
+        st.keep_steps(3)
+        model.prefill(toks, st)
+        model.forward(torch.tensor([[3, 4, 5, 6]]), st)
+        st.rewind(4 - keep)
+        assert st.n_past == ref.n_past and int(st.pos) == ref.n_past
+        for i in ref.ssm:
+            assert torch.allclose(st.ssm[i], ref.ssm[i], atol=1e-5, rtol=1e-4), (keep, i)
+            assert torch.allclose(st.conv[i], ref.conv[i], atol=1e-5, rtol=1e-4), (keep, i)
+        a = model.decode(torch.tensor([8]), st)
+        b = model.decode(torch.tensor([8]), ref)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+class ForcedDrafts:
+    """The real MTP head (its KV kept as usual), but the draft logits are replaced by a one-hot
+    of the reference sequence's token, wrong where `wrong(position)`: rejections where we
+    want them."""
+
+    def __init__(self, head, ref_ids, wrong):
+        self.head, self.ref, self.wrong = head, ref_ids, wrong
+
+    def forward(self, hidden, tokens, state, logits="all"):
+        lg, g = self.head.forward(hidden, tokens, state, logits)
+        if lg is None:
+            return lg, g
+        pos = state.mtp_past + 1                 # the position the last row's draft is for
+        want = self.ref[pos] if pos < len(self.ref) else 0
+        if self.wrong(pos):
+            want = (want + 1) % lg.shape[-1]
+        out = torch.full_like(lg, -10.0)
+        out[..., want] = 10.0
+        return out, g
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, "auto"])
+def test_greedy_speculative_equals_plain_greedy(tiny, k):
+    _, model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    ref = _tokens(model, params)
+    ids = PROMPT + ref
+
+    # wrong drafts placed so that steps of 3 drafts accept 3, 2, 1, 0, 3, 2, ... (other k
+    # meet them elsewhere)
+    wrong, s, j = set(), len(PROMPT), 0
+    while s < len(ids):
+        a = 3 - j % 4
+        if a < 3:
+            wrong.add(s + 1 + a)
+        s, j = s + a + 1, j + 1
+    draft = SpeculativeDecoder(model, ForcedDrafts(head, ids, wrong.__contains__), k)
+    assert _tokens(model, params, draft) == ref
+    st = draft.stats
+    assert st.tokens == len(ref) - 1 and 0 < st.accepted < st.drafted
+    if k == 3:   # a rollback at every draft position, and full acceptance
+        assert {(3, a) for a in range(4)} <= set(st.by_accepted), st.by_accepted
+    # the untouched head: (nearly) every draft rejected, still the same output
+    assert _tokens(model, params, SpeculativeDecoder(model, head, k)) == ref
+
+
+def test_greedy_with_penalties_and_stops_equals_plain(tiny):
+    _, model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=30, repeat_penalty=1.3,
+                            presence_penalty=0.2, penalty_last_n=16)
+    ref = _tokens(model, params)
+    draft = SpeculativeDecoder(model, ForcedDrafts(head, PROMPT + ref, lambda p: p % 5 == 0), 3)
+    assert _tokens(model, params, draft) == ref
+    # an end-of-generation id inside an accepted run: the cache keeps what precedes it
+    eog = ref[9]
+    st = model.new_state(1, 256)
+    evs = list(generate(model, st, PROMPT, params, eog_ids=[eog],
+                        draft=SpeculativeDecoder(model, ForcedDrafts(head, PROMPT + ref,
+                                                                     lambda p: False), 3)))
+    assert evs[-1].reason == "eog" and list(evs[-1].tokens) == ref[:ref.index(eog) + 1]
+    assert st.n_past == len(PROMPT) + ref.index(eog)
+
+
+def test_session_left_mid_step_keeps_a_consistent_cache(tiny):
+    _, model, head = tiny
+    ref = _tokens(model, SamplingParams(temperature=0.0, max_tokens=40))
+    s = Session(model, model.new_state(1, 256),
+                draft=SpeculativeDecoder(model, ForcedDrafts(head, PROMPT + ref, lambda p: False), 3))
+    got = []
+    for ev in s.generate(PROMPT, GREEDY):
+        got.append(ev.token)
+        if len(got) == 6:      # inside a step of 4 tokens
+            break
+    assert s.state.n_past == len(s.tokens) == len(PROMPT) + 5
+    assert s.tokens == PROMPT + ref[:5]
+    # and the conversation goes on as plain decoding would
+    more = [e.token for e in s.generate([ref[5]], SamplingParams(temperature=0.0, max_tokens=8))
+            if not isinstance(e, DoneEvent)]
+    assert more == ref[6:14]
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+class MarkovTrunk:
+    """A 'model' whose next-token logits depend only on the current token: log P[token]. The
+    output of sampling is then a Markov chain with transition matrix P exactly."""
+
+    def __init__(self, P):
+        self.logp, self.device, self.V = P.log(), torch.device("cpu"), P.shape[0]
+
+    def forward(self, tokens, state, last_only=False, hidden=False):
+        T = tokens.shape[1]
+        state.n_past += T
+        state.steps_taken = T
+        return self.logp[tokens], torch.nn.functional.one_hot(tokens, self.V).float()
+
+    def prefill(self, tokens, state, chunk=512, hidden=True):
+        lg, h = self.forward(tokens, state)
+        return lg[:, -1], h
+
+
+class MarkovDraft:
+    def __init__(self, Q):
+        self.logq = Q.log()
+
+    def forward(self, hidden, tokens, state, logits="all"):
+        state.mtp_past += tokens.shape[1]
+        return self.logq[tokens][:, -1:], hidden
+
+
+class CountingState:
+    batch = 1
+
+    def __init__(self, n_ctx):
+        self.n_ctx, self.n_past, self.steps_taken = n_ctx, 0, 0
+        self.mtp_past, self.mtp_hidden = 0, None
+
+    def check_room(self, n):
+        assert n <= self.n_free
+
+    @property
+    def n_free(self):
+        return self.n_ctx - self.n_past
+
+    def keep_steps(self, depth):
+        pass
+
+    def rewind(self, n):
+        self.n_past -= n
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """P(chi2_dof > x), Wilson-Hilferty (enough for a threshold of 1e-3)."""
+    z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_sampling_keeps_the_target_distribution(k):
+    g = torch.Generator().manual_seed(1)
+    V = 4
+    P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    Q = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)     # a poor draft
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7,
+                            max_tokens=6000)
+    draft = SpeculativeDecoder(MarkovTrunk(P), MarkovDraft(Q), k)
+    toks = list(generate(draft.model, CountingState(10**6), [0], params, draft=draft))[-1].tokens
+    seq = [0] + list(toks)
+    counts = torch.zeros(V, V)
+    for a, b in zip(seq, seq[1:]):
+        counts[a, b] += 1
+    chi2 = float(((counts - counts.sum(1, keepdim=True) * P) ** 2
+                  / (counts.sum(1, keepdim=True) * P)).sum())
+    assert 0.2 < draft.stats.acceptance < 0.9          # both branches taken often
+    assert _chi2_sf(chi2, V * (V - 1)) > 1e-3, (chi2, counts)
+
+
+def test_first_two_tokens_of_the_tiny_model_follow_plain_sampling(tiny):
+    """(t1, t2) over many seeds against the exact distribution of plain sampling."""
+    _, model, head = tiny
+    params = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0, max_tokens=2)
+    from moe_offload.generate import Sampler
+    sp = Sampler(params)
+    st = model.new_state(1, 64)
+    p1 = sp.probs(model.prefill(torch.tensor([PROMPT]), st), None)[0]
+    snap = st.snapshot()
+    exact = {}
+    for t1 in p1.nonzero()[:, 0].tolist():
+        st.restore(snap)
+        p2 = sp.probs(model.decode(torch.tensor([t1]), st), None)[0]
+        for t2 in p2.nonzero()[:, 0].tolist():
+            exact[t1, t2] = float(p1[t1] * p2[t2])
+    # the speculative step after the same prefill, once a seed
+    draft = SpeculativeDecoder(model, head, 2)
+    st = model.new_state(1, 64)
+    logits = draft.prefill(torch.tensor([PROMPT]), st)
+    snap, ids = st.snapshot(), list(draft.ids)
+    n, seen = 200, {}
+    for seed in range(n):
+        st.restore(snap)
+        draft.ids = list(ids)
+        sp = Sampler(SamplingParams(**{**params.__dict__, "seed": seed}))
+        t1 = int(sp(logits))
+        t2 = draft.step(st, t1, sp, lambda extra: None)[0]
+        seen[t1, t2] = seen.get((t1, t2), 0) + 1
+    assert set(seen) <= set(exact)
+    chi2 = sum((seen.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
+    assert draft.stats.drafted and draft.stats.accepted < draft.stats.drafted
+    assert _chi2_sf(chi2, len(exact) - 1) > 1e-3, (chi2, seen, exact)
+
+
+# ---- the policy and the agreeing synthetic head -----------------------------------------------
+
+def test_adaptive_policy_drafts_when_it_pays_and_stops_when_not():
+    pol = DraftPolicy(None)
+    assert pol.choose() == 0                           # plain decode measured first
+    pol.observe(0, 0, 1.0)
+    for _ in range(60):                                # cheap drafts, all accepted
+        k = pol.choose()
+        pol.observe(k, k, 1.0 + 0.1 * k)
+    assert pol.choose() == 3 and pol.a > 0.95
+    for _ in range(60):                                # drafts now always refused
+        k = pol.choose()
+        pol.observe(k, 0, 1.0 + 0.1 * k)
+    ks = [pol.choose() for _ in range(1)]
+    assert ks == [0] and pol.a < 0.1
+    # a probe now and then, so a change back is noticed
+    probes = 0
+    for _ in range(40):
+        k = pol.choose()
+        probes += k > 0
+        pol.observe(k, 0, 1.0 + 0.1 * k)
+    assert 1 <= probes <= 4
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_synthetic_head_agrees_at_the_chosen_rate(synth_model, rate):
+    loaded = open_model(synth_model(mtp_agree=rate, type="Q4_K"))
+    assert loaded.metadata["ftpatch.synth.mtp_agree"] == pytest.approx(rate)
+    model = build_model(loaded, "cpu")
+    draft = SpeculativeDecoder(model, MtpHead.load(loaded, model), 1)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    assert _tokens(model, params, draft) == _tokens(model, params)
+    assert abs(draft.stats.acceptance - rate) < 0.15, draft.stats.as_dict()
