@@ -216,7 +216,8 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
                                  lambda extra: _recent(context + extra, params, dev))
                 tok, queue, taken = new[0], new[1:], 0
             decode_s += time.perf_counter() - t
-            timings = Timings(len(prompt), timings.prompt_s, len(out), decode_s, timings.ttft_s)
+            timings = Timings(len(prompt), timings.prompt_s, len(out) + len(queue), decode_s,
+                              timings.ttft_s)
     finally:   # stopped (or left) inside a speculative step: the cache forgets what follows
         if draft is not None and queue:
             draft.truncate(state, taken)

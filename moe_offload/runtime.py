@@ -59,6 +59,7 @@ class RuntimeOptions:
     link_gbps: float | None = None         # emulate a slower host-to-GPU link (GB/s): every copy
                                            # of experts waits as long as that link would take
     device: str = "cuda"
+    mtp: bool = False                      # load the MTP head (speculative decoding: rt.mtp)
 
 
 def parse_vram(size: int | str) -> int:
@@ -145,6 +146,13 @@ class OffloadRuntime:
         for name in on_host:
             tensors[name] = self._pin_weight(tensors[name])
             rep.host_weights[name] = tensors[name].data.numel()
+        mtp_up = None
+        if opts.mtp:   # its dense weights on the GPU (inside the cap), its experts in host RAM
+            from .models.weights import upload_mtp
+            mtp_up = upload_mtp(loaded, dev, experts_device="cpu")
+            if mtp_up is None:
+                raise OffloadError("this model has no MTP block (nextn_predict_layers = 0): "
+                                   "speculative decoding needs one; use --draft 0")
         torch.cuda.synchronize(dev)
         dense = torch.cuda.memory_allocated(dev) - base
         rep.seconds["dense upload"] = time.perf_counter() - t0
@@ -201,6 +209,9 @@ class OffloadRuntime:
                                     hidden=c.n_embd, ff=c.n_ff_exp, policy=pol,
                                     link_gbps=opts.link_gbps)
         self.model = model_cls(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
+        # the MTP head: eager, its routed experts on the CPU (one layer's top-k a draft token)
+        from .models.mtp import MtpHead
+        self.mtp = None if mtp_up is None else MtpHead(self.model, *mtp_up)
         if pol.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
             self.engine.set_predictor(self.model.router_logits, pol.guesses(c.n_expert_used))
         self.scheduler.rates = measure_rates(self.cache, self.bank, c, self.engine.link)
@@ -263,13 +274,14 @@ class OffloadRuntime:
 
     # -- prompts -----------------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor, state: State, chunk: int | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """tokens [B, T] on the device -> last logits [B, V] (or all [B, T, V])."""
+                all_logits: bool = False, hidden: bool = False):
+        """tokens [B, T] on the device -> last logits [B, V] (or all [B, T, V]); hidden: and
+        every position's final-normed hidden state [B, T, H] (the MTP head's input)."""
         chunk = chunk or self.policy.prefill_chunk
         n, past = tokens.shape[1], state.n_past
         self._make_room(state, n, chunk, all_logits)
         with self._measured("prefill", n, past, chunk, all_logits):
-            out = self.model.prefill(tokens, state, chunk, all_logits)
+            out = self.model.prefill(tokens, state, chunk, all_logits, hidden)
         self._lend_staging()
         return out
 
@@ -360,7 +372,62 @@ class OffloadRuntime:
             eb = float(np.mean([lay.expert_bytes for lay in self.bank.layouts]))
             self.scheduler.observe_cpu(d_busy / 1e9, d_n * eb)
 
-    def _measured_capture(self, tokens: torch.Tensor, state: State):
+    # -- speculative decoding: a verify step of T <= engine.max_tok positions ---------------------
+    def keep_steps(self, state: State, depth: int) -> None:
+        """State.keep_steps (and the MTP layer's KV) with room made under the cap first."""
+        c = self.config
+        need = 0
+        if depth > 0 and (not state.steps or next(iter(state.steps.values()))[0].shape[0] < depth):
+            per = (c.ssm_conv_dim * (c.ssm_d_conv - 1)
+                   + c.ssm_n_v_heads * c.ssm_d_state * c.ssm_head_v_dim) * 4 * state.batch
+            need += depth * per * len(c.recurrent_layers)
+        if state.mtp_k is None and self.mtp is not None:
+            need += 2 * state.batch * state.n_ctx * c.n_head_kv * c.head_dim * \
+                torch.finfo(state.kv_dtype).bits // 8
+        if need:
+            self.vram.keep_free("speculative decoding", need + self.vram.decode_headroom)
+            self._drop_graphs()   # a new depth is a new verify graph
+        state.keep_steps(depth)
+        if self.mtp is not None:
+            state.add_mtp_kv()
+        self.vram.cap_torch()
+
+    def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [1, T] on the device, 1 <= T <= engine.max_tok -> (logits [1, T, V], the
+        final-normed hidden states [1, T, H]), fresh tensors. One decode step of T tokens: the
+        union of their experts planned and fetched once; captured as a graph per (T, attended
+        length). With state.keep_steps the delta-net state after each token is kept (rewind)."""
+        T = tokens.shape[1]
+        if state.batch != 1 or not 1 <= T <= self.engine.max_tok:
+            raise OffloadError(f"a verify step takes 1..{self.engine.max_tok} tokens of one "
+                               f"sequence, got {list(tokens.shape)}")
+        state.check_room(T)
+        self.vram.room_for_kv(state, state.attn_len(T))
+        self.vram.regrow()
+        depth = next(iter(state.steps.values()))[0].shape[0] if state.steps else 0
+        keep = 1 < T <= depth + 1
+        if not self.opts.use_graphs:
+            eng = self.engine
+            eng.arm(T)
+            with eng.decode_step():
+                out = self.model.forward(tokens, state, hidden=True)
+            eng.settle()
+            self._observe()
+            return out
+        key = ("verify", id(state), T, state.attn_len(T), keep, depth)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._measured_capture(tokens, state, verify=True)
+        graph, tok_in, (logits, hidden) = g
+        tok_in.copy_(tokens)
+        self.engine.arm(T)
+        graph.replay()
+        state.n_past += T       # the captured step advanced the device position only
+        state.steps_taken = T if keep else 0
+        self._observe()
+        return logits.clone(), hidden.clone()
+
+    def _measured_capture(self, tokens: torch.Tensor, state: State, verify: bool = False):
         """Capture a decode step, measuring what it costs, so that decode keeps only that much
         free beside the cache (the first capture's figure stands for the later ones; a later
         capture that finds less room under the cap shrinks the cache first)."""
@@ -368,24 +435,31 @@ class OffloadRuntime:
         self.vram.before_capture()
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
-        g = self._capture(tokens, state)
+        g = self._capture(tokens, state, verify)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev))
         return g
 
-    def _capture(self, tokens: torch.Tensor, state: State):
+    def _capture(self, tokens: torch.Tensor, state: State, verify: bool = False):
         tok_in = tokens.clone()
         # warm up once eagerly (lazy inits, allocator) -- this is a real step, so rewind after
         snap, stats = state.snapshot(), self.cache.stats.clone()
-        self._eager_step(tok_in, state)
+        if verify:
+            self.engine.arm(tok_in.shape[1])
+            with self.engine.decode_step():
+                self.model.forward(tok_in, state, hidden=True)
+            self.engine.settle()
+        else:
+            self._eager_step(tok_in, state)
         state.restore(snap)
         self.cache.stats.copy_(stats)  # the warm-up is not a step of the run
         g = torch.cuda.CUDAGraph()
         n_past = state.n_past
         try:
             with torch.cuda.graph(g, pool=self._graph_pool), self.engine.decode_step():
-                logits = self.model.decode(tok_in, state)
+                logits = (self.model.forward(tok_in, state, hidden=True) if verify
+                          else self.model.decode(tok_in, state))
         finally:
             state.n_past = n_past  # capture ran no kernels; the host counter must not move
         return g, tok_in, logits

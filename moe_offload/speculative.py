@@ -154,7 +154,10 @@ class SpeculativeDecoder:
         """The prompt tokens [1, T] on top of `state` -> last logits [1, V]; its hidden states
         are owed to the MTP head. history: the ids already in the state (when they are not
         known, the MTP head starts afresh at the prompt and drafts from less context)."""
-        state.keep_steps(self.policy.max_k)
+        if hasattr(self.model, "keep_steps"):       # the runtime makes room under its cap first
+            self.model.keep_steps(state, self.policy.max_k)
+        else:
+            state.keep_steps(self.policy.max_k)
         n0 = state.n_past
         logits, hidden = self.model.prefill(tokens, state, chunk, hidden=True)
         if history is not None and len(history) == n0:

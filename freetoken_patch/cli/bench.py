@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import CLIError
+from .bench_spec import parse_draft
 from .inputs import check, check_fraction, check_positive
 from .model_args import add_placement_args, placement_options, size_arg
 
@@ -62,6 +63,10 @@ def add_parser(sub) -> None:
     s.add_argument("-p", "--prompt-sizes", default="512,2048", help="prefill sizes (default 512,2048)")
     s.add_argument("-n", "--gen", type=int, default=128, help="decode tokens (default 128)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
+    s.add_argument("--draft", type=parse_draft, default=0, metavar="N|auto",
+                   help="also decode speculatively with the model's MTP head, N drafts a step "
+                        "(1..3) or auto, beside plain decoding: tok/s, acceptance, tokens a "
+                        "step (default 0: off)")
     s.add_argument("--ctx", type=int, default=4096, help="context to budget for (default 4096)")
     s.add_argument("--chunk", type=int, default=POLICY.prefill_chunk,
                    help=f"prefill chunk (default {POLICY.prefill_chunk})")
@@ -164,7 +169,8 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                           elastic=not args.no_elastic, overlap_misses=not args.no_overlap)
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         rt = open_runtime(loaded, vram, policy=policy, ctx=args.ctx, profile=args.profile,
-                          use_graphs=not args.no_graphs, **placement_options(args))
+                          use_graphs=not args.no_graphs, mtp=bool(args.draft),
+                          **placement_options(args))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     dev = rt.device
@@ -254,6 +260,15 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     }
     if trace_params is None:
         result["routing_stats"] = routing_stats(recorder.numpy(), c.n_expert).as_dict()
+    if args.draft:
+        from .bench_spec import speculative_tg, summary
+        rt.attach_recorder(None)
+        if trace_params is not None:
+            rt.replay(None)   # drafts are judged by the model's own routing
+        result["speculative"] = speculative_tg(
+            rt, rt.mtp, args.draft, gen=args.gen, reps=args.reps, n_vocab=c.n_vocab,
+            new_state=lambda: rt.new_state(1, args.ctx), sync=_sync)
+        console.print(summary(result["speculative"]))
     result["vram"] = rt.vram_peaks()
     result["prefill_memory"] = rt.prefill_memory[-8:]   # torch's use vs the elastic estimate
     console.print(f"tg{args.gen}: {statistics.median(tg):.1f} tok/s (min {min(tg):.1f}, max "

@@ -230,6 +230,31 @@ def add_placement_args(s: argparse.ArgumentParser) -> None:
                         "default: every core)")
 
 
+def add_draft_arg(s: argparse.ArgumentParser) -> None:
+    from .bench_spec import parse_draft
+    s.add_argument("--draft", type=parse_draft, default=0, metavar="N|auto",
+                   help="speculative decoding with the model's MTP head: N draft tokens a step "
+                        "(1..3), or auto (chosen each step from the measured acceptance and "
+                        "cost); the output is the same as without. Default 0: off")
+
+
+def speculative_for(args, loaded, model):
+    """The SpeculativeDecoder --draft asks for (None when off); the model's MTP head (the
+    runtime loads it with mtp=True, see placement_options)."""
+    draft = getattr(args, "draft", 0)
+    if not draft:
+        return None
+    from moe_offload.speculative import SpeculativeDecoder
+    mtp = getattr(model, "mtp", None)
+    if mtp is None and not hasattr(model, "engine"):
+        from moe_offload.models.mtp import MtpHead
+        mtp = MtpHead.load(loaded, model)
+    if mtp is None:
+        raise CLIError("--draft needs an MTP block (nextn_predict_layers = 1) and this model "
+                       "has none; run without --draft")
+    return SpeculativeDecoder(model, mtp, draft)
+
+
 def placement_options(args) -> dict:
     """open_runtime options (RuntimeOptions fields) of add_placement_args' flags, checked."""
     link, threads = getattr(args, "link_gbps", None), getattr(args, "threads", None)
@@ -238,7 +263,8 @@ def placement_options(args) -> dict:
               "give the emulated link's rate in GB/s, from 0.1 to 1000 (e.g. 11.8)")
     if threads is not None:
         check("--threads", threads, 1 <= threads <= 1024, "give 1 or more threads")
-    return {"host_head": bool(getattr(args, "host_head", False)),
+    return {"mtp": bool(getattr(args, "draft", 0)),
+            "host_head": bool(getattr(args, "host_head", False)),
             "host_embedding": not getattr(args, "gpu_embedding", False),
             "link_gbps": link, "cpu_threads": threads}
 
@@ -256,7 +282,7 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
     """The plain model on one device, or (with --vram) the offload runtime, which presents the
     same interface (new_state / prefill / decode) plus stats()."""
     if vram is None:
-        placement = placement or {}
+        placement = {k: v for k, v in (placement or {}).items() if k != "mtp"}
         if placement.get("host_head") or not placement.get("host_embedding", True):
             raise CLIError("--host-head and --gpu-embedding place weights for the offload "
                            "runtime; add --vram SIZE")

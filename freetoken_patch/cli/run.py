@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from ..errors import CLIError
-from .model_args import (add_model_args, add_sampling_args, add_template_arg, add_vram_arg, build_for,
-                         chat_template_for, check_fits,
-                         device_for, offload_stats_lines, open_model_named, placement_options,
-                         sampling_params, stop_reason)
+from .model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
+                         add_vram_arg, build_for, chat_template_for, check_fits, device_for,
+                         offload_stats_lines, open_model_named, placement_options,
+                         sampling_params, speculative_for, stop_reason)
 
 DESCRIPTION = """\
 Generate text after PROMPT and stream it to standard output; the prompt and decode speeds
@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
                    help="send the prompt as a user message through the model's chat template")
     add_template_arg(s)
     add_sampling_args(s, n_default=128, n_predict_alias=True)
+    add_draft_arg(s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     n_ctx = check_fits(ids, args, loaded.config.n_ctx_train)
     model = build_for(loaded, device, n_ctx, args.vram, placement_options(args))
     try:
-        session = Session(model, model.new_state(1, n_ctx), tok, template)
+        session = Session(model, model.new_state(1, n_ctx), tok, template,
+                          draft=speculative_for(args, loaded, model))
         with torch.inference_mode():
             for ev in session.generate(ids, params):
                 sys.stdout.write(ev.text)
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(f"{done.timings.summary()} | stop: {stop_reason(done.reason, params, n_ctx)}",
               file=sys.stderr)
+        if session.draft is not None:
+            print(session.draft.stats.summary(), file=sys.stderr)
         if callable(getattr(model, "stats", None)):
             for line in offload_stats_lines(model.stats()):
                 print(line, file=sys.stderr)

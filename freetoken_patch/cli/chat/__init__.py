@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..model_args import (add_model_args, add_sampling_args, add_template_arg, add_vram_arg,
-                          device_for, load_for_text, sampling_params)
+from ..model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
+                          add_vram_arg, device_for, load_for_text, sampling_params,
+                          speculative_for)
 from .conversation import HELP, Conversation, answer, command
 from .screens import PlainScreen, TerminalScreen
 
@@ -66,6 +67,7 @@ def add_parser(sub) -> None:
                    help="ask the chat template to skip the reasoning block (enable_thinking=false)")
     add_template_arg(s)
     add_vram_arg(s)
+    add_draft_arg(s)
 
 
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
@@ -87,7 +89,8 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     with screen.busy(f"loading {path}"):
         loaded, tok, template, n_ctx, model = load_for_text(args, path, dev, "chat")
         md = loaded.metadata
-        session = Session(model, model.new_state(1, n_ctx), tok, template)
+        session = Session(model, model.new_state(1, n_ctx), tok, template,
+                          draft=speculative_for(args, loaded, model))
     conv = Conversation(session, params, args.system, False if args.no_think else None)
     where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"
                         if args.vram is not None else "")

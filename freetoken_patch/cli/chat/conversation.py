@@ -154,6 +154,8 @@ def stats_text(conv: Conversation) -> str:
                  f"{rate(total('n_decode'), total('decode_s'))} tok/s")
     st = conv.session.state
     lines.append(f"context: {st.n_past} of {st.n_ctx} tokens in use")
+    if getattr(conv.session, "draft", None) is not None:
+        lines.append(conv.session.draft.stats.summary())
     model_stats = getattr(conv.session.model, "stats", None)
     if callable(model_stats):
         lines += offload_stats_lines(model_stats())

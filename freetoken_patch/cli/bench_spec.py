@@ -1,0 +1,110 @@
+"""`bench --draft N|auto`: decode with and without speculative decoding (the MTP head), on
+the same model and prompts: tok/s of each, acceptance, tokens a step, the k chosen.
+
+Greedy, so both runs produce the same tokens (checked: a difference is reported, not hidden).
+Used by `ftpatch bench` (the offload runtime) and by scripts/dev/spec_cpu.py (a CPU model).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+def parse_draft(text: str) -> int | str:
+    """'0'..'3' or 'auto' (argparse type of --draft)."""
+    import argparse
+    from moe_offload.speculative import K_MAX
+    if text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if not 0 <= k <= K_MAX:
+        raise argparse.ArgumentTypeError(f"give 0..{K_MAX} draft tokens a step, or auto")
+    return k
+
+
+def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab: int,
+                   new_state: Callable[[], object], sync: Callable[[], None] = lambda: None,
+                   prompt_len: int = 16, seed: int = 0) -> dict:
+    """Plain and speculative greedy decoding of `gen` tokens after random prompts (one warm-up,
+    then `reps` timed; the same prompts for both) -> the JSON object of bench's "speculative"."""
+    from moe_offload.generate import SamplingParams, generate
+    from moe_offload.speculative import SpeculativeDecoder
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eog=True)
+    prompts = [rng.integers(0, n_vocab, prompt_len).tolist() for _ in range(reps + 1)]
+    dec = SpeculativeDecoder(model, mtp, draft)
+    plain_tps, spec_tps, same = [], [], True
+    for r, prompt in enumerate(prompts):
+        outs = []
+        for d in (None, dec):
+            if d is not None and r == 1:
+                d.reset_stats()            # statistics of the timed repetitions
+            st = new_state()
+            sync()
+            done = None
+            for ev in generate(model, st, prompt, params, draft=d):
+                done = ev
+            sync()
+            t = done.timings
+            if r:
+                (plain_tps if d is None else spec_tps).append(t.decode_tps)
+            outs.append(done.tokens)
+        same = same and outs[0] == outs[1]
+    st = dec.stats
+    return {"draft": draft, "gen": gen, "reps": reps,
+            "plain_tps": _spread(plain_tps), "speculative_tps": _spread(spec_tps),
+            "speedup": round(statistics.median(spec_tps) / statistics.median(plain_tps), 3),
+            "same_tokens": same, **st.as_dict(),
+            "policy": {"acceptance_ema": round(dec.policy.a, 3),
+                       "step_cost_s": {str(k): round(v, 5) for k, v in
+                                       sorted(dec.policy.cost.items())}}}
+
+
+def summary(res: dict) -> str:
+    return (f"speculative (--draft {res['draft']}): {res['speculative_tps']['median']:.1f} tok/s "
+            f"vs {res['plain_tps']['median']:.1f} plain ({res['speedup']:.2f}x); acceptance "
+            f"{res['acceptance']:.1%}, {res['tokens_per_step']:.2f} tokens a step, k {res['by_k']}"
+            + ("" if res["same_tokens"] else "; TOKENS DIFFER from plain greedy"))
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3),
+            "max": round(max(xs), 3)}
+
+
+def measure_verify_cost(model, new_state, n_vocab: int, max_t: int = 4, reps: int = 5,
+                        sync: Callable[[], None] = lambda: None) -> dict:
+    """Wall time of one trunk forward of T = 1..max_t tokens (the verify step) relative to T = 1,
+    and of the alternative rollback (recompute the kept tokens from a snapshot) -> JSON."""
+    st = new_state()
+    rng = np.random.default_rng(1)
+    dev = getattr(model, "device", "cpu")
+    prompt = torch.tensor([rng.integers(0, n_vocab, 16).tolist()], device=dev)
+    model.prefill(prompt, st)
+    if hasattr(model, "keep_steps"):
+        model.keep_steps(st, max_t - 1)
+    else:
+        st.keep_steps(max_t - 1)
+    fwd = getattr(model, "verify", None) or (lambda t, s: model.forward(t, s, hidden=True))
+    times: dict[int, list[float]] = {T: [] for T in range(1, max_t + 1)}
+    for _ in range(reps + 1):
+        for T in times:
+            toks = torch.tensor([rng.integers(0, n_vocab, T).tolist()], device=dev)
+            sync()
+            t = time.perf_counter()
+            fwd(toks, st)
+            sync()
+            times[T].append(time.perf_counter() - t)
+            st.rewind(T - 1)
+            st.n_past -= 1
+            st.pos.sub_(1)
+    med = {T: statistics.median(v[1:]) for T, v in times.items()}
+    return {"verify_s": {str(T): round(v, 5) for T, v in med.items()},
+            "relative": {str(T): round(v / med[1], 3) for T, v in med.items()}}
