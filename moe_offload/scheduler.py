@@ -76,9 +76,9 @@ class Scheduler:
         self.apply()
 
 
-def measure_rates(cache, bank, config, link=None) -> Rates:
-    """The link's rate (the fetch kernel into layer 0's slots, through the emulated `link` when
-    there is one) and the CPU's (its expert FFN on two experts a call, as decode hands it 1-3 a
+def measure_rates(cache, bank, config, clock=None) -> Rates:
+    """The link's rate (the fetch kernel into layer 0's slots, through the emulated link `clock`
+    when there is one) and the CPU's (its expert FFN on two experts a call, as decode hands it 1-3 a
     layer: per-call costs included), with this model's experts; 0 / 1 where there is nothing to
     measure."""
     from native import offload_native as on
@@ -93,12 +93,12 @@ def measure_rates(cache, bank, config, link=None) -> Rates:
         fl[2:2 + 2 * n:2] = torch.arange(n)
         fl = fl.to(cache.device)
         scratch = torch.empty((n, pool.shape[1]), dtype=torch.uint8, device=cache.device)
-        on.fetch(fl, host, scratch, n, link=link)
+        on.fetch(fl, host, scratch, n, link=clock)
         torch.cuda.synchronize()
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev0.record()
         for _ in range(5):
-            on.fetch(fl, host, scratch, n, link=link)
+            on.fetch(fl, host, scratch, n, link=clock)
         ev1.record()
         ev1.synchronize()
         link = 5 * n * eb / (ev0.elapsed_time(ev1) / 1e3)
