@@ -7,11 +7,12 @@ Two paths, chosen by the number of tokens:
   kernel computes the experts resident before the step meanwhile, then, once the copies have
   landed, the fetched and guessed ones; the CPU worker computes its share alongside; the wait
   kernel adds the CPU's sum. No host round trip.
-- prefetch (decode, on by default): when layer L's experts start, a side stream applies layer
-  L+1's router to L's input (the residual stream changes little from one layer to the next),
-  gives the guessed experts slots (`prefetch` kernel) and copies them once L's own fetches are
-  done, while L and L+1's mixer compute; layer L+1's plan then finds them resident. Guesses
-  cost link bandwidth, so precision and recall are counted (stats prefetched / prefetch_hits).
+- prefetch (decode; on while the link takes most misses, OffloadPolicy.prefetch_min_fetch_share):
+  when layer L's experts start, a side stream applies layer L+1's router to L's input (the
+  residual stream changes little from one layer to the next), gives the guessed experts slots
+  (`prefetch` kernel) and copies them once L's own fetches are done, while L and L+1's mixer
+  compute; layer L+1's plan then finds them resident. Guesses cost link bandwidth, so precision
+  and recall are counted (stats prefetched / prefetch_hits).
 - prefill (a chunk of many tokens): experts the chunk routes to but the cache lacks are streamed
   from the host bank into a double-buffered staging area (copies on a side stream, overlapped
   with compute) and computed there; the cache itself is untouched, so a long prompt does not

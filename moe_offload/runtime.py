@@ -212,10 +212,11 @@ class OffloadRuntime:
         # the MTP head: eager, its routed experts on the CPU (one layer's top-k a draft token)
         from .models.mtp import MtpHead
         self.mtp = None if mtp_up is None else MtpHead(self.model, *mtp_up)
-        if pol.prefetch and self.bank.pinned and fraction != 0.0:  # guesses travel over PCIe
-            self.engine.set_predictor(self.model.router_logits, pol.guesses(c.n_expert_used))
         self.scheduler.rates = measure_rates(self.cache, self.bank, c, self.engine.link)
         self.scheduler.apply()
+        # guesses travel over the link: only with pinned banks, and while the link has room
+        if pol.prefetch and self.bank.pinned and self.scheduler.q() >= pol.prefetch_min_fetch_share:
+            self.engine.set_predictor(self.model.router_logits, pol.guesses(c.n_expert_used))
         self._torch_peak = 0
         self.prefill_memory: list[dict] = []
         if self.cache.elastic:   # the unmapped KV and the prefill workspace, lent to the cache
