@@ -169,7 +169,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                           elastic=not args.no_elastic, overlap_misses=not args.no_overlap)
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         rt = open_runtime(loaded, vram, policy=policy, ctx=args.ctx, profile=args.profile,
-                          use_graphs=not args.no_graphs, mtp=bool(args.draft),
+                          use_graphs=not args.no_graphs,
                           **placement_options(args))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
