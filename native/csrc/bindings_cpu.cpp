@@ -37,11 +37,15 @@
 //   tables_ready() -> bool
 //   block_sizes() -> {name: (block_elems, block_bytes)}   ggml's sizes, from quants.h
 //   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   what the kernels run
-//   accumulation(name) -> "f32" | "i16"   how the active ISA's matmul/moe_ffn accumulate a type:
-//       f32 = exact weights x float activations; i16 = exact weights x activations rounded to
-//       int16 per 32 features (|error| <= max|x| / 65534 per feature), integer sums, float32 scales
+//   accumulation(name) -> "f32" | "q8"   how the active ISA's matmul/moe_ffn accumulate a type:
+//       f32 = exact weights x float activations; q8 = exact weights x activations rounded to
+//       int8 per 32 features as ggml does (native.numerics.q8_round), integer sums per 16
+//       weights, float32 scales
+//   quantize_q8(x, n_tok, n, q, d, m16)   the active ISA's activation rounding (raises if it has
+//       none): x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], m16 f32 [T, n/16] = d * sum of q
+//       per 16 (what the q8 kernels multiply; tests hold it to q8_round bit for bit)
 //   set_threads(n) (n <= 0: all cores), threads() -> int
-//   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2"; the env
+//   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2" | "avx512"; the env
 //       FTPATCH_CPU_ISA picks the start value, default: the best this CPU runs)
 #include <memory>
 
@@ -141,6 +145,13 @@ PYBIND11_MODULE(_cpu, m) {
         }
         throw std::invalid_argument("no CPU kernel for type '" + name + "'");
     }, py::arg("name"));
+    m.def("quantize_q8", [](uintptr_t x, int64_t n_tok, int64_t n, uintptr_t q, uintptr_t d, uintptr_t m16) {
+        const cpu::IsaKernels& isa = cpu::kernels();
+        if (!isa.quantize_act)
+            throw std::invalid_argument(std::string("CPU ISA '") + isa.name + "' keeps activations in float");
+        if (n <= 0 || n % 32) throw std::invalid_argument("quantize_q8: n must be a positive multiple of 32");
+        isa.quantize_act(ptr<const float>(x), n, 0, n_tok, n, ptr<int8_t>(q), ptr<float>(d), ptr<float>(m16));
+    }, py::arg("x"), py::arg("n_tok"), py::arg("n"), py::arg("q"), py::arg("d"), py::arg("m16"));
     m.def("set_threads", &cpu::set_num_threads, py::arg("n"));
     m.def("threads", &cpu::num_threads);
     m.def("isa", [] { return std::string(cpu::kernels().name); });

@@ -18,10 +18,12 @@ SEED = int(os.environ.get("FTPATCH_TEST_SEED", secrets.randbits(32)))
 # reports each type's kind: native._cpu.accumulation(name)); elementwise, for y = W x:
 #   |y - y64| <= a * sum_j |w_j x_j|  +  b * sum_blocks max|x_blk| * sum_{j in blk} |w_j|
 # "f32": exact weights times float x, float32 sums: the dot-product rounding term only.
-# "i16": exact weights times x rounded to int16 per 32 features (|x - x16| <= max|x_blk| / 65534),
-#        exact integer sums: plus that rounding, x4 because the integer part multiplies s*q, which
-#        can exceed |w| = |s*q + m| for types with additive mins (Q4_K, Q2_K, Q4_1, ...).
-TOLERANCES = {"f32": (1e-5, 0.0), "i16": (1e-5, 4 / 65534)}
+# "q8":  exact weights times x rounded to int8 per 32 features (ggml's scheme, numerics.q8_round),
+#        exact integer sums. The reference multiplies the same rounded x (`kernel_input`), so only
+#        float32 rounding remains (a); b bounds a kernel input that is itself computed (moe_ffn's
+#        hidden activations): one rounding step of 1/127 of the block's max, which covers values
+#        that round the other way.
+TOLERANCES = {"f32": (1e-5, 0.0), "q8": (1e-5, 1 / 127)}
 MOE_SLACK = 2.0  # moe_ffn chains three matmuls and silu: the propagated bound, widened
 
 
@@ -56,6 +58,21 @@ def dot_bound(kind: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return bound
 
 
+def kernel_input(kind: str, x: np.ndarray) -> np.ndarray:
+    """x [T, n] as the kernel of accumulation `kind` multiplies it (float64)."""
+    if kind != "q8":
+        return x
+    import torch
+    from native.numerics import q8_round
+    return q8_round(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+
+
+def matmul_reference(kind: str, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y64, bound) of y = x @ w.T for a kernel of accumulation `kind` (w, x float64)."""
+    xk = kernel_input(kind, x)
+    return xk @ w.T, dot_bound("f32", w, xk)
+
+
 def assert_close(y, y64: np.ndarray, bound: np.ndarray, what: str):
     """y within `bound` of y64 elementwise, and never NaN/inf."""
     y = np.asarray(y, dtype=np.float64)
@@ -73,16 +90,16 @@ def moe_reference(x, gate, up, down, ids, weights, kinds):
     kinds = accumulation kinds of (gate, up, down). Bounds propagate through silu(g) * u."""
     t, h = x.shape
     y, bound = np.zeros((t, h)), np.zeros((t, h))
+    xg, xu = kernel_input(kinds[0], x), kernel_input(kinds[1], x)
     for ti in range(t):
-        xt = x[ti:ti + 1]
         for e, w in zip(ids[ti], weights[ti]):
             if e < 0:
                 continue
-            g, u = (gate[e] @ xt[0]), (up[e] @ xt[0])
-            eg, eu = dot_bound(kinds[0], gate[e], xt)[0], dot_bound(kinds[1], up[e], xt)[0]
+            g, u = (gate[e] @ xg[ti]), (up[e] @ xu[ti])
+            eg, eu = dot_bound("f32", gate[e], xg[ti:ti + 1])[0], dot_bound("f32", up[e], xu[ti:ti + 1])[0]
             act = g / (1 + np.exp(-g)) * u
             act_err = 1.1 * eg * (np.abs(u) + eu) + np.abs(g) * eu  # |silu'| <= 1.1, |silu(g)| <= |g|
-            y[ti] += w * (down[e] @ act)
+            y[ti] += w * (down[e] @ kernel_input(kinds[2], act[None])[0])
             act_hi = (np.abs(act) + act_err)[None]
             bound[ti] += abs(w) * (dot_bound(kinds[2], down[e], act_hi)[0] + np.abs(down[e]) @ act_err)
     return y, MOE_SLACK * bound

@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from kernel_oracle import (SEED, assert_close, dot_bound, kernel_cols, moe_reference, poisoned,
-                           random_weight, rng_for)
+from kernel_oracle import (SEED, assert_close, kernel_cols, matmul_reference, moe_reference,
+                           poisoned, random_weight, rng_for)
 from loaders.quants import QUANT_TYPES, dequantize_reference, random_tensor
 from native import ops
 
@@ -87,6 +87,38 @@ def test_bad_arguments_raise_before_writing():
     assert np.isnan(out).all()
 
 
+# ---- q8 activations --------------------------------------------------------------------------------
+
+def test_q8_activations_are_ggml_rounding_bit_for_bit(cpu_isa):
+    """The integer inputs of the q8 kernels: int8 values and scales equal native.numerics.q8_round
+    (ggml's q8 rounding) exactly, on awkward inputs too (ties, zeros, huge and tiny blocks)."""
+    import torch
+    from native.numerics import q8_round
+    if cpu_isa == "generic":
+        with pytest.raises(ValueError, match="float"):
+            cpu.quantize_q8(0, 0, 32, 0, 0, 0)
+        return
+    rng = rng_for("q8", cpu_isa)
+    t, n = 9, 512
+    x = rng.standard_normal((t, n), dtype=np.float32) * np.exp(3 * rng.standard_normal((t, n // 32, 1))).repeat(32, -1).reshape(t, n).astype(np.float32)
+    x[0, :32] = 0.0                                       # an all-zero block: d = 0, q = 0
+    x[1, :32] = np.arange(32, dtype=np.float32) - 15.5    # halves: ties round to even
+    x[1, 32:64] = 127.0 * np.float32(0.5) ** np.arange(32)
+    x[2, :32] = 1e-30                                     # tiny
+    x[2, 32:64] = 3e37                                    # huge
+    q, d, m16 = np.zeros((t, n), np.int8), poisoned((t, n // 32)), poisoned((t, n // 16))
+    cpu.quantize_q8(x.ctypes.data, t, n, q.ctypes.data, d.ctypes.data, m16.ctypes.data)
+    xt = torch.from_numpy(x).reshape(t, n // 32, 32)
+    d_ref = (xt.abs().amax(-1) / 127.0).numpy()
+    assert np.array_equal(d, d_ref), f"{cpu_isa}: scales (seed {SEED})"
+    q_ref = np.rint(q8_round(torch.from_numpy(x)).numpy().reshape(t, n // 32, 32) /
+                    np.where(d_ref > 0, d_ref, 1)[..., None].astype(np.float64))
+    assert np.array_equal(q.reshape(t, n // 32, 32), q_ref), f"{cpu_isa}: int8 values (seed {SEED})"
+    sums = q.astype(np.int64).reshape(t, n // 16, 16).sum(-1)
+    with np.errstate(over="ignore"):                      # the huge block's sums overflow, as in C++
+        assert np.array_equal(m16, d.repeat(2, -1) * sums.astype(np.float32)), cpu_isa
+
+
 # ---- matmul ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("blocks", [1, 5], ids=["one_block", "many_blocks"])
@@ -101,9 +133,8 @@ def test_matmul_matches_float64(cpu_isa, name, blocks):
         y = poisoned((n_tok, n_out))
         cpu.matmul(q.type_id, raw.ctypes.data, n_out, n_in, raw.shape[1], x.ctypes.data, n_tok,
                    y.ctypes.data, 0)
-        x64 = x.astype(np.float64)
         kind = cpu.accumulation(name)
-        assert_close(y, x64 @ w64.T, dot_bound(kind, w64, x64),
+        assert_close(y, *matmul_reference(kind, w64, x.astype(np.float64)),
                      f"{name} matmul ({kind}) T={n_tok} H={n_in} on {cpu_isa}")
 
 
@@ -183,8 +214,8 @@ def test_long_prefill_crosses_token_tiles_and_chunks(cpu_isa):
     x = rng.standard_normal((130, 512), dtype=np.float32)
     y = poisoned((130, 19))
     cpu.matmul(q.type_id, raw.ctypes.data, 19, 512, raw.shape[1], x.ctypes.data, 130, y.ctypes.data, 0)
-    x64 = x.astype(np.float64)
-    assert_close(y, x64 @ w64.T, dot_bound(cpu.accumulation("Q4_K"), w64, x64), f"T=130 on {cpu_isa}")
+    assert_close(y, *matmul_reference(cpu.accumulation("Q4_K"), w64, x.astype(np.float64)),
+                 f"T=130 on {cpu_isa}")
 
     types, x, gate, up, down, ids, weights = _moe_case(rng, "Q8_0", "Q8_0", "IQ4_NL", 300)
     bad = ids.copy()

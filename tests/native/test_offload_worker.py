@@ -14,11 +14,20 @@ import torch
 
 from loaders.quants import random_tensor
 from native import offload_native as on
-from native.ops import QTensor, _cpu, moe_ffn_ref
+from native.ops import QTensor, _cpu, moe_ffn_ref as _exact_ref
 
 pytestmark = pytest.mark.skipif(_cpu is None, reason="native._cpu is not built")
 
 E, F, H, K, L, TMAX = 8, 256, 256, 3, 3, 4
+
+
+def moe_ffn_ref(x, gate, up, down, ids, weights):
+    """What the worker's kernels compute: ggml's q8 scheme (native.numerics) where the active CPU
+    ISA rounds activations to int8, else the float reference."""
+    if _cpu.accumulation(gate.qtype.name) == "q8":
+        from native.numerics import _Emulation
+        return _Emulation("ggml-q8").moe_ffn(x, gate, up, down, ids, weights)
+    return _exact_ref(x, gate, up, down, ids, weights)
 
 
 def _banks(rng, types=("Q4_K", "IQ3_S", "Q8_0")):

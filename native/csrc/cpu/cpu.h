@@ -1,9 +1,9 @@
 // ftpatch CPU kernels: internal declarations shared by the cpu/*.cpp files (torch-free).
 //
 // Layering: quants.h (decode32 per type) -> per-ISA row kernels (kernels_generic.cpp,
-// kernels_avx2.cpp) -> ops (dequantize.cpp, matmul.cpp, moe_ffn.cpp) -> bindings_cpu.cpp.
+// kernels_avx2.cpp, kernels_avx512.cpp; the int8 ones in q8_kernels.h) -> ops (dequantize.cpp, matmul.cpp, moe_ffn.cpp) -> bindings_cpu.cpp.
 // The ops are ISA-agnostic: they split work over the thread pool and call the row kernels of
-// the ISA chosen at load time (CPUID, or FTPATCH_CPU_ISA=generic|avx2).
+// the ISA chosen at load time (CPUID, or FTPATCH_CPU_ISA=generic|avx2|avx512).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -18,30 +18,30 @@ namespace ft::cpu {
 constexpr int kMaxTypeId = 64;  // ggml ids are < 64; tables are indexed by id
 
 // ---- activations, prepared once per call for the active ISA ---------------------------------------
-// Every ISA reads the float rows; ISAs with an integer dot product also read an int16 copy:
-// per 32 features x ~= q * d (q = round(x / d), d = max|x| / 32767, so |x - q*d| <= d/2), plus
-// exact float sums of x per 16 features (for the additive mins of K/legacy types).
+// Every ISA reads the float rows; ISAs with an integer dot product also read the q8 form (ggml's
+// scheme, q8_kernels.h): per 32 features int8 q = round(x / d), d = max|x| / 127 (exactly
+// native.numerics.q8_round), and per 16 features d * (sum of q), for the additive mins.
 struct Act {
     const float* x = nullptr;  // [nt, n] float, row stride ldx
     int64_t ldx = 0;
-    const int16_t* q = nullptr;  // [nt, n]      (null unless the ISA quantizes)
-    const float* d = nullptr;    // [nt, n / 32]
-    const float* s16 = nullptr;  // [nt, n / 16]
+    const int8_t* q8 = nullptr;  // [nt, n]      (null unless the ISA quantizes)
+    const float* d8 = nullptr;   // [nt, n / 32]
+    const float* m16 = nullptr;  // [nt, n / 16]
     int64_t n = 0;
     Act at(int64_t t) const {  // the activations from token t on
         Act a = *this;
         a.x += t * ldx;
-        if (q) a.q += t * n, a.d += t * (n / 32), a.s16 += t * (n / 16);
+        if (q8) a.q8 += t * n, a.d8 += t * (n / 32), a.m16 += t * (n / 16);
         return a;
     }
 };
 struct ActBuf {
-    std::vector<int16_t> q;
-    std::vector<float> d, s16;
+    std::vector<int8_t> q8;
+    std::vector<float> d8, m16;
 };
-// Fills q/d/s16 rows [t0, t1) of the int16 form (x rows at x + t*ldx, n % 32 == 0).
+// Fills q8/d8/m16 rows [t0, t1) (x rows at x + t*ldx, n % 32 == 0).
 using QuantizeActFn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
-                               int16_t* q, float* d, float* s16);
+                               int8_t* q8, float* d8, float* m16);
 
 // ---- row kernels of one type on one ISA --------------------------------------------------------
 // A row is `nkb` kernel blocks (Traits::kb_bytes each, contiguous) = nkb * kb_elems weights.
@@ -51,6 +51,12 @@ using DecodeRowFn = void (*)(const uint8_t* row, int64_t nkb, float* out, const 
 // out[t*ldo] = dot(row, activations of token t) for t < nt (any nt >= 1); float32 accumulation.
 using DotRowFn = void (*)(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* out,
                           int64_t ldo, const Grids& g);
+
+// out[t*ldo + r] = dot(row r, activations of token t) for r < nr (row r at w + r*stride),
+// t < nt: the whole block of rows and tokens in one call, so a kernel can decode each row once
+// for all tokens (prefill, grouped experts) or stream rows in pairs (decode).
+using GemmFn = void (*)(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a,
+                        int64_t nt, float* out, int64_t ldo, const Grids& g);
 
 // dot_row of two rows (same nkb) into out0 / out1, sharing the activation loads.
 using DotRow2Fn = void (*)(const uint8_t* row0, const uint8_t* row1, int64_t nkb, const Act& a, int nt,
@@ -63,10 +69,11 @@ struct TypeKernels {
     const char* name = nullptr;
     bool needs_grids = false;
     // How dot_row accumulates (tests pick their tolerance by it): "f32" = exact weights times
-    // float x; "i16" = exact weights times the int16 activations above, exact integer sums per
-    // 16/32 weights, scaled and summed in float32.
+    // float x; "q8" = exact weights times the q8 activations above, exact integer sums per
+    // 16 weights, scaled and summed in float32.
     const char* accumulation = "f32";
     DotRow2Fn dot_row2 = nullptr;  // null: no gain over two dot_row calls (callers use dot_pair)
+    GemmFn gemm = nullptr;         // null: callers loop over dot_row / dot_pair
 };
 
 // Two rows of type k against the same activations: dot_row2 where the type has one.
@@ -83,10 +90,17 @@ struct IsaKernels {
     TypeKernels types[kMaxTypeId];
 };
 
-// Per-ISA tables (defined in kernels_<isa>.cpp). The AVX2 table starts from the generic one and
-// overrides what it accelerates.
+// Per-ISA tables (defined in kernels_<isa>.cpp). Each table starts from the one below it
+// (generic -> avx2 -> avx512) and overrides what it accelerates.
 void fill_generic(IsaKernels& k);
 void fill_avx2(IsaKernels& k);
+
+}  // namespace ft::cpu
+// The AVX-512 file compiles every shared header in a namespace of its own (so no inline function
+// built with AVX-512 flags can stand in for another file's copy at link time): it is reached by
+// this C name, with the IsaKernels table of the other files.
+extern "C" void ft_cpu_fill_avx512(void* isa_kernels);
+namespace ft::cpu {
 
 // Activations for `isa` (multithreaded for many tokens); buf owns the int16 form.
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,

@@ -19,19 +19,33 @@ bool cpu_has_avx2() {
 #endif
 }
 
+bool cpu_has_avx512() {  // the VNNI int8 kernels: F, BW, VL and VNNI, on top of the AVX2 set
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
 struct Tables {
-    IsaKernels generic, avx2;
-    bool has_avx2 = cpu_has_avx2();
+    IsaKernels generic, avx2, avx512;
+    bool has_avx2 = cpu_has_avx2(), has_avx512 = cpu_has_avx512();
     std::atomic<const IsaKernels*> active{nullptr};
     Tables() {
         fill_generic(generic);
         avx2 = generic;
         avx2.name = "avx2";
         if (has_avx2) fill_avx2(avx2);
+        avx512 = avx2;
+        avx512.name = "avx512";
+        if (has_avx512) ft_cpu_fill_avx512(&avx512);
         const char* env = std::getenv("FTPATCH_CPU_ISA");
         const std::string want = env ? env : "";
         if (want == "generic" || !has_avx2) active = &generic;
-        else active = &avx2;
+        else if (want == "avx2" || !has_avx512) active = &avx2;
+        else active = &avx512;
     }
 };
 
@@ -66,6 +80,7 @@ const IsaKernels& kernels() { return *tables().active.load(); }
 std::vector<std::string> available_isas() {
     std::vector<std::string> out = {"generic"};
     if (tables().has_avx2) out.push_back("avx2");
+    if (tables().has_avx512) out.push_back("avx512");
     return out;
 }
 
@@ -73,8 +88,12 @@ void set_isa(const std::string& name) {
     Tables& t = tables();
     if (name == "generic") t.active = &t.generic;
     else if (name == "avx2" && t.has_avx2) t.active = &t.avx2;
-    else throw std::invalid_argument("CPU ISA '" + name + "' is not available here; available: " +
-                                     (t.has_avx2 ? "generic, avx2" : "generic"));
+    else if (name == "avx512" && t.has_avx512) t.active = &t.avx512;
+    else {
+        std::string have;
+        for (const auto& n : available_isas()) have += (have.empty() ? "" : ", ") + n;
+        throw std::invalid_argument("CPU ISA '" + name + "' is not available here; available: " + have);
+    }
 }
 
 const TypeKernels& type_kernels(const IsaKernels& isa, int type_id) {
@@ -125,15 +144,15 @@ Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, 
     a.ldx = ldx;
     a.n = n;
     if (!isa.quantize_act || nt <= 0) return a;
-    buf.q.resize(nt * n);
-    buf.d.resize(nt * (n / 32));
-    buf.s16.resize(nt * (n / 16));
-    a.q = buf.q.data();
-    a.d = buf.d.data();
-    a.s16 = buf.s16.data();
+    buf.q8.resize(nt * n);
+    buf.d8.resize(nt * (n / 32));
+    buf.m16.resize(nt * (n / 16));
+    a.q8 = buf.q8.data();
+    a.d8 = buf.d8.data();
+    a.m16 = buf.m16.data();
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     auto fill = [&](int64_t t0, int64_t t1) {
-        isa.quantize_act(x, ldx, t0, t1, n, buf.q.data(), buf.d.data(), buf.s16.data());
+        isa.quantize_act(x, ldx, t0, t1, n, buf.q8.data(), buf.d8.data(), buf.m16.data());
     };
     if (nt * n < 65536) fill(0, nt);  // one token: cheaper than waking the pool
     else parallel_for(nt, grain, fill);

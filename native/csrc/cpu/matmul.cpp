@@ -20,6 +20,12 @@ void matmul(int type_id, const uint8_t* w, int64_t n_out, int64_t n_in, int64_t 
     // Prefill: a tile of tokens stays in L2 while a chunk of rows passes over it.
     constexpr int64_t kTokenTile = 64;
     parallel_for(n_out, grain, [&](int64_t o0, int64_t o1) {
+        if (k.gemm) {
+            for (int64_t t0 = 0; t0 < n_tok; t0 += kTokenTile)
+                k.gemm(w + o0 * w_row_stride, w_row_stride, o1 - o0, nkb, a.at(t0),
+                       std::min(kTokenTile, n_tok - t0), y + t0 * n_out + o0, n_out, g);
+            return;
+        }
         for (int64_t t0 = 0; t0 < n_tok; t0 += kTokenTile) {
             const Act at = a.at(t0);
             const int nt = int(std::min(kTokenTile, n_tok - t0));

@@ -70,7 +70,10 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
             const Act xe = xa.at(gr.off);
             float* ge = hg.data() + gr.off * F;
             float* ue = hu.data() + gr.off * F;
-            for (int64_t f = f0; f < f1; ++f) {
+            if (kg.gemm && ku.gemm) {  // each row decoded once for all the expert's tokens
+                kg.gemm(wg + f0 * rb_g, rb_g, f1 - f0, nkb_g, xe, gr.n, ge + f0, F, g);
+                ku.gemm(wu + f0 * rb_u, rb_u, f1 - f0, nkb_u, xe, gr.n, ue + f0, F, g);
+            } else for (int64_t f = f0; f < f1; ++f) {
                 if (&kg == &ku) {  // one type: the gate and up rows share the activation loads
                     dot_pair(kg, wg + f * rb_g, wu + f * rb_u, nkb_g, xe, int(gr.n), ge + f, ue + f, F, g);
                 } else {
@@ -99,6 +102,18 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
             auto add = [&](int64_t r, const float* o) {
                 for (int64_t s = 0; s < gr.n; ++s) y[tok[gr.off + s] * H + r] += wt[gr.off + s] * o[s];
             };
+            if (kd.gemm) {  // out[s * nr + r - r0]: every row of the block for every slot
+                const int64_t nr = r1 - r0;
+                if (int64_t(out.size()) < nr * gr.n) out.resize(nr * gr.n);
+                kd.gemm(wd + r0 * rb_d, rb_d, nr, nkb_d, he, gr.n, out.data(), nr, g);
+                for (int64_t s = 0; s < gr.n; ++s) {
+                    float* yt = y + tok[gr.off + s] * H + r0;
+                    const float ws = wt[gr.off + s];
+                    const float* o = out.data() + s * nr;
+                    for (int64_t r = 0; r < nr; ++r) yt[r] += ws * o[r];
+                }
+                continue;
+            }
             // rows r and r + h in pairs, as in matmul (two sequential streams); r1 - r0 is even:
             // H, a whole number of kernel blocks of the gate rows, is a multiple of 32
             const int64_t h = (r1 - r0) / 2;

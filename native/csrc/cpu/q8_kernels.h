@@ -1,0 +1,274 @@
+// Int8-activation kernels (ggml's CPU scheme) for every type with a Unit (units_avx2.h).
+//
+// Activations are rounded once per call to int8 per 32 features: d = max|x| / 127, q = round(x / d)
+// (float32 arithmetic, ties to even: native.numerics.q8_round bit for bit), plus d * (sum of q) per
+// 16 features for the additive mins. Weights are decoded to int8 by the Units; the products of one
+// 32-weight group are summed exactly in int32 (per 16 weights, so per-16 scales apply), then scaled
+// by weight scale * d in float32 and accumulated. Weights with a sign multiply as |w| * (x with w's
+// sign), so both the AVX2 (maddubs: unsigned x signed bytes) and the VNNI (dpbusd) products are
+// exact: |w| <= 128, |x| <= 127.
+//
+// Included by kernels_avx2.cpp (Dot = maddubs + madd) and kernels_avx512.cpp (Dot = dpbusd on
+// 256-bit vectors, AVX512-VNNI + VL); each instantiates fill_q8<Dot, ...> for its table.
+//
+// Two shapes of work:
+//   * few tokens (decode, nt <= 4): rows stream through the Unit decoder, two rows at a time
+//     (rows r and r + h: two sequential streams, which hardware prefetch follows better than
+//     adjacent rows) sharing each activation load;
+//   * many tokens (prefill, grouped experts): RB rows are decoded once into int8 + scale buffers
+//     (L1-sized), then a register-blocked RB x 4-token micro-kernel runs over all the tokens.
+#pragma once
+#include <algorithm>
+#include <vector>
+
+#include "units_avx2.h"
+
+namespace ft::cpu::avx2 {
+
+template <QType T, class = void> struct HasUnit : std::false_type {};
+template <QType T> struct HasUnit<T, std::void_t<decltype(Unit<T>::has_min)>> : std::true_type {};
+
+inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// ---- activations ----------------------------------------------------------------------------------
+inline void quantize_q8(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n, int8_t* q,
+                        float* d, float* m16) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t t = t0; t < t1; ++t) {
+        const float* xt = x + t * ldx;
+        for (int64_t c = 0; c < n / 32; ++c) {
+            __m256 v[4];
+            for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xt + 32 * c + 8 * i);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float dd = _mm_cvtss_f32(m4) / 127.f;  // q8_round: d = amax / 127, x * (1 / d)
+            const __m256 id = _mm256_set1_ps(dd > 0.f ? 1.f / dd : 0.f);
+            __m256i iv[4];
+            for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+            const int s0 = hsum_epi32(_mm256_add_epi32(iv[0], iv[1]));
+            const int s1 = hsum_epi32(_mm256_add_epi32(iv[2], iv[3]));
+            // packs interleave 128-bit lanes; the permute restores feature order
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + t * n + 32 * c), _mm256_permutevar8x32_epi32(p, perm));
+            d[t * (n / 32) + c] = dd;
+            m16[t * (n / 16) + 2 * c] = dd * float(s0);
+            m16[t * (n / 16) + 2 * c + 1] = dd * float(s1);
+        }
+    }
+}
+
+// ---- products --------------------------------------------------------------------------------------
+// w: int8 weights as decoded; unsigned (Unit::has_min: every such type's q is >= 0) or signed.
+// Returns 8 int32: lanes 0-3 sum weights 0-15, lanes 4-7 weights 16-31.
+template <class Dot, bool kUnsigned>
+inline __m256i idot(__m256i w, __m256i x) {
+    if constexpr (kUnsigned) return Dot::dot(w, x);
+    return Dot::dot(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+// scale vector of one 32-weight group: s0 for lanes 0-3, s1 for 4-7
+inline __m256 scale_pair(float s0, float s1) {
+    return _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+}
+
+// ---- few tokens: stream R rows through the decoder ------------------------------------------------------
+template <class Dot, QType T, int R, int NT>
+void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    __m256 acc[R][NT];
+    float macc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.f;
+    const int64_t nd = a.n / 32, ns = a.n / 16;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::State st[R];
+        for (int r = 0; r < R; ++r) U::begin(rows[r] + b * Tr::kb_bytes, g, st[r]);
+        for (int s = 0; s < Tr::subs; ++s) {
+            const int64_t c = b * Tr::subs + s;
+            Sub u[R];
+            for (int r = 0; r < R; ++r) U::decode(rows[r] + b * Tr::kb_bytes, s, g, st[r], u[r]);
+            for (int t = 0; t < NT; ++t) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+                const float dx = a.d8[t * nd + c];
+                for (int r = 0; r < R; ++r) {
+                    const __m256 p = _mm256_cvtepi32_ps(idot<Dot, U::has_min>(u[r].q, x));
+                    const __m256 sc = U::per16 ? scale_pair(u[r].s[0] * dx, u[r].s[1] * dx)
+                                               : _mm256_set1_ps(u[r].s[0] * dx);
+                    acc[r][t] = _mm256_fmadd_ps(p, sc, acc[r][t]);
+                    if constexpr (U::has_min)
+                        macc[r][t] += u[r].m[0] * a.m16[t * ns + 2 * c] + u[r].m[1] * a.m16[t * ns + 2 * c + 1];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]) + macc[r][t];
+}
+
+template <class Dot, QType T, int R>
+void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64_t nt, float* const* out,
+                    int64_t ldo, const Grids& g) {
+    for (int64_t t = 0; t < nt;) {
+        const int n = int(std::min<int64_t>(4, nt - t));
+        float* o[R];
+        for (int r = 0; r < R; ++r) o[r] = out[r] + t * ldo;
+        const Act at = a.at(t);
+        switch (n) {
+            case 1: dot_stream<Dot, T, R, 1>(rows, nkb, at, o, ldo, g); break;
+            case 2: dot_stream<Dot, T, R, 2>(rows, nkb, at, o, ldo, g); break;
+            case 3: dot_stream<Dot, T, R, 3>(rows, nkb, at, o, ldo, g); break;
+            default: dot_stream<Dot, T, R, 4>(rows, nkb, at, o, ldo, g); break;
+        }
+        t += n;
+    }
+}
+
+// ---- many tokens: decode RB rows once, then an RB x NT register block over the tokens -----------------
+struct RowBuf {  // one decoded row
+    std::vector<int8_t> q;  // [n]
+    std::vector<float> s;   // [n/32][8]: the scale vector of each 32-weight group
+    std::vector<float> m;   // [n/16]: the additive min of each 16 (types with mins)
+    void size(int64_t n) {
+        if (int64_t(q.size()) < n) q.resize(n), s.resize(n / 4), m.resize(n / 16);
+    }
+};
+
+template <QType T>
+void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::State st;
+        U::begin(row + b * Tr::kb_bytes, g, st);
+        for (int s = 0; s < Tr::subs; ++s) {
+            const int64_t c = b * Tr::subs + s;
+            Sub u;
+            U::decode(row + b * Tr::kb_bytes, s, g, st, u);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.q.data() + 32 * c), u.q);
+            _mm256_storeu_ps(rb.s.data() + 8 * c, U::per16 ? scale_pair(u.s[0], u.s[1]) : _mm256_set1_ps(u.s[0]));
+            if constexpr (U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
+        }
+    }
+}
+
+template <class Dot, QType T, int RB, int NT>
+void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
+    using U = Unit<T>;
+    const int64_t nc = a.n / 32, ns = a.n / 16;
+    __m256 acc[RB][NT];
+    for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+        __m256i x[NT];
+        __m256 dx[NT];
+        for (int t = 0; t < NT; ++t) {
+            x[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+            dx[t] = _mm256_broadcast_ss(a.d8 + t * nc + c);
+        }
+        for (int r = 0; r < RB; ++r) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb[r].q.data() + 32 * c));
+            const __m256 sw = _mm256_loadu_ps(rb[r].s.data() + 8 * c);
+            for (int t = 0; t < NT; ++t)
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<Dot, U::has_min>(w, x[t])),
+                                            _mm256_mul_ps(sw, dx[t]), acc[r][t]);
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < NT; ++t) {
+            float v = hsum_ps(acc[r][t]);
+            if constexpr (U::has_min) {
+                __m256 m = _mm256_setzero_ps();
+                const float* xm = a.m16 + t * ns;
+                int64_t j = 0;
+                for (; j + 8 <= ns; j += 8)
+                    m = _mm256_fmadd_ps(_mm256_loadu_ps(rb[r].m.data() + j), _mm256_loadu_ps(xm + j), m);
+                for (; j < ns; ++j) v += rb[r].m[j] * xm[j];
+                v += hsum_ps(m);
+            }
+            out[t * ldo + r] = v;
+        }
+}
+
+template <class Dot, QType T, int RB>
+void gemm_rows(const RowBuf* rb, const Act& a, int64_t nt, float* out, int64_t ldo) {
+    int64_t t = 0;
+    for (; t + 4 <= nt; t += 4) gemm_block<Dot, T, RB, 4>(rb, a.at(t), out + t * ldo, ldo);
+    switch (nt - t) {
+        case 1: return gemm_block<Dot, T, RB, 1>(rb, a.at(t), out + t * ldo, ldo);
+        case 2: return gemm_block<Dot, T, RB, 2>(rb, a.at(t), out + t * ldo, ldo);
+        case 3: return gemm_block<Dot, T, RB, 3>(rb, a.at(t), out + t * ldo, ldo);
+        default: return;
+    }
+}
+
+// out[t * ldo + r] = dot(row r, token t), r < nr (rows at w + r * stride), t < nt.
+template <class Dot, QType T, int RB>
+void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, int64_t nt,
+             float* out, int64_t ldo, const Grids& g) {
+    if (nt <= 4) {
+        const int64_t h = nr / 2;
+        for (int64_t r = 0; r < h; ++r) {
+            const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
+            float* o[2] = {out + r, out + r + h};
+            dot_stream_any<Dot, T, 2>(rows, nkb, a, nt, o, ldo, g);
+        }
+        if (nr % 2) {
+            const uint8_t* rows[1] = {w + (nr - 1) * stride};
+            float* o[1] = {out + nr - 1};
+            dot_stream_any<Dot, T, 1>(rows, nkb, a, nt, o, ldo, g);
+        }
+        return;
+    }
+    thread_local RowBuf bufs[RB];
+    const int64_t n = nkb * Traits<T>::kb_elems;
+    for (auto& b : bufs) b.size(n);
+    int64_t r = 0;
+    for (; r + RB <= nr; r += RB) {
+        for (int i = 0; i < RB; ++i) decode_q8_row<T>(w + (r + i) * stride, nkb, bufs[i], g);
+        gemm_rows<Dot, T, RB>(bufs, a, nt, out + r, ldo);
+    }
+    for (; r < nr; ++r) {
+        decode_q8_row<T>(w + r * stride, nkb, bufs[0], g);
+        gemm_rows<Dot, T, 1>(bufs, a, nt, out + r, ldo);
+    }
+}
+
+template <class Dot, QType T, int RB>
+void dot_row_q8(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* out, int64_t ldo,
+                const Grids& g) {
+    gemm_q8<Dot, T, RB>(row, 0, 1, nkb, a, nt, out, ldo, g);
+}
+
+// The q8 kernels of every type with a Unit; the rest keep what `k` holds.
+template <class Dot, int RB>
+void fill_q8(IsaKernels& k) {
+    k.quantize_act = quantize_q8;
+#define FT_X(NAME, BE, BB)                                                          \
+    if constexpr (HasUnit<QType::NAME>::value) {                                    \
+        TypeKernels& t = k.types[int(QType::NAME)];                                 \
+        t.dot_row = dot_row_q8<Dot, QType::NAME, RB>;                               \
+        t.dot_row2 = nullptr;                                                       \
+        t.gemm = gemm_q8<Dot, QType::NAME, RB>;                                     \
+        t.accumulation = "q8";                                                      \
+    }
+    FT_QUANT_TYPES(FT_X)
+#undef FT_X
+}
+
+}  // namespace ft::cpu::avx2

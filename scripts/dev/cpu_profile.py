@@ -1,0 +1,96 @@
+"""Where a CPU-only decode step and prefill spend their time, per op family.
+
+    python scripts/dev/cpu_profile.py MODEL.gguf [--tokens 8] [--prompt 64] [--threads N]
+
+Wraps native.ops.matmul / moe_ffn (and the model's head call) with wall-clock timers and sorts
+each call into a family by the weight's name: expert FFN (routed), shared expert, router, mixer
+projections (attention + delta-net in/out), head; "other" is the rest of the step (norms,
+attention and delta-net cores, routing, Python). Prints ms per token for decode and prefill.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+
+def family(name: str) -> str:
+    if "shexp" in name:
+        return "shared expert"
+    if "ffn_gate_inp" in name:
+        return "router"
+    if name.startswith("output") or name.startswith("token_embd"):
+        return "head"
+    return "mixer projections"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=8, help="decode steps timed")
+    ap.add_argument("--prompt", type=int, default=64, help="prefill tokens timed")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+
+    from loaders import open_model
+    from moe_offload.models import build_model
+    from native import ops
+    if args.threads:
+        ops._cpu.set_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    loaded = open_model(args.model)
+    model = build_model(loaded, "cpu")
+    spent: dict[str, float] = collections.defaultdict(float)
+    mm, moe = ops.matmul, ops.moe_ffn
+
+    def timed_mm(x, w):
+        t = time.perf_counter()
+        y = mm(x, w)
+        spent[family(w.name)] += time.perf_counter() - t
+        return y
+
+    def timed_moe(*a, **k):
+        t = time.perf_counter()
+        y = moe(*a, **k)
+        spent["expert FFN"] += time.perf_counter() - t
+        return y
+
+    ops.matmul, ops.moe_ffn = timed_mm, timed_moe
+    from moe_offload.models import qwen35moe as arch
+    cores = {"gated_delta_net": "delta-net core", "gated_attention": "attention core",
+             "residual_rms_norm": "norms", "route_topk": "routing", "swiglu": "swiglu"}
+    for fn, label in cores.items():
+        def timed_core(*a, _f=getattr(arch, fn), _label=label, **k):
+            t = time.perf_counter()
+            y = _f(*a, **k)
+            spent[_label] += time.perf_counter() - t
+            return y
+        setattr(arch, fn, timed_core)
+    rng = torch.Generator().manual_seed(0)
+    V = loaded.config.n_vocab
+    with torch.inference_mode():
+        for label, n_prompt, steps in (("prefill", args.prompt, 0), ("decode", 4, args.tokens)):
+            st = model.new_state(1, n_prompt + steps + 1)
+            toks = torch.randint(0, V, (1, n_prompt), generator=rng)
+            spent.clear()
+            t0 = time.perf_counter()
+            logits = model.prefill(toks, st)
+            if steps:
+                spent.clear()
+                t0 = time.perf_counter()
+                nxt = logits.argmax(-1)
+                for _ in range(steps):
+                    nxt = model.decode(nxt, st).argmax(-1)
+            total = time.perf_counter() - t0
+            n = steps or n_prompt
+            spent["other"] = total - sum(spent.values())
+            print(f"{label}: {n / total:.2f} tok/s ({total / n * 1e3:.1f} ms/token, threads "
+                  f"{ops._cpu.threads()}, isa {ops._cpu.isa()})")
+            for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+                print(f"  {k:20s} {v / n * 1e3:8.2f} ms/token  {v / total:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
