@@ -42,6 +42,8 @@ class OffloadPolicy:
     # -- memory under the cap (runtime.py, placement.py) -------------------------------------------
     elastic: bool = True                 # the cache lends VRAM to prompts and the KV, takes it back
     graph_bucket: int = 256              # attention-length bucket per captured decode graph
+    max_graphs: int = 64                 # captured steps kept before all are dropped (batches of
+                                         # several sequences make a key per lengths' combination)
     prefill_chunk: int = 2048            # tokens per prefill chunk
     staging_experts: int = 32            # experts per prefill staging buffer (two are kept)
     context_margin: int = 192 * MiB      # above the measured CUDA context, for kernels loaded later

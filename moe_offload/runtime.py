@@ -56,6 +56,9 @@ class RuntimeOptions:
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
     host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
+    max_sequences: int = 1                 # sequences held at once (decode_many steps them together);
+                                           # each beyond the first takes its delta-net state and
+                                           # its KV as it grows from the expert cache
     link_gbps: float | None = None         # emulate a slower host-to-GPU link (GB/s): every copy
                                            # of experts waits as long as that link would take
     device: str = "cuda"
@@ -166,9 +169,14 @@ class OffloadRuntime:
         elastic = pol.elastic and on.elastic_supported()
         probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
         plan.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
-        self._states: dict[int, State] = {
-            1: State(c, 1, opts.n_ctx, dev, opts.kv_dtype, pol.graph_bucket,
+        most = min(pol.decode_tokens, on.MAX_SELECTIONS // c.n_expert_used)   # a step's tokens
+        if not 1 <= opts.max_sequences <= most:
+            raise OffloadError(f"max_sequences {opts.max_sequences}: a decode step takes 1 to "
+                               f"{most} tokens, one a sequence; hold 1 to {most} (--parallel)")
+        self._states: dict[int, State] = {   # the first; more are added as asked (new_state)
+            0: State(c, 1, opts.n_ctx, dev, opts.kv_dtype, pol.graph_bucket,
                      kv_alloc=on.ElasticBuffer if elastic else None)}
+        self._in_use: set[int] = set()
 
         # 3. workspaces: prefill activations + attention for one chunk, graphs, staging
         plan.reserve("workspace", gpu_workspace_bytes(c, opts.n_ctx, pol),
@@ -246,23 +254,68 @@ class OffloadRuntime:
         return QTensor(on.host_view(host), q.qtype, q.shape, q.name, q.parts)
 
     # -- sequences ---------------------------------------------------------------------------------
+    @property
+    def max_sequences(self) -> int:
+        return self.opts.max_sequences
+
     def new_state(self, batch: int = 1, n_ctx: int | None = None, kv_dtype=None) -> State:
-        """The runtime's state for `batch` sequences, emptied. There is one per batch size: its
-        KV was budgeted at start, and the captured decode graphs are bound to its buffers."""
+        """An emptied single-sequence state. With max_sequences = 1 it is always the same one
+        (its KV budgeted at start; the captured graphs are bound to its buffers); with more, a
+        state not handed out yet while fewer than max_sequences exist (room made in the cache),
+        then the first one again: callers that hold several give back the ones they are done
+        with (`release`)."""
         n = n_ctx or self.opts.n_ctx
         if n > self.opts.n_ctx:
             raise OffloadError(f"a context of {n} needs more VRAM than was budgeted for "
                                f"{self.opts.n_ctx}; restart with --ctx {n}")
         if batch != 1:
-            raise OffloadError("the offload runtime decodes one sequence at a time for now")
-        st = self._states[batch]
+            raise OffloadError("the offload runtime's states hold one sequence each; step several "
+                               "together with decode_many")
+        st = next((s for k, s in self._states.items() if k not in self._in_use), None)
+        if st is None and len(self._states) < self.opts.max_sequences:
+            st = self._add_state()
+        if st is None:
+            raise OffloadError(f"all {self.opts.max_sequences} sequences this runtime holds are in "
+                               "use; release one, or open it with more (max_sequences, --parallel)")
+        if self.opts.max_sequences > 1:
+            self._in_use.add(self._key_of(st))
+        self._empty(st)
+        return st
+
+    def release(self, state: State) -> None:
+        """A state handed out by new_state is free again (its KV memory goes back to the cache)."""
+        self._in_use.discard(self._key_of(state))
+        self._empty(state)
+
+    def _key_of(self, state: State) -> int:
+        for k, s in self._states.items():
+            if s is state:
+                return k
+        raise OffloadError("this state does not belong to this runtime (use its new_state)")
+
+    def _add_state(self) -> State:
+        """One more sequence's state: its delta-net state from torch and its elastic KV, the
+        cache shrunk first so both fit under the cap beside decode's headroom."""
+        c, opts, pol = self.config, self.opts, self.policy
+        recurrent = sum((c.ssm_conv_dim * (c.ssm_d_conv - 1)
+                         + c.ssm_n_v_heads * c.ssm_d_state * c.ssm_head_v_dim) * 4
+                        for _ in c.recurrent_layers)
+        first = self._states[0]
+        kv = first.kv_bytes(1) if first.elastic_kv else first.nbytes - recurrent
+        self.vram.keep_free("another sequence", recurrent + kv + self.vram.decode_headroom)
+        st = State(c, 1, opts.n_ctx, self.device, opts.kv_dtype, pol.graph_bucket,
+                   kv_alloc=on.ElasticBuffer if first.elastic_kv else None)
+        self._states[len(self._states)] = st
+        self.vram.cap_torch()
+        return st
+
+    def _empty(self, st: State) -> None:
         st.reset()
         if st.elastic_kv and st.kv_rows > 1:   # an empty conversation: the KV's memory goes back
             torch.cuda.synchronize(self.device)   # to the cache at the next decode step
             st.map_kv(1)
             self.vram.cap_torch()
             self.vram.grow_pending = True
-        return st
 
     def snapshot(self, state: State) -> Snapshot:
         """A rewind point for `state` (its recurrent part copied; KV rows below it are kept)."""
@@ -340,7 +393,8 @@ class OffloadRuntime:
         key = (id(state), state.attn_len(1))
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._measured_capture(tokens, state)
+            g = self._graphs[key] = self._measured_capture(
+                tokens, [state], B, lambda t: self.model.decode(t, state))
         graph, tok_in, logits = g
         tok_in.copy_(tokens)
         self.engine.arm(B)
@@ -349,13 +403,57 @@ class OffloadRuntime:
         self._observe()
         return logits.clone()
 
-    def _eager_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        eng = self.engine
-        eng.arm(tokens.shape[0])
-        with eng.decode_step():
-            out = self.model.decode(tokens, state)
-        eng.settle()
+    def decode_many(self, tokens: torch.Tensor, states: list[State]) -> torch.Tensor:
+        """One token for each of B sequences at their own positions, in one decode step: tokens
+        [B] on the device, B states from new_state -> logits [B, V] (a fresh tensor). Each
+        layer's experts are planned, fetched and computed once for the B tokens (the union of
+        their choices); the mixers run per sequence. Captured as a graph per (states, attended
+        lengths)."""
+        B = tokens.shape[0]
+        if len(states) != B or not 1 <= B <= self.engine.max_tok:
+            raise OffloadError(f"decode_many takes 1..{self.engine.max_tok} tokens, one a state; "
+                               f"got {B} tokens and {len(states)} states")
+        if B == 1:
+            return self.decode(tokens, states[0])
+        if len({id(st) for st in states}) != B:
+            raise OffloadError("decode_many got the same state twice; one token a sequence")
+        for st in states:
+            self._key_of(st)
+            st.check_room(1)
+        for st in states:
+            self.vram.room_for_kv(st, st.attn_len(1))
+        self.vram.regrow()
+        run = lambda t: self.model.decode_many(t, states)   # noqa: E731
+        if not self.opts.use_graphs:
+            return self._eager(tokens, B, run, observe=True)
+        key = ("many",) + tuple((id(st), st.attn_len(1)) for st in states)
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) >= self.policy.max_graphs:
+                self._drop_graphs()   # batches come and go: keep the captured set bounded
+            g = self._graphs[key] = self._measured_capture(tokens, states, B, run)
+        graph, tok_in, logits = g
+        tok_in.copy_(tokens)
+        self.engine.arm(B)
+        graph.replay()
+        for st in states:
+            st.n_past += 1
         self._observe()
+        return logits.clone()
+
+    def _eager_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
+        return self._eager(tokens, tokens.shape[0], lambda t: self.model.decode(t, state),
+                           observe=True)
+
+    def _eager(self, tokens: torch.Tensor, n_tok: int, run, observe: bool = False):
+        """One decode step of n_tok tokens run eagerly (run(tokens) inside the engine's step)."""
+        eng = self.engine
+        eng.arm(n_tok)
+        with eng.decode_step():
+            out = run(tokens)
+        eng.settle()
+        if observe:
+            self._observe()
         return out
 
     def _observe(self) -> None:
@@ -407,18 +505,13 @@ class OffloadRuntime:
         self.vram.regrow()
         depth = next(iter(state.steps.values()))[0].shape[0] if state.steps else 0
         keep = 1 < T <= depth + 1
+        run = lambda t: self.model.forward(t, state, hidden=True)   # noqa: E731
         if not self.opts.use_graphs:
-            eng = self.engine
-            eng.arm(T)
-            with eng.decode_step():
-                out = self.model.forward(tokens, state, hidden=True)
-            eng.settle()
-            self._observe()
-            return out
+            return self._eager(tokens, T, run, observe=True)
         key = ("verify", id(state), T, state.attn_len(T), keep, depth)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._measured_capture(tokens, state, verify=True)
+            g = self._graphs[key] = self._measured_capture(tokens, [state], T, run)
         graph, tok_in, (logits, hidden) = g
         tok_in.copy_(tokens)
         self.engine.arm(T)
@@ -428,7 +521,7 @@ class OffloadRuntime:
         self._observe()
         return logits.clone(), hidden.clone()
 
-    def _measured_capture(self, tokens: torch.Tensor, state: State, verify: bool = False):
+    def _measured_capture(self, tokens: torch.Tensor, states: list[State], n_tok: int, run):
         """Capture a decode step, measuring what it costs, so that decode keeps only that much
         free beside the cache (the first capture's figure stands for the later ones; a later
         capture that finds less room under the cap shrinks the cache first)."""
@@ -436,34 +529,30 @@ class OffloadRuntime:
         self.vram.before_capture()
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
-        g = self._capture(tokens, state, verify)
+        g = self._capture(tokens, states, n_tok, run)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev))
         return g
 
-    def _capture(self, tokens: torch.Tensor, state: State, verify: bool = False):
+    def _capture(self, tokens: torch.Tensor, states: list[State], n_tok: int, run):
+        """run(tokens) -> outputs, as a graph over a copy of tokens: (graph, its tokens, outputs)."""
         tok_in = tokens.clone()
         # warm up once eagerly (lazy inits, allocator) -- this is a real step, so rewind after
-        snap, stats = state.snapshot(), self.cache.stats.clone()
-        if verify:
-            self.engine.arm(tok_in.shape[1])
-            with self.engine.decode_step():
-                self.model.forward(tok_in, state, hidden=True)
-            self.engine.settle()
-        else:
-            self._eager_step(tok_in, state)
-        state.restore(snap)
+        snaps, stats = [st.snapshot() for st in states], self.cache.stats.clone()
+        self._eager(tok_in, n_tok, run)
+        for st, snap in zip(states, snaps):
+            st.restore(snap)
         self.cache.stats.copy_(stats)  # the warm-up is not a step of the run
         g = torch.cuda.CUDAGraph()
-        n_past = state.n_past
+        n_past = [st.n_past for st in states]
         try:
             with torch.cuda.graph(g, pool=self._graph_pool), self.engine.decode_step():
-                logits = (self.model.forward(tok_in, state, hidden=True) if verify
-                          else self.model.decode(tok_in, state))
+                out = run(tok_in)
         finally:
-            state.n_past = n_past  # capture ran no kernels; the host counter must not move
-        return g, tok_in, logits
+            for st, n in zip(states, n_past):
+                st.n_past = n  # capture ran no kernels; the host counters must not move
+        return g, tok_in, out
 
     def _drop_graphs(self) -> None:
         """The next decode steps capture anew (in a new pool: a pool whose graphs are all gone

@@ -263,10 +263,13 @@ def placement_options(args) -> dict:
               "give the emulated link's rate in GB/s, from 0.1 to 1000 (e.g. 11.8)")
     if threads is not None:
         check("--threads", threads, 1 <= threads <= 1024, "give 1 or more threads")
-    return {"mtp": bool(getattr(args, "draft", 0)),
-            "host_head": bool(getattr(args, "host_head", False)),
-            "host_embedding": not getattr(args, "gpu_embedding", False),
-            "link_gbps": link, "cpu_threads": threads}
+    out = {"mtp": bool(getattr(args, "draft", 0)),
+           "host_head": bool(getattr(args, "host_head", False)),
+           "host_embedding": not getattr(args, "gpu_embedding", False),
+           "link_gbps": link, "cpu_threads": threads}
+    if getattr(args, "parallel", None) and getattr(args, "vram", None) is not None:
+        out["max_sequences"] = args.parallel   # serve: the runtime holds that many sequences
+    return out
 
 
 def device_for(device: str | None, vram: int | None):
@@ -282,7 +285,8 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
     """The plain model on one device, or (with --vram) the offload runtime, which presents the
     same interface (new_state / prefill / decode) plus stats()."""
     if vram is None:
-        placement = {k: v for k, v in (placement or {}).items() if k != "mtp"}
+        placement = {k: v for k, v in (placement or {}).items()
+                     if k not in ("mtp", "max_sequences")}
         if placement.get("host_head") or not placement.get("host_embedding", True):
             raise CLIError("--host-head and --gpu-embedding place weights for the offload "
                            "runtime; add --vram SIZE")

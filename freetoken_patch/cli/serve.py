@@ -22,9 +22,10 @@ One thread owns the model. Up to --parallel requests are active at once. On the 
 (the CPU, or a GPU holding the whole model) they are batched: each step advances every active
 request by one token together (a layer's experts read once for all of them), and a newcomer's
 prompt goes in by chunks of --prefill-chunk tokens between those steps, so a long prompt does
-not stall the others. Under --vram the offload runtime holds one sequence, so requests run one
-at a time there (--parallel is 1); --no-batch makes the plain model take turns instead, one
-request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
+not stall the others. Under --vram the offload runtime holds --parallel sequences (each takes
+its delta-net state, ~63 MB on a 35B-A3B, and its KV from the expert cache) and steps them
+together the same way: each layer's experts are fetched once for the batch. --no-batch makes
+the requests take turns instead, one request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
 the server answers 429 (529, overloaded, on /v1/messages). A follow-up whose prompt starts with
 a recent conversation prefills only the new tokens.
 """
@@ -60,8 +61,7 @@ def add_parser(sub) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
     s.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="requests generated at once (default 4; batched on the plain model, "
-                        "one at a time under --vram)")
+                   help="requests generated at once (default 4), stepped together")
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a new request feeds between two decode steps of the "
                         "running ones (default 256; batched mode)")
@@ -136,7 +136,7 @@ def describe(engine) -> str:
     if engine.batched:
         return f"batched: one decode step for all, prompts in chunks of {engine.prefill_chunk}"
     if engine.single_state:
-        return "one sequence at a time: the --vram runtime decodes one sequence a step"
+        return "one sequence at a time: the runtime holds one sequence"
     return "interleaved: one decode step each in turn"
 
 

@@ -2,23 +2,25 @@
 sequences are active, each with its own State. Two modes, chosen at start (`Engine.mode`, shown
 by /health and the startup line):
 
-  batched       the plain model (CPU, or a GPU without --vram): every step advances all the
-                sequences that are decoding by one token in one `model.decode_many` call (a
-                layer's experts read once for the batch), and a newcomer's prompt goes in by
-                chunks of `prefill_chunk` tokens, one chunk between two decode steps, so a long
-                prompt does not stall the running streams. Each sequence samples from its own
-                row with its own TokenStream (sequence.py): seed, penalties and stops as alone.
-  interleaved   the offload runtime (--vram), a custom generate_fn, or --no-batch: the active
-                sequences take turns, one generate() step each (round robin), a newcomer's
-                prompt prefilled whole when it is admitted.
+  batched       the plain model (CPU, or a GPU without --vram), and the offload runtime opened
+                for several sequences (--vram: max_sequences = --parallel): every step advances
+                all the sequences that are decoding by one token in one `model.decode_many`
+                call (a layer's experts read, or fetched, once for the batch), and a newcomer's
+                prompt goes in by chunks of `prefill_chunk` tokens, one chunk between two decode
+                steps, so a long prompt does not stall the running streams. Each sequence
+                samples from its own row with its own TokenStream (sequence.py): seed,
+                penalties and stops as alone.
+  interleaved   a custom generate_fn, or --no-batch: the active sequences take turns, one
+                generate() step each (round robin), a newcomer's prompt prefilled whole when it
+                is admitted.
 
 Requests join at step boundaries and leave when they end. Prefix reuse: a finished sequence's
 State stays in a small LRU (`prefix_cache` entries) keyed by the tokens it holds, with
 snapshots at its prompt's end. A new request whose prompt starts with those tokens (or with a
 snapshot's prefix of them) takes that State over and prefills only the rest. The first turn of
 a prompt with several (a system prompt, the tools) is prefilled on its own with a snapshot
-after it, so conversations that open the same way share it. The offload runtime has one State
-per batch size, so under --vram the engine runs one sequence at a time and caches that one.
+after it, so conversations that open the same way share it. An offload runtime opened for one
+sequence hands out one State, so the engine then runs one sequence at a time and caches that one.
 """
 from __future__ import annotations
 
@@ -161,16 +163,21 @@ class Engine:
         self.queue_size = queue_size
         self.prefill_chunk = max(1, int(prefill_chunk))
         first = model.new_state(1, n_ctx)
-        # the offload runtime hands out the same State each time: one sequence at a time
-        self.single_state = model.new_state(1, n_ctx) is first
-        self.parallel = 1 if self.single_state else parallel
+        # an offload runtime opened for one sequence hands out the same State each time
+        probe = model.new_state(1, n_ctx)
+        self.single_state = probe is first
+        if not self.single_state and hasattr(model, "release"):
+            model.release(probe)   # a runtime counts the states it handed out
+        self.parallel = 1 if self.single_state else min(parallel, getattr(model, "max_sequences",
+                                                                          parallel))
         can_batch = (hasattr(model, "decode_many") and generate_fn is generate
                      and not self.single_state)
         self.batched = can_batch if batch is None else bool(batch) and can_batch
         self.mode = "batched" if self.batched else "interleaved"
         self.batch_size = 0            # sequences in the last decode step
         self.cache = PrefixCache(min(prefix_cache, 1) if self.single_state else prefix_cache)
-        self._max_states = 1 if self.single_state else self.parallel + self.cache.size
+        self._max_states = 1 if self.single_state else min(
+            self.parallel + self.cache.size, getattr(model, "max_sequences", 1 << 30))
         self._free = [first]
         self._n_states = 1
         self._pending: deque[Job] = deque()

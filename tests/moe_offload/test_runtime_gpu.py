@@ -382,3 +382,42 @@ def test_record_of_model_routing_equal_with_and_without_graphs(loaded, reference
     # the graph run's steps include capture warm-ups: compare the last len(toks) steps of each
     last = lambda rec, steps: rec[[(s - 1) % 64 for s in range(steps - len(toks) + 1, steps + 1)]]
     assert torch.equal(last(a, steps_a), last(b, steps_b))
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_many_equals_each_sequence_alone(loaded, graphs):
+    """Three sequences of different lengths under one runtime (max_sequences 3), stepped together
+    by decode_many, against each decoded alone on the same runtime; every miss over PCIe, so the
+    experts run on the same kernels either way (the CPU's rounding differs). Teacher-forced: both
+    paths take the same tokens, so one near tie cannot move the rest."""
+    from moe_offload import OffloadError
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, loaded.config.n_vocab, (1, n), generator=g).cuda()
+               for n in (5, 17, 30)]
+    feed = torch.randint(0, loaded.config.n_vocab, (8, 3), generator=g).cuda()
+    rt = _runtime(loaded, fetch_fraction=1.0, max_sequences=3, use_graphs=graphs)
+    try:
+        alone = []
+        for b, p in enumerate(prompts):
+            st = rt.new_state(1)
+            out = [rt.prefill(p, st)]
+            out += [rt.decode(feed[s, b:b + 1], st) for s in range(feed.shape[0])]
+            alone.append(torch.cat(out))
+            rt.release(st)
+        states = [rt.new_state(1) for _ in prompts]
+        assert len({id(st) for st in states}) == 3
+        with pytest.raises(OffloadError, match="all 3 sequences"):
+            rt.new_state(1)
+        first = torch.cat([rt.prefill(p, st) for p, st in zip(prompts, states)])
+        steps = [rt.decode_many(feed[s], states) for s in range(feed.shape[0])]
+        together = torch.stack([first] + steps, dim=1)             # [3, 1 + steps, V]
+        for b in range(3):
+            a, ref = together[b], alone[b]
+            assert torch.equal(a.argmax(-1), ref.argmax(-1)), f"sequence {b}"
+            err = float((a - ref).abs().max()) / float(ref.abs().max())
+            assert err < 1e-3, f"sequence {b}: relative max |diff| {err:.2e}"
+        assert [st.n_past for st in states] == [p.shape[1] + feed.shape[0] for p in prompts]
+        with pytest.raises(OffloadError, match="same state twice"):
+            rt.decode_many(feed[0, :2], [states[0], states[0]])
+    finally:
+        rt.close()
