@@ -21,14 +21,14 @@ def model(tiny_model):
 def _greedy_alone(model, prompt, steps):
     """(logits [steps, V], ids) of one sequence decoded by itself."""
     st = model.new_state(1, 128)
-    logits = model.prefill(torch.tensor([prompt]), st)
+    logits = model.prefill(torch.tensor([prompt], device=model.device), st)
     out, ids = [], []
     for _ in range(steps):
         tok = int(logits.argmax(-1))
         ids.append(tok)
-        logits = model.decode(torch.tensor([tok]), st)
+        logits = model.decode(torch.tensor([tok], device=model.device), st)
         out.append(logits[0])
-    return torch.stack(out), ids
+    return torch.stack(out).cpu(), ids
 
 
 def _greedy_together(model, prompts, steps, fresh=()):
@@ -37,15 +37,16 @@ def _greedy_together(model, prompts, steps, fresh=()):
     states = [model.new_state(1, 128) for _ in prompts]
     toks = []
     for p, st, f in zip(prompts, states, fresh or [None] * len(prompts)):
-        toks.append(f if p is None else int(model.prefill(torch.tensor([p]), st).argmax(-1)))
+        toks.append(f if p is None else
+                    int(model.prefill(torch.tensor([p], device=model.device), st).argmax(-1)))
     out, ids = [], [[] for _ in prompts]
     for _ in range(steps):
         for b, t in enumerate(toks):
             ids[b].append(t)
-        logits = model.decode_many(torch.tensor(toks), states)
+        logits = model.decode_many(torch.tensor(toks, device=model.device), states)
         out.append(logits)
         toks = logits.argmax(-1).tolist()
-    return torch.stack(out, 1), ids, states                     # [B, steps, V]
+    return torch.stack(out, 1).cpu(), ids, states               # [B, steps, V]
 
 
 @pytest.mark.parametrize("kernels", ["native", "reference"])
@@ -86,3 +87,15 @@ def test_decode_many_checks_its_arguments(model):
     model.prefill(torch.tensor([[1, 2, 3, 4]]), st)
     with pytest.raises(OffloadError, match="do not fit the context"):
         model.decode_many(torch.tensor([1]), [st])
+
+
+@pytest.mark.gpu
+def test_decode_many_on_cuda_equals_each_alone(tiny_model):
+    """The plain model on a GPU (step kernels, decode matvecs over B rows): greedy ids equal,
+    logits within the kernels' float noise."""
+    cuda = build_model(open_model(tiny_model), "cuda")
+    together, ids, _ = _greedy_together(cuda, PROMPTS, 6)
+    for b, p in enumerate(PROMPTS):
+        ref, ref_ids = _greedy_alone(cuda, p, 6)
+        assert ids[b] == ref_ids
+        torch.testing.assert_close(together[b], ref, rtol=1e-3, atol=1e-3)
