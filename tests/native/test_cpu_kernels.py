@@ -138,6 +138,28 @@ def test_matmul_matches_float64(cpu_isa, name, blocks):
                      f"{name} matmul ({kind}) T={n_tok} H={n_in} on {cpu_isa}")
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_a_tokens_result_does_not_depend_on_the_batch(cpu_isa, name):
+    """Every token of a call gets the bits it would get alone (decode_many batches sequences;
+    decode-sized calls stream rows, larger ones decode each row once: same arithmetic order)."""
+    q = QUANT_TYPES[name]
+    rng = rng_for("batch", cpu_isa, name)
+    n_out, n_in = 21, kernel_cols(q, 3)
+    raw, _ = random_weight(q, (n_out, n_in), rng)
+    x = rng.standard_normal((9, n_in), dtype=np.float32)
+    alone = np.stack([_matmul(q, raw, x[t:t + 1])[0] for t in range(9)])
+    for n_tok in (2, 4, 5, 9):
+        assert np.array_equal(_matmul(q, raw, x[:n_tok]), alone[:n_tok]), \
+            f"{name} T={n_tok} on {cpu_isa} (seed {SEED})"
+
+
+def _matmul(q, raw, x):
+    y = poisoned((x.shape[0], raw.shape[0]))
+    cpu.matmul(q.type_id, raw.ctypes.data, raw.shape[0], x.shape[1], raw.shape[1], x.ctypes.data,
+               x.shape[0], y.ctypes.data, 0)
+    return y
+
+
 # ---- moe_ffn ---------------------------------------------------------------------------------------
 
 def _moe_case(rng, gate_t, up_t, down_t, n_tok, n_exp=6, k=3, fused=False):

@@ -73,7 +73,7 @@ template <> struct FloatDec<QType::BF16> {
 template <QType T, int NT>
 void dot_float_n(const uint8_t* row, int64_t nkb, const Act& a, float* out, int64_t ldo, const Grids& g) {
     using Tr = Traits<T>;
-    constexpr int A = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // independent accumulators per token
+    constexpr int A = 4;  // accumulators per token, whatever NT: a token's sums never depend on the batch
     __m256 acc[NT][A];
     for (int t = 0; t < NT; ++t)
         for (int i = 0; i < A; ++i) acc[t][i] = _mm256_setzero_ps();
@@ -104,18 +104,13 @@ void decode_float(const uint8_t* row, int64_t nkb, float* out, const Grids& g) {
         }
 }
 
-// Any nt: groups of up to 4 tokens share each decoded group of 32 weights.
+// Any nt: pairs of tokens share each decoded group of 32 weights (4 accumulators each).
 template <QType T, template <QType, int> class K>
 void dot_rows(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* out, int64_t ldo,
               const Grids& g) {
     int t = 0;
-    for (; t + 4 <= nt; t += 4) K<T, 4>::run(row, nkb, a.at(t), out + t * ldo, ldo, g);
-    switch (nt - t) {
-        case 1: return K<T, 1>::run(row, nkb, a.at(t), out + t * ldo, ldo, g);
-        case 2: return K<T, 2>::run(row, nkb, a.at(t), out + t * ldo, ldo, g);
-        case 3: return K<T, 3>::run(row, nkb, a.at(t), out + t * ldo, ldo, g);
-        default: return;
-    }
+    for (; t + 2 <= nt; t += 2) K<T, 2>::run(row, nkb, a.at(t), out + t * ldo, ldo, g);
+    if (t < nt) K<T, 1>::run(row, nkb, a.at(t), out + t * ldo, ldo, g);
 }
 template <QType T, int NT> struct FloatK {
     static void run(const uint8_t* r, int64_t n, const Act& a, float* o, int64_t l, const Grids& g) {

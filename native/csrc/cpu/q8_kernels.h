@@ -17,6 +17,8 @@
 //     adjacent rows) sharing each activation load;
 //   * many tokens (prefill, grouped experts): RB rows are decoded once into int8 + scale buffers
 //     (L1-sized), then a register-blocked RB x 4-token micro-kernel runs over all the tokens.
+// Both do a token's arithmetic in the same order, so its result does not depend on the other
+// tokens of the call (decode_many's batch equals each sequence alone, bit for bit).
 #pragma once
 #include <algorithm>
 #include <vector>
@@ -191,17 +193,13 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
     }
     for (int r = 0; r < RB; ++r)
         for (int t = 0; t < NT; ++t) {
-            float v = hsum_ps(acc[r][t]);
+            float macc = 0.f;  // the mins in dot_stream's order: both paths give the same bits
             if constexpr (U::has_min) {
-                __m256 m = _mm256_setzero_ps();
                 const float* xm = a.m16 + t * ns;
-                int64_t j = 0;
-                for (; j + 8 <= ns; j += 8)
-                    m = _mm256_fmadd_ps(_mm256_loadu_ps(rb[r].m.data() + j), _mm256_loadu_ps(xm + j), m);
-                for (; j < ns; ++j) v += rb[r].m[j] * xm[j];
-                v += hsum_ps(m);
+                const float* wm = rb[r].m.data();
+                for (int64_t c = 0; c < nc; ++c) macc += wm[2 * c] * xm[2 * c] + wm[2 * c + 1] * xm[2 * c + 1];
             }
-            out[t * ldo + r] = v;
+            out[t * ldo + r] = hsum_ps(acc[r][t]) + macc;
         }
 }
 
