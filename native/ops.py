@@ -464,6 +464,45 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
         return out
 
 
+# ---- decode-step kernels of the CPU (csrc/cpu/step.cpp) ----------------------------------------------
+# The delta-net's conv token and recurrence (a decode token, or a prompt's tokens in order), with
+# the arguments and results of the CUDA step kernels below; host tensors.
+
+def cpu_step_kernels_available(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "delta_rule_seq")
+
+
+def cpu_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One token: x [B, C] -> silu(causal conv) [B, C]; conv_state [B, C, Kc-1] shifts in place."""
+    bsz, ch = x.shape
+    if not conv_state.is_contiguous() or not w.is_contiguous():
+        raise NativeError("conv_silu_step: conv_state and w must be contiguous")
+    y = torch.empty(bsz, ch, dtype=torch.float32)
+    _cpu.conv_silu_step(x.data_ptr(), _ld(x, "conv_silu_step x"), conv_state.data_ptr(),
+                        w.data_ptr(), bsz, ch, w.shape[1], y.data_ptr(), 0)
+    return y
+
+
+def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
+                   alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+                   S: torch.Tensor, norm_w: torch.Tensor, n_k_heads: int,
+                   eps: float) -> torch.Tensor:
+    """cuda_delta_rule_step on host tensors for T tokens of each of B sequences: y [B*T, q|k|v]
+    after the conv, z [B*T, Hv*dv], beta_raw / alpha_raw [B*T, Hv] (rows b*T + t), S [B, Hv, dk,
+    dv] contiguous, updated in place -> [B*T, Hv*dv]."""
+    bsz, hv, dk, dv = S.shape
+    n_tok = y.shape[0] // bsz
+    ldg = _ld(beta_raw, "delta_rule beta")
+    if _ld(alpha_raw, "delta_rule alpha") != ldg or not S.is_contiguous():
+        raise NativeError("delta_rule: beta and alpha need the same row stride, S contiguous")
+    out = torch.empty(bsz * n_tok, hv * dv, dtype=torch.float32)
+    _cpu.delta_rule_seq(y.data_ptr(), _ld(y, "delta_rule y"), z.data_ptr(), _ld(z, "delta_rule z"),
+                        beta_raw.data_ptr(), alpha_raw.data_ptr(), ldg, ssm_a.data_ptr(),
+                        dt_bias.data_ptr(), S.data_ptr(), norm_w.data_ptr(), bsz, n_tok, n_k_heads,
+                        hv, dk, dv, eps, out.data_ptr(), 0)
+    return out
+
+
 # ---- decode-step kernels (CUDA only; csrc/cuda/step.cu) --------------------------------------------
 # One launch each for a step's small operations; moe_offload.models.layers dispatches to them and
 # holds their torch references. Inputs are float32 CUDA tensors; 2-D arguments may be row-strided

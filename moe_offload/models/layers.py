@@ -8,8 +8,11 @@ d head dim, C conv channels, Kc conv kernel.
 A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for one token,
 `route_topk`, `swiglu`)
 run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
-each, and launches, not bytes, bound a decode step. The torch code here is their reference;
-`STEP_KERNELS = False` forces it everywhere (the GPU tests compare the two).
+each, and launches, not bytes, bound a decode step. On CPU tensors the delta-net's recurrence
+runs in native._cpu (native.ops.cpu_*), a token or a whole prompt a call: torch's ~40 passes over
+the state a token (or its chunked form's small matmuls) cost more than the layer's weights. The
+torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU tests
+compare the two, tests/native/test_cpu_step.py the CPU ones).
 """
 from __future__ import annotations
 
@@ -185,6 +188,15 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
         o = ops.cuda_delta_rule_step(y, z[:, 0], beta_raw[:, 0], alpha_raw[:, 0], ssm_a, dt_bias,
                                      ssm_state, norm_w, hk, eps)
         return o.view(B, 1, hv * dv)
+    if STEP_KERNELS and ops.cpu_step_kernels_available(mix) and ssm_state.is_contiguous():
+        # on the CPU (csrc/cpu/step.cpp): the recurrence token by token, each head's state in cache
+        if T == 1:
+            y = ops.cpu_conv_silu_step(mix[:, 0], conv_state, conv_w)
+        else:
+            y = F.silu(causal_conv(mix, conv_state, conv_w)).contiguous().view(B * T, -1)
+        o = ops.cpu_delta_rule(y, z.reshape(B * T, -1), beta_raw.reshape(B * T, -1),
+                               alpha_raw.reshape(B * T, -1), ssm_a, dt_bias, ssm_state, norm_w, hk, eps)
+        return o.view(B, T, hv * dv)
     beta = torch.sigmoid(beta_raw)
     g = ssm_a * F.softplus(alpha_raw + dt_bias)
     y = F.silu(causal_conv(mix, conv_state, conv_w))

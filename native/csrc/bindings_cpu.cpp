@@ -30,6 +30,14 @@
 //       (gate = base, up = base + F*row_bytes, both with stride 2F*row_bytes).
 //       y[t] = sum_k weights[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k];
 //       ids[t,k] < 0 skips the slot (e.g. experts computed elsewhere); ids >= E raise.
+//   conv_silu_step(x, ldx, conv_state, w, batch, channels, kc, y, stream)
+//   delta_rule_step(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch,
+//                   hk, hv, dk, dv, eps, out, stream)
+//       the delta-net token of a decode step (csrc/cpu/step.cpp): the same arguments and results
+//       as native._cuda's (csrc/cuda/api.h), on host memory; denormals flushed.
+//   delta_rule_seq(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch,
+//                  n_tok, hk, hv, dk, dv, eps, out, stream)
+//       delta_rule_step over n_tok tokens of each sequence (rows b*n_tok + t), in order: a prompt.
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
@@ -120,6 +128,46 @@ PYBIND11_MODULE(_cpu, m) {
           py::arg("gate"), py::arg("gate_expert_stride"), py::arg("up_type"), py::arg("up"),
           py::arg("up_expert_stride"), py::arg("down_type"), py::arg("down"),
           py::arg("down_expert_stride"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("conv_silu_step",
+          [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch,
+             int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {
+              no_stream(stream);
+              cpu::conv_silu_step(ptr<const float>(x), ldx, ptr<float>(state), ptr<const float>(w),
+                                  batch, channels, kc, ptr<float>(y));
+          },
+          py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
+          py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("delta_rule_step",
+          [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
+             uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias, uintptr_t S,
+             uintptr_t norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+             float eps, uintptr_t out, uintptr_t stream) {
+              no_stream(stream);
+              cpu::delta_rule_step(ptr<const float>(y), ldy, ptr<const float>(z), ldz,
+                                   ptr<const float>(beta_raw), ptr<const float>(alpha_raw), ldg,
+                                   ptr<const float>(ssm_a), ptr<const float>(dt_bias), ptr<float>(S),
+                                   ptr<const float>(norm_w), batch, hk, hv, dk, dv, eps, ptr<float>(out));
+          },
+          py::arg("y"), py::arg("ldy"), py::arg("z"), py::arg("ldz"), py::arg("beta_raw"),
+          py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"), py::arg("S"),
+          py::arg("norm_w"), py::arg("batch"), py::arg("hk"), py::arg("hv"), py::arg("dk"),
+          py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("delta_rule_seq",
+          [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
+             uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias, uintptr_t S,
+             uintptr_t norm_w, int64_t batch, int64_t n_tok, int64_t hk, int64_t hv, int64_t dk,
+             int64_t dv, float eps, uintptr_t out, uintptr_t stream) {
+              no_stream(stream);
+              cpu::delta_rule_seq(ptr<const float>(y), ldy, ptr<const float>(z), ldz,
+                                  ptr<const float>(beta_raw), ptr<const float>(alpha_raw), ldg,
+                                  ptr<const float>(ssm_a), ptr<const float>(dt_bias), ptr<float>(S),
+                                  ptr<const float>(norm_w), batch, n_tok, hk, hv, dk, dv, eps,
+                                  ptr<float>(out));
+          },
+          py::arg("y"), py::arg("ldy"), py::arg("z"), py::arg("ldz"), py::arg("beta_raw"),
+          py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"), py::arg("S"),
+          py::arg("norm_w"), py::arg("batch"), py::arg("n_tok"), py::arg("hk"), py::arg("hv"),
+          py::arg("dk"), py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("stream") = 0, release);
 
     m.def("set_tables", [](const py::dict& tables) {
         for (auto item : tables) {

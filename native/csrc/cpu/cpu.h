@@ -144,6 +144,20 @@ void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t 
              const int32_t* ids, const float* weights, int64_t top_k, const Bank& gate,
              const Bank& up, const Bank& down, float* y);
 
+// The delta-net token of a decode step (step.cpp; contracts: csrc/cuda/api.h, same names).
+void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                    int64_t channels, int64_t kc, float* y);
+void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                     float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk,
+                     int64_t dv, float eps, float* out);
+// delta_rule_step for n_tok tokens of each sequence in order: rows b*n_tok + t of y, z, beta_raw,
+// alpha_raw and out.
+void delta_rule_seq(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                    const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                    float* S, const float* norm_w, int64_t batch, int64_t n_tok, int64_t hk, int64_t hv,
+                    int64_t dk, int64_t dv, float eps, float* out);
+
 // Row geometry check shared by the ops: n_cols weights of `k` per row.
 int64_t row_kblocks(const TypeKernels& k, int64_t n_cols, const char* what);
 

@@ -1,0 +1,150 @@
+// The delta-net of the CPU path: a decode step's token in two calls (the same contract as
+// csrc/cuda/api.h's conv_silu_step and delta_rule_step) and a prompt's tokens in one
+// (delta_rule_seq: the recurrence token by token, each value head's 64 KiB state kept in one
+// core's cache throughout -- on a CPU that beats the chunked form's many small batched matmuls).
+// torch needs ~40 operations for a token, each a pass over the 2 MiB state of a layer; here each
+// value head reads and writes its state once per token, heads split over the pool.
+//
+// Denormals are flushed (FTZ/DAZ for the duration of a call, per thread): a decaying state drifts
+// into the denormal range, where x86 arithmetic is tens of times slower; values that small
+// (< 1.2e-38) change no output.
+#include <cmath>
+
+#include "cpu.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace ft::cpu {
+namespace {
+
+class FlushDenormals {  // FTZ + DAZ on this thread while in scope
+  public:
+#if defined(__x86_64__) || defined(__i386__)
+    FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+    ~FlushDenormals() { _mm_setcsr(saved_); }
+
+  private:
+    unsigned saved_;
+#endif
+};
+
+inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // torch's threshold
+inline float silu(float x) { return x * sigmoid(x); }
+
+}  // namespace
+
+void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                    int64_t channels, int64_t kc, float* y) {
+    if (kc < 1 || channels <= 0 || batch <= 0) return;
+    const int64_t grain = std::max<int64_t>(256, channels / (4 * num_threads()));
+    for (int64_t b = 0; b < batch; ++b) {
+        const float* xb = x + b * ldx;
+        float* sb = conv_state + b * channels * (kc - 1);
+        float* yb = y + b * channels;
+        parallel_for(channels, grain, [&](int64_t c0, int64_t c1) {
+            FlushDenormals ftz;
+            for (int64_t c = c0; c < c1; ++c) {
+                float* s = sb + c * (kc - 1);
+                const float* wc = w + c * kc;
+                float acc = 0.f;
+                for (int64_t j = 0; j < kc - 1; ++j) acc += s[j] * wc[j];
+                acc += xb[c] * wc[kc - 1];
+                for (int64_t j = 0; j + 1 < kc - 1; ++j) s[j] = s[j + 1];
+                if (kc > 1) s[kc - 2] = xb[c];
+                yb[c] = silu(acc);
+            }
+        });
+    }
+}
+
+namespace {
+
+// n_tok tokens of one (sequence, value head): the recurrence with its state s [dk, dv] kept in
+// cache. Built for three x86-64 levels and chosen at load time (target_clones): this file has no
+// ISA flags of its own, and the two passes over the state are most of a CPU prompt's delta-net.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void head_tokens(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                 const float* alpha_raw, int64_t ldg, float ssm_a, float dt_bias, float* __restrict s,
+                 const float* norm_w, int64_t row0, int64_t n_tok, int64_t hk, int64_t h,
+                 int64_t hv, int64_t dk, int64_t dv, float eps, float* out, float* __restrict q,
+                 float* __restrict k, float* __restrict kv, float* __restrict o) {
+    const int64_t kh = h % hk;
+    const float qscale = 1.f / std::sqrt(float(dk));
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const int64_t row = row0 + t;
+        const float* yb = y + row * ldy;
+        const float* qs = yb + kh * dk;
+        const float* ks = yb + hk * dk + kh * dk;
+        const float* v = yb + 2 * hk * dk + h * dv;
+        float sq = 0.f, sk = 0.f;  // L2 norms of q and k
+        for (int64_t i = 0; i < dk; ++i) sq += qs[i] * qs[i], sk += ks[i] * ks[i];
+        const float nq = qscale / std::sqrt(sq + eps), nk = 1.f / std::sqrt(sk + eps);
+        for (int64_t i = 0; i < dk; ++i) q[i] = qs[i] * nq, k[i] = ks[i] * nk;
+        const float beta = sigmoid(beta_raw[row * ldg + h]);
+        const float decay = std::exp(ssm_a * softplus(alpha_raw[row * ldg + h] + dt_bias));
+        // pass 1: S *= decay, kv = S^T k
+        for (int64_t c = 0; c < dv; ++c) kv[c] = 0.f;
+        for (int64_t i = 0; i < dk; ++i) {
+            float* __restrict si = s + i * dv;
+            const float ki = k[i];
+            for (int64_t c = 0; c < dv; ++c) {
+                si[c] *= decay;
+                kv[c] += ki * si[c];
+            }
+        }
+        for (int64_t c = 0; c < dv; ++c) kv[c] = beta * (v[c] - kv[c]);  // u
+        // pass 2 (the state is in cache now): S += k u^T, o = S^T q
+        for (int64_t c = 0; c < dv; ++c) o[c] = 0.f;
+        for (int64_t i = 0; i < dk; ++i) {
+            float* __restrict si = s + i * dv;
+            const float ki = k[i], qi = q[i];
+            for (int64_t c = 0; c < dv; ++c) {
+                si[c] += ki * kv[c];
+                o[c] += qi * si[c];
+            }
+        }
+        // gated RMS norm over the head: rms_norm(o) * norm_w * silu(z)
+        float ss = 0.f;
+        for (int64_t c = 0; c < dv; ++c) ss += o[c] * o[c];
+        const float r = 1.f / std::sqrt(ss / float(dv) + eps);
+        const float* zh = z + row * ldz + h * dv;
+        float* oh = out + row * hv * dv + h * dv;
+        for (int64_t c = 0; c < dv; ++c) oh[c] = o[c] * r * norm_w[c] * silu(zh[c]);
+    }
+}
+
+}  // namespace
+
+void delta_rule_seq(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                    const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                    float* S, const float* norm_w, int64_t batch, int64_t n_tok, int64_t hk, int64_t hv,
+                    int64_t dk, int64_t dv, float eps, float* out) {
+    if (hk <= 0 || hv % hk || dk <= 0 || dv <= 0 || n_tok < 0)
+        throw std::invalid_argument("delta_rule_step: needs hk > 0 dividing hv, dk > 0, dv > 0");
+    // one task per (sequence, value head): its state stays in this core's cache for all tokens
+    parallel_for(batch * hv, 1, [&](int64_t h0, int64_t h1) {
+        FlushDenormals ftz;
+        std::vector<float> buf(2 * dk + 2 * dv);
+        for (int64_t bh = h0; bh < h1; ++bh) {
+            const int64_t b = bh / hv, h = bh % hv;
+            head_tokens(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a[h], dt_bias[h], S + bh * dk * dv,
+                        norm_w, b * n_tok, n_tok, hk, h, hv, dk, dv, eps, out, buf.data(),
+                        buf.data() + dk, buf.data() + 2 * dk, buf.data() + 2 * dk + dv);
+        }
+    });
+}
+
+void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                     float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk,
+                     int64_t dv, float eps, float* out) {
+    delta_rule_seq(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch, 1, hk,
+                   hv, dk, dv, eps, out);
+}
+
+}  // namespace ft::cpu
