@@ -174,8 +174,10 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
     using U = Unit<T>;
     const int64_t nc = a.n / 32, ns = a.n / 16;
     __m256 acc[RB][NT];
+    float macc[RB][NT];  // the mins in dot_stream's order (both paths give the same bits), RB*NT
+                         // independent chains hidden under the vector work
     for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.f;
     for (int64_t c = 0; c < nc; ++c) {
         __m256i x[NT];
         __m256 dx[NT];
@@ -189,17 +191,16 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
             for (int t = 0; t < NT; ++t)
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<Dot, U::has_min>(w, x[t])),
                                             _mm256_mul_ps(sw, dx[t]), acc[r][t]);
+            if constexpr (U::has_min) {
+                const float* wm = rb[r].m.data() + 2 * c;
+                for (int t = 0; t < NT; ++t)
+                    macc[r][t] += wm[0] * a.m16[t * ns + 2 * c] + wm[1] * a.m16[t * ns + 2 * c + 1];
+            }
         }
     }
     for (int r = 0; r < RB; ++r)
         for (int t = 0; t < NT; ++t) {
-            float macc = 0.f;  // the mins in dot_stream's order: both paths give the same bits
-            if constexpr (U::has_min) {
-                const float* xm = a.m16 + t * ns;
-                const float* wm = rb[r].m.data();
-                for (int64_t c = 0; c < nc; ++c) macc += wm[2 * c] * xm[2 * c] + wm[2 * c + 1] * xm[2 * c + 1];
-            }
-            out[t * ldo + r] = hsum_ps(acc[r][t]) + macc;
+            out[t * ldo + r] = hsum_ps(acc[r][t]) + macc[r][t];
         }
 }
 
