@@ -36,6 +36,7 @@ examples:
   ftpatch bench 35b.gguf --vram 4GiB,6GiB,8GiB --out caps.json   # several caps, one call
   ftpatch bench 35b.gguf --vram 4GiB,8GiB --compare-llama-bench ~/llama.cpp/build/bin/llama-bench
   ftpatch bench report caps.json -o report.html --png charts/   # charts of results (JSON)
+  ftpatch bench 35b.gguf --device cpu --threads 16 -p 512 # CPU only: pp512, tg128
   ftpatch bench kernels                                   # per-type kernel throughput (GB/s)
   ftpatch bench serve --concurrency 1,2,4                 # load a server: TTFT, tok/s (--help)
 
@@ -55,6 +56,9 @@ def add_parser(sub) -> None:
                                   "'serve' (load a server; its own flags: bench serve --help)")
     s.add_argument("--vram", default="8GiB", type=size_list_arg,
                    help="VRAM cap, or several separated by commas (default 8GiB)")
+    s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the CPU-only path (every weight in host RAM, --threads cores; no "
+                        "cap, no GPU needed); default cuda, under --vram")
     s.add_argument("--compare-llama-bench", metavar="BIN",
                    help="at each cap also run this llama-bench on the same file, with the "
                         "--n-cpu-moe that fits the cap, the same sizes and threads")
@@ -145,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
         sizes = []
     check("-p", repr(args.prompt_sizes), bool(sizes) and min(sizes) >= 1,
           "give sizes like 512,2048")
+    if args.device == "cpu":
+        from . import bench_cpu
+        if args.compare_llama_bench or len(args.vram) > 1:
+            raise CLIError("--device cpu measures one configuration: no --vram list or "
+                           "--compare-llama-bench (run llama-bench -ngl 0 beside it)")
+        return bench_compare.run_cli(args, sizes, console, bench_cpu.run_one)
     return bench_compare.run_cli(args, sizes, console, _run_one)
 
 

@@ -10,8 +10,11 @@ Method (printed by --help):
     copies larger than 3x the L2, so no call finds its weights in L2. Ceiling: a device-to-device
     copy of 1 GiB, (read + write bytes) / time, median of 5.
   * CPU: native.ops.matmul on CPU tensors (native._cpu, all cores unless --cpu-threads), wall time,
-    median of --cpu-iters calls, copies rotated past 3x 64 MiB of cache. Ceiling: a 1 GiB float32
-    torch.sum with all threads, read bytes / time.
+    median of --cpu-iters calls, copies rotated past 3x 64 MiB of cache, on each ISA of --cpu-isas
+    (default: the one chosen at load; quant types multiply int8 activations on avx2 / avx512).
+    Ceiling: a 1 GiB float32 torch.sum with all threads, read bytes / time. CPU prefill
+    (--cpu-prefill-tokens, default 64; 0 skips): the same call with that many tokens (each weight
+    row decoded once for all of them), weight GB/s and GFLOP/s.
   * Prefill (GPU, --prefill-tokens, default 512): native.ops.cuda_prefill_matmul = dequantize W to
     bf16 (native._cuda) + one cuBLAS GEMM, per shape, same timing; reported as time and weight GB/s
     next to the bf16 GEMM alone on an already dequantized W (the dequantize cost is the difference).
@@ -60,6 +63,9 @@ def add_arguments(parser) -> None:
     add("--warmup", type=int, default=3, help="untimed GPU calls first (default 3)")
     add("--cpu-iters", type=int, default=5, help="timed CPU calls per point (default 5)")
     add("--cpu-threads", type=int, default=0, help="CPU kernel threads (default: all cores)")
+    add("--cpu-isas", help="CPU ISAs to measure, comma-separated, or 'all' (default: the active one)")
+    add("--cpu-prefill-tokens", type=int, default=64,
+        help="tokens of the CPU prefill point (default 64; 0 skips)")
     add("--prefill-tokens", type=int, default=512, help="tokens of the prefill point (0 skips)")
     add("--moe-types", help=f"types for the MoE path (default {','.join(MOE_TYPES)}; 'none' skips)")
     add("--no-cpu", action="store_true", help="GPU only")
@@ -293,9 +299,19 @@ def run(args: argparse.Namespace, console) -> int:
         l2 = int(getattr(props, "L2_cache_size", 50 << 20))
         result["device"] = {"name": props.name, "sms": props.multi_processor_count, "l2_bytes": l2}
         result["bandwidth"]["device_copy_GBps"] = device_copy_gbps()
+    isas: list[str] = []
     if use_cpu:
-        result["host"] = {"cpu_threads": ops._cpu.threads(), "isa": ops._cpu.isa()}
+        want = getattr(args, "cpu_isas", None)
+        have = list(ops._cpu.available_isas())
+        isas = [ops._cpu.isa()] if not want else have if want.strip() == "all" else \
+            [i.strip() for i in want.split(",") if i.strip()]
+        bad = [i for i in isas if i not in have]
+        if bad:
+            from ..errors import CLIError
+            raise CLIError(f"--cpu-isas: {', '.join(bad)} not available here ({', '.join(have)})")
+        result["host"] = {"cpu_threads": ops._cpu.threads(), "isa": isas[0], "isas": isas}
         result["bandwidth"]["host_read_GBps"] = host_read_gbps()
+    cpu_pre = int(getattr(args, "cpu_prefill_tokens", 0) or 0)
     if not (use_gpu or use_cpu):
         console.print("[yellow]no native extension is available: nothing to measure[/]")
         return 1
@@ -324,9 +340,24 @@ def run(args: argparse.Namespace, console) -> int:
                 del ring
             if use_cpu:
                 ring = Ring(q, o, h, 3 * HOST_CACHE, "cpu", pool)
-                t = cpu_matmul(ring, n_tok, cpu_iters)
-                point.update(cpu_us=t * 1e6, cpu_GBps=ring.bytes / t / 1e9,
-                             cpu_pct=100 * ring.bytes / t / 1e9 / host_bw)
+                before = ops._cpu.isa()
+                try:
+                    for isa in isas:
+                        ops._cpu.set_isa(isa)
+                        t = cpu_matmul(ring, n_tok, cpu_iters)
+                        cell = {"us": t * 1e6, "GBps": ring.bytes / t / 1e9,
+                                "pct": 100 * ring.bytes / t / 1e9 / host_bw,
+                                "accum": ops._cpu.accumulation(q.name)}
+                        if cpu_pre > 0 and o * h <= (1 << 24):
+                            t = cpu_matmul(ring, cpu_pre, max(1, cpu_iters // 2))
+                            cell.update(prefill_tokens=cpu_pre, prefill_us=t * 1e6,
+                                        prefill_GBps=ring.bytes / t / 1e9,
+                                        prefill_GFLOPs=2 * cpu_pre * o * h / t / 1e9)
+                        point.setdefault("cpu", {})[isa] = cell
+                finally:
+                    ops._cpu.set_isa(before)
+                first = point["cpu"][isas[0]]
+                point.update(cpu_us=first["us"], cpu_GBps=first["GBps"], cpu_pct=first["pct"])
                 del ring
             result["matmul"].append(point)
     for q in moe_types:
@@ -366,6 +397,9 @@ def _print(result: dict, console, use_gpu: bool, use_cpu: bool) -> None:
     for side, on in (("gpu", use_gpu), ("cpu", use_cpu)):
         if not on:
             continue
+        if side == "cpu":
+            _print_cpu(result, console, shapes)
+            continue
         t = Table(title=f"{side.upper()} matmul: GB/s of weights (% of the {side} ceiling), H x O")
         t.add_column("type")
         for s in shapes:
@@ -403,6 +437,28 @@ def _print(result: dict, console, use_gpu: bool, use_cpu: bool) -> None:
             cells = [f"{p[s + '_us']:.1f} ({_num(p[s + '_GBps'])})" for s, on in
                      (("gpu", use_gpu), ("cpu", use_cpu)) if on]
             t.add_row(p["type"], *cells)
+        console.print(t)
+
+
+def _print_cpu(result: dict, console, shapes: list[str]) -> None:
+    """One table per CPU ISA: decode GB/s (% of the host's read bandwidth), and prefill."""
+    from rich.table import Table
+    for isa in result["host"]["isas"]:
+        pts = [p for p in result["matmul"] if isa in p.get("cpu", {})]
+        t = Table(title=f"CPU matmul on {isa}, T={result['tokens']}: GB/s of weights (% of the cpu "
+                        "ceiling), H x O; prefill: GB/s, GFLOP/s")
+        t.add_column("type")
+        for s in shapes:
+            t.add_column(s, justify="right")
+        rows: dict[str, dict] = {}
+        for p in pts:
+            rows.setdefault(p["type"], {})[p["shape"]] = p["cpu"][isa]
+        for name, cells in rows.items():
+            label = f"{name} ({cells[next(iter(cells))]['accum']})"
+            t.add_row(label, *[(f"{_num(c['GBps'])} ({c['pct']:.0f}%)" +
+                                (f"; {_num(c['prefill_GBps'])}, {c['prefill_GFLOPs']:.0f}"
+                                 if "prefill_GBps" in c else ""))
+                               if (c := cells.get(s)) else "-" for s in shapes])
         console.print(t)
 
 

@@ -1,0 +1,98 @@
+"""`ftpatch bench MODEL --device cpu`: prefill and decode throughput of the CPU-only path (every
+weight in host RAM, native._cpu kernels on --threads cores), measured and reported like the GPU
+bench (bench.py): warm-up, then the median of --reps repetitions with min and max, the same JSON
+keys (ppN, tgN, ttft_s, machine, model, method). Runs on a machine without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ..errors import CLIError
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "reps": len(xs),
+            "all": [round(x, 2) for x in xs]}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_one(args, sizes: list[int], console) -> dict:
+    """Prefill at each size and decode, on the CPU, as one JSON object (bench.py's shape)."""
+    from loaders import open_model
+    from moe_offload.models import build_model
+    from native import ops
+    if ops._cpu is None:
+        raise CLIError("bench --device cpu needs the CPU extension (native._cpu), which is not built")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise CLIError(f"--threads {threads}: give 1 or more threads")
+    if threads:
+        ops._cpu.set_threads(threads)
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    loaded = open_model(args.model)
+    c = loaded.config
+    if max(sizes + [16 + args.gen]) > args.ctx:
+        raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
+    with console.status("loading (weights stay memory-mapped in host RAM)..."):
+        model = build_model(loaded, "cpu")
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    result: dict = {
+        "machine": {"gpu": None, "device": "cpu", "cpu": _cpu_name(), "host": platform.node(),
+                    "cpu_threads": ops._cpu.threads(), "torch_threads": torch.get_num_threads(),
+                    "cores": os.cpu_count(), "isa": ops._cpu.isa()},
+        "model": {"path": args.model, "name": loaded.metadata.get("general.name"),
+                  "synthetic": "ftpatch.synth.preset" in loaded.metadata},
+        "device": "cpu", "vram_cap": None, "ctx": args.ctx, "load_s": round(load_s, 2),
+        "regime": "model routing (synthetic weights: near-uniform)"
+        if "ftpatch.synth.preset" in loaded.metadata else "model routing",
+    }
+    with torch.inference_mode():
+        for n in sizes:
+            times = []
+            for r in range(args.reps + 1):
+                st = model.new_state(1, args.ctx)
+                toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, n)))
+                t = time.perf_counter()
+                model.prefill(toks, st, chunk=args.chunk)
+                if r:  # the first run warms up (pages of the memory-mapped file, the pool)
+                    times.append(n / (time.perf_counter() - t))
+                del st
+            result[f"pp{n}"] = _spread(times)
+            console.print(f"pp{n}: {statistics.median(times):.1f} tok/s (min {min(times):.1f}, "
+                          f"max {max(times):.1f}, {args.reps} reps)")
+        tg, ttft = [], []
+        for r in range(args.reps + 1):
+            st = model.new_state(1, args.ctx)
+            toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, 16)))
+            t = time.perf_counter()
+            nxt = model.prefill(toks, st).argmax(-1)
+            ttft.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for _ in range(args.gen):
+                nxt = model.decode(nxt, st).argmax(-1)
+            if r:
+                tg.append(args.gen / (time.perf_counter() - t))
+    result[f"tg{args.gen}"] = _spread(tg)
+    result["ttft_s"] = _spread(ttft[1:])
+    console.print(f"tg{args.gen}: {statistics.median(tg):.2f} tok/s (min {min(tg):.2f}, max "
+                  f"{max(tg):.2f}, {args.reps} reps); TTFT {statistics.median(ttft[1:]) * 1e3:.0f} ms; "
+                  f"CPU {result['machine']['cpu_threads']} threads ({result['machine']['isa']})")
+    return result

@@ -1,0 +1,34 @@
+"""`ftpatch bench MODEL --device cpu`: the CPU-only path measured like the GPU bench, on a machine
+without CUDA (a tiny synthetic model)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freetoken_patch.cli import main
+from native import ops
+
+pytestmark = pytest.mark.skipif(ops._cpu is None, reason="native._cpu is not built")
+
+
+def test_bench_cpu_writes_the_gpu_bench_json_shape(tiny_model, tmp_path):
+    out = tmp_path / "cpu.json"
+    threads = ops._cpu.threads()
+    try:
+        assert main(["bench", str(tiny_model), "--device", "cpu", "--threads", "1", "-p", "8,12",
+                     "-n", "4", "--reps", "2", "--ctx", "64", "--out", str(out)]) == 0
+        assert ops._cpu.threads() == 1                        # --threads reached the kernels
+    finally:
+        ops._cpu.set_threads(threads)
+    r = json.loads(out.read_text())
+    for key in ("pp8", "pp12", "tg4"):
+        assert r[key]["reps"] == 2 and r[key]["min"] <= r[key]["median"] <= r[key]["max"], key
+        assert r[key]["median"] > 0, key
+    assert r["device"] == "cpu" and r["machine"]["cpu_threads"] == 1 and r["machine"]["isa"]
+    assert r["method"]["gen"] == 4 and r["method"]["prompt_sizes"] == [8, 12]
+    assert r["ttft_s"]["reps"] == 2 and "run" in r
+
+
+def test_bench_cpu_refuses_a_cap_list(tiny_model):
+    assert main(["bench", str(tiny_model), "--device", "cpu", "--vram", "4GiB,8GiB"]) == 1
