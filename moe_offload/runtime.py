@@ -177,6 +177,7 @@ class OffloadRuntime:
             0: State(c, 1, opts.n_ctx, dev, opts.kv_dtype, pol.graph_bucket,
                      kv_alloc=on.ElasticBuffer if elastic else None)}
         self._in_use: set[int] = set()
+        self._states[0].snapshots_on_host = True
 
         # 3. workspaces: prefill activations + attention for one chunk, graphs, staging
         plan.reserve("workspace", gpu_workspace_bytes(c, opts.n_ctx, pol),
@@ -305,6 +306,7 @@ class OffloadRuntime:
         self.vram.keep_free("another sequence", recurrent + kv + self.vram.decode_headroom)
         st = State(c, 1, opts.n_ctx, self.device, opts.kv_dtype, pol.graph_bucket,
                    kv_alloc=on.ElasticBuffer if first.elastic_kv else None)
+        st.snapshots_on_host = True
         self._states[len(self._states)] = st
         self.vram.cap_torch()
         return st

@@ -103,6 +103,7 @@ class State:
                     for i in c.recurrent_layers}
         self.n_past = 0
         self.pos = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.snapshots_on_host = False   # snapshot() into host RAM (set by the offload runtime)
         # speculative decoding (models/mtp.py, generate.SpeculativeDecoder): the MTP layer's KV,
         # its rows written, the trunk's hidden states [m, H] it has not yet seen (positions
         # mtp_past..n_past-1), and the delta-net state after each token of a verify step
@@ -225,10 +226,17 @@ class State:
         self.mtp_past, self.mtp_hidden, self.steps_taken = 0, None, 0
 
     def snapshot(self) -> Snapshot:
-        """A copy of the small recurrent part; with the KV rows below n_past it is the whole state."""
-        return Snapshot(self.n_past, {i: t.clone() for i, t in self.conv.items()},
-                        {i: t.clone() for i, t in self.ssm.items()}, self.mtp_past,
+        """A copy of the small recurrent part; with the KV rows below n_past it is the whole state.
+        With `snapshots_on_host` (the offload runtime's states) the copy lives in page-locked host
+        RAM: ~63 MB a snapshot on a 35B-A3B, which a VRAM cap has no room for."""
+        keep = self._host_copy if self.snapshots_on_host and self.device.type == "cuda" else torch.clone
+        return Snapshot(self.n_past, {i: keep(t) for i, t in self.conv.items()},
+                        {i: keep(t) for i, t in self.ssm.items()}, self.mtp_past,
                         None if self.mtp_hidden is None else self.mtp_hidden.clone())
+
+    @staticmethod
+    def _host_copy(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
     def restore(self, snap: Snapshot) -> None:
         """Rewind to a snapshot taken from this state (valid while its KV rows were not rewritten

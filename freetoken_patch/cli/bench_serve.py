@@ -77,8 +77,8 @@ def build_parser(prog: str = "ftpatch bench serve") -> argparse.ArgumentParser:
                    device_help="in-process server: cpu (default) or cuda / cuda:N")
     add_vram_arg(s)
     add_template_arg(s)
-    s.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="in-process server: requests generated at once (default 4)")
+    s.add_argument("--parallel", type=int, metavar="N",
+                   help="in-process server: requests generated at once (default 4; 1 under --vram)")
     s.add_argument("--no-batch", action="store_true",
                    help="in-process server: requests take turns, one decode step each, instead "
                         "of one step for all (to compare)")
@@ -154,6 +154,8 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
     for flag, v in (("--requests", args.requests), ("--max-tokens", args.max_tokens),
                     ("--prompt-tokens", args.prompt_tokens), ("--turns", args.turns)):
         check(flag, v, v >= 1, "give 1 or more")
+    if args.parallel is None:   # under --vram, several sequences share the cap: asked for, not default
+        args.parallel = 1 if args.vram is not None else 4
     check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
     check("--time-limit", args.time_limit, args.time_limit > 0, "give a number of seconds above 0")
     if args.url is not None:

@@ -22,9 +22,9 @@ One thread owns the model. Up to --parallel requests are active at once. On the 
 (the CPU, or a GPU holding the whole model) they are batched: each step advances every active
 request by one token together (a layer's experts read once for all of them), and a newcomer's
 prompt goes in by chunks of --prefill-chunk tokens between those steps, so a long prompt does
-not stall the others. Under --vram the offload runtime holds --parallel sequences (each takes
-its delta-net state, ~63 MB on a 35B-A3B, and its KV from the expert cache) and steps them
-together the same way: each layer's experts are fetched once for the batch. --no-batch makes
+not stall the others. Under --vram the runtime holds one sequence unless --parallel asks for
+more (up to 8; each takes its delta-net state, ~63 MB on a 35B-A3B, and its KV from the expert
+cache); they are stepped together the same way, each layer's experts fetched once for the batch. --no-batch makes
 the requests take turns instead, one request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
 the server answers 429 (529, overloaded, on /v1/messages). A follow-up whose prompt starts with
 a recent conversation prefills only the new tokens.
@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
-    s.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="requests generated at once (default 4), stepped together")
+    s.add_argument("--parallel", type=int, metavar="N",
+                   help="requests generated at once, stepped together (default 4; 1 under --vram, "
+                        "where each more takes its state and KV from the expert cache: up to 8)")
     s.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens a new request feeds between two decode steps of the "
                         "running ones (default 256; batched mode)")
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("ftpatch serve needs the server packages: pip install 'ftpatch[serve]'") \
             from None
     check("--port", args.port, 0 <= args.port <= 65535, "give a port from 0 to 65535")
+    if args.parallel is None:   # under --vram, several sequences share the cap: asked for, not default
+        args.parallel = 1 if args.vram is not None else 4
     check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
     check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
     check("--prefix-cache", args.prefix_cache, 0 <= args.prefix_cache <= 256, "give 0 to 256")

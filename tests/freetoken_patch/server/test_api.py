@@ -187,6 +187,54 @@ def test_one_state_runtime_runs_one_sequence_and_reuses_it(tiny_parts, kit):
     assert "ftpatch_expert_cache_bytes 1048576" in metrics
 
 
+class FewStates(OneState):
+    """The tiny model as an offload runtime opened for `n` sequences presents it: distinct States
+    up to n in use at once (new_state refuses more), release() hands one back, decode_many."""
+
+    def __init__(self, model, n):
+        self.model, self.device, self.max_sequences = model, model.device, n
+        self.free = [model.new_state(1, 256) for _ in range(n)]
+        self.in_use: list = []
+
+    def new_state(self, batch=1, n_ctx=None):
+        assert self.free, f"more than {self.max_sequences} states asked for"
+        st = self.free.pop()
+        self.in_use.append(st)
+        st.reset()
+        return st
+
+    def release(self, st):
+        self.in_use.remove(st)
+        self.free.append(st)
+
+    def decode_many(self, tokens, states):
+        return self.model.decode_many(tokens, states)
+
+
+def test_runtime_of_a_few_sequences_batches_within_them(tiny_parts, kit):
+    """--vram with --parallel 2: the engine asks the runtime for no more states than it holds
+    (the probe it uses to tell one from several goes back), batches them, and three clients at
+    once all finish with the text each would get alone."""
+    import concurrent.futures as cf
+    model, tok, tmpl = tiny_parts
+    rt = FewStates(model, 2)
+    served = kit.make_served((rt, tok, tmpl), parallel=4, prefix_cache=4)
+    eng = served.engine
+    assert (eng.mode, eng.parallel, eng.single_state) == ("batched", 2, False)
+    assert len(rt.in_use) == 1      # the engine's first state; the probe was released
+    asks = [[{"role": "user", "content": f"Count to {n}."}] for n in (3, 4, 5)]
+    with kit.live(served) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with cf.ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda m: c.chat.completions.create(
+                model="tiny", messages=m, max_tokens=4, temperature=0), asks))
+    for m, r in zip(asks, outs):
+        text, _ = _reference(tiny_parts, _chat_ids(tiny_parts, m),
+                             SamplingParams(temperature=0, max_tokens=4))
+        assert r.choices[0].message.content == text.strip()
+    assert len(rt.in_use) <= 2
+
+
 def test_shared_system_prompt_reused_across_conversations(client, server, tiny_parts):
     served, _ = server
     system = {"role": "system", "content": "You answer questions about geography, briefly."}

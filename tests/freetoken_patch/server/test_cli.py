@@ -30,6 +30,27 @@ def test_flags_are_checked(capsys):
     assert "--parallel 0: give 1 to 256" in capsys.readouterr().err
 
 
+def test_parallel_defaults_to_one_under_vram(monkeypatch, capsys):
+    """Several sequences under a cap are asked for (--parallel), not the default: --vram alone
+    resolves --parallel to 1 before anything loads (here the CPU-only machine stops it next)."""
+    pytest.importorskip("fastapi")
+    from freetoken_patch.cli import build_parser
+    from freetoken_patch.cli import serve
+    seen = {}
+
+    def load(args):
+        seen["parallel"] = args.parallel
+        raise SystemExit(3)
+    monkeypatch.setattr(serve, "load", load)
+    for argv, want in ((["serve", "--vram", "8GiB"], 1), (["serve"], 4),
+                       (["serve", "--vram", "8GiB", "--parallel", "3"], 3)):
+        seen.clear()
+        args = build_parser().parse_args(argv)
+        with pytest.raises(SystemExit):
+            serve.run(args)
+        assert seen["parallel"] == want, argv
+
+
 def test_load_builds_the_served_model(tiny_model):
     pytest.importorskip("fastapi")
     from freetoken_patch.cli import build_parser
