@@ -4,7 +4,9 @@ The offload runtime (a MoE model under a VRAM cap), the API the CLI, the server 
 FreeToken patch use:
   open_runtime(model, vram, policy=, ctx=, **options) -> OffloadRuntime
       .new_state(batch) / .prefill(tokens, state) / .decode(tokens, state) -> logits
-      .snapshot(state) / .restore(state, snap)      rewind points (prefix reuse)
+      .decode_many(tokens, states) -> logits   one token for each of several sequences, one step
+      .release(state)                               (max_sequences > 1) a state handed back
+      .snapshot(state) / .restore(state, snap)      rewind points (prefix reuse; host RAM)
       .stats() -> RuntimeStats, .reset_stats(), .vram_peaks(), .report (LoadReport)
       .attach_recorder(RoutingRecorder) / .replay(trace)   routing recorded, or replayed
       .routing_counts(), .close() (or `with open_runtime(...) as rt:`)

@@ -3,6 +3,8 @@
     rt = open_runtime("model.gguf", vram="8GiB", policy=OffloadPolicy(), ctx=4096)
     st = rt.new_state(1);  logits = rt.prefill(tokens, st);  logits = rt.decode(token, st)
     rt.stats() -> RuntimeStats;  rt.snapshot(st) / rt.restore(st, snap);  rt.close()
+    rt = open_runtime(..., max_sequences=4): up to 4 states, stepped together by
+    rt.decode_many(tokens [B], [st, ...]) (each layer's experts fetched once for the batch)
 
 It presents the model's interface (so generation and chat use it unchanged) and assembles:
 dense weights on the GPU (kept quantized), KV + delta-net state for the requested context (an
