@@ -104,6 +104,30 @@ def scripted(texts, reason="eog", delay=0.0, log=None):
     return gen
 
 
+class Script:
+    """What a scripted tool-template server replies next (`reply`) and the prompts it was shown."""
+
+    def __init__(self):
+        self.reply: list[str] = []
+        self.prompts: list[str] = []
+
+
+@contextlib.contextmanager
+def scripted_tool_server(parts):
+    """A live server on the tool-calling template whose model says script.reply -> (url, script)."""
+    from loaders.chat_template import ChatTemplate
+    tok, script = parts[1], Script()
+
+    def record(ids):
+        script.prompts.append(tok.decode(ids))
+        return script.reply
+
+    served = make_served(parts, n_ctx=1024, template=ChatTemplate(TOOL_TEMPLATE),
+                         generate_fn=scripted(record))
+    with live(served) as url:
+        yield url, script
+
+
 @pytest.fixture(scope="session")
 def kit():
     """The helpers above, for test modules (conftest is not importable under importlib mode)."""
@@ -113,4 +137,5 @@ def kit():
     k.make_served, k.live, k.scripted = staticmethod(make_served), staticmethod(live), \
         staticmethod(scripted)
     k.tool_template = TOOL_TEMPLATE
+    k.scripted_tool_server = staticmethod(scripted_tool_server)
     return k

@@ -111,31 +111,29 @@ def test_count_tokens(client, tiny_parts):
 
 # ---- a scripted model: tool use and thinking -----------------------------------------------------
 
-class Script:
-    reply: list[str] = []
-    prompts: list[str] = []
+@pytest.fixture(scope="module")
+def served_script(tiny_parts, kit):
+    """A live server on the tool template whose model says script.reply (conftest)."""
+    with kit.scripted_tool_server(tiny_parts) as (url, script):
+        yield url, script
 
 
 @pytest.fixture(scope="module")
-def scripted(tiny_parts, kit):
-    from loaders.chat_template import ChatTemplate
-    tok = tiny_parts[1]
-
-    def record(ids):
-        Script.prompts.append(tok.decode(ids))
-        return Script.reply
-
-    served = kit.make_served(tiny_parts, n_ctx=1024, template=ChatTemplate(kit.tool_template),
-                             generate_fn=kit.scripted(record))
-    with kit.live(served) as url:
-        yield anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+def scripted(served_script):
+    url, _ = served_script
+    yield anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
 
 
-def test_tool_use_round_trip(scripted):
-    Script.reply = XML_REPLY
+@pytest.fixture
+def script(served_script):
+    return served_script[1]
+
+
+def test_tool_use_round_trip(scripted, script):
+    script.reply = XML_REPLY
     r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS,
                                  messages=[{"role": "user", "content": "Weather in Paris?"}])
-    assert '"name": "get_weather"' in Script.prompts[-1]          # the template saw the tool
+    assert '"name": "get_weather"' in script.prompts[-1]          # the template saw the tool
     assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
     thinking, text, use = r.content
     assert thinking.thinking == "The user wants weather." and text.text == "Let me look."
@@ -148,7 +146,7 @@ def test_tool_use_round_trip(scripted):
     assert streamed.content[2].input == {"city": "Paris", "days": 3}
     assert streamed.stop_reason == "tool_use"
     # the result goes back: tool_use -> the assistant's call, tool_result -> a tool message
-    Script.reply = ["It is 22 C."]
+    script.reply = ["It is 22 C."]
     r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS, messages=[
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": [
@@ -160,7 +158,7 @@ def test_tool_use_round_trip(scripted):
             {"type": "tool_result", "tool_use_id": use.id,
              "content": [{"type": "text", "text": "22 C"}]},
             {"type": "text", "text": "And tomorrow?"}]}])
-    prompt = Script.prompts[-1]
+    prompt = script.prompts[-1]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<|im_start|>tool\n<tool_response>\n22 C\n</tool_response>" in prompt
     assert prompt.index("<tool_response>") < prompt.index("And tomorrow?")
@@ -168,13 +166,13 @@ def test_tool_use_round_trip(scripted):
     assert r.stop_reason == "end_turn"
 
 
-def test_thinking_switch_system_and_tool_choice_none(scripted):
-    Script.reply = ["Four."]
+def test_thinking_switch_system_and_tool_choice_none(scripted, script):
+    script.reply = ["Four."]
     r = scripted.messages.create(model="tiny", max_tokens=10, system="Be brief.",
                                  thinking={"type": "disabled"}, tools=TOOLS,
                                  tool_choice={"type": "none"},
                                  messages=[{"role": "user", "content": "2+2?"}])
-    prompt = Script.prompts[-1]
+    prompt = script.prompts[-1]
     assert prompt.endswith("<think>\n\n</think>\n\n") and "<tools>" not in prompt
     assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt
     assert r.content[0].text == "Four."
@@ -182,8 +180,8 @@ def test_thinking_switch_system_and_tool_choice_none(scripted):
                              system=[{"type": "text", "text": "Be kind."}],
                              thinking={"type": "enabled", "budget_tokens": 1024},
                              messages=[{"role": "user", "content": "2+2?"}])
-    assert not Script.prompts[-1].endswith("</think>\n\n")
-    assert "Be kind." in Script.prompts[-1]
+    assert not script.prompts[-1].endswith("</think>\n\n")
+    assert "Be kind." in script.prompts[-1]
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -20,34 +20,31 @@ XML_REPLY = ["<think>\nThe user wants", " weather.\n</think>\n\n", "<tool_", "ca
              "</parameter>\n</function>\n</tool_call>"]
 
 
-class Script:
-    """The reply the scripted model gives next, and the prompts it was shown."""
-    reply: list[str] = []
-    prompts: list[str] = []
+@pytest.fixture(scope="module")
+def served_script(tiny_parts, kit):
+    """A live server on the tool template whose model says script.reply (conftest)."""
+    with kit.scripted_tool_server(tiny_parts) as (url, script):
+        yield url, script
 
 
 @pytest.fixture(scope="module")
-def client(tiny_parts, kit):
-    from loaders.chat_template import ChatTemplate
-    tok = tiny_parts[1]
+def client(served_script):
+    url, _ = served_script
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
-    def record(ids):
-        Script.prompts.append(tok.decode(ids))
-        return Script.reply
 
-    served = kit.make_served(tiny_parts, n_ctx=1024, template=ChatTemplate(kit.tool_template),
-                             generate_fn=kit.scripted(record))
-    with kit.live(served) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+@pytest.fixture
+def script(served_script):
+    return served_script[1]
 
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-def test_tool_call_returned_whole(client):
-    Script.reply = XML_REPLY
+def test_tool_call_returned_whole(client, script):
+    script.reply = XML_REPLY
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
-    assert '"name": "get_weather"' in Script.prompts[-1]            # the template saw the tools
+    assert '"name": "get_weather"' in script.prompts[-1]            # the template saw the tools
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -58,8 +55,8 @@ def test_tool_call_returned_whole(client):
     assert choice.message.reasoning_content == "The user wants weather."
 
 
-def test_tool_call_streamed_as_deltas(client):
-    Script.reply = XML_REPLY
+def test_tool_call_streamed_as_deltas(client, script):
+    script.reply = XML_REPLY
     chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
                                                  stream=True))
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
@@ -72,40 +69,40 @@ def test_tool_call_streamed_as_deltas(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_json_style_call_and_tool_choice_none(client):
-    Script.reply = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n',
+def test_json_style_call_and_tool_choice_none(client, script):
+    script.reply = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n',
                     "</tool_call>"]
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
     r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
-    assert "<tools>" not in Script.prompts[-1]
-    assert r.choices[0].message.content == "".join(Script.reply)
+    assert "<tools>" not in script.prompts[-1]
+    assert r.choices[0].message.content == "".join(script.reply)
 
 
-def test_tool_result_round_trip(client):
-    Script.reply = ["It is ", "22 C in Paris."]
+def test_tool_result_round_trip(client, script):
+    script.reply = ["It is ", "22 C in Paris."]
     msgs = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{
             "id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "22 C"}]}]
     r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS)
-    prompt = Script.prompts[-1]
+    prompt = script.prompts[-1]
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
     assert "<tool_response>\n22 C\n</tool_response>" in prompt
     assert r.choices[0].message.content == "It is 22 C in Paris."
     assert r.choices[0].finish_reason == "stop"
 
 
-def test_reasoning_split_and_thinking_switch(client):
-    Script.reply = ["<think>", "\n2+2", " is 4\n</think>", "\n\nFour."]
+def test_reasoning_split_and_thinking_switch(client, script):
+    script.reply = ["<think>", "\n2+2", " is 4\n</think>", "\n\nFour."]
     r = client.chat.completions.create(model="tiny", messages=ASK)
     m = r.choices[0].message
     assert (m.reasoning_content, m.content) == ("2+2 is 4", "Four.")
-    Script.reply = ["Four."]
+    script.reply = ["Four."]
     no_think = {"chat_template_kwargs": {"enable_thinking": False}}
     r = client.chat.completions.create(model="tiny", messages=ASK, extra_body=no_think)
-    assert Script.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    assert script.prompts[-1].endswith("<think>\n\n</think>\n\n")
     assert r.choices[0].message.content == "Four."
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
