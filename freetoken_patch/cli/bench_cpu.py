@@ -44,7 +44,9 @@ def run_one(args, sizes: list[int], console) -> dict:
         raise CLIError(f"--threads {threads}: give 1 or more threads")
     if threads:
         ops._cpu.set_threads(threads)
-        torch.set_num_threads(threads)
+    # torch runs only the light parts (norms, attention, the conv); its own thread pool would
+    # fight the kernels' pool for the same cores (measured: slower decode and prefill with both)
+    torch.set_num_threads(1)
     t0 = time.perf_counter()
     loaded = open_model(args.model)
     c = loaded.config

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed")
     ap.add_argument("--prompt", type=int, default=64, help="prefill tokens timed")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--torch-threads", type=int, default=0, help="torch's own (default: --threads)")
     args = ap.parse_args()
 
     from loaders import open_model
@@ -40,6 +41,8 @@ def main() -> None:
     if args.threads:
         ops._cpu.set_threads(args.threads)
         torch.set_num_threads(args.threads)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     loaded = open_model(args.model)
     model = build_model(loaded, "cpu")
     spent: dict[str, float] = collections.defaultdict(float)
@@ -87,7 +90,8 @@ def main() -> None:
             n = steps or n_prompt
             spent["other"] = total - sum(spent.values())
             print(f"{label}: {n / total:.2f} tok/s ({total / n * 1e3:.1f} ms/token, threads "
-                  f"{ops._cpu.threads()}, isa {ops._cpu.isa()})")
+                  f"{ops._cpu.threads()}, torch threads {torch.get_num_threads()}, isa "
+                  f"{getattr(ops._cpu, 'isa', lambda: '?')()})")
             for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
                 print(f"  {k:20s} {v / n * 1e3:8.2f} ms/token  {v / total:6.1%}")
 
