@@ -19,6 +19,7 @@
 #include <vector>
 
 #define ft ft_avx512
+#define FT_IQ3S_GATHER
 #include "q8_kernels.h"
 
 namespace ft::cpu {

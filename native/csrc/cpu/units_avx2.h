@@ -422,8 +422,13 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
             _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
         _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));     // d * (1 + 2*sc)
     }
-    // the 8 unsigned grid entries of sub s (scalar loads: an AVX2 gather measured slower on Zen 3)
+    // the 8 unsigned grid entries of sub s (scalar loads: an AVX2 gather measured slower on Zen 3;
+    // FT_IQ3S_GATHER: a gather, for the files built for CPUs where it is faster)
     static __m256i grid(const State& st, int s, const Grids& g) {
+#ifdef FT_IQ3S_GATHER
+        const __m256i idx = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(st.idx + 8 * s)));
+        return _mm256_i32gather_epi32(reinterpret_cast<const int*>(g.iq3s), idx, 4);
+#endif
         const uint16_t* i = st.idx + 8 * s;
         const __m128i g0 = _mm_setr_epi32(int(g.iq3s[i[0]]), int(g.iq3s[i[1]]), int(g.iq3s[i[2]]), int(g.iq3s[i[3]]));
         const __m128i g1 = _mm_setr_epi32(int(g.iq3s[i[4]]), int(g.iq3s[i[5]]), int(g.iq3s[i[6]]), int(g.iq3s[i[7]]));
