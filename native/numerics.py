@@ -9,6 +9,9 @@
                             float32, native._cuda.matmul_accum), prefill GEMMs with 16-bit
                             operands as native.ops rounds them
 
+The CPU extension's int8 kernels (ISAs avx2 and avx512: native._cpu.accumulation(type) == "q8")
+compute the ggml-q8 scheme natively, with q8_round's rounding bit for bit (tests/native).
+
 Inside a context a model built on the CPU computes what the emulated path would, up to float32
 summation order: a model-level bar (ggml-q8) and a model-level prediction (cuda) CI can check
 without a GPU. Slow (float64, Python loops over experts): tiny models only.
