@@ -149,10 +149,11 @@ def test_stop_strings_and_limits_batched(tiny_parts):
 
 def test_mode_is_chosen_and_shown(tiny_parts, kit):
     import httpx
+    from freetoken_patch.cli.serve import describe
     eng = _engine(tiny_parts, batch=False)
-    assert eng.mode == "interleaved"
+    assert eng.mode == "interleaved" and describe(eng).startswith("interleaved")
     served = kit.make_served(tiny_parts)
-    assert served.engine.mode == "batched"
+    assert served.engine.mode == "batched" and describe(served.engine).startswith("batched")
     scripted = kit.make_served(tiny_parts, generate_fn=kit.scripted(["a"]))
     assert scripted.engine.mode == "interleaved"          # a stand-in stream cannot batch
     with kit.live(served) as url:
