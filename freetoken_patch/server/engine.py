@@ -35,6 +35,7 @@ import torch
 
 from moe_offload import DoneEvent, OffloadError, SamplingParams, TokenEvent, generate
 
+from .prefix_cache import Cached, PrefixCache
 from .sequence import TokenStream
 
 MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
@@ -86,13 +87,6 @@ class Job:
 
 
 @dataclass(eq=False)
-class _Cached:
-    state: object
-    tokens: list[int]
-    snaps: list = field(default_factory=list)
-
-
-@dataclass(eq=False)
 class _Seq:
     job: Job
     state: object
@@ -109,43 +103,6 @@ class _Seq:
     def cached_tokens(self) -> list[int]:
         """The ids the state holds now (the last sampled id is never fed)."""
         return (self.history + self.feed + self.sampled)[:self.state.n_past]
-
-
-class PrefixCache:
-    """Recent sequences' States by the tokens they hold, most recent last, at most `size`."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.entries: list[_Cached] = []
-
-    def take(self, prompt: list[int]) -> tuple[_Cached | None, int, object]:
-        """Remove and return the entry that covers the longest prefix of `prompt` (at least one
-        prompt token is left to feed), with that length and the snapshot to restore (None:
-        the entry's tokens are all a prefix)."""
-        best, best_n, best_snap = None, 0, None
-        limit = len(prompt) - 1
-        for e in self.entries:
-            n, m = 0, min(limit, len(e.tokens))
-            while n < m and e.tokens[n] == prompt[n]:
-                n += 1
-            if n == len(e.tokens):
-                use, snap = n, None
-            else:
-                snaps = [s for s in e.snaps if s.n_past <= n]
-                use, snap = (snaps[-1].n_past, snaps[-1]) if snaps else (0, None)
-            if use > best_n:
-                best, best_n, best_snap = e, use, snap
-        if best is not None:
-            self.entries.remove(best)
-        return best, best_n, best_snap
-
-    def put(self, entry: _Cached) -> _Cached | None:
-        """Add an entry; returns the one pushed out, if any."""
-        self.entries.append(entry)
-        return self.entries.pop(0) if len(self.entries) > self.size else None
-
-    def pop_oldest(self) -> _Cached | None:
-        return self.entries.pop(0) if self.entries else None
 
 
 class Engine:
@@ -408,7 +365,7 @@ class Engine:
         if seq.state is None:
             pass
         elif self.cache.size and seq.state.n_past:
-            out = self.cache.put(_Cached(seq.state, seq.cached_tokens(), seq.snaps))
+            out = self.cache.put(Cached(seq.state, seq.cached_tokens(), seq.snaps))
             if out is not None:
                 self._free.append(out.state)
         else:
