@@ -404,6 +404,7 @@ class OffloadRuntime:
         self.engine.arm(B)
         graph.replay()          # not waited for: the next step's launch queues behind it
         state.n_past += 1       # the captured step advanced the device position only
+        state.steps_taken = 0   # (host bookkeeping a replay does not run)
         self._observe()
         return logits.clone()
 
@@ -442,6 +443,7 @@ class OffloadRuntime:
         graph.replay()
         for st in states:
             st.n_past += 1
+            st.steps_taken = 0
         self._observe()
         return logits.clone()
 

@@ -218,6 +218,7 @@ class Qwen35Moe:
         h = residual_rms_norm(x, self.out_norm, eps, *moe_out)                  # [B, H]
         for st in states:
             st.advance(1)
+            st.steps_taken = 0   # no per-token states kept: nothing to rewind into
         return _mm(h, self.head)
 
     def _attention_in(self, L, a) -> list[torch.Tensor]:
