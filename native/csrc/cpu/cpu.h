@@ -28,7 +28,9 @@ struct Act {
     const float* d8 = nullptr;   // [nt, n / 32]
     const float* m16 = nullptr;  // [nt, n / 16]
     int64_t n = 0;
-    Act at(int64_t t) const {  // the activations from token t on
+    // the activations from token t on (always inlined: an out-of-line copy built in an ISA file
+    // could be the one the linker keeps for the generic files)
+    [[gnu::always_inline]] inline Act at(int64_t t) const {
         Act a = *this;
         a.x += t * ldx;
         if (q8) a.q8 += t * n, a.d8 += t * (n / 32), a.m16 += t * (n / 16);

@@ -21,7 +21,6 @@
 // tokens of the call (decode_many's batch equals each sequence alone, bit for bit).
 #pragma once
 #include <algorithm>
-#include <vector>
 
 #include "units_avx2.h"
 
@@ -142,13 +141,27 @@ void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64
 }
 
 // ---- many tokens: decode RB rows once, then an RB x NT register block over the tokens -----------------
-struct RowBuf {  // one decoded row
-    std::vector<int8_t> q;  // [n]
-    std::vector<float> s;   // [n/32][8]: the scale vector of each 32-weight group
-    std::vector<float> m;   // [n/16]: the additive min of each 16 (types with mins)
+// One decoded row. Plain arrays, no std::vector: a library template instantiated here would be
+// compiled with this file's ISA flags, and the linker may keep that copy for every file.
+struct RowBuf {
+    int8_t* q = nullptr;  // [n]
+    float* s = nullptr;   // [n/32][8]: the scale vector of each 32-weight group
+    float* m = nullptr;   // [n/16]: the additive min of each 16 (types with mins)
+    int64_t cap = 0;
     void size(int64_t n) {
-        if (int64_t(q.size()) < n) q.resize(n), s.resize(n / 4), m.resize(n / 16);
+        if (n <= cap) return;
+        release();
+        q = new int8_t[n], s = new float[n / 4], m = new float[n / 16];
+        cap = n;
     }
+    void release() {
+        delete[] q, delete[] s, delete[] m;
+        q = nullptr, s = nullptr, m = nullptr, cap = 0;
+    }
+    RowBuf() = default;
+    RowBuf(const RowBuf&) = delete;
+    RowBuf& operator=(const RowBuf&) = delete;
+    ~RowBuf() { release(); }
 };
 
 template <QType T>
@@ -162,8 +175,8 @@ void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) 
             const int64_t c = b * Tr::subs + s;
             Sub u;
             U::decode(row + b * Tr::kb_bytes, s, g, st, u);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.q.data() + 32 * c), u.q);
-            _mm256_storeu_ps(rb.s.data() + 8 * c, U::per16 ? scale_pair(u.s[0], u.s[1]) : _mm256_set1_ps(u.s[0]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.q + 32 * c), u.q);
+            _mm256_storeu_ps(rb.s + 8 * c, U::per16 ? scale_pair(u.s[0], u.s[1]) : _mm256_set1_ps(u.s[0]));
             if constexpr (U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
         }
     }
@@ -186,13 +199,13 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
             dx[t] = _mm256_broadcast_ss(a.d8 + t * nc + c);
         }
         for (int r = 0; r < RB; ++r) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb[r].q.data() + 32 * c));
-            const __m256 sw = _mm256_loadu_ps(rb[r].s.data() + 8 * c);
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb[r].q + 32 * c));
+            const __m256 sw = _mm256_loadu_ps(rb[r].s + 8 * c);
             for (int t = 0; t < NT; ++t)
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<Dot, U::has_min>(w, x[t])),
                                             _mm256_mul_ps(sw, dx[t]), acc[r][t]);
             if constexpr (U::has_min) {
-                const float* wm = rb[r].m.data() + 2 * c;
+                const float* wm = rb[r].m + 2 * c;
                 for (int t = 0; t < NT; ++t)
                     macc[r][t] += wm[0] * a.m16[t * ns + 2 * c] + wm[1] * a.m16[t * ns + 2 * c + 1];
             }
