@@ -228,7 +228,7 @@ def test_moe_ffn_skips_negative_ids_and_rejects_out_of_range():
 
 
 def test_long_prefill_crosses_token_tiles_and_chunks(cpu_isa):
-    """matmul tiles tokens by 64, moe_ffn chunks them by 256: both must stitch correctly, and a
+    """matmul tiles tokens by 64, moe_ffn chunks them by 512: both must stitch correctly, and a
     bad id in the last chunk must raise before anything is written."""
     rng = rng_for("prefill", cpu_isa)
     q = QUANT_TYPES["Q4_K"]
@@ -239,16 +239,16 @@ def test_long_prefill_crosses_token_tiles_and_chunks(cpu_isa):
     assert_close(y, *matmul_reference(cpu.accumulation("Q4_K"), w64, x.astype(np.float64)),
                  f"T=130 on {cpu_isa}")
 
-    types, x, gate, up, down, ids, weights = _moe_case(rng, "Q8_0", "Q8_0", "IQ4_NL", 300)
+    types, x, gate, up, down, ids, weights = _moe_case(rng, "Q8_0", "Q8_0", "IQ4_NL", 600)
     bad = ids.copy()
-    bad[-1, 0] = 6  # == E, in the second 256-token chunk
+    bad[-1, 0] = 6  # == E, in the second 512-token chunk
     y = poisoned(x.shape)
     banks = [v for qq, (r, _) in zip(types, (gate, up, down)) for v in (qq.type_id, r.ctypes.data, r.strides[0])]
     with pytest.raises(ValueError, match="out of range"):
-        cpu.moe_ffn(x.ctypes.data, 300, x.shape[1], gate[0].shape[1], 6, bad.ctypes.data,
+        cpu.moe_ffn(x.ctypes.data, 600, x.shape[1], gate[0].shape[1], 6, bad.ctypes.data,
                     weights.ctypes.data, 3, *banks, y.ctypes.data, 0)
     assert np.isnan(y).all()
     y = _run_moe(types, x, gate, up, down, ids, weights)
     y64, bound = moe_reference(x.astype(np.float64), gate[1], up[1], down[1], ids, weights,
                                [cpu.accumulation(t.name) for t in types])
-    assert_close(y, y64, bound, f"moe_ffn T=300 on {cpu_isa}")
+    assert_close(y, y64, bound, f"moe_ffn T=600 on {cpu_isa}")
