@@ -64,6 +64,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
+    from native import ops
+    if ops._cpu is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
+        ops._cpu.set_isa("generic")
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.types.split(","):
