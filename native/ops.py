@@ -465,11 +465,38 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 # ---- decode-step kernels of the CPU (csrc/cpu/step.cpp) ----------------------------------------------
-# The delta-net's conv token and recurrence (a decode token, or a prompt's tokens in order), with
-# the arguments and results of the CUDA step kernels below; host tensors.
+# The residual add + RMS norm, the router's top-k, and the delta-net's conv token and recurrence (a
+# decode token, or a prompt's tokens in order), with the arguments and results of the CUDA step
+# kernels below; host tensors.
 
 def cpu_step_kernels_available(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "delta_rule_seq")
+    return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "route_topk")
+
+
+def cpu_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Tensor | None = None,
+                          b: torch.Tensor | None = None, s: torch.Tensor | None = None) -> torch.Tensor:
+    """cuda_residual_rms_norm on host tensors: x [N, H] (contiguous) += a + sigmoid(s) * b in
+    place (b, s optional); -> rms_norm(x) * w."""
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        raise NativeError("residual_rms_norm: x must be contiguous float32")
+    n, h = x.shape
+    out = torch.empty_like(x)
+    pa, lda = (a.data_ptr(), _ld(a, "residual_rms_norm a")) if a is not None else (0, 0)
+    pb, ldb = (b.data_ptr(), _ld(b, "residual_rms_norm b")) if b is not None else (0, 0)
+    ps, lds = (s.data_ptr(), _ld(s, "residual_rms_norm s")) if s is not None else (0, 0)
+    _cpu.residual_rms_norm(x.data_ptr(), n, h, pa, lda, pb, ldb, ps, lds, w.data_ptr(), eps,
+                           out.data_ptr(), 0)
+    return out
+
+
+def cpu_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuda_route_topk on host tensors: logits [N, E] -> ids [N, k] int32, weights [N, k]."""
+    n, e = logits.shape
+    ids = torch.empty(n, k, dtype=torch.int32)
+    w = torch.empty(n, k, dtype=torch.float32)
+    _cpu.route_topk(logits.data_ptr(), n, _ld(logits, "route_topk"), e, k, floor, ids.data_ptr(),
+                    w.data_ptr(), 0)
+    return ids, w
 
 
 def cpu_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,11 @@ d head dim, C conv channels, Kc conv kernel.
 A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for one token,
 `route_topk`, `swiglu`)
 run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
-each, and launches, not bytes, bound a decode step. On CPU tensors the delta-net's recurrence
-runs in native._cpu (native.ops.cpu_*), a token or a whole prompt a call: torch's ~40 passes over
-the state a token (or its chunked form's small matmuls) cost more than the layer's weights. The
+each, and launches, not bytes, bound a decode step. On CPU tensors `residual_rms_norm`,
+`route_topk` and the delta-net's recurrence run in native._cpu (native.ops.cpu_*; the recurrence a
+token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
+small matmuls) cost more than the layer's weights, and its per-operation overhead more than a
+norm's arithmetic. The
 torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU tests
 compare the two, tests/native/test_cpu_step.py the CPU ones).
 """
@@ -27,6 +29,10 @@ STEP_KERNELS = True
 
 def _kernel_for(t: torch.Tensor) -> bool:
     return STEP_KERNELS and ops.step_kernels_available(t)
+
+
+def _cpu_kernel_for(t: torch.Tensor) -> bool:
+    return STEP_KERNELS and ops.cpu_step_kernels_available(t)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,6 +52,8 @@ def residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Ten
     x [N, H] contiguous; a, b [N, H]; s [N, 1]."""
     if _kernel_for(x):
         return ops.cuda_residual_rms_norm(x, w, eps, a, b, s)
+    if _cpu_kernel_for(x) and x.is_contiguous() and x.dim() == 2:
+        return ops.cpu_residual_rms_norm(x, w, eps, a, b, s)
     if a is not None:
         x += a if b is None else a + torch.sigmoid(s) * b
     return rms_norm(x, w, eps)
@@ -188,7 +196,7 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
         o = ops.cuda_delta_rule_step(y, z[:, 0], beta_raw[:, 0], alpha_raw[:, 0], ssm_a, dt_bias,
                                      ssm_state, norm_w, hk, eps)
         return o.view(B, 1, hv * dv)
-    if STEP_KERNELS and ops.cpu_step_kernels_available(mix) and ssm_state.is_contiguous():
+    if _cpu_kernel_for(mix) and ssm_state.is_contiguous():
         # on the CPU (csrc/cpu/step.cpp): the recurrence token by token, each head's state in cache
         if T == 1:
             y = ops.cpu_conv_silu_step(mix[:, 0], conv_state, conv_w)
@@ -282,6 +290,8 @@ def route_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     (ids int32 from the CUDA kernel, int64 from torch: consumers take either)."""
     if _kernel_for(logits) and logits.dtype == torch.float32:
         return ops.cuda_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
+    if _cpu_kernel_for(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+        return ops.cpu_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
     p = torch.softmax(logits.float(), dim=-1)
     w, ids = p.topk(k, dim=-1)
     return ids, w / w.sum(-1, keepdim=True).clamp(min=EXPERT_WEIGHT_FLOOR)

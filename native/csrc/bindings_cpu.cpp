@@ -30,6 +30,8 @@
 //       (gate = base, up = base + F*row_bytes, both with stride 2F*row_bytes).
 //       y[t] = sum_k weights[t,k] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,k];
 //       ids[t,k] < 0 skips the slot (e.g. experts computed elsewhere); ids >= E raise.
+//   residual_rms_norm(x, rows, n, a, lda, b, ldb, s, lds, w, eps, out, stream)
+//   route_topk(logits, rows, ld, n_experts, top_k, floor, ids, weights, stream)
 //   conv_silu_step(x, ldx, conv_state, w, batch, channels, kc, y, stream)
 //   delta_rule_step(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch,
 //                   hk, hv, dk, dv, eps, out, stream)
@@ -128,6 +130,25 @@ PYBIND11_MODULE(_cpu, m) {
           py::arg("gate"), py::arg("gate_expert_stride"), py::arg("up_type"), py::arg("up"),
           py::arg("up_expert_stride"), py::arg("down_type"), py::arg("down"),
           py::arg("down_expert_stride"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("residual_rms_norm",
+          [](uintptr_t x, int64_t rows, int64_t n, uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb,
+             uintptr_t s, int64_t lds, uintptr_t w, float eps, uintptr_t out, uintptr_t stream) {
+              no_stream(stream);
+              cpu::residual_rms_norm(ptr<float>(x), rows, n, ptr<const float>(a), lda, ptr<const float>(b),
+                                     ldb, ptr<const float>(s), lds, ptr<const float>(w), eps, ptr<float>(out));
+          },
+          py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("a"), py::arg("lda"), py::arg("b"),
+          py::arg("ldb"), py::arg("s"), py::arg("lds"), py::arg("w"), py::arg("eps"), py::arg("out"),
+          py::arg("stream") = 0, release);
+    m.def("route_topk",
+          [](uintptr_t logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k, float floor,
+             uintptr_t ids, uintptr_t weights, uintptr_t stream) {
+              no_stream(stream);
+              cpu::route_topk(ptr<const float>(logits), rows, ld, n_experts, top_k, floor,
+                              ptr<int32_t>(ids), ptr<float>(weights));
+          },
+          py::arg("logits"), py::arg("rows"), py::arg("ld"), py::arg("n_experts"), py::arg("top_k"),
+          py::arg("floor"), py::arg("ids"), py::arg("weights"), py::arg("stream") = 0, release);
     m.def("conv_silu_step",
           [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch,
              int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {

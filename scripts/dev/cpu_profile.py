@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prefill tokens timed")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--torch-threads", type=int, default=0, help="torch's own (default: --threads)")
+    ap.add_argument("--torch-steps", action="store_true",
+                    help="norms, routing and the delta-net in torch (layers.STEP_KERNELS = False)")
     args = ap.parse_args()
 
     from loaders import open_model
@@ -45,6 +47,9 @@ def main() -> None:
         torch.set_num_threads(args.torch_threads)
     loaded = open_model(args.model)
     model = build_model(loaded, "cpu")
+    if args.torch_steps:
+        from moe_offload.models import layers
+        layers.STEP_KERNELS = False
     spent: dict[str, float] = collections.defaultdict(float)
     mm, moe = ops.matmul, ops.moe_ffn
 

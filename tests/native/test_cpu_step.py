@@ -60,3 +60,38 @@ def test_a_state_in_the_denormal_range_is_flushed_not_slow():
     got = layers.gated_delta_net(mix, z, beta, alpha, conv.clone(), S, conv_w, -torch.ones(hv),
                                  torch.zeros(hv), torch.ones(dv), hk, 1e-6)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("parts", ["none", "a", "a+b"])
+def test_residual_rms_norm_matches_the_torch_reference(rows, parts):
+    rng = rng_for("rms", rows, parts)
+    h = 512
+    x0, w = _t(rng, rows, h), 1 + _t(rng, h, scale=0.1)
+    a = _t(rng, rows, h) if parts != "none" else None
+    b, s = (_t(rng, rows, h), _t(rng, rows, 1)) if parts == "a+b" else (None, None)
+    outs = {}
+    for kernels in (True, False):
+        x = x0.clone()
+        layers.STEP_KERNELS = kernels
+        try:
+            outs[kernels] = (layers.residual_rms_norm(x, w, 1e-6, a, b, s), x)
+        finally:
+            layers.STEP_KERNELS = True
+    for got, want, what in zip(outs[True], outs[False], ("output", "residual")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{what} rows={rows} {parts}: {m} (seed {SEED})")
+
+
+@pytest.mark.parametrize("rows,e,k", [(1, 256, 8), (37, 16, 4)])
+def test_route_topk_matches_the_torch_reference(rows, e, k):
+    logits = _t(rng_for("topk", rows, e, k), rows, e, scale=3.0)
+    ids, w = layers.route_topk(logits, k)
+    assert ids.dtype == torch.int32 and w.shape == (rows, k)
+    layers.STEP_KERNELS = False
+    try:
+        ref_ids, ref_w = layers.route_topk(logits, k)
+    finally:
+        layers.STEP_KERNELS = True
+    assert torch.equal(ids.long(), ref_ids), f"seed {SEED}"
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{m} (seed {SEED})")

@@ -146,6 +146,11 @@ void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t 
              const int32_t* ids, const float* weights, int64_t top_k, const Bank& gate,
              const Bank& up, const Bank& down, float* y);
 
+// Small operations of a decode step (step.cpp; contracts: csrc/cuda/api.h, same names).
+void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_t lda, const float* b,
+                       int64_t ldb, const float* s, int64_t lds, const float* w, float eps, float* out);
+void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
+                float floor, int32_t* ids, float* weights);
 // The delta-net token of a decode step (step.cpp; contracts: csrc/cuda/api.h, same names).
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y);

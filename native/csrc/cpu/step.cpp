@@ -1,4 +1,6 @@
-// The delta-net of the CPU path: a decode step's token in two calls (the same contract as
+// The small operations of a CPU decode step next to the matmuls: the residual add + RMS norm and
+// the router's softmax + top-k (the contracts of csrc/cuda/api.h, same names; torch spends 5-10
+// operations and more time than the arithmetic on each), and the delta-net: a decode step's token in two calls (the same contract as
 // csrc/cuda/api.h's conv_silu_step and delta_rule_step) and a prompt's tokens in one
 // (delta_rule_seq: the recurrence token by token, each value head's 64 KiB state kept in one
 // core's cache throughout -- on a CPU that beats the chunked form's many small batched matmuls).
@@ -8,6 +10,7 @@
 // Denormals are flushed (FTZ/DAZ for the duration of a call, per thread): a decaying state drifts
 // into the denormal range, where x86 arithmetic is tens of times slower; values that small
 // (< 1.2e-38) change no output.
+#include <algorithm>
 #include <cmath>
 
 #include "cpu.h"
@@ -137,6 +140,58 @@ void delta_rule_seq(const float* y, int64_t ldy, const float* z, int64_t ldz, co
                         buf.data() + dk, buf.data() + 2 * dk, buf.data() + 2 * dk + dv);
         }
     });
+}
+
+void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_t lda, const float* b,
+                       int64_t ldb, const float* s, int64_t lds, const float* w, float eps, float* out) {
+    auto run = [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            float* xr = x + r * n;
+            if (a) {
+                const float* ar = a + r * lda;
+                if (b) {
+                    const float* br = b + r * ldb;
+                    const float g = sigmoid(s[r * lds]);
+                    for (int64_t j = 0; j < n; ++j) xr[j] += ar[j] + g * br[j];
+                } else {
+                    for (int64_t j = 0; j < n; ++j) xr[j] += ar[j];
+                }
+            }
+            float ss = 0.f;
+            for (int64_t j = 0; j < n; ++j) ss += xr[j] * xr[j];
+            const float k = 1.f / std::sqrt(ss / float(n) + eps);
+            float* o = out + r * n;
+            for (int64_t j = 0; j < n; ++j) o[j] = xr[j] * k * w[j];
+        }
+    };
+    if (rows * n < (1 << 16)) return run(0, rows);  // a decode token: cheaper than the pool
+    parallel_for(rows, std::max<int64_t>(1, 16384 / n), run);
+}
+
+void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
+                float floor, int32_t* ids, float* weights) {
+    if (top_k <= 0 || top_k > n_experts) throw std::invalid_argument("route_topk: need 0 < top_k <= n_experts");
+    std::vector<float> p(n_experts);
+    std::vector<int32_t> order(n_experts);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* l = logits + r * ld;
+        float mx = l[0];
+        for (int64_t e = 1; e < n_experts; ++e) mx = std::max(mx, l[e]);
+        float sum = 0.f;
+        for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(l[e] - mx));
+        for (int64_t e = 0; e < n_experts; ++e) p[e] /= sum, order[e] = int32_t(e);
+        // the k largest, descending; ties: lower id first
+        std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t i, int32_t j) {
+            return p[i] > p[j] || (p[i] == p[j] && i < j);
+        });
+        float ksum = 0.f;
+        for (int64_t k = 0; k < top_k; ++k) ksum += p[order[k]];
+        const float denom = std::max(ksum, floor);
+        for (int64_t k = 0; k < top_k; ++k) {
+            ids[r * top_k + k] = order[k];
+            weights[r * top_k + k] = p[order[k]] / denom;
+        }
+    }
 }
 
 void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
