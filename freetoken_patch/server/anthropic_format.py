@@ -167,9 +167,21 @@ def _assistant(content, where: str) -> dict:
     return msg
 
 
+def forced_tool(req: MessagesRequest) -> tuple[bool, str | None]:
+    """tool_choice any -> a tool call of the model's choosing; tool -> that tool (checked by
+    tools_for_template); auto / none -> nothing forced."""
+    choice = req.tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    if kind == "any":
+        return True, None
+    if kind == "tool":
+        return True, choice.get("name")
+    return False, None
+
+
 def tools_for_template(req: MessagesRequest) -> list[dict] | None:
     """The request's tools as function tools (None when there are none or tool_choice is
-    none). tool_choice any / tool are accepted but not enforced: the model chooses."""
+    none); `forced_tool` says whether the reply must call one."""
     choice = req.tool_choice or {"type": "auto"}
     kind = choice.get("type")
     if kind not in ("auto", "any", "tool", "none"):

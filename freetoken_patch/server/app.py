@@ -25,8 +25,8 @@ from . import anthropic_format as anthropic
 from .anthropic_format import CountTokensRequest, MessagesRequest
 from .engine import Engine, Failure, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
-from .openai_format import (ApiError, OutputParser, collect, error_body, new_id, now, sse,
-                            template_messages, tool_call_object)
+from .openai_format import (ApiError, OutputParser, collect, error_body, forced_call_prefix,
+                            new_id, now, sse, template_messages, tool_call_object)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
              *anthropic.ROUTES)
@@ -223,10 +223,12 @@ def create_app(served: Served) -> FastAPI:
             raise ApiError(400, "response_format other than text is not supported yet; leave it "
                                 "out", param="response_format", code="unsupported")
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        forced = _forced_tool(req.tool_choice, tools)
         use_tools = bool(tools) and req.tool_choice != "none"
-        text, ids = await run_in_threadpool(_render_chat, served, req, tools if use_tools else None)
+        text, ids, prefix = await run_in_threadpool(_render_chat, served, req,
+                                                    tools if use_tools else None, forced)
         job = _submit(served, ids, params)
-        parser = OutputParser(text, tools, parse_tools=use_tools)
+        parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
         rid = new_id("chatcmpl")
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -245,9 +247,9 @@ def create_app(served: Served) -> FastAPI:
     async def messages(req: MessagesRequest, request: Request):
         _check_model(served, req.model, anthropic=True)
         params = _anthropic_sampling(req)
-        text, ids, tools = await run_in_threadpool(_render_messages, served, req)
+        text, ids, tools, prefix = await run_in_threadpool(_render_messages, served, req)
         job = _submit(served, ids, params)
-        parser = OutputParser(text, tools, parse_tools=tools is not None)
+        parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
         mid = anthropic.new_message_id()
         if req.stream:
             return _stream(_message_events(served, job, parser, mid, req))
@@ -262,7 +264,7 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
         _check_model(served, req.model, anthropic=True)
-        _, ids, _ = await run_in_threadpool(_render_messages, served, req, False)
+        _, ids, _, _ = await run_in_threadpool(_render_messages, served, req, False)
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions")
@@ -404,8 +406,28 @@ def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingPara
         stop=tuple(s for s in stop if s))
 
 
-def _render_chat(served: Served, req: ChatRequest, tools: list | None) -> tuple[str, list[int]]:
-    """Render the conversation with the chat template and tokenize it (in a worker thread)."""
+def _forced_tool(choice, tools: list[dict]) -> tuple[bool, str | None]:
+    """tool_choice -> (whether the reply must be a tool call, the tool it must call or None)."""
+    if choice is None or choice in ("auto", "none"):
+        return False, None
+    names = {t.get("function", {}).get("name") for t in tools}
+    if choice == "required":
+        if not tools:
+            raise _bad("tool_choice", choice, "required needs tools; send some, or use auto")
+        return True, None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise _bad("tool_choice.function.name", name, "name one of the request's tools")
+        return True, name
+    raise _bad("tool_choice", choice, 'give "none", "auto", "required" or '
+                                      '{"type": "function", "function": {"name": ...}}')
+
+
+def _render_chat(served: Served, req: ChatRequest, tools: list | None,
+                 forced: tuple[bool, str | None] = (False, None)) -> tuple[str, list[int], str]:
+    """Render the conversation with the chat template and tokenize it (in a worker thread):
+    (prompt text, ids, the forced tool call's opening the prompt ends with, or "")."""
     if not req.messages:
         raise ApiError(400, "messages is empty; send at least one message", param="messages",
                        code="invalid_value")
@@ -421,7 +443,11 @@ def _render_chat(served: Served, req: ChatRequest, tools: list | None) -> tuple[
     think = kwargs.pop("enable_thinking", None)
     if think is not None and not isinstance(think, bool):
         raise _bad("chat_template_kwargs.enable_thinking", think, "give true or false")
-    return _render(served, msgs, tools, think, kwargs)
+    prefix = forced_call_prefix(served.template.source, forced[1]) if forced[0] else ""
+    if prefix:
+        think = False   # a forced call is the reply's first text: no reasoning block before it
+    text, ids = _render(served, msgs, tools, think, kwargs, prefix)
+    return text, ids, prefix
 
 
 def _render(served: Served, msgs: list[dict], tools: list | None, think: bool | None,
@@ -443,13 +469,16 @@ def _render(served: Served, msgs: list[dict], tools: list | None, think: bool | 
 
 
 def _render_messages(served: Served, req: MessagesRequest, check: bool = True
-                     ) -> tuple[str, list[int], list | None]:
-    """An Anthropic request's prompt: (text, ids, the tools the template saw or None)."""
+                     ) -> tuple[str, list[int], list | None, str]:
+    """An Anthropic request's prompt: (text, ids, the tools the template saw or None, the
+    forced tool call's opening the prompt ends with, or "")."""
     msgs, prefill = anthropic.template_messages(req)
     tools = anthropic.tools_for_template(req)
-    text, ids = _render(served, template_messages(msgs), tools, anthropic.enable_thinking(req),
-                        {}, prefill, check)
-    return text, ids, tools
+    force, name = anthropic.forced_tool(req) if tools else (False, None)
+    prefix = forced_call_prefix(served.template.source, name) if force else ""
+    think = False if prefix else anthropic.enable_thinking(req)
+    text, ids = _render(served, template_messages(msgs), tools, think, {}, prefill + prefix, check)
+    return text, ids, tools, prefix
 
 
 def _anthropic_sampling(req: MessagesRequest) -> SamplingParams:

@@ -260,21 +260,45 @@ class ToolCallParser:
             out.append(("tool_call", {"id": "call_" + secrets.token_hex(12), **c}))
 
 
+def forced_call_prefix(template_source: str, name: str | None) -> str:
+    """The start of the assistant's reply that makes the model call a tool (tool_choice
+    required / any), or the named one: Qwen3.5's templates write a call as an XML block
+    (`<function=NAME>`), Hermes-style ones as JSON (`{"name": NAME, "arguments": ...}`), told
+    apart by the template's own text."""
+    head = CALL_OPEN + "\n"
+    if name is None:
+        return head
+    if "<function=" in template_source:
+        return head + f"<function={name}>\n"
+    return head + '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
 class OutputParser:
-    """The whole chain for one reply: reasoning split, then tool calls in the content."""
+    """The whole chain for one reply: reasoning split, then tool calls in the content.
+    `output_prefix`: text the prompt already put at the start of the reply (a forced tool
+    call's opening), parsed as the reply's own first text."""
 
     def __init__(self, prompt_text: str = "", tools: Iterable[dict] | None = None,
-                 parse_tools: bool = False, split_reasoning: bool = True):
+                 parse_tools: bool = False, split_reasoning: bool = True,
+                 output_prefix: str = ""):
         self.reasoning = ReasoningSplitter(prompt_text) if split_reasoning else None
         self.tools = ToolCallParser(tools) if parse_tools else None
+        self._carry: list[tuple[str, Any]] = []
+        if output_prefix:
+            self._carry = self.push(output_prefix)
 
     def push(self, text: str) -> list[tuple[str, Any]]:
         parts = self.reasoning.push(text) if self.reasoning else [("content", text)]
-        return self._tools(parts, final=False)
+        return self._with_carry(self._tools(parts, final=False))
 
     def finish(self) -> list[tuple[str, Any]]:
         parts = self.reasoning.finish() if self.reasoning else []
-        return self._tools(parts, final=True)
+        return self._with_carry(self._tools(parts, final=True))
+
+    def _with_carry(self, out: list) -> list:
+        if self._carry:
+            out, self._carry = self._carry + out, []
+        return out
 
     def _tools(self, parts, final: bool) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []

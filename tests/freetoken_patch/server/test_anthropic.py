@@ -166,6 +166,25 @@ def test_tool_use_round_trip(scripted, script):
     assert r.stop_reason == "end_turn"
 
 
+def test_tool_choice_any_and_tool_force_a_tool_use(scripted, script):
+    """any: the prompt opens the reply with a call (thinking closed first) and the model writes
+    the rest; tool: the tool's name is written for it too. Both end in one tool_use block."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    script.reply = ['{"name": "get_weather", "arguments": {"city": "Rome"}}\n', "</tool_call>"]
+    r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS, messages=ask,
+                                 tool_choice={"type": "any"})
+    assert script.prompts[-1].endswith("</think>\n\n<tool_call>\n")
+    assert [(b.type, b.name, b.input) for b in r.content] == [("tool_use", "get_weather",
+                                                              {"city": "Rome"})]
+    assert r.stop_reason == "tool_use"
+    script.reply = ['{"city": "Oslo"}}\n', "</tool_call>"]
+    with scripted.messages.stream(model="tiny", max_tokens=100, tools=TOOLS, messages=ask,
+                                  tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        streamed = s.get_final_message()
+    assert script.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert [(b.type, b.input) for b in streamed.content] == [("tool_use", {"city": "Oslo"})]
+
+
 def test_thinking_switch_system_and_tool_choice_none(scripted, script):
     script.reply = ["Four."]
     r = scripted.messages.create(model="tiny", max_tokens=10, system="Be brief.",

@@ -106,3 +106,49 @@ def test_reasoning_split_and_thinking_switch(client, script):
     assert script.prompts[-1].endswith("<think>\n\n</think>\n\n")
     assert r.choices[0].message.content == "Four."
     assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_tool_choice_required_and_named_force_a_call(client, script):
+    """required: the prompt opens the reply with a call (thinking closed first), and the model
+    only writes the rest; a named function: the call's name is written for it too. Both come
+    back as tool_calls, whole and streamed."""
+    script.reply = ['{"name": "get_weather", "arguments": {"city": "Oslo"}}\n', "</tool_call>"]
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                       tool_choice="required")
+    assert script.prompts[-1].endswith("</think>\n\n<tool_call>\n")
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
+                                                                          {"city": "Oslo"})
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+
+    script.reply = ['{"city": "Lima", "days": 2}}\n', "</tool_call>"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                                 tool_choice=named, stream=True))
+    assert script.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Lima", "days": 2}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice,param", [
+    ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+    ("sometimes", "tool_choice")])
+def test_bad_tool_choice_is_a_400(client, choice, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice)
+    assert e.value.body["param"] == param
+
+
+def test_required_without_tools_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required")
+    assert "required needs tools" in e.value.body["message"]
+
+
+def test_forced_prefix_follows_the_templates_call_style():
+    from freetoken_patch.server.openai_format import forced_call_prefix
+    assert forced_call_prefix("{{ x }}", None) == "<tool_call>\n"
+    assert forced_call_prefix("<function={{ name }}>", "f") == "<tool_call>\n<function=f>\n"
+    assert forced_call_prefix("{{ tojson }}", "f") == '<tool_call>\n{"name": "f", "arguments": '
