@@ -465,38 +465,13 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 # ---- decode-step kernels of the CPU (csrc/cpu/step.cpp) ----------------------------------------------
-# The residual add + RMS norm, the router's top-k, and the delta-net's conv token and recurrence (a
-# decode token, or a prompt's tokens in order), with the arguments and results of the CUDA step
-# kernels below; host tensors.
+# The delta-net's conv token and recurrence (a decode token, or a prompt's tokens in order), with
+# the arguments and results of the CUDA step kernels below; host tensors. The residual add + RMS
+# norm and the router's top-k have one wrapper for both devices (step_residual_rms_norm,
+# step_route_topk, below).
 
 def cpu_step_kernels_available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "route_topk")
-
-
-def cpu_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Tensor | None = None,
-                          b: torch.Tensor | None = None, s: torch.Tensor | None = None) -> torch.Tensor:
-    """cuda_residual_rms_norm on host tensors: x [N, H] (contiguous) += a + sigmoid(s) * b in
-    place (b, s optional); -> rms_norm(x) * w."""
-    if not x.is_contiguous() or x.dtype != torch.float32:
-        raise NativeError("residual_rms_norm: x must be contiguous float32")
-    n, h = x.shape
-    out = torch.empty_like(x)
-    pa, lda = (a.data_ptr(), _ld(a, "residual_rms_norm a")) if a is not None else (0, 0)
-    pb, ldb = (b.data_ptr(), _ld(b, "residual_rms_norm b")) if b is not None else (0, 0)
-    ps, lds = (s.data_ptr(), _ld(s, "residual_rms_norm s")) if s is not None else (0, 0)
-    _cpu.residual_rms_norm(x.data_ptr(), n, h, pa, lda, pb, ldb, ps, lds, w.data_ptr(), eps,
-                           out.data_ptr(), 0)
-    return out
-
-
-def cpu_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuda_route_topk on host tensors: logits [N, E] -> ids [N, k] int32, weights [N, k]."""
-    n, e = logits.shape
-    ids = torch.empty(n, k, dtype=torch.int32)
-    w = torch.empty(n, k, dtype=torch.float32)
-    _cpu.route_topk(logits.data_ptr(), n, _ld(logits, "route_topk"), e, k, floor, ids.data_ptr(),
-                    w.data_ptr(), 0)
-    return ids, w
 
 
 def cpu_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -530,7 +505,7 @@ def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
     return out
 
 
-# ---- decode-step kernels (CUDA only; csrc/cuda/step.cu) --------------------------------------------
+# ---- decode-step kernels (csrc/cuda/step.cu; the step_* ones also csrc/cpu/step.cpp) ------------------
 # One launch each for a step's small operations; moe_offload.models.layers dispatches to them and
 # holds their torch references. Inputs are float32 CUDA tensors; 2-D arguments may be row-strided
 # views (a slice of a fused projection's output) as long as each row is contiguous.
@@ -547,9 +522,16 @@ def _ld(t: torch.Tensor, what: str) -> int:
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
 
 
-def cuda_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Tensor | None = None,
-                           b: torch.Tensor | None = None, s: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, H] (contiguous) += a + sigmoid(s) * b in place (b, s optional); -> rms_norm(x) * w."""
+def _step_ext(t: torch.Tensor):
+    """The extension and stream of a step kernel on t's device (the CPU ones take stream 0)."""
+    return (_cuda, _stream(t.device)) if t.is_cuda else (_cpu, 0)
+
+
+def step_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+                           a: torch.Tensor | None = None, b: torch.Tensor | None = None,
+                           s: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H] (contiguous) += a + sigmoid(s) * b in place (b, s optional); -> rms_norm(x) * w.
+    On x's device: the CUDA step kernel, or the CPU's (csrc/cpu/step.cpp)."""
     if not x.is_contiguous() or x.dtype != torch.float32:
         raise NativeError("residual_rms_norm: x must be contiguous float32")
     n, h = x.shape
@@ -557,8 +539,9 @@ def cuda_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torc
     pa, lda = (a.data_ptr(), _ld(a, "residual_rms_norm a")) if a is not None else (0, 0)
     pb, ldb = (b.data_ptr(), _ld(b, "residual_rms_norm b")) if b is not None else (0, 0)
     ps, lds = (s.data_ptr(), _ld(s, "residual_rms_norm s")) if s is not None else (0, 0)
-    _cuda.residual_rms_norm(x.data_ptr(), n, h, pa, lda, pb, ldb, ps, lds, w.data_ptr(), eps,
-                            out.data_ptr(), _stream(x.device))
+    ext, stream = _step_ext(x)
+    ext.residual_rms_norm(x.data_ptr(), n, h, pa, lda, pb, ldb, ps, lds, w.data_ptr(), eps,
+                          out.data_ptr(), stream)
     return out
 
 
@@ -589,13 +572,15 @@ def cuda_delta_rule_step(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tenso
     return out
 
 
-def cuda_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] -> ids [N, k] int32, weights [N, k]: softmax, top-k, renormalised (floor)."""
+def step_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> ids [N, k] int32, weights [N, k]: softmax, top-k, renormalised (floor).
+    On the logits' device: the CUDA step kernel, or the CPU's."""
     n, e = logits.shape
     ids = torch.empty(n, k, dtype=torch.int32, device=logits.device)
     w = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    _cuda.route_topk(logits.data_ptr(), n, _ld(logits, "route_topk"), e, k, floor, ids.data_ptr(),
-                     w.data_ptr(), _stream(logits.device))
+    ext, stream = _step_ext(logits)
+    ext.route_topk(logits.data_ptr(), n, _ld(logits, "route_topk"), e, k, floor, ids.data_ptr(),
+                   w.data_ptr(), stream)
     return ids, w
 
 

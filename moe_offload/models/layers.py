@@ -51,9 +51,9 @@ def residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Ten
     b is the shared expert's output, s its gate logit), then rms_norm(x, w).
     x [N, H] contiguous; a, b [N, H]; s [N, 1]."""
     if _kernel_for(x):
-        return ops.cuda_residual_rms_norm(x, w, eps, a, b, s)
+        return ops.step_residual_rms_norm(x, w, eps, a, b, s)
     if _cpu_kernel_for(x) and x.is_contiguous() and x.dim() == 2:
-        return ops.cpu_residual_rms_norm(x, w, eps, a, b, s)
+        return ops.step_residual_rms_norm(x, w, eps, a, b, s)
     if a is not None:
         x += a if b is None else a + torch.sigmoid(s) * b
     return rms_norm(x, w, eps)
@@ -289,9 +289,9 @@ def route_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """Softmax over all experts (f32), top-k, renormalise. logits [N, E] -> ids, weights [N, K]
     (ids int32 from the CUDA kernel, int64 from torch: consumers take either)."""
     if _kernel_for(logits) and logits.dtype == torch.float32:
-        return ops.cuda_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
+        return ops.step_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
     if _cpu_kernel_for(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
-        return ops.cpu_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
+        return ops.step_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
     p = torch.softmax(logits.float(), dim=-1)
     w, ids = p.topk(k, dim=-1)
     return ids, w / w.sum(-1, keepdim=True).clamp(min=EXPERT_WEIGHT_FLOOR)
