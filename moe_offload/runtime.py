@@ -300,10 +300,8 @@ class OffloadRuntime:
         """One more sequence's state: its delta-net state from torch and its elastic KV, the
         cache shrunk first so both fit under the cap beside decode's headroom."""
         c, opts, pol = self.config, self.opts, self.policy
-        recurrent = sum((c.ssm_conv_dim * (c.ssm_d_conv - 1)
-                         + c.ssm_n_v_heads * c.ssm_d_state * c.ssm_head_v_dim) * 4
-                        for _ in c.recurrent_layers)
         first = self._states[0]
+        recurrent = first.recurrent_nbytes
         kv = first.kv_bytes(1) if first.elastic_kv else first.nbytes - recurrent
         self.vram.keep_free("another sequence", recurrent + kv + self.vram.decode_headroom)
         st = State(c, 1, opts.n_ctx, self.device, opts.kv_dtype, pol.graph_bucket,
@@ -483,9 +481,7 @@ class OffloadRuntime:
         c = self.config
         need = 0
         if depth > 0 and (not state.steps or next(iter(state.steps.values()))[0].shape[0] < depth):
-            per = (c.ssm_conv_dim * (c.ssm_d_conv - 1)
-                   + c.ssm_n_v_heads * c.ssm_d_state * c.ssm_head_v_dim) * 4 * state.batch
-            need += depth * per * len(c.recurrent_layers)
+            need += depth * state.recurrent_nbytes
         if state.mtp_k is None and self.mtp is not None:
             need += 2 * state.batch * state.n_ctx * c.n_head_kv * c.head_dim * \
                 torch.finfo(state.kv_dtype).bits // 8

@@ -251,6 +251,12 @@ class State:
         self.steps_taken = 0
 
     @property
+    def recurrent_nbytes(self) -> int:
+        """Bytes of one copy of the delta-net state (conv + ssm of every recurrent layer): what a
+        snapshot or a kept step costs."""
+        return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.ssm.values()))
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the whole state for n_ctx positions (an elastic KV maps less: kv_mapped)."""
         ts = (*self.k.values(), *self.v.values(), *self.conv.values(), *self.ssm.values(),

@@ -92,3 +92,16 @@ def test_a_kv_cache_too_large_for_the_device_is_one_error_with_numbers(tiny_mode
     c = open_model(tiny_model).config
     with pytest.raises(OffloadError, match=r"KV cache for 1,000,000,000,000 positions needs .* GiB .*lower --ctx"):
         State(c, 1, 10**12, "cpu")
+
+
+def test_recurrent_nbytes_is_one_snapshot(config):
+    """What a snapshot (or a kept verify step) of the delta-net state costs: every recurrent
+    layer's conv window and S matrix, float32, for each sequence of the batch."""
+    st = State(config, 2, 64)
+    c = config
+    per_layer = (c.ssm_conv_dim * (c.ssm_d_conv - 1)
+                 + c.ssm_n_v_heads * c.ssm_d_state * c.ssm_head_v_dim) * 4
+    assert st.recurrent_nbytes == 2 * per_layer * len(c.recurrent_layers)
+    snap = st.snapshot()
+    assert st.recurrent_nbytes == sum(t.numel() * 4 for d in (snap.conv, snap.ssm)
+                                      for t in d.values())
