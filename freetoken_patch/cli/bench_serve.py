@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from ..errors import CLIError
 from .inputs import check
-from .model_args import add_model_args, add_template_arg, add_vram_arg
+from .model_args import add_model_args, add_template_arg, add_vram_arg, resolve_parallel
 
 DESCRIPTION = """\
 Load an OpenAI-compatible server on this machine with streamed chat completions and measure
@@ -154,9 +154,7 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
     for flag, v in (("--requests", args.requests), ("--max-tokens", args.max_tokens),
                     ("--prompt-tokens", args.prompt_tokens), ("--turns", args.turns)):
         check(flag, v, v >= 1, "give 1 or more")
-    if args.parallel is None:   # under --vram, several sequences share the cap: asked for, not default
-        args.parallel = 1 if args.vram is not None else 4
-    check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
+    resolve_parallel(args)
     check("--time-limit", args.time_limit, args.time_limit > 0, "give a number of seconds above 0")
     if args.url is not None:
         loopback_url(args.url)

@@ -272,6 +272,15 @@ def placement_options(args) -> dict:
     return out
 
 
+def resolve_parallel(args: argparse.Namespace) -> int:
+    """--parallel of serve and bench serve, checked: by default 4, but 1 under --vram, where
+    each more sequence takes its state and KV from the expert cache (asked for, not default)."""
+    if args.parallel is None:
+        args.parallel = 1 if args.vram is not None else 4
+    check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
+    return args.parallel
+
+
 def device_for(device: str | None, vram: int | None):
     """--device, defaulting to cuda under --vram; --vram without a CUDA device is refused."""
     import torch

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import CLIError
 from .inputs import check
 from .model_args import (add_model_args, add_template_arg, add_vram_arg, device_for,
-                         load_for_text)
+                         load_for_text, resolve_parallel)
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
@@ -87,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("ftpatch serve needs the server packages: pip install 'ftpatch[serve]'") \
             from None
     check("--port", args.port, 0 <= args.port <= 65535, "give a port from 0 to 65535")
-    if args.parallel is None:   # under --vram, several sequences share the cap: asked for, not default
-        args.parallel = 1 if args.vram is not None else 4
-    check("--parallel", args.parallel, 1 <= args.parallel <= 256, "give 1 to 256")
+    resolve_parallel(args)
     check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
     check("--prefix-cache", args.prefix_cache, 0 <= args.prefix_cache <= 256, "give 0 to 256")
     check("--prefill-chunk", args.prefill_chunk, 1 <= args.prefill_chunk <= 1 << 20,
