@@ -390,17 +390,10 @@ class OffloadRuntime:
         state.check_room(1)
         self.vram.room_for_kv(state, state.attn_len(1))   # attention reads up to the bucket's end
         self.vram.regrow()   # the last prefill (or KV) borrowed from the cache: take it back
+        run = lambda t: self.model.decode(t, state)   # noqa: E731
         if not self.opts.use_graphs:
-            return self._eager_step(tokens, state)
-        key = (id(state), state.attn_len(1))
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._measured_capture(
-                tokens, [state], B, lambda t: self.model.decode(t, state))
-        graph, tok_in, logits = g
-        tok_in.copy_(tokens)
-        self.engine.arm(B)
-        graph.replay()          # not waited for: the next step's launch queues behind it
+            return self._eager(tokens, B, run, observe=True)
+        logits = self._replay((id(state), state.attn_len(1)), tokens, [state], B, run)
         state.n_past += 1       # the captured step advanced the device position only
         state.steps_taken = 0   # (host bookkeeping a replay does not run)
         self._observe()
@@ -430,24 +423,30 @@ class OffloadRuntime:
         if not self.opts.use_graphs:
             return self._eager(tokens, B, run, observe=True)
         key = ("many",) + tuple((id(st), st.attn_len(1)) for st in states)
-        g = self._graphs.get(key)
-        if g is None:
-            if len(self._graphs) >= self.policy.max_graphs:
-                self._drop_graphs()   # batches come and go: keep the captured set bounded
-            g = self._graphs[key] = self._measured_capture(tokens, states, B, run)
-        graph, tok_in, logits = g
-        tok_in.copy_(tokens)
-        self.engine.arm(B)
-        graph.replay()
+        # batches come and go, a key per lengths' combination: keep the captured set bounded
+        logits = self._replay(key, tokens, states, B, run, bounded=True)
         for st in states:
             st.n_past += 1
             st.steps_taken = 0
         self._observe()
         return logits.clone()
 
-    def _eager_step(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
-        return self._eager(tokens, tokens.shape[0], lambda t: self.model.decode(t, state),
-                           observe=True)
+    def _replay(self, key, tokens: torch.Tensor, states: list[State], n_tok: int, run,
+                bounded: bool = False):
+        """run(tokens) as one decode step of n_tok tokens: the graph captured for `key` (captured
+        now if new; `bounded`: all dropped first once policy.max_graphs are kept), replayed on
+        tokens. Returns the graph's outputs (its own tensors: callers clone them). The host
+        counters of `states` are the caller's to advance."""
+        g = self._graphs.get(key)
+        if g is None:
+            if bounded and len(self._graphs) >= self.policy.max_graphs:
+                self._drop_graphs()
+            g = self._graphs[key] = self._measured_capture(tokens, states, n_tok, run)
+        graph, tok_in, out = g
+        tok_in.copy_(tokens)
+        self.engine.arm(n_tok)
+        graph.replay()          # not waited for: the next step's launch queues behind it
+        return out
 
     def _eager(self, tokens: torch.Tensor, n_tok: int, run, observe: bool = False):
         """One decode step of n_tok tokens run eagerly (run(tokens) inside the engine's step)."""
@@ -511,13 +510,7 @@ class OffloadRuntime:
         if not self.opts.use_graphs:
             return self._eager(tokens, T, run, observe=True)
         key = ("verify", id(state), T, state.attn_len(T), keep, depth)
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._measured_capture(tokens, [state], T, run)
-        graph, tok_in, (logits, hidden) = g
-        tok_in.copy_(tokens)
-        self.engine.arm(T)
-        graph.replay()
+        logits, hidden = self._replay(key, tokens, [state], T, run)
         state.n_past += T       # the captured step advanced the device position only
         state.steps_taken = T if keep else 0
         self._observe()
