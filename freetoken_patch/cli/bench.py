@@ -37,6 +37,8 @@ examples:
   ftpatch bench 35b.gguf --vram 4GiB,8GiB --compare-llama-bench ~/llama.cpp/build/bin/llama-bench
   ftpatch bench report caps.json -o report.html --png charts/   # charts of results (JSON)
   ftpatch bench 35b.gguf --device cpu --threads 16 -p 512 # CPU only: pp512, tg128
+  ftpatch bench 35b.gguf --vram 8GiB --link-gbps 11.8 --threads 8   # a laptop's PCIe 4.0 x8 link
+  ftpatch bench mtp.gguf --vram 8GiB --draft auto         # speculative decoding with the MTP head
   ftpatch bench kernels                                   # per-type kernel throughput (GB/s)
   ftpatch bench serve --concurrency 1,2,4                 # load a server: TTFT, tok/s (--help)
 
