@@ -39,6 +39,7 @@ class ElasticVram:
         self.grow_pending = False       # the cache lent memory that decode should take back
         self.capture_need: int | None = None   # torch memory a decode capture needs (measured)
         self.cache_peak = cache.nbytes
+        self.sampling = 0               # torch memory sampling needs beside a decode step
 
     # -- the ledger's live entries -----------------------------------------------------------------
     @property
@@ -61,10 +62,11 @@ class ElasticVram:
     def decode_headroom(self) -> int:
         """What torch keeps free beside the grown cache while decoding: the policy's estimate until
         a decode step has been captured, then what a capture was measured to need, with slack
-        (measured_capture checks it before each later capture)."""
+        (measured_capture checks it before each later capture); and room to sample the step's
+        logits outside the graph."""
         if self.capture_need is None:
-            return self.policy.decode_headroom
-        return self.policy.capture_headroom(self.capture_need)
+            return self.policy.decode_headroom + self.sampling
+        return self.policy.capture_headroom(self.capture_need) + self.sampling
 
     # -- verbs -------------------------------------------------------------------------------------
     def fit(self, purpose: str, nbytes: int, grow: bool) -> None:

@@ -52,6 +52,8 @@ class OffloadPolicy:
     decode_extra: int = 64 * MiB         # torch's other decode needs: the eager warm-up, logits, sampling
     capture_slack: float = 1.25          # a later capture may need this much more than the first did
     capture_extra: int = 16 * MiB        # ... and this much beside
+    sample_bytes_per_logit: int = 64     # sampling a row of logits outside the graph: softmax,
+                                         # sort (values, int64 indices, scratch), cumsum, masks
 
     def __post_init__(self):
         if self.fetch_fraction is not None and not 0.0 <= self.fetch_fraction <= 1.0:
@@ -70,6 +72,11 @@ class OffloadPolicy:
     def capture_headroom(self, measured: int) -> int:
         """What torch keeps free beside the cache once a capture was measured to need `measured`."""
         return int(measured * self.capture_slack) + self.capture_extra
+
+    def sampling_workspace(self, vocab: int, rows: int) -> int:
+        """What torch needs free to sample `rows` rows of logits at once; at least two of the
+        allocator's 20 MiB segments (it serves every 1-10 MB request from one)."""
+        return max(rows * vocab * self.sample_bytes_per_logit, 40 * MiB)
 
     def guesses(self, top_k: int) -> int:
         """Experts guessed a token one layer ahead."""

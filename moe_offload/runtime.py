@@ -41,6 +41,7 @@ from .placement import gpu_workspace_bytes, host_weight_names, prefill_workspace
 from .policy import OffloadPolicy
 from .report import LoadReport, RoutingRecorder, RuntimeStats
 from .scheduler import Rates, Scheduler, measure_rates
+from .speculative import K_MAX
 from .state import Snapshot, State
 
 
@@ -209,6 +210,9 @@ class OffloadRuntime:
         rep.elastic, rep.cache_outside_torch = self.cache.elastic, self.cache.outside_torch
         self.vram = ElasticVram(opts.vram, outside, self.cache, self._states, pol, dev, self.smi,
                                 proc0, dev_used0, opts.cache_slots)
+        # the sampler's rows at once: every sequence of a batched step, or a verify step's
+        self.vram.sampling = pol.sampling_workspace(c.n_vocab, max(opts.max_sequences,
+                                                                   1 + K_MAX if opts.mtp else 1))
         self.vram.cap_torch()
 
         # 6. scheduler rates, engine, model

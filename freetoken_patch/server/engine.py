@@ -25,8 +25,10 @@ sequence hands out one State, so the engine then runs one sequence at a time and
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -203,8 +205,24 @@ class Engine:
                     ring.append(seq)
             self.n_active = len(ring)
             if ring:
-                (self._batch_step if self.batched else self._turn)(ring)
+                try:
+                    (self._batch_step if self.batched else self._turn)(ring)
+                except Exception as e:   # noqa: BLE001 -- the engine thread must outlive any step
+                    self._fail_all(ring, e)
             self.n_active = len(ring)
+
+    def _fail_all(self, ring: deque, e: BaseException) -> None:
+        """A step failed outside the guards of its parts: every sequence it held gets the error
+        and leaves (its state emptied for the next request); the engine takes the next ones."""
+        traceback.print_exc(file=sys.stderr)
+        while ring:
+            seq = ring.popleft()
+            if not seq.done:
+                self._fail(seq, e)
+            try:
+                self._retire(seq)
+            except Exception:   # noqa: BLE001 -- a state that cannot be kept is dropped
+                self._n_states -= 1
 
     def _turn(self, ring: deque) -> None:
         """Interleaved: the sequence at the front takes one generate() step, then goes last."""
@@ -233,7 +251,7 @@ class Engine:
                     self._fail(s, e)
             else:
                 for s, row in zip(live, logits):
-                    self._emit(s, s.stream.push(row[None], s.state.n_free))
+                    self._push(s, row[None])
         for s in [s for s in ring if s.done or s.job.cancelled]:
             ring.remove(s)
             self._retire(s)
@@ -259,7 +277,16 @@ class Engine:
             if not (seq.snaps and seq.snaps[-1].n_past == seq.state.n_past):
                 seq.snaps = (seq.snaps + [seq.state.snapshot()])[-MAX_SNAPSHOTS:]
         if end == len(seq.feed):
-            self._emit(seq, seq.stream.push(logits, seq.state.n_free))
+            self._push(seq, logits)
+
+    def _push(self, seq: _Seq, logits: torch.Tensor) -> None:
+        """Sample the sequence's next token from its logits [1, V] and pass on what follows."""
+        try:
+            events = seq.stream.push(logits, seq.state.n_free)
+        except Exception as e:   # noqa: BLE001 -- this request fails, the others go on
+            self._fail(seq, e)
+            return
+        self._emit(seq, events)
 
     def _emit(self, seq: _Seq, events: list) -> None:
         for ev in events:

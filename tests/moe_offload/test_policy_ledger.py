@@ -26,6 +26,10 @@ def test_policy_numbers_and_derived_sizes():
     assert p.decode_headroom == p.decode_graphs + p.decode_extra == 160 * MiB
     assert p.capture_headroom(100 * MiB) == 125 * MiB + 16 * MiB
     assert p.capture_headroom(101) == 101 * 5 // 4 + 16 * MiB   # integer, as the runtime sized it
+    # sampling outside the graph: 4 sequences of the 35B's 248,320 logits; a small vocabulary
+    # still needs two of torch's 20 MiB segments
+    assert p.sampling_workspace(248_320, 4) == 4 * 248_320 * 64
+    assert p.sampling_workspace(1000, 1) == 40 * MiB
     d = p.as_dict()
     assert d["score_decay"] == 0.99 and d["fetch_blocks"] == 16 and len(d) == len(
         dataclasses.fields(OffloadPolicy))

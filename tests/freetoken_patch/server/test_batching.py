@@ -160,3 +160,71 @@ def test_mode_is_chosen_and_shown(tiny_parts, kit):
         h = httpx.get(url + "/health").json()
         assert h["mode"] == "batched" and h["prefill_chunk"] == 256
         assert "ftpatch_decode_batch_size" in httpx.get(url + "/metrics").text
+
+
+class NanRowOnce(Logged):
+    """Logged, but the second decode step's first row comes back as NaN (a broken sequence)."""
+
+    def decode_many(self, tokens, states):
+        out = super().decode_many(tokens, states)
+        if sum(kind == "decode" for kind, _ in self.log) == 2:
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+
+def _collect(engine, *waves):
+    """Submit each wave of requests [(prompt, params)] once the one before has ended; -> the
+    last event of every request (a DoneEvent or a Failure), in order."""
+    from freetoken_patch.server.engine import Job
+
+    async def drain(j):
+        while True:
+            ev = await j.events.get()
+            if isinstance(ev, DoneEvent) or hasattr(ev, "status"):
+                return ev
+
+    async def run():
+        engine.start()
+        out = []
+        for wave in waves:
+            jobs = [Job(p, params) for p, params in wave]
+            for j in jobs:
+                engine.submit(j)
+            out += await asyncio.gather(*(drain(j) for j in jobs))
+        engine.shutdown()
+        return out
+    return asyncio.run(run())
+
+
+def test_a_sequence_whose_sampling_fails_leaves_the_batch_alone(tiny_parts):
+    """Sampling a NaN row raises: that request gets an error, the others finish as alone."""
+    model, tok, tmpl = tiny_parts
+    prompts = _prompts(tok)[:3]
+    sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=6, ignore_eog=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eog=True)
+    eng = _engine((NanRowOnce(model), tok, tmpl), parallel=4)
+    last = _collect(eng, [(prompts[0], sampled), (prompts[1], greedy), (prompts[2], greedy)])
+    assert getattr(last[0], "status", None) == 500 and "generation failed" in last[0].message
+    for p, ev in zip(prompts[1:], last[1:]):
+        assert isinstance(ev, DoneEvent) and ev.tokens == _alone(tiny_parts, p, greedy)[1].tokens
+
+
+def test_the_engine_outlives_a_failed_step(tiny_parts):
+    """An error the step's own guards do not catch fails the sequences of that step; the
+    engine thread goes on and serves the next request."""
+    model, tok, tmpl = tiny_parts
+    eng = _engine(tiny_parts, parallel=2)
+    real, calls = eng._batch_step, []
+
+    def flaky(ring):
+        calls.append(len(ring))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(ring)
+    eng._batch_step = flaky
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eog=True)
+    p = _prompts(tok)[0]
+    first, second = _collect(eng, [(p, greedy)], [(p, greedy)])
+    assert getattr(first, "status", None) == 500 and "boom" in first.message
+    assert isinstance(second, DoneEvent) and second.tokens == _alone(tiny_parts, p, greedy)[1].tokens
