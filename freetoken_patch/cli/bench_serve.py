@@ -1,6 +1,6 @@
 """`ftpatch bench serve [MODEL]`: a load generator for an OpenAI-compatible server on this
-machine. Without --url it starts `ftpatch serve` in-process (uvicorn on 127.0.0.1 at a free
-port, the same model flags) and stops it at the end; with --url it drives a running one, on a
+machine. Without --url it starts `ftpatch serve` as a child process (127.0.0.1, a free port,
+the model and server flags given here) and stops it at the end; with --url it drives a running one, on a
 loopback address only.
 
 Per concurrency level: --requests streamed chat completions, --concurrency clients at once
@@ -18,9 +18,9 @@ import contextlib
 import ipaddress
 import json
 import secrets
+import signal
 import socket
 import sys
-import threading
 import time
 from urllib.parse import urlsplit
 
@@ -32,7 +32,9 @@ DESCRIPTION = """\
 Load an OpenAI-compatible server on this machine with streamed chat completions and measure
 time to first token, decode speed per stream and in aggregate, and the effect of prefix reuse
 on follow-up turns. Without --url it starts `ftpatch serve` on MODEL (default: the embedded
-random-weights model) in this process, on 127.0.0.1 at a free port, and stops it at the end.
+random-weights model) in a child process, on 127.0.0.1 at a free port, and stops it at the
+end: a process of its own, as a real client's server would be, so these clients never hold the
+server's interpreter.
 """
 
 METHOD = (
@@ -53,7 +55,7 @@ METHOD = (
 
 EPILOG = """\
 examples:
-  ftpatch bench serve                                   # the embedded default, in-process
+  ftpatch bench serve                                   # the embedded default, its own server
   ftpatch bench serve model.gguf --vram 8GiB --concurrency 1,2,4 --json --out serve.json
   ftpatch bench serve --url http://127.0.0.1:8080 --requests 16 --max-tokens 256
   ftpatch bench serve model.gguf --device cuda --parallel 8 --concurrency 1,8 --turns 3
@@ -72,15 +74,15 @@ def build_parser(prog: str = "ftpatch bench serve") -> argparse.ArgumentParser:
     s = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(s, model_optional=True, device_default=None,
-                   model_help="GGUF file for the in-process server (default: the embedded "
+                   model_help="GGUF file for the server started here (default: the embedded "
                               "random-weights model); not with --url",
-                   device_help="in-process server: cpu (default) or cuda / cuda:N")
+                   device_help="server started here: cpu (default) or cuda / cuda:N")
     add_vram_arg(s)
     add_template_arg(s)
     s.add_argument("--parallel", type=int, metavar="N",
-                   help="in-process server: requests generated at once (default 4; 1 under --vram)")
+                   help="server started here: requests generated at once (default 4; 1 under --vram)")
     s.add_argument("--no-batch", action="store_true",
-                   help="in-process server: requests take turns, one decode step each, instead "
+                   help="server started here: requests take turns, one decode step each, instead "
                         "of one step for all (to compare)")
     s.add_argument("--url", metavar="URL",
                    help="a running server (http://127.0.0.1:PORT); loopback addresses only")
@@ -110,7 +112,7 @@ def attach(bench_parser: argparse.ArgumentParser) -> None:
     def parse_known_args(args=None, namespace=None):
         if args and args[0] == "serve":
             ns = build_parser().parse_args(list(args[1:]))
-            ns.func = run
+            ns.func, ns.argv = run, list(args[1:])   # the server's flags pass on as given
             return ns, []
         return plain(args, namespace)
     bench_parser.parse_known_args = parse_known_args
@@ -161,54 +163,91 @@ def _check_flags(args: argparse.Namespace) -> list[int]:
         given = [f for f, v in (("MODEL", args.model), ("--vram", args.vram),
                                 ("--device", args.device)) if v is not None]
         if given:
-            raise CLIError(f"{given[0]} is for the in-process server; with --url the running "
+            raise CLIError(f"{given[0]} is for the server started here; with --url the running "
                            "server's model is measured")
     return levels
 
 
 # ---- the server ------------------------------------------------------------------------------
 
+# flags of this command that are not the server's (with whether each takes a value); the rest
+# of the command line goes to `ftpatch serve` as given
+BENCH_ONLY = {"--url": True, "--api-key": True, "--concurrency": True, "--requests": True,
+              "--max-tokens": True, "--prompt-tokens": True, "--turns": True,
+              "--time-limit": True, "--json": False, "--out": True}
+START_LIMIT_S = 900   # loading a large model from a cold page cache takes minutes
+
+
+def serve_argv(argv: list[str]) -> list[str]:
+    """This command's arguments less its own flags: the model and the server's flags."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        flag = a.split("=", 1)[0]
+        if flag in BENCH_ONLY:
+            skip = BENCH_ONLY[flag] and "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
 @contextlib.contextmanager
 def _own_server(args: argparse.Namespace, queue: int):
-    """`ftpatch serve` with these flags on 127.0.0.1 at a free port, in a thread; yields
-    (base URL, description)."""
-    try:
-        import uvicorn
-        from ..server.app import create_app
-    except ImportError:
-        raise CLIError("ftpatch bench serve needs the server packages: pip install "
-                       "'ftpatch[serve]'") from None
-    from . import serve
-    ns = argparse.Namespace(**vars(args))
-    ns.queue, ns.prefix_cache, ns.api_key = queue, 4, None
-    t0 = time.perf_counter()
-    served = serve.load(ns)
-    load_s = time.perf_counter() - t0
+    """`ftpatch serve` with this command's model and server flags, a child process on
+    127.0.0.1 at a free port (its own interpreter: the clients here never take the server's
+    time); yields (base URL, description). Stopped by SIGINT (it drains) at the end."""
+    import subprocess
+    import tempfile
+    import httpx
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    th = threading.Thread(target=server.run, name="ftpatch-bench-serve", daemon=True)
-    th.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not th.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise CLIError("the in-process server did not start")
-        time.sleep(0.02)
-    eng = served.engine
-    info = {"mode": "in-process", "url": f"http://127.0.0.1:{port}",
-            "parallel": eng.parallel, "decode": eng.mode, "queue": eng.queue_size,
-            "prefix_cache": eng.cache.size,
-            "single_state": eng.single_state, "n_ctx": served.n_ctx,
-            "device": str(args.device or ("cuda" if args.vram is not None else "cpu")),
-            "vram": args.vram, "load_s": round(load_s, 3)}
+    cmd = [sys.executable, "-m", "freetoken_patch.cli", "serve",
+           *serve_argv(getattr(args, "argv", [])), "--host", "127.0.0.1", "--port", str(port),
+           "--queue", str(queue), "--prefix-cache", "4"]
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile(mode="w+")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+    def failed(why: str) -> CLIError:
+        log.seek(0)
+        tail = [ln for ln in log.read().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return CLIError(f"the server did not start ({why}): "
+                        f"{tail[0].removeprefix('ftpatch: error: ')}")
     try:
-        yield info["url"], info
+        deadline = time.monotonic() + START_LIMIT_S
+        while True:
+            if proc.poll() is not None:
+                raise failed(f"exit status {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise failed(f"not answering after {START_LIMIT_S} s")
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                if health.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        h = health.json()
+        info = {"mode": "child process", "url": url, "parallel": h.get("parallel"),
+                "decode": h.get("mode"), "queue": h.get("queue_size"),
+                "prefix_cache": h.get("prefix_cache"), "n_ctx": h.get("n_ctx"),
+                "device": str(args.device or ("cuda" if args.vram is not None else "cpu")),
+                "vram": args.vram, "load_s": round(time.perf_counter() - t0, 3),
+                "command": ["ftpatch", *cmd[3:]]}
+        yield url, info
     finally:
-        server.should_exit = True
-        th.join(60)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
 
 
 # ---- one request ----------------------------------------------------------------------------

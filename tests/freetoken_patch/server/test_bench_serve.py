@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 
-def test_in_process_levels_and_followup(tiny_model, capsys, tmp_path):
+def test_own_server_levels_and_followup(tiny_model, capsys, tmp_path):
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", str(tiny_model), "--ctx", "512", "--concurrency", "1,2",
                "--requests", "2", "--max-tokens", "4", "--prompt-tokens", "64", "--json",
@@ -23,8 +23,10 @@ def test_in_process_levels_and_followup(tiny_model, capsys, tmp_path):
     r = json.loads(cap.out)
     assert json.loads(out.read_text()) == r
     assert r["kind"] == "ftpatch-bench-serve" and r["model"] == tiny_model.stem
-    assert r["server"]["mode"] == "in-process" and r["server"]["url"].startswith(
-        "http://127.0.0.1:")
+    srv = r["server"]
+    assert srv["mode"] == "child process" and srv["url"].startswith("http://127.0.0.1:")
+    assert srv["n_ctx"] == 512 and srv["parallel"] == 4 and srv["decode"] == "batched"
+    assert srv["command"][:4] == ["ftpatch", "serve", str(tiny_model), "--ctx"]
     assert isinstance(r["method"], str) and r["method"]
     assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
     for lv in r["levels"]:
@@ -46,6 +48,21 @@ def test_in_process_levels_and_followup(tiny_model, capsys, tmp_path):
     assert fresh["cached_tokens"] == 0
     assert reuse["ttft_s"] > 0 and fresh["ttft_s"] > 0
     assert "bench serve:" in cap.err and "turn 2:" in cap.err
+
+
+def test_server_flags_pass_on_and_bench_flags_stay():
+    from freetoken_patch.cli.bench_serve import serve_argv
+    argv = ["m.gguf", "--vram", "8GiB", "--concurrency", "1,4", "--json", "--parallel=4",
+            "--out=x.json", "--requests", "8", "--no-batch", "--time-limit", "60"]
+    assert serve_argv(argv) == ["m.gguf", "--vram", "8GiB", "--parallel=4", "--no-batch"]
+
+
+def test_a_server_that_cannot_start_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF nonsense")
+    assert main(["bench", "serve", str(bad), "--concurrency", "1", "--requests", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the server did not start (exit status" in err[0]
 
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8080", "http://example.com",
