@@ -1,0 +1,110 @@
+"""Batched decode under a VRAM cap, without the server: where a step of B sequences goes.
+
+  python scripts/dev/decode_many_runtime.py MODEL --vram 8GiB [--batches 1,2,4] [--steps 64]
+
+Opens the offload runtime holding max(batches) sequences, prefills each with its own random
+prompt, then per B: the first decode_many step (it captures the step's graph: timed apart) and
+--steps more (ms a step, tokens a second), with the runtime's statistics of those steps (hit
+rate, experts fetched and CPU-computed a step). Then the cost of a new batch composition: the
+states taken in a different order or subset, each one's first step timed (a capture each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+
+def _time_parts(rt) -> dict:
+    """Wrap the runtime's capture and memory steps with timers (synchronised); -> the totals."""
+    spent: dict[str, float] = {}
+    for obj, name in ((rt, "_capture"), (rt, "_eager"), (rt.vram, "before_capture"),
+                      (rt.vram, "after_capture"), (rt.vram, "fit"), (rt.vram, "measure_outside"),
+                      (rt.vram, "keep_free")):
+        real = getattr(obj, name)
+
+        def timed(*a, _real=real, _name=name, **kw):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                torch.cuda.synchronize()
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+        setattr(obj, name, timed)
+    return spent
+
+
+def main() -> None:
+    from moe_offload import open_runtime
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--vram", default="8GiB")
+    p.add_argument("--batches", default="1,2,4")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--json", help="write the figures here too")
+    args = p.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=max(batches))
+    dev, c = rt.device, rt.config
+    rng = np.random.default_rng(0)
+    states = [rt.new_state(1) for _ in range(max(batches))]
+    for st in states:
+        rt.prefill(torch.from_numpy(rng.integers(0, c.n_vocab, (1, args.prompt))).to(dev), st)
+    out = {"model": args.model, "vram": args.vram, "steps": args.steps, "rows": []}
+    spent = _time_parts(rt)
+
+    def timed_step(sts, toks):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        logits = rt.decode_many(toks, sts)
+        torch.cuda.synchronize(dev)
+        return logits.argmax(-1), time.perf_counter() - t
+
+    for b in batches:
+        sts = states[:b]
+        toks = torch.randint(0, c.n_vocab, (b,), device=dev)
+        spent.clear()
+        toks, first = timed_step(sts, toks)
+        parts = {k: round(v * 1e3, 1) for k, v in spent.items()}
+        spent.clear()
+        rt.reset_stats()
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            toks = rt.decode_many(toks, sts).argmax(-1)
+        torch.cuda.synchronize(dev)
+        dt = (time.perf_counter() - t) / args.steps
+        s = rt.stats().as_dict()
+        row = {"B": b, "first_step_ms": round(first * 1e3, 1), "step_ms": round(dt * 1e3, 2),
+               "tok_s": round(b / dt, 1), "hit_rate": round(s["hit_rate"], 4),
+               "fetched_per_step": round(s["fetched"] / args.steps, 1),
+               "cpu_experts_per_step": round(s["cpu"] / args.steps, 1), "first_parts_ms": parts}
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    # new compositions: each is a new graph key
+    b = max(batches)
+    if b >= 3:
+        for order in ([1, 0, 2, 3][:b], [0, 2][:b], [3, 1][: b] if b >= 4 else [2, 1]):
+            sts = [states[i] for i in order]
+            toks = torch.randint(0, c.n_vocab, (len(sts),), device=dev)
+            _, first = timed_step(sts, toks)
+            _, again = timed_step(sts, toks)
+            row = {"order": order, "first_step_ms": round(first * 1e3, 1),
+                   "next_step_ms": round(again * 1e3, 2),
+                   "parts_ms": {k: round(v * 1e3, 1) for k, v in spent.items()}}
+            spent.clear()
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    rt.close()
+
+
+if __name__ == "__main__":
+    main()
