@@ -202,6 +202,7 @@ def create_app(served: Served) -> FastAPI:
         eng = served.engine
         return {"status": "ok", "model": served.model_id, "parallel": eng.parallel,
                 "mode": eng.mode, "prefill_chunk": eng.prefill_chunk,
+                "draft": eng.draft_summary(),
                 "active": eng.n_active, "queued": eng.queue_length}
 
     @app.get("/metrics")
