@@ -230,12 +230,13 @@ def add_placement_args(s: argparse.ArgumentParser) -> None:
                         "default: every core)")
 
 
-def add_draft_arg(s: argparse.ArgumentParser) -> None:
+def add_draft_arg(s: argparse.ArgumentParser, note: str = "") -> None:
+    """--draft N|auto of run, chat and serve; `note` adds what the command does with it."""
     from .bench_spec import parse_draft
     s.add_argument("--draft", type=parse_draft, default=0, metavar="N|auto",
                    help="speculative decoding with the model's MTP head: N draft tokens a step "
                         "(1..3), or auto (chosen each step from the measured acceptance and "
-                        "cost); the output is the same as without. Default 0: off")
+                        "cost); the output is the same as without. Default 0: off" + note)
 
 
 def speculative_for(args, loaded, model):

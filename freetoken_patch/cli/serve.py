@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..errors import CLIError
 from .inputs import check
-from .model_args import (add_model_args, add_template_arg, add_vram_arg, device_for,
-                         load_for_text, resolve_parallel)
+from .model_args import (add_draft_arg, add_model_args, add_template_arg, add_vram_arg,
+                         device_for, load_for_text, resolve_parallel, speculative_for)
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
@@ -27,7 +27,9 @@ more (up to 8; each takes its delta-net state, ~63 MB on a 35B-A3B, and its KV f
 cache); they are stepped together the same way, each layer's experts fetched once for the batch. --no-batch makes
 the requests take turns instead, one request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
 the server answers 429 (529, overloaded, on /v1/messages). A follow-up whose prompt starts with
-a recent conversation prefills only the new tokens.
+a recent conversation prefills only the new tokens. With --draft a model with an MTP head
+decodes speculatively, one request at a time (--parallel 1); /health and /metrics show how
+many drafts were accepted.
 """
 
 EPILOG = """\
@@ -35,6 +37,7 @@ examples:
   ftpatch serve                                      # the embedded default on 127.0.0.1:8080
   ftpatch serve model.gguf --vram 8GiB --ctx 16384
   ftpatch serve model.gguf --device cuda --parallel 8 --api-key "$KEY" --host 0.0.0.0
+  ftpatch serve mtp.gguf --vram 8GiB --draft auto    # speculative decoding (MTP head)
 
   from openai import OpenAI
   client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="unused")
@@ -74,6 +77,10 @@ def add_parser(sub) -> None:
     s.add_argument("--prefix-cache", type=int, default=4, metavar="N",
                    help="finished conversations whose state is kept for follow-ups (default 4; "
                         "each holds a context's KV cache)")
+    add_draft_arg(s, note=". The server then decodes one request at a time (--parallel 1, its "
+                          "default with --draft): a verify step checks one sequence's drafts, "
+                          "and several requests gain more from being stepped together, sharing "
+                          "each layer's expert reads")
     s.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
                         "route but /health")
@@ -87,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("ftpatch serve needs the server packages: pip install 'ftpatch[serve]'") \
             from None
     check("--port", args.port, 0 <= args.port <= 65535, "give a port from 0 to 65535")
+    check_draft_parallel(args)
     resolve_parallel(args)
     check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
     check("--prefix-cache", args.prefix_cache, 0 <= args.prefix_cache <= 256, "give 0 to 256")
@@ -111,6 +119,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_draft_parallel(args: argparse.Namespace) -> None:
+    """--draft decodes one request at a time: --parallel defaults to 1 with it, and more is
+    refused (a batched step of several sequences has no speculative form here)."""
+    if not getattr(args, "draft", 0):
+        return
+    if args.parallel is None:
+        args.parallel = 1
+    elif args.parallel != 1:
+        raise CLIError(f"--draft decodes one request at a time, not --parallel {args.parallel}; "
+                       "use --parallel 1, or drop --draft to batch several")
+
+
 def load(args: argparse.Namespace):
     """The model named by the flags (or the embedded default), its engine, and the app's Served."""
     from loaders.synth import default_model_path, ensure_default_model
@@ -123,17 +143,21 @@ def load(args: argparse.Namespace):
         ensure_default_model()
     else:
         path = args.model
-    _, tok, template, n_ctx, model = load_for_text(args, path, dev, "the server")
+    loaded, tok, template, n_ctx, model = load_for_text(args, path, dev, "the server")
     metrics = Metrics()
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics,
                     prefill_chunk=getattr(args, "prefill_chunk", 256),
-                    batch=False if getattr(args, "no_batch", False) else None)
+                    batch=False if getattr(args, "no_batch", False) else None,
+                    draft=speculative_for(args, loaded, model))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
 
 
 def describe(engine) -> str:
     """How the engine steps its sequences, for the startup line."""
+    if engine.draft is not None:
+        d = engine.draft_summary()["setting"]
+        return f"speculative: one sequence, {d} draft tokens a step from the MTP head"
     if engine.batched:
         return f"batched: one decode step for all, prompts in chunks of {engine.prefill_chunk}"
     if engine.single_state:

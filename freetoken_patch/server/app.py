@@ -203,6 +203,7 @@ def create_app(served: Served) -> FastAPI:
         return {"status": "ok", "model": served.model_id, "parallel": eng.parallel,
                 "mode": eng.mode, "prefill_chunk": eng.prefill_chunk, "n_ctx": served.n_ctx,
                 "queue_size": eng.queue_size, "prefix_cache": eng.cache.size,
+                "draft": eng.draft_summary(),
                 "active": eng.n_active, "queued": eng.queue_length}
 
     @app.get("/metrics")

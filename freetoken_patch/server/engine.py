@@ -1,5 +1,5 @@
 """The engine: one thread owns the model; requests wait in a bounded queue; up to `parallel`
-sequences are active, each with its own State. Two modes, chosen at start (`Engine.mode`, shown
+sequences are active, each with its own State. Three modes, chosen at start (`Engine.mode`, shown
 by /health and the startup line):
 
   batched       the plain model (CPU, or a GPU without --vram), and the offload runtime opened
@@ -13,6 +13,11 @@ by /health and the startup line):
   interleaved   a custom generate_fn, or --no-batch: the active sequences take turns, one
                 generate() step each (round robin), a newcomer's prompt prefilled whole when it
                 is admitted.
+  speculative   a SpeculativeDecoder (--draft, the model's MTP head) and one sequence at a time:
+                generate(..., draft=) drafts tokens and checks them in one trunk forward. The
+                decoder's MTP state lives in the State (its KV, rows written, hidden states
+                owed), so prefix reuse and snapshots carry it along; its statistics go to the
+                metrics when a sequence ends (after a cut-short step is given back).
 
 Requests join at step boundaries and leave when they end. Prefix reuse: a finished sequence's
 State stays in a small LRU (`prefix_cache` entries) keyed by the tokens it holds, with
@@ -111,14 +116,18 @@ class Engine:
     """The queue, the engine thread and its sequences. `generate_fn` (moe_offload.generate by
     default) can be replaced by a scripted stream in tests (the interleaved mode); `batch`:
     None picks the batched mode wherever the model has `decode_many` and generate_fn is
-    generate(), False keeps the interleaved one; `metrics` (server.metrics.Metrics) gets each
-    finished sequence and the runtime's stats()."""
+    generate(), False keeps the interleaved one; `draft` (moe_offload SpeculativeDecoder) makes
+    it speculative, one sequence at a time (parallel must be 1); `metrics`
+    (server.metrics.Metrics) gets each finished sequence, the runtime's stats() and the
+    draft's."""
 
     def __init__(self, model, tokenizer, n_ctx: int, *, parallel: int = 4, queue_size: int = 64,
                  prefix_cache: int = 4, prefill_chunk: int = PREFILL_CHUNK,
-                 generate_fn: Callable = generate, batch: bool | None = None, metrics=None):
+                 generate_fn: Callable = generate, batch: bool | None = None, metrics=None,
+                 draft=None):
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
-        self.generate_fn, self.metrics = generate_fn, metrics
+        self.generate_fn, self.metrics, self.draft = generate_fn, metrics, draft
+        self.draft_stats: dict = {}    # the decoder's SpecStats as last published
         self.queue_size = queue_size
         self.prefill_chunk = max(1, int(prefill_chunk))
         first = model.new_state(1, n_ctx)
@@ -132,7 +141,15 @@ class Engine:
         can_batch = (hasattr(model, "decode_many") and generate_fn is generate
                      and not self.single_state)
         self.batched = can_batch if batch is None else bool(batch) and can_batch
-        self.mode = "batched" if self.batched else "interleaved"
+        if draft is not None:
+            # one decoder drafts for one sequence (its ids, its last step); a batched step of
+            # several already shares each layer's expert reads, which is what drafting buys one
+            if self.parallel > 1:
+                raise ValueError(f"speculative decoding steps one sequence at a time, not "
+                                 f"{self.parallel}; use parallel=1")
+            self.batched = False
+        self.mode = ("speculative" if draft is not None else
+                     "batched" if self.batched else "interleaved")
         self.batch_size = 0            # sequences in the last decode step
         self.cache = PrefixCache(min(prefix_cache, 1) if self.single_state else prefix_cache)
         self._max_states = 1 if self.single_state else min(
@@ -149,6 +166,7 @@ class Engine:
         self.stats_fn = getattr(model, "stats", None)
         if metrics is not None:
             metrics.gauges = self.gauges
+        self._publish_draft()     # the series exist (at 0) before the first request
 
     # -- the request side (any thread) -----------------------------------------------------------
     def start(self) -> None:
@@ -186,6 +204,13 @@ class Engine:
                 "parallel": (self.parallel, "Sequences that can be active at once."),
                 "decode_batch_size": (self.batch_size, "Sequences advanced by the last decode "
                                                        "step (1 when interleaved).")}
+
+    def draft_summary(self) -> dict | None:
+        """--draft's setting and what it did (as last published), for /health; None when off."""
+        if self.draft is None:
+            return None
+        fixed = self.draft.policy.fixed
+        return {"setting": "auto" if fixed is None else fixed, **self.draft_stats}
 
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -306,6 +331,7 @@ class Engine:
             t = ev.timings
             self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
                                   seq.job.head_s + t.ttft_s, t.decode_tps)
+        self._publish_draft()    # before the reply goes out: a client then reads both together
 
     def _admit(self, job: Job) -> _Seq | None:
         if job.cancelled:
@@ -337,14 +363,19 @@ class Engine:
                 # rewind point there: other conversations that open the same way reuse it
                 head = job.prompt[len(history):cut]
                 t0 = time.perf_counter()
-                self.model.prefill(torch.tensor([head], device=self.model.device), state)
+                head_t = torch.tensor([head], device=self.model.device)
+                if self.draft is not None:   # the MTP head sees the first turn too
+                    self.draft.prefill(head_t, state, history=history)
+                else:
+                    self.model.prefill(head_t, state)
                 job.head_s = time.perf_counter() - t0
                 self.prefilled_tokens += len(head)
                 snaps = (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
                 history = job.prompt[:cut]
             seq = _Seq(job, state, history, job.prompt[len(history):], snaps)
+            kw = {} if self.draft is None else {"draft": self.draft}
             seq.gen = self.generate_fn(self.model, state, seq.feed, job.params,
-                                       tokenizer=self.tokenizer, history=history)
+                                       tokenizer=self.tokenizer, history=history, **kw)
             self.prefilled_tokens += len(seq.feed)
             return seq
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
@@ -398,6 +429,17 @@ class Engine:
         else:
             self._free.append(seq.state)
         self._read_stats()
+        self._publish_draft()
+
+    def _publish_draft(self) -> None:
+        """Copy the decoder's statistics for /metrics and /health. Only when a sequence ends
+        (done, or closed when cancelled): a step cut short is given back then (SpecStats.tokens
+        shrinks), and what was published must never go down."""
+        if self.draft is None:
+            return
+        self.draft_stats = self.draft.stats.as_dict()
+        if self.metrics is not None:
+            self.metrics.set_draft(self.draft_stats)
 
     def _fresh_state(self):
         if self._free:

@@ -1,7 +1,8 @@
 """Prometheus text exposition for `GET /metrics`: counters, gauges and histograms kept under
 one lock (the event loop and the engine thread both write), plus the offload runtime's own
 figures as the engine thread last read them (rt.stats() is a device sync point, so only the
-thread that owns the model calls it)."""
+thread that owns the model calls it), and with --draft the speculative decoder's counts as the
+engine published them between sequences."""
 from __future__ import annotations
 
 import bisect
@@ -50,6 +51,7 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode_tps = Histogram(TPS_BUCKETS)
         self.runtime: dict = {}
+        self.draft: dict | None = None     # SpecStats.as_dict() (None: --draft is off)
         self.gauges = lambda: {}
 
     def request(self, endpoint: str, status: int) -> None:
@@ -71,6 +73,11 @@ class Metrics:
     def set_runtime(self, stats: dict) -> None:
         with self._lock:
             self.runtime = dict(stats)
+
+    def set_draft(self, stats: dict) -> None:
+        """The speculative decoder's totals since start (SpecStats.as_dict())."""
+        with self._lock:
+            self.draft = dict(stats)
 
     def render(self) -> str:
         p = PREFIX
@@ -94,6 +101,8 @@ class Metrics:
                       f"# TYPE {p}decode_tokens_per_second histogram",
                       *self.decode_tps.lines(f"{p}decode_tokens_per_second")]
             runtime = dict(self.runtime)
+            if self.draft is not None:
+                lines += draft_lines(self.draft)
         for name, (val, what) in {**self.gauges(), **runtime}.items():
             lines += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} gauge",
                       f"{p}{name} {_number(val)}"]
@@ -103,6 +112,26 @@ class Metrics:
 def _number(v: float) -> str:
     """Whole numbers (byte counts) in full, others to 6 significant digits."""
     return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
+
+
+def draft_lines(d: dict) -> list[str]:
+    """--draft's counters and gauges from SpecStats.as_dict(). A step gives its accepted drafts
+    and one token more, less what a stop cut off: tokens_per_step <= 1 + accepted / steps."""
+    p, out = PREFIX, []
+    for name, kind, val, what in (
+            ("draft_steps_total", "counter", d.get("steps", 0),
+             "Speculative decode steps (one trunk forward checking 0..3 drafts each)."),
+            ("draft_tokens_total", "counter", d.get("drafted", 0),
+             "Tokens the MTP head drafted."),
+            ("draft_accepted_total", "counter", d.get("accepted", 0),
+             "Drafted tokens the trunk accepted."),
+            ("draft_acceptance", "gauge", d.get("acceptance", 0.0),
+             "Share of drafted tokens accepted since start."),
+            ("draft_tokens_per_step", "gauge", d.get("tokens_per_step", 0.0),
+             "Tokens a speculative step gave on average since start.")):
+        out += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} {kind}",
+                f"{p}{name} {_number(val)}"]
+    return out
 
 
 def runtime_gauges(stats: dict) -> dict:
