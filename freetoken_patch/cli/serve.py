@@ -66,9 +66,11 @@ def add_parser(sub) -> None:
     s.add_argument("--parallel", type=int, metavar="N",
                    help="requests generated at once, stepped together (default 4; 1 under --vram, "
                         "where each more takes its state and KV from the expert cache: up to 8)")
-    s.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+    s.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="prompt tokens a new request feeds between two decode steps of the "
-                        "running ones (default 256; batched mode)")
+                        "running ones (batched mode; default 256, 1024 under --vram, where "
+                        "every chunk streams the cold experts once); a prompt with no one "
+                        "waiting goes in whole")
     s.add_argument("--no-batch", action="store_true",
                    help="let active requests take turns, one decode step each, instead of "
                         "stepping them together (to compare)")
@@ -98,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
     resolve_parallel(args)
     check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
     check("--prefix-cache", args.prefix_cache, 0 <= args.prefix_cache <= 256, "give 0 to 256")
-    check("--prefill-chunk", args.prefill_chunk, 1 <= args.prefill_chunk <= 1 << 20,
-          "give 1 or more")
+    if args.prefill_chunk is not None:
+        check("--prefill-chunk", args.prefill_chunk, 1 <= args.prefill_chunk <= 1 << 20,
+              "give 1 or more")
     served = load(args)
     from ..server.app import create_app
     note = lambda line: print(f"ftpatch serve: {line}", file=sys.stderr)  # noqa: E731
@@ -147,7 +150,8 @@ def load(args: argparse.Namespace):
     metrics = Metrics()
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics,
-                    prefill_chunk=getattr(args, "prefill_chunk", 256),
+                    prefill_chunk=getattr(args, "prefill_chunk", None)
+                    or (1024 if args.vram is not None else 256),
                     batch=False if getattr(args, "no_batch", False) else None,
                     draft=speculative_for(args, loaded, model))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)

@@ -263,7 +263,9 @@ class Engine:
         step of every sequence with a token to feed; finished and cancelled ones leave."""
         pre = next((s for s in ring if not s.job.cancelled and s.fed < len(s.feed)), None)
         if pre is not None:
-            self._prefill_chunk(pre)
+            alone = not any(s is not pre and not s.done and not s.job.cancelled
+                            and s.stream.pending is not None for s in ring)
+            self._prefill_chunk(pre, alone)
         live = [s for s in ring if not s.done and not s.job.cancelled
                 and s.stream.pending is not None]
         if live:
@@ -281,17 +283,20 @@ class Engine:
             ring.remove(s)
             self._retire(s)
 
-    def _prefill_chunk(self, seq: _Seq) -> None:
+    def _prefill_chunk(self, seq: _Seq, alone: bool = False) -> None:
         """Feed the next chunk of a newcomer's prompt (ending at its first-turn cut if that
-        comes first); at the prompt's end, sample its first token."""
+        comes first); at the prompt's end, sample its first token. `alone`: no other sequence
+        is waiting for a decode step, so the rest of the prompt goes in at once, in the
+        model's own prefill chunks (under a cap each chunk streams the cold experts once)."""
         start = seq.fed
-        end = min(start + self.prefill_chunk, len(seq.feed))
+        end = len(seq.feed) if alone else min(start + self.prefill_chunk, len(seq.feed))
         if start < seq.cut < end:
             end = seq.cut
         t0 = time.perf_counter()
         try:
             ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
-            logits = self.model.prefill(ids, seq.state, chunk=self.prefill_chunk)       # [1, V]
+            kw = {} if alone else {"chunk": self.prefill_chunk}
+            logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
             self._fail(seq, e)
             return

@@ -132,6 +132,18 @@ def test_long_newcomer_prefilled_in_chunks_between_decode_steps(tiny_parts):
     assert dones[0].tokens == _alone(tiny_parts, short, run)[1].tokens
 
 
+def test_a_prompt_with_no_one_waiting_goes_in_whole(tiny_parts):
+    """Chunks exist so running streams keep flowing; alone, a long prompt is one prefill."""
+    model, tok, tmpl = tiny_parts
+    logged = Logged(model)
+    eng = _engine((logged, tok, tmpl), parallel=2, prefill_chunk=16)
+    long = tok.encode(" ".join(["river stone cloud garden lantern"] * 14), add_special=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eog=True)
+    texts, _ = _run_jobs(eng, [(long, params, 0)])
+    assert [e for e in logged.log if e[0] == "prefill"] == [("prefill", len(long))]
+    assert texts[0] == _alone(tiny_parts, long, params)[0]
+
+
 def test_stop_strings_and_limits_batched(tiny_parts):
     """Stops cut mid-stream while the others go on; each ends for its own reason."""
     prompts = _prompts(tiny_parts[1])
