@@ -147,10 +147,12 @@ class ElasticVram:
             torch.cuda.empty_cache()
             self.keep_free("decode", self.decode_headroom)
 
-    def after_capture(self, need: int) -> None:
-        """A capture needed `need` bytes of torch: remember the most, measure the outside again."""
+    def after_capture(self, need: int, remeasure: bool = True) -> None:
+        """A capture needed `need` bytes of torch: remember the most; with `remeasure` (a step
+        size not captured before: new kernels loaded) measure the outside again."""
         self.capture_need = max(self.capture_need or 0, need)
-        self.measure_outside()
+        if remeasure:
+            self.measure_outside()
         self.grow_pending = True   # the cache takes what the estimates held back
 
     def measure_outside(self) -> None:
