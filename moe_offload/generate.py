@@ -155,8 +155,9 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
              ) -> Iterator[TokenEvent | DoneEvent]:
     """Stream tokens after `prompt` (fed on top of what `state` holds; `history` = the ids
     already in it, for the penalties). eog_ids default to the tokenizer's. draft: decode
-    speculatively with the model's MTP head (a step may give several tokens; what the cache
-    holds is the same as without: every token yielded but the last)."""
+    speculatively with the model's MTP head (a step may give several tokens). The cache holds
+    every token yielded but the last, or all of them when the caller leaves early (the next
+    step may have been launched already): state.n_past tells."""
     if not len(prompt):
         raise OffloadError("the prompt is empty; give at least one token")
     if state.batch != 1:
@@ -193,6 +194,16 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
             if tok in eog and not params.ignore_eog:
                 reason = "eog"
                 break
+            # Launch the next step before this token's text is made and yielded, so the GPU
+            # computes while the caller works -- when nothing the text could decide may stop
+            # here (no stop strings; not inside a speculative step). A caller that leaves now
+            # has its last token fed too: state.n_past says what the cache holds.
+            ahead = None
+            if (draft is None and not params.stop and len(out) < params.max_tokens
+                    and state.n_free >= 1):
+                t = time.perf_counter()
+                ahead = model.decode(torch.tensor([tok], device=dev), state)
+                decode_s += time.perf_counter() - t
             text, stopped = stops.push(stream(tok))
             if stopped:
                 yield TokenEvent(tok, text, timings)
@@ -204,12 +215,13 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
             if queue:
                 tok = queue.pop(0)
                 continue
-            if state.n_free < 1:
+            if ahead is None and state.n_free < 1:
                 reason = "context"
                 break
             t = time.perf_counter()
             if draft is None:
-                logits = model.decode(torch.tensor([tok], device=dev), state)
+                logits = ahead if ahead is not None else model.decode(
+                    torch.tensor([tok], device=dev), state)
                 tok = int(sample(logits, _recent(context, params, dev)))
             else:
                 new = draft.step(state, tok, sample,
