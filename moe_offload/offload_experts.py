@@ -82,7 +82,14 @@ class OffloadEngine:
         self.record: torch.Tensor | None = None   # [N, L, K] int32: the ids each decode step used
         # the step's row of trace and record, chosen once a step on the device (begin_device_step);
         # the record is written on its own stream, off the step's critical path
-        self._trace_row: torch.Tensor | None = None   # [L, K] this step's replayed ids
+        self._trace_rows: torch.Tensor | None = None  # [max_tok, L, K] this step's replayed ids
+        # trace rows by position (replay(by_position=True)): the stepped sequence's device
+        # position (set by the runtime before a single-sequence step); token t of a step at
+        # position p routes by row (p + t) mod N, so a verify step of T tokens routes each as
+        # the decode step at its position would, whatever the steps before it were
+        self.trace_by_position = False
+        self.position: torch.Tensor | None = None
+        self._tok_offsets = torch.arange(self.max_tok, device=dev)
         self._record_row: torch.Tensor | None = None  # [1] the record's row for this step
         self.record_stream = torch.cuda.Stream(dev)
         self._record_forked = False
@@ -179,8 +186,14 @@ class OffloadEngine:
         """First thing a (captured) decode step does on the device: the step counter, and the
         rows of the trace and the record this step uses (one choice a step, not one a layer)."""
         on.step_begin(self.step)
-        self._trace_row = (None if self.trace is None
-                           else self.trace.index_select(0, self._step_row(self.trace))[0])
+        if self.trace is None:
+            self._trace_rows = None
+        elif self.trace_by_position and self.position is not None:
+            rows = (self.position + self._tok_offsets) % self.trace.shape[0]
+            self._trace_rows = self.trace.index_select(0, rows)
+        else:   # one row a step, every token of the step routed by it
+            self._trace_rows = self.trace.index_select(0, self._step_row(self.trace)).expand(
+                self.max_tok, -1, -1)
         self._record_row = None if self.record is None else self._step_row(self.record)
         self._record_forked = False   # whether this step has work on the record's stream
 
@@ -212,8 +225,8 @@ class OffloadEngine:
           hits      pool kernel(s)  resident experts at once; fetched and guessed ones once landed
           CPU       wait_add kernel the worker's sum over this layer's CPU misses, added to y"""
         T = x.shape[0]
-        if self._trace_row is not None:   # a replayed trace: same scheduler and kernels, its ids
-            ids = self._trace_row[L].expand(T, -1)
+        if self._trace_rows is not None:   # a replayed trace: same scheduler and kernels, its ids
+            ids = self._trace_rows[:T, L]
         ids32, w, x = ids.to(torch.int32).contiguous(), w.float().contiguous(), x.contiguous()
         main = torch.cuda.current_stream()
         if self._record_row is not None:
@@ -387,3 +400,28 @@ class LayerExperts:
         if e.in_step and x.shape[0] <= e.max_tok:
             return e.decode_layer(self.layer, x, ids, w)
         return e.prefill_layer(self.layer, x, ids, w)
+
+
+class ResidentPool:
+    """One layer's routed experts held whole where the GPU can read them (the MTP layer's:
+    runtime._place_mtp_experts): the decode pool kernel over the bank itself (slot = expert id)
+    for up to max_tok tokens -- no host sync, no allocation but the output, capturable -- and
+    ops.moe_ffn for more (the MTP head catching up on a prompt)."""
+
+    def __init__(self, experts, *, top_k: int, ff: int, max_tok: int):
+        self.experts, self.top_k, self.ff, self.max_tok = experts, top_k, ff, max_tok
+        g = experts.gate
+        self.n_experts = g.shape[0]
+        self.banks = tuple((q.qtype.type_id, q.data.data_ptr(), q.expert_stride)
+                           for q in (experts.gate, experts.up, experts.down))
+        self.scratch = torch.empty(on.moe_scratch_bytes(max_tok, top_k, ff), dtype=torch.uint8,
+                                   device=g.device if g.device.type == "cuda" else "cuda")
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_tok or self.experts.gate.device.type != "cuda":
+            return self.experts(x, ids, w)
+        x = x.float().contiguous()
+        y = torch.empty_like(x)
+        on.pool_moe_ffn(x, ids.to(torch.int32).contiguous(), w.float().contiguous(), self.banks,
+                        self.n_experts, y, self.scratch, top_k=self.top_k, ff=self.ff)
+        return y

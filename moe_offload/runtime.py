@@ -36,7 +36,7 @@ from .expert_cache import ExpertCache, load_profile
 from .host_bank import HostExpertBank
 from .models import MODELS
 from .models.weights import upload_weights
-from .offload_experts import LayerExperts, OffloadEngine
+from .offload_experts import LayerExperts, OffloadEngine, ResidentPool
 from .placement import gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes, staging_bytes
 from .policy import OffloadPolicy
 from .report import LoadReport, RoutingRecorder, RuntimeStats
@@ -66,6 +66,9 @@ class RuntimeOptions:
                                            # of experts waits as long as that link would take
     device: str = "cuda"
     mtp: bool = False                      # load the MTP head (speculative decoding: rt.mtp)
+    mtp_experts: str = "gpu"               # its routed experts: "gpu" resident in VRAM (under
+                                           # the cap: the cache is sized around them), "host"
+                                           # pinned host RAM read over PCIe by the GPU (no VRAM)
 
 
 def parse_vram(size: int | str) -> int:
@@ -164,6 +167,9 @@ class OffloadRuntime:
         rep.seconds["dense upload"] = time.perf_counter() - t0
         plan.reserve("dense weights", dense,
                      "the always-active weights alone exceed the cap; use a smaller quant")
+        mtp_experts = None
+        if mtp_up is not None:
+            mtp_experts = self._place_mtp_experts(loaded, mtp_up[1], opts.mtp_experts, plan)
         cap_allocator(opts.vram - outside, dev)
 
         # 2. per-sequence state for the requested context (B = 1), allocated now so that the
@@ -224,9 +230,11 @@ class OffloadRuntime:
                                     hidden=c.n_embd, ff=c.n_ff_exp, policy=pol,
                                     link_gbps=opts.link_gbps)
         self.model = model_cls(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
-        # the MTP head: eager, its routed experts on the CPU (one layer's top-k a draft token)
+        # the MTP head: eager; its routed experts by the pool kernel, from VRAM or pinned RAM
         from .models.mtp import MtpHead
-        self.mtp = None if mtp_up is None else MtpHead(self.model, *mtp_up)
+        self.mtp = None if mtp_up is None else MtpHead(
+            self.model, mtp_up[0], ResidentPool(mtp_experts, top_k=c.n_expert_used,
+                                                ff=c.n_ff_exp, max_tok=self.engine.max_tok))
         self.scheduler.rates = measure_rates(self.cache, self.bank, c, self.engine.link)
         self.scheduler.apply()
         # guesses travel over the link: only with pinned banks, and while the link has room
@@ -244,12 +252,41 @@ class OffloadRuntime:
         rep.seconds["warm start"] = time.perf_counter() - t2
         self._graphs: dict[tuple, tuple] = {}
         self._captured_sizes: set[int] = set()   # tokens a step of the graphs captured so far
+        self.captures = 0   # graphs captured so far (a capture costs many steps: DraftPolicy)
         self._graph_pool = torch.cuda.graph_pool_handle()
         self._since_observe, self._obs_busy, self._obs_experts = 0, 0, 0
         self._recorder: RoutingRecorder | None = None
         self.reset_stats()
         rep.budget = plan.summary()
         rep.seconds["total"] = time.perf_counter() - t0
+
+    def _place_mtp_experts(self, loaded, experts, where: str, plan: VramLedger):
+        """The MTP layer's routed experts (CPU banks over the file's map) -> ResidentExperts on
+        the GPU, booked in the start-up plan as their own purpose before the cache is sized
+        from what is left, or (where="host") in pinned host RAM viewed by the GPU.
+
+        Why not an extra layer of the offload engine: its cache, plan and CPU worker are built
+        per trunk layer and a draft call would pay their machinery (and the cache's misses) for
+        one layer's top-k; resident, a draft's experts cost one pool kernel, no miss ever. The
+        price is VRAM the cache does not get: 256 x 1.35 MB = 346 MB on a 35B-A3B at IQ3_S (as
+        much as one trunk layer's experts). "host" costs no VRAM and reads a draft token's 8
+        experts (~11 MB) over PCIe instead."""
+        from .models.weights import ResidentExperts, mtp_experts
+        if where not in ("gpu", "host"):
+            raise OffloadError(f"mtp_experts {where!r}: 'gpu' (resident) or 'host' (pinned RAM)")
+        if where == "host":
+            from native.ops import QTensor
+            return ResidentExperts(*(self._pin_weight(QTensor(q.data.contiguous(), q.qtype, q.shape,
+                                                              q.name))
+                                     for q in (experts.gate, experts.up, experts.down)))
+        dev = self.device
+        before = torch.cuda.memory_allocated(dev)
+        on_gpu = mtp_experts(loaded, dev)
+        torch.cuda.synchronize(dev)
+        plan.reserve("MTP experts", torch.cuda.memory_allocated(dev) - before,
+                     "the MTP head's experts do not fit beside the dense weights; "
+                     "use --draft 0 or a larger --vram")
+        return on_gpu
 
     def _pin_weight(self, q):
         """A CPU QTensor -> the same weight in pinned host RAM, viewed as a CUDA tensor (kernels
@@ -396,6 +433,7 @@ class OffloadRuntime:
         self.vram.room_for_kv(state, state.attn_len(1))   # attention reads up to the bucket's end
         self.vram.regrow()   # the last prefill (or KV) borrowed from the cache: take it back
         run = lambda t: self.model.decode(t, state)   # noqa: E731
+        self.engine.position = state.pos
         if not self.opts.use_graphs:
             return self._eager(tokens, B, run, observe=True)
         logits = self._replay((id(state), state.attn_len(1)), tokens, [state], B, run)
@@ -425,6 +463,7 @@ class OffloadRuntime:
             self.vram.room_for_kv(st, st.attn_len(1))
         self.vram.regrow()
         run = lambda t: self.model.decode_many(t, states)   # noqa: E731
+        self.engine.position = None   # several positions: trace rows by step
         if not self.opts.use_graphs:
             return self._eager(tokens, B, run, observe=True)
         key = ("many",) + tuple((id(st), st.attn_len(1)) for st in states)
@@ -512,6 +551,7 @@ class OffloadRuntime:
         depth = next(iter(state.steps.values()))[0].shape[0] if state.steps else 0
         keep = 1 < T <= depth + 1
         run = lambda t: self.model.forward(t, state, hidden=True)   # noqa: E731
+        self.engine.position = state.pos
         if not self.opts.use_graphs:
             return self._eager(tokens, T, run, observe=True)
         key = ("verify", id(state), T, state.attn_len(T), keep, depth)
@@ -534,6 +574,7 @@ class OffloadRuntime:
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
         g = self._capture(tokens, states, n_tok, run, warm_up=first)
+        self.captures += 1
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev),
@@ -580,10 +621,14 @@ class OffloadRuntime:
         self._captured_sizes.clear()   # recording runs kernels decode has not run yet
         return recorder
 
-    def replay(self, trace) -> None:
+    def replay(self, trace, by_position: bool = False) -> None:
         """Route decode steps by a trace [N, L, K] of expert ids (numpy or torch; step s uses
         row (s - 1) mod N) instead of the model's router; None: the model's routing again.
-        Guesses are off while replaying (the router cannot guess replayed ids)."""
+        by_position: a token at position p uses row p mod N instead (decode and verify steps
+        of one sequence; a verify step's T tokens their T rows), so speculative and plain
+        decoding route every position alike. Guesses are off while replaying (the router
+        cannot guess replayed ids)."""
+        self.engine.trace_by_position = by_position
         if trace is not None:
             trace = torch.as_tensor(np.asarray(trace) if not isinstance(trace, torch.Tensor)
                                     else trace).long().to(self.device)

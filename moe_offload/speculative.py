@@ -22,10 +22,21 @@ Penalties see the drafted tokens as context, as they would have been.
 
 `DraftPolicy` picks k each step: fixed, or (auto) the k in 0..k_max that maximises the expected
 tokens a step, (1 - a^(k+1)) / (1 - a) for an acceptance rate a (EMA), over the step's measured
-cost (the verify forward of k+1 positions and k draft calls, EMA by k); 0 is plain decoding.
+cost (the verify forward of k+1 positions and k draft calls, EMA by k); 0 is plain decoding. A
+step that captured a CUDA graph (the runtime's `captures` counter moved), and the first step of
+each k (lazy initialisation), do not count towards the cost: a capture costs 10-100x a step.
+
+Greedy drafting without penalties stays on the device: the draft ids are argmaxes left in a
+device tensor, fed to the next draft call and into the verify input, and read back once with the
+trunk's choices after the verify step (one host sync a step, not one per draft and per check).
+
+Phase timing (`phases=True`, or FTPATCH_SPEC_PHASES=1): the device is synchronised between the
+phases of a step (draft, verify of T tokens, accept, rewind) and their wall times are kept in
+`SpecStats.phases`. Off by default: the syncs cost the overlap of the host with the device.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +47,7 @@ from .state import State
 
 K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
 MTP_BACKLOG = 64     # trunk hidden states the MTP head may owe before they are written
+PHASES_ENV = "FTPATCH_SPEC_PHASES"   # "1": time the phases of every step (synchronising)
 
 
 @dataclass
@@ -48,6 +60,20 @@ class SpecStats:
     tokens: int = 0           # tokens the steps produced (accepted drafts + one a step)
     by_k: dict = field(default_factory=dict)   # k -> steps taken with k drafts
     by_accepted: dict = field(default_factory=dict)   # (k, drafts accepted) -> steps
+    phases: dict = field(default_factory=dict)   # phase -> [seconds, steps] (phase timing on)
+    uncounted: int = 0        # steps whose cost the policy did not see (a capture, a first k)
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        acc = self.phases.setdefault(name, [0.0, 0])
+        acc[0] += seconds
+        acc[1] += 1
+
+    def phases_ms(self) -> dict:
+        """phase -> {"ms": mean per step it ran in, "n": steps}, in the order of a step."""
+        order = {"draft": 0, "verify": 1, "accept": 2, "rewind": 3}
+        names = sorted(self.phases, key=lambda n: (order.get(n.split("_")[0], 9), n))
+        return {n: {"ms": round(self.phases[n][0] / self.phases[n][1] * 1e3, 3),
+                    "n": self.phases[n][1]} for n in names}
 
     @property
     def acceptance(self) -> float:
@@ -61,7 +87,9 @@ class SpecStats:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "tokens": self.tokens, "acceptance": round(self.acceptance, 4),
                 "tokens_per_step": round(self.tokens_per_step, 3),
-                "by_k": {str(k): n for k, n in sorted(self.by_k.items())}}
+                "by_k": {str(k): n for k, n in sorted(self.by_k.items())},
+                "uncounted_steps": self.uncounted,
+                **({"phases_ms": self.phases_ms()} if self.phases else {})}
 
     def summary(self) -> str:
         return (f"speculative: {self.acceptance:.0%} of {self.drafted} drafts accepted, "
@@ -115,11 +143,13 @@ class DraftPolicy:
             best = 1
         return best
 
-    def observe(self, k: int, accepted: int, seconds: float) -> None:
-        """A step with k drafts kept `accepted` of them and took `seconds`."""
+    def observe(self, k: int, accepted: int, seconds: float | None) -> None:
+        """A step with k drafts kept `accepted` of them and took `seconds` (None: a time that
+        says nothing of the next steps, e.g. it included a graph capture; not counted)."""
         self._since_draft = 0 if k else self._since_draft + 1
-        old = self.cost.get(k)
-        self.cost[k] = seconds if old is None else old + self.ema * (seconds - old)
+        if seconds is not None:
+            old = self.cost.get(k)
+            self.cost[k] = seconds if old is None else old + self.ema * (seconds - old)
         judged = min(k, accepted + 1)      # drafts after the first refusal were not judged
         for i in range(judged):
             self.a += self.ema * ((1.0 if i < accepted else 0.0) - self.a)
@@ -133,7 +163,8 @@ class SpeculativeDecoder:
     mtp: an MtpHead (or the runtime's) with forward(hidden, tokens, state, logits=...).
     draft: tokens a step (0..K_MAX) or "auto"."""
 
-    def __init__(self, model, mtp, draft: int | str = "auto", *, policy: DraftPolicy | None = None):
+    def __init__(self, model, mtp, draft: int | str = "auto", *, policy: DraftPolicy | None = None,
+                 phases: bool | None = None):
         if mtp is None:
             raise OffloadError("this model has no MTP block (nextn_predict_layers = 0): "
                                "speculative decoding needs one; use --draft 0")
@@ -142,7 +173,21 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self.ids: list[int] = []     # ids[p] = the token at position p (and t_n at n_past)
         self._last = 0               # tokens the last step returned (for truncate)
-        self.device = model.device
+        self.device = torch.device(model.device)
+        self.phases = os.environ.get(PHASES_ENV, "") not in ("", "0") if phases is None else phases
+        self._timed_k: set[int] = set()   # k whose first step (lazy init) is behind us
+        self._t = 0.0
+
+    def _lap(self, name: str | None = None) -> None:
+        """Phase timing: synchronise, and book the time since the last lap to `name`."""
+        if not self.phases:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if name is not None:
+            self.stats.add_phase(name, now - self._t)
+        self._t = now
 
     def reset_stats(self) -> None:
         self.stats = SpecStats()
@@ -201,12 +246,30 @@ class SpeculativeDecoder:
         k = min(self.policy.choose(), state.n_free - 1)
         if k < 0:
             raise OffloadError("the context is full")
+        captures = getattr(self.model, "captures", 0)
         t0 = time.perf_counter()
+        self._lap()
         greedy = sampler.p.temperature <= 0
-        drafts, q = self._draft(state, k, sampler, recent, greedy) if k else ([], [])
-        inp = torch.tensor([[tok] + drafts], device=self.device)
+        # greedy without penalties: drafts and checks stay on the device until one read-back
+        on_device = greedy and recent([]) is None
+        tok_t = torch.tensor([tok], device=self.device)
+        if not k:
+            drafts, q, inp = (tok_t[:0] if on_device else []), [], tok_t[None]
+        elif on_device:
+            drafts, q = self._draft_device(state, k), []
+            inp = torch.cat((tok_t, drafts))[None]
+        else:
+            drafts, q = self._draft(state, k, sampler, recent, greedy)
+            inp = torch.tensor([[tok] + drafts], device=self.device)
+        if k:
+            self._lap(f"draft_k{k}")
         logits, hidden = self._verify(inp, state)
-        new, accepted = self._accept(logits[0], drafts, q, sampler, recent, greedy)
+        self._lap(f"verify_T{k + 1}")
+        if on_device:
+            new, accepted = self._accept_greedy(logits[0], drafts)
+        else:
+            new, accepted = self._accept(logits[0], drafts, q, sampler, recent, greedy)
+        self._lap("accept")
         state.rewind(k - accepted)
         owed = state.mtp_hidden
         state.mtp_hidden = hidden[0, :accepted + 1] if owed is None else \
@@ -214,9 +277,14 @@ class SpeculativeDecoder:
         self.ids[n + 1:] = new
         if state.mtp_hidden.shape[0] > MTP_BACKLOG:   # plain steps: keep the MTP head in step
             self._catch_up(state)
+        self._lap("rewind")
         self._last = len(new)
-        self.policy.observe(k, accepted, time.perf_counter() - t0)
         st = self.stats
+        # a step that captured a graph, or the first with this k, says little of the next ones
+        counted = k in self._timed_k and getattr(self.model, "captures", 0) == captures
+        self._timed_k.add(k)
+        st.uncounted += not counted
+        self.policy.observe(k, accepted, time.perf_counter() - t0 if counted else None)
         st.steps += 1
         st.drafted += k
         st.accepted += accepted
@@ -242,6 +310,30 @@ class SpeculativeDecoder:
         if verify is not None:
             return verify(inp, state)
         return self.model.forward(inp, state, hidden=True)
+
+    def _draft_device(self, state: State, k: int) -> torch.Tensor:
+        """k greedy draft ids [k] on the device (no host sync: each argmax feeds the next call)."""
+        owed = state.mtp_hidden
+        p = state.mtp_past
+        toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
+        lg, g = self.mtp.forward(owed[None], toks, state, logits="last")
+        state.mtp_hidden = None
+        base = state.mtp_past                       # rows past it are provisional
+        drafts = [lg[0, -1].argmax(-1, keepdim=True)]
+        for _ in range(1, k):
+            lg, g = self.mtp.forward(g[:, -1:], drafts[-1][None], state, logits="last")
+            drafts.append(lg[0, -1].argmax(-1, keepdim=True))
+        state.mtp_past = base
+        return torch.cat(drafts)
+
+    def _accept_greedy(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], int]:
+        """logits [k+1, V], drafts [k] on the device -> (new tokens, drafts accepted), the
+        trunk's choices and the drafts read back together (the step's one host sync)."""
+        k = drafts.shape[0]
+        both = torch.cat((logits.argmax(-1), drafts)).tolist()
+        choice, d = both[:k + 1], both[k + 1:]
+        accepted = next((i for i in range(k) if choice[i] != d[i]), k)
+        return d[:accepted] + [choice[accepted]], accepted
 
     def _draft(self, state: State, k: int, sampler, recent, greedy: bool):
         """k draft tokens (and, sampling, the distributions q_i they were drawn from)."""

@@ -186,9 +186,10 @@ class State:
         if t < 0:
             raise OffloadError(f"cannot rewind {n} tokens: the last forward kept "
                                f"{self.steps_taken} states")
-        for i, (conv, ssm) in self.steps.items():
-            self.conv[i].copy_(conv[t])
-            self.ssm[i].copy_(ssm[t])
+        # one multi-tensor copy, not 2 launches a layer (60 on the 35B: ~0.3 ms of host time)
+        dst = [d for i in self.steps for d in (self.conv[i], self.ssm[i])]
+        src = [s[t] for pair in self.steps.values() for s in pair]
+        torch._foreach_copy_(dst, src)
         self.n_past -= n
         self.pos.sub_(n)
         self.steps_taken -= n   # a later rewind goes further back from here

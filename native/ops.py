@@ -244,7 +244,14 @@ def _float_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     o, h = w.shape
     wt = _rows(w).view(_FLOAT_DTYPES[w.qtype.name]).view(o, h)
     x2 = x.reshape(-1, h).to(torch.float32)
-    y = x2 @ (wt if wt.dtype == torch.float32 else wt.float()).T
+    wt = wt if wt.dtype == torch.float32 else wt.float()
+    if 1 < x2.shape[0] <= DECODE_MAX_TOKENS and x2.is_cuda:
+        # one GEMM a row, as decode runs it: cuBLAS picks its kernel (and so its summation
+        # order) by shape, and a speculative verify step must route as decode does (an F32
+        # router's logits decide the experts)
+        y = torch.cat([x2[i:i + 1] @ wt.T for i in range(x2.shape[0])])
+    else:
+        y = x2 @ wt.T
     return y.reshape(*x.shape[:-1], o)
 
 

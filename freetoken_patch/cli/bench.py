@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import CLIError
-from .bench_spec import parse_draft
+from .bench_spec import parse_drafts
 from .inputs import check, check_fraction, check_positive
 from .model_args import add_placement_args, placement_options, size_arg
 
@@ -69,10 +69,18 @@ def add_parser(sub) -> None:
     s.add_argument("-p", "--prompt-sizes", default="512,2048", help="prefill sizes (default 512,2048)")
     s.add_argument("-n", "--gen", type=int, default=128, help="decode tokens (default 128)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
-    s.add_argument("--draft", type=parse_draft, default=0, metavar="N|auto",
+    s.add_argument("--draft", type=parse_drafts, default=[], metavar="N|auto[,...]",
                    help="also decode speculatively with the model's MTP head, N drafts a step "
                         "(1..3) or auto, beside plain decoding: tok/s, acceptance, tokens a "
-                        "step (default 0: off)")
+                        "step; several (1,2,auto) run one after another on the loaded model "
+                        "(default: off)")
+    s.add_argument("--phase-times", action="store_true",
+                   help="with --draft: one more speculative run, synchronised between the "
+                        "phases of each step (draft, verify of T tokens, accept, rewind), for "
+                        "where a step's time goes (the timed runs stay unsynchronised)")
+    s.add_argument("--mtp-experts", choices=("gpu", "host"), default="gpu",
+                   help="with --draft: the MTP layer's routed experts resident in VRAM (inside "
+                        "the cap; default) or in pinned host RAM, read over PCIe")
     s.add_argument("--ctx", type=int, default=4096, help="context to budget for (default 4096)")
     s.add_argument("--chunk", type=int, default=POLICY.prefill_chunk,
                    help=f"prefill chunk (default {POLICY.prefill_chunk})")
@@ -180,8 +188,9 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                           prefetch_k=args.prefetch_k, prefill_chunk=args.chunk,
                           elastic=not args.no_elastic, overlap_misses=not args.no_overlap)
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
+        args.draft = [d for d in args.draft if d != 0]   # 0 is the plain run beside anyway
         rt = open_runtime(loaded, vram, policy=policy, ctx=args.ctx, profile=args.profile,
-                          use_graphs=not args.no_graphs,
+                          use_graphs=not args.no_graphs, mtp_experts=args.mtp_experts,
                           **placement_options(args))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -276,11 +285,18 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         from .bench_spec import speculative_tg, summary
         rt.attach_recorder(None)
         if trace_params is not None:
-            rt.replay(None)   # drafts are judged by the model's own routing
-        result["speculative"] = speculative_tg(
-            rt, rt.mtp, args.draft, gen=args.gen, reps=args.reps, n_vocab=c.n_vocab,
-            new_state=lambda: rt.new_state(1, args.ctx), sync=_sync)
-        console.print(summary(result["speculative"]))
+            # the trace by position: a verify step's tokens route as the decode steps at their
+            # positions would, so plain and speculative runs see the same routing
+            rt.replay(trace, by_position=True)
+        runs = []
+        for draft in args.draft:
+            runs.append(speculative_tg(
+                rt, rt.mtp, draft, gen=args.gen, reps=args.reps, n_vocab=c.n_vocab,
+                new_state=lambda: rt.new_state(1, args.ctx), sync=_sync,
+                phases=args.phase_times))
+            console.print(summary(runs[-1]))
+        result["speculative"] = runs[0] if len(runs) == 1 else runs
+        result["mtp_experts"] = args.mtp_experts
     result["vram"] = rt.vram_peaks()
     result["prefill_memory"] = rt.prefill_memory[-8:]   # torch's use vs the elastic estimate
     console.print(f"tg{args.gen}: {statistics.median(tg):.1f} tok/s (min {min(tg):.1f}, max "

@@ -29,49 +29,95 @@ def parse_draft(text: str) -> int | str:
     return k
 
 
+def parse_drafts(text: str) -> list:
+    """'1', 'auto', '1,2,auto' -> the list (argparse type of bench's --draft: several values
+    run one after another on one loaded model)."""
+    return [parse_draft(part.strip()) for part in text.split(",") if part.strip()] or \
+        [parse_draft(text)]
+
+
 def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab: int,
                    new_state: Callable[[], object], sync: Callable[[], None] = lambda: None,
-                   prompt_len: int = 16, seed: int = 0) -> dict:
+                   prompt_len: int = 16, seed: int = 0, phases: bool = False) -> dict:
     """Plain and speculative greedy decoding of `gen` tokens after random prompts (one warm-up,
-    then `reps` timed; the same prompts for both) -> the JSON object of bench's "speculative"."""
+    then `reps` timed; the same prompts for both) -> the JSON object of bench's "speculative".
+    phases: one more speculative run after the timed ones with the device synchronised between
+    the phases of each step (SpecStats.phases), so that the timed rates stay unsynchronised."""
     from moe_offload.generate import SamplingParams, generate
     from moe_offload.speculative import SpeculativeDecoder
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eog=True)
     prompts = [rng.integers(0, n_vocab, prompt_len).tolist() for _ in range(reps + 1)]
-    dec = SpeculativeDecoder(model, mtp, draft)
-    plain_tps, spec_tps, same = [], [], True
+    dec = SpeculativeDecoder(model, mtp, draft, phases=False)
+    plain_tps, spec_tps, diffs = [], [], []
+
+    def run(prompt, d):
+        st = new_state()
+        sync()
+        done = None
+        for ev in generate(model, st, prompt, params, draft=d):
+            done = ev
+        sync()
+        return done
+
     for r, prompt in enumerate(prompts):
         outs = []
         for d in (None, dec):
             if d is not None and r == 1:
                 d.reset_stats()            # statistics of the timed repetitions
-            st = new_state()
-            sync()
-            done = None
-            for ev in generate(model, st, prompt, params, draft=d):
-                done = ev
-            sync()
-            t = done.timings
+            done = run(prompt, d)
             if r:
-                (plain_tps if d is None else spec_tps).append(t.decode_tps)
-            outs.append(done.tokens)
-        same = same and outs[0] == outs[1]
+                (plain_tps if d is None else spec_tps).append(done.timings.decode_tps)
+            outs.append(list(done.tokens))
+        if outs[0] != outs[1]:
+            diffs.append(_divergence(model, new_state, prompt, *outs))
     st = dec.stats
-    return {"draft": draft, "gen": gen, "reps": reps,
-            "plain_tps": _spread(plain_tps), "speculative_tps": _spread(spec_tps),
-            "speedup": round(statistics.median(spec_tps) / statistics.median(plain_tps), 3),
-            "same_tokens": same, **st.as_dict(),
-            "policy": {"acceptance_ema": round(dec.policy.a, 3),
-                       "step_cost_s": {str(k): round(v, 5) for k, v in
-                                       sorted(dec.policy.cost.items())}}}
+    out = {"draft": draft, "gen": gen, "reps": reps,
+           "plain_tps": _spread(plain_tps), "speculative_tps": _spread(spec_tps),
+           "speedup": round(statistics.median(spec_tps) / statistics.median(plain_tps), 3),
+           "same_tokens": not diffs, **st.as_dict(),
+           "policy": {"acceptance_ema": round(dec.policy.a, 3),
+                      "step_cost_s": {str(k): round(v, 5) for k, v in
+                                      sorted(dec.policy.cost.items())}}}
+    if diffs:
+        out["divergence"] = diffs
+    if phases:   # the breakdown, from a run of its own (its syncs slow it down)
+        timed = SpeculativeDecoder(model, mtp, draft, policy=dec.policy, phases=True)
+        run(prompts[-1], timed)
+        out["phases_ms"] = timed.stats.phases_ms()
+    return out
+
+
+def _divergence(model, new_state, prompt: list[int], plain: list[int], spec: list[int]) -> dict:
+    """Where greedy speculative output left plain greedy, and how close the trunk's top two
+    choices were there (logits of the prompt and the common tokens, by one prefill): a margin
+    of a few ulps of the logits says rounding, a large one a bug."""
+    i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    res = {"index": i, "plain": plain[i:i + 3], "speculative": spec[i:i + 3]}
+    if i < len(plain) and i < len(spec):
+        st = new_state()
+        dev = getattr(model, "device", "cpu")
+        logits = model.prefill(torch.tensor([prompt + plain[:i]], device=dev), st)[0].float()
+        top = logits.topk(2)
+        res.update({"top2_logits": [round(float(v), 6) for v in top.values],
+                    "margin": float(top.values[0] - top.values[1]),
+                    "relative_margin": float((top.values[0] - top.values[1]) /
+                                             top.values[0].abs().clamp(min=1e-30)),
+                    "spec_token_logit_gap": float(logits[plain[i]] - logits[spec[i]])})
+    return res
 
 
 def summary(res: dict) -> str:
-    return (f"speculative (--draft {res['draft']}): {res['speculative_tps']['median']:.1f} tok/s "
+    line = (f"speculative (--draft {res['draft']}): {res['speculative_tps']['median']:.1f} tok/s "
             f"vs {res['plain_tps']['median']:.1f} plain ({res['speedup']:.2f}x); acceptance "
-            f"{res['acceptance']:.1%}, {res['tokens_per_step']:.2f} tokens a step, k {res['by_k']}"
-            + ("" if res["same_tokens"] else "; TOKENS DIFFER from plain greedy"))
+            f"{res['acceptance']:.1%}, {res['tokens_per_step']:.2f} tokens a step, k {res['by_k']}")
+    if not res["same_tokens"]:
+        d = res["divergence"][0]
+        line += (f"; TOKENS DIFFER from plain greedy (first at {d['index']}"
+                 + (f", top-2 margin {d['margin']:.3g}" if "margin" in d else "") + ")")
+    if "phases_ms" in res:
+        line += "; ms/step " + ", ".join(f"{k} {v['ms']:.2f}" for k, v in res["phases_ms"].items())
+    return line
 
 
 def _spread(xs: list[float]) -> dict:

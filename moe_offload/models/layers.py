@@ -131,11 +131,15 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     B, T, _ = qg.shape
     hkv, d = k_cache.shape[2:]
     hq = qg.shape[-1] // (2 * d)
-    if T == 1 and _kernel_for(qg) and k_cache.dtype in (torch.float16, torch.float32) \
-            and d in (64, 128, 256, 512):
-        o = ops.cuda_attention_step(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
-                                    base, k_cache, v_cache, hq, n_attn)
-        return o.view(B, 1, hq * d)
+    if T <= ops.DECODE_MAX_TOKENS and _kernel_for(qg) and \
+            k_cache.dtype in (torch.float16, torch.float32) and d in (64, 128, 256, 512):
+        # a few tokens (decode, a speculative verify step): the one-token kernel for each in
+        # turn, so a verify step attends with the arithmetic of decode (greedy speculative
+        # output = plain); token t sees the rows the ones before it wrote
+        o = [ops.cuda_attention_step(qg[:, t], k[:, t], v[:, t], q_norm, k_norm, eps,
+                                     pos[t] if pos.dim() else pos, n_rot, base, k_cache, v_cache,
+                                     hq, n_attn) for t in range(T)]
+        return (o[0] if T == 1 else torch.stack(o, 1)).view(B, T, hq * d)
     qg = qg.view(B, T, hq, 2, d)
     q, gate = qg[..., 0, :], qg[..., 1, :]
     q = rope_neox(rms_norm(q, q_norm, eps), pos, n_rot, base)

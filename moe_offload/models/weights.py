@@ -171,11 +171,10 @@ def upload_mtp(model: LoadedModel, device: torch.device | str = "cpu",
     edev = torch.device(experts_device) if experts_device is not None else device
     prefix = next(iter(ws))[:next(iter(ws)).index(".", 4) + 1]
     tensors: dict[str, QTensor | torch.Tensor] = {}
-    bank: dict[str, QTensor] = {}
     for name, w in ws.items():
         key = name[len(prefix):]
         if name.endswith(_EXPERTS):
-            bank[key.split(".")[0]] = QTensor.from_weight(w, edev)
+            continue
         elif name.endswith(_ELEMENTWISE):
             tensors[key] = ops.dequantize(w.data, w.qtype, w.shape).to(dtype=torch.float32,
                                                                        copy=True)
@@ -185,8 +184,19 @@ def upload_mtp(model: LoadedModel, device: torch.device | str = "cpu",
             tensors[key] = QTensor.from_weight(w, torch.device("cpu"))
     if device.type != "cpu":
         _pack(tensors, list(tensors), device)
+    return tensors, mtp_experts(model, edev)
+
+
+def mtp_experts(model: LoadedModel, device: torch.device | str = "cpu") -> ResidentExperts | None:
+    """The MTP block's routed expert banks on `device` ("cpu": over the file's memory map), or
+    None when the file has none."""
+    from loaders.model import mtp_weights
+    bank = {name.split(".")[2]: QTensor.from_weight(w, device)
+            for name, w in mtp_weights(model).items() if name.endswith(_EXPERTS)}
+    if not bank:
+        return None
     if "ffn_gate_up_exps" in bank:
         gate, up = split_gate_up(bank["ffn_gate_up_exps"])
     else:
         gate, up = bank["ffn_gate_exps"], bank["ffn_up_exps"]
-    return tensors, ResidentExperts(gate, up, bank["ffn_down_exps"])
+    return ResidentExperts(gate, up, bank["ffn_down_exps"])

@@ -19,6 +19,7 @@ ap.add_argument("--rates", default="0.5,0.9")
 ap.add_argument("--drafts", default="1,3,auto")
 ap.add_argument("--gen", type=int, default=48)
 ap.add_argument("--reps", type=int, default=2)
+ap.add_argument("--phases", action="store_true", help="one more run with per-phase timings")
 ap.add_argument("--json")
 a = ap.parse_args()
 out = {"threads": torch.get_num_threads(), "runs": []}
@@ -36,12 +37,13 @@ with tempfile.TemporaryDirectory() as tmp:
         for k in a.drafts.split(","):
             res = speculative_tg(model, head, k if k == "auto" else int(k), gen=a.gen, reps=a.reps,
                                  n_vocab=loaded.config.n_vocab,
-                                 new_state=lambda: model.new_state(1, 512))
+                                 new_state=lambda: model.new_state(1, 512), phases=a.phases)
             res["rate"] = rate
             out["runs"].append(res)
             print(f"rate {rate} k {k}: {res['speculative_tps']['median']:.1f} vs "
                   f"{res['plain_tps']['median']:.1f} tok/s ({res['speedup']}x), acceptance "
                   f"{res['acceptance']:.2f}, {res['tokens_per_step']:.2f} tok/step, by_k "
-                  f"{res['by_k']}, same {res['same_tokens']}")
+                  f"{res['by_k']}, same {res['same_tokens']}"
+                  + (f", ms/step {res['phases_ms']}" if "phases_ms" in res else ""))
 if a.json:
     Path(a.json).write_text(json.dumps(out, indent=1))

@@ -71,3 +71,97 @@ def test_verify_logits_match_decode_steps(loaded):
         assert float((a - dec[2]).abs().max()) <= 2e-2 * float(dec[2].abs().max())
     finally:
         rt.close()
+
+
+def _mtp_expert_bytes(loaded):
+    from loaders.model import mtp_weights
+    return sum(w.data.nbytes for n, w in mtp_weights(loaded).items() if "_exps." in n)
+
+
+def test_mtp_experts_are_resident_and_counted_under_the_cap(loaded):
+    """The MTP layer's routed experts sit in VRAM as their own entry of the start-up plan, the
+    cache sized around them; with mtp_experts='host' they take no VRAM (pinned host RAM)."""
+    from moe_offload import open_runtime
+    want = _mtp_expert_bytes(loaded)
+    rt = open_runtime(loaded, 2 << 30, ctx=256, mtp=True)
+    try:
+        assert rt.mtp.experts.experts.gate.device.type == "cuda"
+        got = rt.report.budget["MTP experts"]
+        assert want <= got <= want + (8 << 20), (got, want)   # allocator rounding only
+        resident_cache = rt.report.budget["expert cache"]
+    finally:
+        rt.close()
+    rt = open_runtime(loaded, 2 << 30, ctx=256, mtp=True, mtp_experts="host")
+    try:
+        assert "MTP experts" not in rt.report.budget
+        assert rt.report.budget["expert cache"] >= resident_cache
+        assert _greedy(rt, n=24) == _greedy(rt, __import__("moe_offload.speculative", fromlist=[
+            "SpeculativeDecoder"]).SpeculativeDecoder(rt, rt.mtp, 2), n=24)
+    finally:
+        rt.close()
+
+
+def test_resident_pool_matches_the_reference_experts(loaded):
+    """ResidentPool (the decode pool kernel over the whole bank) against ops.moe_ffn on the CPU
+    banks, for the T a draft step gives it."""
+    from moe_offload.models.weights import mtp_experts
+    from moe_offload.offload_experts import ResidentPool
+    c = loaded.config
+    cpu = mtp_experts(loaded, "cpu")
+    pool = ResidentPool(mtp_experts(loaded, "cuda"), top_k=c.n_expert_used, ff=c.n_ff_exp, max_tok=8)
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 3, 8):
+        x = torch.randn(T, c.n_embd, generator=g)
+        ids = torch.stack([torch.randperm(c.n_expert, generator=g)[:c.n_expert_used]
+                           for _ in range(T)])
+        w = torch.rand(T, c.n_expert_used, generator=g)
+        ref = cpu(x, ids, w)
+        got = pool(x.cuda(), ids.cuda(), w.cuda()).cpu()
+        assert float((got - ref).abs().max()) <= 2e-2 * float(ref.abs().max()), T
+
+
+def test_verify_equals_decode_bit_for_bit_with_every_expert_resident(loaded):
+    """With the whole model in the cache (no miss: one pool kernel sums each token's experts),
+    a verify step of T tokens gives exactly the logits of T decode steps: attention, the F32
+    router and every matmul run per token as decode runs them (greedy speculative = plain)."""
+    from moe_offload import open_runtime
+    rt = open_runtime(loaded, 2 << 30, ctx=256, mtp=True)
+    try:
+        if min(rt.cache.slots) < loaded.config.n_expert:
+            pytest.skip(f"the cache holds {min(rt.cache.slots)} experts a layer, not all")
+        toks = [3, 4, 5, 6]
+        st = rt.new_state(1, 256)
+        rt.keep_steps(st, 3)
+        rt.prefill(torch.tensor([PROMPT], device="cuda"), st)
+        snap = st.snapshot()
+        for t in toks:   # every expert these tokens route to is resident from now on
+            rt.decode(torch.tensor([t], device="cuda"), st)
+        st.restore(snap)
+        dec = [rt.decode(torch.tensor([t], device="cuda"), st) for t in toks]
+        st.restore(snap)
+        logits, _ = rt.verify(torch.tensor([toks], device="cuda"), st)
+        for i, d in enumerate(dec):
+            assert torch.equal(logits[0, i], d[0]), (i, float((logits[0, i] - d[0]).abs().max()))
+    finally:
+        rt.close()
+
+
+def test_speculative_equals_plain_under_a_trace_by_position(loaded):
+    """Replaying a routing trace by position, verify steps route each token as the decode step
+    at its position: speculative greedy = plain greedy, and the phases are timed."""
+    from moe_offload.speculative import SpeculativeDecoder
+    from moe_offload.trace import TraceParams, make_trace
+    c = loaded.config
+    rt = _runtime(loaded, True)
+    try:
+        rt.replay(make_trace(96, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()),
+                  by_position=True)
+        ref = _greedy(rt)
+        d = SpeculativeDecoder(rt, rt.mtp, 2, phases=True)
+        got = _greedy(rt, d)
+        assert got == ref, (next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b),
+                            d.stats.as_dict())
+        ph = d.stats.phases_ms()
+        assert {"draft_k2", "verify_T3", "accept", "rewind"} <= set(ph), ph
+    finally:
+        rt.close()

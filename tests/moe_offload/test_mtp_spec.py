@@ -278,3 +278,65 @@ def test_synthetic_head_agrees_at_the_chosen_rate(synth_model, rate):
     params = SamplingParams(temperature=0.0, max_tokens=24)
     assert _tokens(model, params, draft) == _tokens(model, params)
     assert abs(draft.stats.acceptance - rate) < 0.15, draft.stats.as_dict()
+
+
+# ---- instrumentation and the policy's cost samples ---------------------------------------------
+
+def test_phase_times_cover_every_phase_of_a_step(tiny):
+    _, model, head = tiny
+    draft = SpeculativeDecoder(model, head, 2, phases=True)
+    _tokens(model, SamplingParams(temperature=0.0, max_tokens=12), draft)
+    ph = draft.stats.as_dict()["phases_ms"]
+    assert list(ph) == ["draft_k2", "verify_T3", "accept", "rewind"], ph
+    assert all(v["n"] == draft.stats.steps and v["ms"] >= 0 for v in ph.values())
+    # off by default (no syncs in normal runs)
+    quiet = SpeculativeDecoder(model, head, 2)
+    _tokens(model, SamplingParams(temperature=0.0, max_tokens=6), quiet)
+    assert not quiet.stats.phases and "phases_ms" not in quiet.stats.as_dict()
+
+
+def test_policy_ignores_costs_of_captures_and_first_steps(tiny):
+    """A step during which the model captured a graph (its `captures` counter moved), and the
+    first step of each k, leave DraftPolicy's cost alone; acceptance still counts."""
+    _, model, head = tiny
+
+    class Capturing:    # the CPU model with a runtime's captures counter, bumped every 3rd verify
+        def __init__(self, m):
+            self.m, self.captures, self.calls = m, 0, 0
+            self.device = m.device
+
+        def forward(self, tokens, state, hidden=False):
+            self.calls += 1
+            self.captures += self.calls % 3 == 0
+            return self.m.forward(tokens, state, hidden=hidden)
+
+        def __getattr__(self, name):
+            return getattr(self.m, name)
+
+    seen = []
+
+    class Spy(DraftPolicy):
+        def observe(self, k, accepted, seconds):
+            seen.append(seconds)
+            super().observe(k, accepted, seconds)
+
+    wrapped = Capturing(model)
+    draft = SpeculativeDecoder(wrapped, head, policy=Spy(1))
+    _tokens(wrapped, SamplingParams(temperature=0.0, max_tokens=16), draft)
+    assert seen[0] is None                                  # the first step of k = 1
+    assert all((s is None) == (i % 3 == 2 or i == 0) for i, s in enumerate(seen)), seen
+    assert draft.stats.uncounted == sum(s is None for s in seen)
+    pol = DraftPolicy(None)
+    pol.observe(0, 0, None)
+    assert 0 not in pol.cost
+
+
+def test_divergence_report_names_the_step_and_the_margin(tiny):
+    from freetoken_patch.cli.bench_spec import _divergence, parse_drafts
+    _, model, _ = tiny
+    ref = _tokens(model, SamplingParams(temperature=0.0, max_tokens=8))
+    other = ref[:5] + [(ref[5] + 1) % model.config.n_vocab] + ref[6:]
+    d = _divergence(model, lambda: model.new_state(1, 64), PROMPT, ref, other)
+    assert d["index"] == 5 and d["plain"][0] == ref[5]
+    assert d["margin"] >= 0 and d["spec_token_logit_gap"] >= d["margin"] - 1e-6
+    assert parse_drafts("1,2,auto") == [1, 2, "auto"] and parse_drafts("3") == [3]
