@@ -156,8 +156,9 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     """Stream tokens after `prompt` (fed on top of what `state` holds; `history` = the ids
     already in it, for the penalties). eog_ids default to the tokenizer's. draft: decode
     speculatively with the model's MTP head (a step may give several tokens). The cache holds
-    every token yielded but the last, or all of them when the caller leaves early (the next
-    step may have been launched already): state.n_past tells."""
+    every token yielded but the last -- or, on a GPU, all of them when the caller leaves early
+    or the last is an end-of-generation id (the next step was queued already): state.n_past
+    tells."""
     if not len(prompt):
         raise OffloadError("the prompt is empty; give at least one token")
     if state.batch != 1:
@@ -186,6 +187,11 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     decode_s, reason = 0.0, "length"
     queue: list[int] = []   # tokens of a speculative step not yet yielded
     taken = 0               # tokens of that step taken so far
+    ahead = None            # logits of the step already queued behind the last token
+    pipelined = draft is None and dev.type == "cuda"
+    if pipelined:
+        tok_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        read = torch.cuda.Event()
     try:
         while True:
             out.append(tok)
@@ -194,16 +200,6 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
             if tok in eog and not params.ignore_eog:
                 reason = "eog"
                 break
-            # Launch the next step before this token's text is made and yielded, so the GPU
-            # computes while the caller works -- when nothing the text could decide may stop
-            # here (no stop strings; not inside a speculative step). A caller that leaves now
-            # has its last token fed too: state.n_past says what the cache holds.
-            ahead = None
-            if (draft is None and not params.stop and len(out) < params.max_tokens
-                    and state.n_free >= 1):
-                t = time.perf_counter()
-                ahead = model.decode(torch.tensor([tok], device=dev), state)
-                decode_s += time.perf_counter() - t
             text, stopped = stops.push(stream(tok))
             if stopped:
                 yield TokenEvent(tok, text, timings)
@@ -222,7 +218,22 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
             if draft is None:
                 logits = ahead if ahead is not None else model.decode(
                     torch.tensor([tok], device=dev), state)
-                tok = int(sample(logits, _recent(context, params, dev)))
+                tok_dev = sample(logits, _recent(context, params, dev))
+                # On a GPU, the step after this token is queued before the host reads it (the
+                # token goes from device to device), so the GPU never waits for the host's
+                # turn -- whenever only an end-of-generation id could stop here: no stop
+                # strings, room and max_tokens left. If it is one, that step was spent for
+                # nothing and the cache holds the id (state.n_past says what it holds).
+                ahead = None
+                if (pipelined and not params.stop and len(out) + 1 < params.max_tokens
+                        and state.n_free >= 1):
+                    tok_host.copy_(tok_dev, non_blocking=True)
+                    read.record()
+                    ahead = model.decode(tok_dev, state)
+                    read.synchronize()
+                    tok = int(tok_host[0])
+                else:
+                    tok = int(tok_dev)
             else:
                 new = draft.step(state, tok, sample,
                                  lambda extra: _recent(context + extra, params, dev))

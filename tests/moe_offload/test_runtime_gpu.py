@@ -430,3 +430,39 @@ def test_decode_many_equals_each_sequence_alone(loaded, graphs):
             rt.decode_many(feed[0, :2], [states[0], states[0]])
     finally:
         rt.close()
+
+
+def test_generate_queues_each_step_before_reading_its_token(loaded):
+    """generate() on the runtime queues the step after a token before the host reads it: the
+    same greedy tokens as a step-by-step loop; the cache holds every token yielded but the last
+    when max_tokens ends it, all of them when the caller leaves early or an end-of-generation
+    id ends it (its step was queued already)."""
+    from moe_offload import DoneEvent, SamplingParams, generate
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, loaded.config.n_vocab, (PROMPT,), generator=g).tolist()
+    rt = _runtime(loaded)
+    try:
+        st = rt.new_state(1, 256)
+        logits, ref = rt.prefill(torch.tensor([prompt]).cuda(), st), []
+        for _ in range(8):
+            ref.append(int(logits.argmax(-1)))
+            logits = rt.decode(torch.tensor([ref[-1]]).cuda(), st)
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eog=True)
+        *toks, done = generate(rt, rt.new_state(1, 256), prompt, greedy, eog_ids=())
+        assert [e.token for e in toks] == ref == list(done.tokens)
+        st = rt.new_state(1, 256)
+        list(generate(rt, st, prompt, greedy, eog_ids=()))
+        assert st.n_past == PROMPT + 7                       # the 8th token is never fed
+        st = rt.new_state(1, 256)
+        gen = generate(rt, st, prompt, greedy, eog_ids=())
+        [next(gen) for _ in range(3)]
+        gen.close()
+        assert st.n_past == PROMPT + 3                       # the 3rd was queued before it left
+        i = next(i for i in range(2, 7) if ref[i] not in ref[:i])   # its first appearance
+        st = rt.new_state(1, 256)
+        *toks, done = generate(rt, st, prompt, SamplingParams(temperature=0.0, max_tokens=8),
+                               eog_ids=(ref[i],))
+        assert isinstance(done, DoneEvent) and done.reason == "eog"
+        assert list(done.tokens) == ref[:i + 1] and st.n_past == PROMPT + i + 1
+    finally:
+        rt.close()
