@@ -51,8 +51,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, V]; recent [B, n] context ids the penalties see (or None)."""
         if self.p.temperature <= 0:
-            return self.filtered(logits, recent).argmax(-1)
+            return self.penalized(logits, recent).argmax(-1)
+        if 0 < self.p.top_k < logits.shape[-1]:
+            probs, ids = self.candidates(logits, recent)
+            return ids.gather(-1, torch.multinomial(probs, 1, generator=self.generator))[:, 0]
         return torch.multinomial(self.probs(logits, recent), 1, generator=self.generator)[:, 0]
+
+    def candidates(self, logits: torch.Tensor, recent: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With top-k (temperature > 0): the draw's distribution over the k best ids only,
+        (probs [B, k], ids [B, k]) -- the same as probs() over the vocabulary, but the other
+        filters sort k values instead of the whole vocabulary. Logits tied with the k-th are
+        cut to k by index (probs() keeps every tie)."""
+        vals, ids = self.penalized(logits, recent).topk(self.p.top_k, dim=-1)
+        return torch.softmax(self.nucleus(vals) / self.p.temperature, -1), ids
 
     def probs(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
         """The distribution a draw is made from [B, V] (temperature > 0): speculative sampling
@@ -61,6 +73,16 @@ class Sampler:
 
     def filtered(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
         """Logits after penalties and (temperature > 0) top-k, top-p, min-p: -inf where cut."""
+        x = self.penalized(logits, recent)
+        if self.p.temperature <= 0:
+            return x
+        k = self.p.top_k
+        if 0 < k < x.shape[-1]:
+            x = x.masked_fill(x < x.topk(k, dim=-1).values[..., -1:], float("-inf"))
+        return self.nucleus(x)
+
+    def penalized(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (a float copy) after the repeat, presence and frequency penalties."""
         p, x = self.p, logits.float().clone()
         if recent is not None and recent.numel() and _penalized(p):
             seen = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, recent, True)
@@ -69,10 +91,11 @@ class Sampler:
             if p.frequency_penalty:
                 counts = torch.zeros_like(x).scatter_add_(-1, recent, torch.ones_like(recent, dtype=x.dtype))
                 x = x - p.frequency_penalty * counts
-        if p.temperature <= 0:
-            return x
-        if 0 < p.top_k < x.shape[-1]:
-            x = x.masked_fill(x < x.topk(p.top_k, dim=-1).values[..., -1:], float("-inf"))
+        return x
+
+    def nucleus(self, x: torch.Tensor) -> torch.Tensor:
+        """top-p, then min-p, on logits x [B, N] (probabilities at temperature 1): -inf where cut."""
+        p = self.p
         if p.top_p < 1.0:
             probs, order = torch.softmax(x, -1).sort(dim=-1, descending=True)
             drop = (probs.cumsum(-1) - probs) >= p.top_p   # mass before this token already >= p

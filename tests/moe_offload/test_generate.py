@@ -61,6 +61,23 @@ def test_sampling_follows_softmax_and_seed_repeats():
     assert torch.equal(Sampler(p)(LOGITS.repeat(100, 1)), Sampler(p)(LOGITS.repeat(100, 1)))
 
 
+@pytest.mark.parametrize("params", [dict(top_k=40, top_p=0.95, min_p=0.05),
+                                    dict(top_k=5, top_p=1.0, min_p=0.0),
+                                    dict(top_k=100, top_p=0.5, min_p=0.0, presence_penalty=0.7)])
+def test_top_k_draws_from_the_same_distribution_over_k_candidates(params):
+    """With top-k the draw is made over the k best ids (the other filters sort k values, not
+    the vocabulary): scattered back, the same probabilities as probs() over the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=g) * 3
+    recent = torch.randint(0, 5000, (3, 16), generator=g)
+    sp = Sampler(SamplingParams(temperature=0.8, seed=1, **params))
+    probs, ids = sp.candidates(logits, recent)
+    full = torch.zeros_like(logits).scatter_(-1, ids, probs)
+    torch.testing.assert_close(full, sp.probs(logits, recent), rtol=1e-5, atol=1e-7)
+    draws = sp(logits, recent)
+    assert all(full[b, t] > 0 for b, t in enumerate(draws.tolist()))
+
+
 def test_penalties():
     recent = torch.tensor([[4]])
     # 3.0 / 2 = 1.5 < 2.0: the repeated top token loses to token 0
