@@ -229,7 +229,7 @@ def create_app(served: Served) -> FastAPI:
         use_tools = bool(tools) and req.tool_choice != "none"
         text, ids, prefix = await run_in_threadpool(_render_chat, served, req,
                                                     tools if use_tools else None, forced)
-        job = _submit(served, ids, params)
+        job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
         rid = new_id("chatcmpl")
         if req.stream:
@@ -250,7 +250,7 @@ def create_app(served: Served) -> FastAPI:
         _check_model(served, req.model, anthropic=True)
         params = _anthropic_sampling(req)
         text, ids, tools, prefix = await run_in_threadpool(_render_messages, served, req)
-        job = _submit(served, ids, params)
+        job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
         mid = anthropic.new_message_id()
         if req.stream:
@@ -518,8 +518,11 @@ def _check_fits(served: Served, ids: list[int], param: str) -> None:
                        param=param, code="context_length_exceeded")
 
 
-def _submit(served: Served, ids: list[int], params: SamplingParams) -> Job:
-    job = Job(ids, params)
+def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | None = None
+            ) -> Job:
+    """Queue a request; `text` (a chat's rendered prompt, which `ids` encode) lets it continue
+    a cached conversation whose reply re-tokenizes differently."""
+    job = Job(ids, params, text=text)
     try:
         served.engine.submit(job)
     except QueueFull:

@@ -74,6 +74,7 @@ class Job:
     events: asyncio.Queue | None = None
     cancelled: bool = False
     n_cached: int = 0                 # prompt tokens taken from a cached prefix
+    text: str | None = None           # the prompt's text (chat), when its ids encode it whole
     head_s: float = 0.0               # time to prefill the first turn apart (see _admit)
 
     def __post_init__(self):
@@ -110,6 +111,13 @@ class _Seq:
     def cached_tokens(self) -> list[int]:
         """The ids the state holds now (the last sampled id is never fed)."""
         return (self.history + self.feed + self.sampled)[:self.state.n_past]
+
+    def cached_text(self, tokenizer) -> str | None:
+        """The text of cached_tokens(): the prompt's and the fed reply ids' (None: unknown)."""
+        fed = self.state.n_past - len(self.job.prompt)
+        if self.job.text is None or tokenizer is None or fed < 0:
+            return None
+        return self.job.text + tokenizer.decode(self.sampled[:fed])
 
 
 class Engine:
@@ -343,7 +351,12 @@ class Engine:
             return None
         state = None
         try:
-            entry, n, snap = self.cache.take(job.prompt) if self.cache.size else (None, 0, None)
+            entry, n, snap, ids = (self.cache.take(job.prompt, job.text, self._encode)
+                                   if self.cache.size else (None, 0, None, job.prompt))
+            if entry is not None and len(ids) >= self.n_ctx:   # the cached ids spell the text in more tokens than fit
+                self.cache.put(entry)
+                entry, n, snap, ids = self.cache.take(job.prompt)
+            job.prompt = ids
             if entry is None:
                 state, history, snaps = self._fresh_state(), [], []
             else:
@@ -391,6 +404,9 @@ class Engine:
                     self._free.append(state)
             return None
 
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special=False, parse_special=True)
+
     def _first_turn_end(self, prompt: list[int]) -> int:
         """Just after the first end-of-turn id of a prompt that has another turn after that
         one's end (a system turn before the user's); 0 when there is none."""
@@ -428,7 +444,8 @@ class Engine:
         if seq.state is None:
             pass
         elif self.cache.size and seq.state.n_past:
-            out = self.cache.put(Cached(seq.state, seq.cached_tokens(), seq.snaps))
+            out = self.cache.put(Cached(seq.state, seq.cached_tokens(), seq.snaps,
+                                        seq.cached_text(self.tokenizer)))
             if out is not None:
                 self._free.append(out.state)
         else:

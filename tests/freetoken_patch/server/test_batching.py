@@ -240,3 +240,43 @@ def test_the_engine_outlives_a_failed_step(tiny_parts):
     first, second = _collect(eng, [(p, greedy)], [(p, greedy)])
     assert getattr(first, "status", None) == 500 and "boom" in first.message
     assert isinstance(second, DoneEvent) and second.tokens == _alone(tiny_parts, p, greedy)[1].tokens
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_follow_up_continues_from_the_reply_ids_it_was_sent_as_text(tiny_parts, batch):
+    """The client returns the reply as text, which need not tokenize into the sampled ids again
+    (this random model's rarely do): the follow-up continues from the cached ids, only the new
+    text tokenized, and answers as a cold run fed those same ids."""
+    from freetoken_patch.server.engine import Job
+    model, tok, tmpl = tiny_parts
+    eng = _engine(tiny_parts, parallel=2, batch=None if batch else False)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eog=True)
+    user = [{"role": "user", "content": "What is copper"}]
+    text1 = tmpl.render(user, add_generation_prompt=True)
+    ids1 = tok.encode(text1, parse_special=True)
+
+    async def run():
+        eng.start()
+        job1 = Job(ids1, params, text=text1)
+        eng.submit(job1)
+        while not isinstance(ev := await job1.events.get(), DoneEvent):
+            pass
+        reply = list(ev.tokens)
+        text2 = tmpl.render(user + [{"role": "assistant", "content": tok.decode(reply)},
+                                    {"role": "user", "content": "And then?"}],
+                            add_generation_prompt=True)
+        job2 = Job(tok.encode(text2, parse_special=True), params, text=text2)
+        eng.submit(job2)
+        while not isinstance(ev2 := await job2.events.get(), DoneEvent):
+            pass
+        eng.shutdown()
+        return reply, text2, job2, ev2
+    reply, text2, job2, done2 = asyncio.run(run())
+    fed = ids1 + reply[:-1]                      # the last sampled id is never fed
+    rest = text2[len(text1 + tok.decode(reply[:-1])):]
+    assert text2.startswith(text1 + tok.decode(reply[:-1]))
+    assert job2.n_cached == len(fed) and job2.prompt == fed + tok.encode(rest, parse_special=True)
+    canonical = tok.encode(text2, parse_special=True)
+    assert canonical[:len(fed)] != fed           # this reply re-tokenizes into other ids
+    ref = generate(model, model.new_state(1, 256), job2.prompt, params, tokenizer=tok)
+    assert list(done2.tokens) == list([*ref][-1].tokens)

@@ -1,6 +1,7 @@
 """The server's prefix cache on its own: the longest covered prefix wins, a partly matching entry
 falls back to its latest snapshot at or below the match, one prompt token is always left to
-feed, and the oldest entry goes first."""
+feed, the oldest entry goes first, and a prompt whose text extends an entry's text continues
+from the entry's own ids."""
 from types import SimpleNamespace
 
 from freetoken_patch.server.prefix_cache import Cached, PrefixCache
@@ -15,7 +16,7 @@ def test_longest_covered_prefix_is_taken_and_removed():
     short, long_ = Cached("A", [1, 2]), Cached("B", [1, 2, 3, 4])
     c.put(short)
     c.put(long_)
-    entry, n, snap = c.take([1, 2, 3, 4, 5])
+    entry, n, snap, _ = c.take([1, 2, 3, 4, 5])
     assert (entry, n, snap) == (long_, 4, None)
     assert c.entries == [short]
 
@@ -24,20 +25,20 @@ def test_a_diverging_entry_rewinds_to_its_snapshot():
     c = PrefixCache(4)
     e = Cached("A", [1, 2, 3, 4, 5, 6], snaps=[_snap(2), _snap(4), _snap(6)])
     c.put(e)
-    entry, n, snap = c.take([1, 2, 3, 4, 9, 9])     # matches 4 tokens, then differs
+    entry, n, snap, _ = c.take([1, 2, 3, 4, 9, 9])     # matches 4 tokens, then differs
     assert entry is e and n == 4 and snap.n_past == 4
     c.put(e)
-    entry, n, snap = c.take([1, 2, 3, 9])           # matches 3: the snapshot at 2
+    entry, n, snap, _ = c.take([1, 2, 3, 9])           # matches 3: the snapshot at 2
     assert n == 2 and snap.n_past == 2
     c.put(e)
-    assert c.take([7, 8]) == (None, 0, None)        # nothing shared: nothing taken
+    assert c.take([7, 8]) == (None, 0, None, [7, 8])        # nothing shared: nothing taken
     assert c.entries == [e]
 
 
 def test_one_prompt_token_is_left_to_feed():
     c = PrefixCache(4)
     c.put(Cached("A", [1, 2, 3], snaps=[_snap(1)]))
-    entry, n, snap = c.take([1, 2, 3])              # the whole prompt is cached
+    entry, n, snap, _ = c.take([1, 2, 3])              # the whole prompt is cached
     assert n == 1 and snap.n_past == 1              # rewind so the last token is fed again
 
 
@@ -47,3 +48,29 @@ def test_oldest_goes_first():
     assert c.put(a) is None and c.put(b) is None
     assert c.put(d) is a
     assert c.pop_oldest() is b and c.pop_oldest() is d and c.pop_oldest() is None
+
+
+def _encode(text):
+    return [ord(ch) for ch in text]
+
+
+def test_a_prompt_whose_text_extends_an_entry_keeps_the_entry_ids():
+    """The reply's ids (here 7, 8 spelling "xy") need not be how the text tokenizes again."""
+    c = PrefixCache(4)
+    e = Cached("A", [1, 2, 7, 8], text="ab" + "xy")
+    c.put(e)
+    prompt = _encode("abxy?!")                       # the canonical ids of the new text
+    entry, n, snap, ids = c.take(prompt, "abxy?!", _encode)
+    assert entry is e and n == 4 and snap is None
+    assert ids == [1, 2, 7, 8] + _encode("?!")       # the cached ids, then the new text's
+
+
+def test_text_that_does_not_extend_the_entry_falls_back_to_the_ids():
+    c = PrefixCache(4)
+    e = Cached("A", [97, 98, 7], snaps=[_snap(2)], text="abZ")
+    c.put(e)
+    entry, n, snap, ids = c.take(_encode("abc!"), "abc!", _encode)
+    assert entry is e and n == 2 and snap.n_past == 2 and ids == _encode("abc!")
+    c.put(e)
+    entry, n, snap, ids = c.take(_encode("abZ"), "abZ", _encode)   # nothing new after it
+    assert n == 2 and ids == _encode("abZ")
