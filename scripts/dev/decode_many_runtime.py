@@ -39,17 +39,19 @@ def _time_parts(rt) -> dict:
 
 
 def main() -> None:
-    from moe_offload import open_runtime
+    from moe_offload import OffloadPolicy, open_runtime
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--vram", default="8GiB")
     p.add_argument("--batches", default="1,2,4")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
-    rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=max(batches))
+    rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=max(batches),
+                      policy=OffloadPolicy(prefetch=not args.no_prefetch))
     dev, c = rt.device, rt.config
     rng = np.random.default_rng(0)
     states = [rt.new_state(1) for _ in range(max(batches))]
@@ -83,7 +85,10 @@ def main() -> None:
         row = {"B": b, "first_step_ms": round(first * 1e3, 1), "step_ms": round(dt * 1e3, 2),
                "tok_s": round(b / dt, 1), "hit_rate": round(s["hit_rate"], 4),
                "fetched_per_step": round(s["fetched"] / args.steps, 1),
-               "cpu_experts_per_step": round(s["cpu"] / args.steps, 1), "first_parts_ms": parts}
+               "cpu_experts_per_step": round(s["cpu"] / args.steps, 1),
+               "prefetched_per_step": round(s["prefetched"] / args.steps, 1),
+               "pcie_MB_per_step": round(s["pcie_bytes"] / args.steps / 1e6, 1),
+               "first_parts_ms": parts}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
     # new compositions: each is a new graph key
