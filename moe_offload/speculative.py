@@ -311,14 +311,19 @@ class SpeculativeDecoder:
             return verify(inp, state)
         return self.model.forward(inp, state, hidden=True)
 
-    def _draft_device(self, state: State, k: int) -> torch.Tensor:
-        """k greedy draft ids [k] on the device (no host sync: each argmax feeds the next call)."""
+    def _first_draft(self, state: State):
+        """The MTP head on the trunk's hidden states it is owed -> (its last logits, its normed
+        states, the MTP KV length: rows past it are the drafts' provisional ones)."""
         owed = state.mtp_hidden
         p = state.mtp_past
         toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
         lg, g = self.mtp.forward(owed[None], toks, state, logits="last")
         state.mtp_hidden = None
-        base = state.mtp_past                       # rows past it are provisional
+        return lg, g, state.mtp_past
+
+    def _draft_device(self, state: State, k: int) -> torch.Tensor:
+        """k greedy draft ids [k] on the device (no host sync: each argmax feeds the next call)."""
+        lg, g, base = self._first_draft(state)
         drafts = [lg[0, -1].argmax(-1, keepdim=True)]
         for _ in range(1, k):
             lg, g = self.mtp.forward(g[:, -1:], drafts[-1][None], state, logits="last")
@@ -337,12 +342,7 @@ class SpeculativeDecoder:
 
     def _draft(self, state: State, k: int, sampler, recent, greedy: bool):
         """k draft tokens (and, sampling, the distributions q_i they were drawn from)."""
-        owed = state.mtp_hidden
-        p = state.mtp_past
-        toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
-        lg, g = self.mtp.forward(owed[None], toks, state, logits="last")
-        state.mtp_hidden = None
-        base = state.mtp_past                       # rows past it are provisional
+        lg, g, base = self._first_draft(state)
         drafts, qs = [], []
         for i in range(k):
             if i:
