@@ -308,6 +308,7 @@ class Session:
     tokens: list[int] = field(default_factory=list)      # ids now in the cache, in order
     max_snapshots: int = 4
     draft: SpeculativeDecoder | None = None              # speculative decoding (MTP head)
+    text: str | None = None                              # the text `tokens` spell (chat turns)
     _snaps: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -329,12 +330,14 @@ class Session:
         self.state.reset()
         self.tokens.clear()
         self._snaps.clear()
+        self.text = None
 
     def generate(self, prompt: Sequence[int], params: SamplingParams = GREEDY
                  ) -> Iterator[TokenEvent | DoneEvent]:
         """Continue the cached sequence with `prompt` ids and stream the reply. Stopping early
         (leaving the loop) is fine: the session keeps what the cache holds."""
         start, sampled = len(self.tokens), []
+        self.text = None                          # ids without their text (chat() sets it)
         self._snapshot()                          # end of the previous reply
         gen = generate(self.model, self.state, prompt, params, tokenizer=self.tokenizer,
                        history=self.tokens, draft=self.draft)
@@ -356,13 +359,31 @@ class Session:
 
     def chat(self, messages: Sequence[dict], params: SamplingParams = GREEDY,
              enable_thinking: bool | None = None) -> Iterator[TokenEvent | DoneEvent]:
-        """The assistant's reply to the whole conversation `messages` (OpenAI-style list)."""
+        """The assistant's reply to the whole conversation `messages` (OpenAI-style list).
+
+        The template is applied to the whole conversation, but when its text extends the text
+        the cache holds (the last turn's prompt and reply), the cached ids are kept and only the
+        new text is tokenized: a reply's text need not tokenize back into the ids sampled, and
+        the next turn should not prefill the conversation again because of that."""
         tok = self._tok()
         text = self.template.render(messages, add_generation_prompt=True,
                                     enable_thinking=enable_thinking, bos_token=tok.bos_token,
                                     eos_token=tok.eos_token)
-        ids = tok.encode(text, add_special=False, parse_special=True)
-        return self.generate(ids[self._reuse(ids):], params)
+        if (self.text is not None and self.tokens and len(text) > len(self.text)
+                and text.startswith(self.text)):
+            ids = self.tokens + tok.encode(text[len(self.text):], add_special=False,
+                                           parse_special=True)
+        else:
+            ids = tok.encode(text, add_special=False, parse_special=True)
+        return self._turn(ids, text, params)
+
+    def _turn(self, ids: list[int], text: str, params: SamplingParams
+              ) -> Iterator[TokenEvent | DoneEvent]:
+        try:
+            yield from self.generate(ids[self._reuse(ids):], params)
+        finally:   # the cache holds `ids` (the text) and the reply's ids fed after them
+            whole = len(self.tokens) >= len(ids)
+            self.text = text + self.tokenizer.decode(self.tokens[len(ids):]) if whole else None
 
     # -- prefix reuse -----------------------------------------------------------------------
 

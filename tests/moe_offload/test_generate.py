@@ -200,3 +200,28 @@ def test_session_without_tokenizer_takes_ids(session_parts):
 def _render_ids(s: Session, msgs) -> list[int]:
     text = s.template.render(msgs, add_generation_prompt=True)
     return s.tokenizer.encode(text, parse_special=True)
+
+
+def test_chat_keeps_the_reply_ids_when_their_text_tokenizes_otherwise(session_parts):
+    """The next turn's text extends the cached one: the cache keeps the ids the model sampled
+    (which this random model's text does not tokenize back into), only the new text is
+    tokenized and prefilled, and the reply is a cold run's on those same ids."""
+    model, tok, tmpl = session_parts
+    s = _session(session_parts)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eog=True)
+    user = [{"role": "user", "content": "What is copper"}]
+    *_, first = s.chat(user, params)
+    cached, text1 = list(s.tokens), s.text
+    msgs = user + [{"role": "assistant", "content": tok.decode(first.tokens)},
+                   {"role": "user", "content": "And then?"}]
+    text2 = tmpl.render(msgs, add_generation_prompt=True, bos_token=tok.bos_token,
+                        eos_token=tok.eos_token)
+    assert text2.startswith(text1)
+    assert tok.encode(text2, parse_special=True)[:len(cached)] != cached   # re-tokenizes otherwise
+    *_, second = s.chat(msgs, params)
+    new = tok.encode(text2[len(text1):], parse_special=True)
+    assert second.timings.n_prompt == len(new)
+    *_, cold = generate(model, model.new_state(1, 256), cached + new, params, tokenizer=tok)
+    assert second.tokens == cold.tokens
+    list(s.generate(tok.encode("x"), params))   # plain ids: the session no longer claims a text
+    assert s.text is None
