@@ -239,6 +239,26 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+def matmul_many(x: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor]:
+    """[x @ W^T for W in ws]: several weights that read the same x [T, H] (or [H]), float32.
+    On the CPU one native call for all of them (x rounded once, one pool hand-off, the rows of
+    every weight split over all threads) into one [T, sum O] buffer, returned as column views;
+    elsewhere (or for a type the extension lacks) one `matmul` each."""
+    if len(ws) > 1 and x.device.type == "cpu" and hasattr(_cpu, "matmul_multi") and all(
+            w.device == x.device and x.shape[-1] == w.shape[-1] and len(w.shape) == 2
+            and _ext_supports(_cpu, w.qtype, "matmul", int(w.shape[-1])) for w in ws):
+        h = x.shape[-1]
+        x2 = x.reshape(-1, h).to(torch.float32).contiguous()
+        outs = [int(w.shape[0]) for w in ws]
+        y = torch.empty(x2.shape[0], sum(outs), dtype=torch.float32)
+        if x2.shape[0]:
+            _cpu.matmul_multi([(w.qtype.type_id, _rows(w).data_ptr(), o, w.row_bytes)
+                               for w, o in zip(ws, outs)], h, x2.data_ptr(), x2.shape[0],
+                              y.data_ptr(), y.shape[1], 0)
+        return [p.view(*x.shape[:-1], o) for p, o in zip(y.split(outs, dim=1), outs)]
+    return [matmul(x, w) for w in ws]
+
+
 def _float_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """x @ W^T for a float-typed weight, its bytes viewed as the float type (no copy)."""
     o, h = w.shape
@@ -503,6 +523,49 @@ def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                         dt_bias.data_ptr(), S.data_ptr(), norm_w.data_ptr(), bsz, n_tok, n_k_heads,
                         hv, dk, dv, eps, out.data_ptr(), 0)
     return out
+
+
+def cpu_attention_available(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "attention")
+
+
+def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, n_attn: int, pos0: int) -> torch.Tensor:
+    """Causal GQA attention of one sequence on host tensors (csrc/cpu/attention.cpp): q [T, Hq, d]
+    and gate [T, Hq, d] (views: unit stride in d), query t at position pos0 + t; caches [n_ctx,
+    Hkv, d] float32 contiguous, the first n_attn rows attended, key l visible to query t iff
+    l <= pos0 + t -> softmax(q k^T / sqrt(d)) v * sigmoid(gate), [T, Hq*d]. d % 16 == 0."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    for name, u in (("q", q), ("gate", gate)):
+        if u is not None and (u.dtype != torch.float32 or u.stride(2) != 1 or tuple(u.shape) != (t, hq, d)):
+            raise NativeError(f"attention: {name} must be float32 [T, Hq, d] with unit stride in d")
+    if any(c.dtype != torch.float32 or not c.is_contiguous() or c.shape[1:] != (hkv, d)
+           for c in (k_cache, v_cache)):
+        raise NativeError("attention: caches must be contiguous float32 [n_ctx, Hkv, d]")
+    out = torch.empty(t, hq * d, dtype=torch.float32)
+    g = (gate.data_ptr(), gate.stride(0), gate.stride(1)) if gate is not None else (0, 0, 0)
+    _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), *g, k_cache.data_ptr(),
+                   v_cache.data_ptr(), n_attn, pos0, t, hq, hkv, d, out.data_ptr(), 0)
+    return out
+
+
+class cpu_threads_held:
+    """`with cpu_threads_held(device):` keeps the CPU pool's idle threads spinning (not asleep)
+    for a forward on the CPU, whose few hundred kernel calls a token then start without waking
+    them; nothing on other devices."""
+
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cpu" and hasattr(_cpu, "hold_threads")
+
+    def __enter__(self):
+        if self.on:
+            _cpu.hold_threads(True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            _cpu.hold_threads(False)
 
 
 # ---- decode-step kernels (csrc/cuda/step.cu; the step_* ones also csrc/cpu/step.cpp) ------------------

@@ -9,8 +9,8 @@ A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for 
 `route_topk`, `swiglu`)
 run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
 each, and launches, not bytes, bound a decode step. On CPU tensors `residual_rms_norm`,
-`route_topk` and the delta-net's recurrence run in native._cpu (native.ops.cpu_*; the recurrence a
-token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
+`route_topk`, the delta-net's recurrence and the attention core (after the norms, RoPE and the
+cache write) run in native._cpu (native.ops.cpu_*; a token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
 small matmuls) cost more than the layer's weights, and its per-operation overhead more than a
 norm's arithmetic. The
 torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU tests
@@ -142,6 +142,11 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     k = rope_neox(rms_norm(k.view(B, T, hkv, d), k_norm, eps), pos, n_rot, base)
     k_cache.index_copy_(1, pos, k.to(k_cache.dtype))
     v_cache.index_copy_(1, pos, v.view(B, T, hkv, d).to(v_cache.dtype))
+    if B == 1 and d % 16 == 0 and k_cache.dtype == torch.float32 and k_cache.is_contiguous() \
+            and v_cache.is_contiguous() and _cpu_kernel_for(qg) and ops.cpu_attention_available(qg):
+        # the CPU's (csrc/cpu/attention.cpp): heads and query blocks over the kernels' pool
+        o = ops.cpu_attention(q[0], gate[0], k_cache[0], v_cache[0], n_attn, int(pos[0]))
+        return o.view(B, T, hq * d)
     k_pos = torch.arange(n_attn, device=qg.device)
     attend = attention_fused if qg.is_cuda else attention
     o = attend(q, k_cache[:, :n_attn].float(), v_cache[:, :n_attn].float(), pos, k_pos)

@@ -137,6 +137,15 @@ void dequantize(int type_id, const uint8_t* src, int64_t n_rows, int64_t n_cols,
                 int64_t src_row_stride, void* dst, int dst_dtype);
 void matmul(int type_id, const uint8_t* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
             const float* x, int64_t n_tok, float* y);
+struct MatW {  // one weight W [n_out, n_in] of matmul_multi: row o at w + o*row_stride (bytes)
+    int type_id;
+    const uint8_t* w;
+    int64_t n_out, row_stride;
+};
+// y[t, c_j + o] = x[t] . W_j[o] for the n_w weights in order (c_j = the n_out of those before j):
+// y [n_tok, >= sum n_out] with row stride ldy, x [n_tok, n_in] contiguous.
+void matmul_multi(const MatW* ws, int n_w, int64_t n_in, const float* x, int64_t n_tok, float* y,
+                  int64_t ldy);
 struct Bank {  // one expert weight bank [E, rows, cols]: rows contiguous inside an expert
     int type_id;
     const uint8_t* base;
@@ -164,6 +173,15 @@ void delta_rule_seq(const float* y, int64_t ldy, const float* z, int64_t ldz, co
                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                     float* S, const float* norm_w, int64_t batch, int64_t n_tok, int64_t hk, int64_t hv,
                     int64_t dk, int64_t dv, float eps, float* out);
+
+// Causal GQA attention of one sequence (attention.cpp): query t of head h at q + t*q_t + h*q_h
+// (d floats, normed and roped), position pos0 + t, sees cache rows l < n_attn with l <= pos0 + t;
+// k_cache, v_cache [n_ctx, hkv, d] f32 contiguous, query head h reads kv head h / (hq / hkv);
+// scale 1/sqrt(d). out [n_tok, hq*d] contiguous = softmax(q k^T) v, times sigmoid(gate) where
+// gate (same layout as q, strides g_t, g_h) is not null. d % 16 == 0.
+void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int64_t g_t, int64_t g_h,
+               const float* k_cache, const float* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
+               int64_t hq, int64_t hkv, int64_t d, float* out);
 
 // Row geometry check shared by the ops: n_cols weights of `k` per row.
 int64_t row_kblocks(const TypeKernels& k, int64_t n_cols, const char* what);
