@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -161,8 +162,16 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+_EXT_TYPES: dict[tuple[int, str], tuple] = {}   # (id(ext), op) -> (ext, names): asked once
+
+
 def _ext_supports(ext, qtype: QuantType, op: str, n_cols: int | None = None) -> bool:
-    if ext is None or qtype.name not in getattr(ext, f"{op}_types", lambda: ())():
+    if ext is None:
+        return False
+    hit = _EXT_TYPES.get((id(ext), op))
+    if hit is None or hit[0] is not ext:
+        hit = _EXT_TYPES[(id(ext), op)] = (ext, frozenset(getattr(ext, f"{op}_types", lambda: ())()))
+    if qtype.name not in hit[1]:
         return False
     # kernels address rows in 32-weight groups: float rows need a multiple of 32 elements
     return n_cols is None or n_cols % max(32, qtype.block_elems) == 0
@@ -222,6 +231,10 @@ def dequantize(data, qtype: str | QuantType, shape: Sequence[int]) -> torch.Tens
 
 def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y = x @ W^T, float32. x [T, H] (or [H]) float; W [O, H] on x's device -> [T, O]."""
+    if x.device.type == "cpu":
+        arg = _cpu_weight(w)
+        if arg is not None and x.shape[-1] == arg[4]:
+            return _cpu_matmul_many(x, [arg])[0]
     if x.device != w.device:
         raise NativeError(f"{w.name}: weight on {w.device}, input on {x.device}")
     if x.shape[-1] != w.shape[-1]:
@@ -244,19 +257,45 @@ def matmul_many(x: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor]:
     On the CPU one native call for all of them (x rounded once, one pool hand-off, the rows of
     every weight split over all threads) into one [T, sum O] buffer, returned as column views;
     elsewhere (or for a type the extension lacks) one `matmul` each."""
-    if len(ws) > 1 and x.device.type == "cpu" and hasattr(_cpu, "matmul_multi") and all(
-            w.device == x.device and x.shape[-1] == w.shape[-1] and len(w.shape) == 2
-            and _ext_supports(_cpu, w.qtype, "matmul", int(w.shape[-1])) for w in ws):
-        h = x.shape[-1]
-        x2 = x.reshape(-1, h).to(torch.float32).contiguous()
-        outs = [int(w.shape[0]) for w in ws]
-        y = torch.empty(x2.shape[0], sum(outs), dtype=torch.float32)
-        if x2.shape[0]:
-            _cpu.matmul_multi([(w.qtype.type_id, _rows(w).data_ptr(), o, w.row_bytes)
-                               for w, o in zip(ws, outs)], h, x2.data_ptr(), x2.shape[0],
-                              y.data_ptr(), y.shape[1], 0)
-        return [p.view(*x.shape[:-1], o) for p, o in zip(y.split(outs, dim=1), outs)]
+    if x.device.type == "cpu":
+        args = [_cpu_weight(w) for w in ws]
+        if all(a is not None and a[4] == x.shape[-1] for a in args):
+            return _cpu_matmul_many(x, args)
     return [matmul(x, w) for w in ws]
+
+
+# A decode token makes a few hundred matmul calls, each cheap next to Python's own checks: the
+# native arguments of a CPU weight are worked out once, kept while the weight lives.
+_CPU_WEIGHTS: dict[int, tuple] = {}   # id(w) -> (weakref to w, (type_id, ptr, n_out, row_bytes, n_in))
+
+
+def _cpu_weight(w: QTensor) -> tuple | None:
+    """The matmul_multi argument of a 2-D CPU weight the extension runs (else None), plus n_in."""
+    hit = _CPU_WEIGHTS.get(id(w))
+    if hit is not None and hit[0]() is w and _cpu is not None:
+        return hit[1]
+    if (_cpu is None or not hasattr(_cpu, "matmul_multi") or w.device.type != "cpu"
+            or len(w.shape) != 2 or w.data.dim() != 2
+            or not _ext_supports(_cpu, w.qtype, "matmul", int(w.shape[-1]))):
+        return None
+    key = id(w)
+    arg = (w.qtype.type_id, w.data.data_ptr(), int(w.shape[0]), w.row_bytes, int(w.shape[1]))
+    _CPU_WEIGHTS[key] = (weakref.ref(w, lambda _, k=key: _CPU_WEIGHTS.pop(k, None)), arg)
+    return arg
+
+
+def _cpu_matmul_many(x: torch.Tensor, args: list[tuple]) -> list[torch.Tensor]:
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    outs = [a[2] for a in args]
+    total = sum(outs)
+    y = torch.empty(x2.shape[0], total, dtype=torch.float32)
+    if x2.shape[0] and total:
+        _cpu.matmul_multi([a[:4] for a in args], h, x2.data_ptr(), x2.shape[0], y.data_ptr(), total, 0)
+    yv = y.view(*x.shape[:-1], total)
+    return [yv] if len(args) == 1 else list(yv.split(outs, dim=-1))
 
 
 def _float_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -485,8 +524,8 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 # ---- decode-step kernels of the CPU (csrc/cpu/step.cpp) ----------------------------------------------
-# The delta-net's conv token and recurrence (a decode token, or a prompt's tokens in order), with
-# the arguments and results of the CUDA step kernels below; host tensors. The residual add + RMS
+# The delta-net's conv and recurrence (a decode token, or a prompt's tokens in order), with the
+# arguments and results of the CUDA step kernels below, and the attention core; host tensors. The residual add + RMS
 # norm and the router's top-k have one wrapper for both devices (step_residual_rms_norm,
 # step_route_topk, below).
 
@@ -494,14 +533,17 @@ def cpu_step_kernels_available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "route_topk")
 
 
-def cpu_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One token: x [B, C] -> silu(causal conv) [B, C]; conv_state [B, C, Kc-1] shifts in place."""
-    bsz, ch = x.shape
-    if not conv_state.is_contiguous() or not w.is_contiguous():
-        raise NativeError("conv_silu_step: conv_state and w must be contiguous")
-    y = torch.empty(bsz, ch, dtype=torch.float32)
-    _cpu.conv_silu_step(x.data_ptr(), _ld(x, "conv_silu_step x"), conv_state.data_ptr(),
-                        w.data_ptr(), bsz, ch, w.shape[1], y.data_ptr(), 0)
+def cpu_conv_silu(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """T tokens of B sequences: x [B, T, C] (rows with unit stride) -> silu(causal conv)
+    [B*T, C] contiguous; conv_state [B, C, Kc-1] shifts in place (the last Kc-1 inputs)."""
+    bsz, n_tok, ch = x.shape
+    if not conv_state.is_contiguous() or not w.is_contiguous() or x.dtype != torch.float32 \
+            or x.stride(2) != 1 or (bsz > 1 and n_tok > 1 and x.stride(0) != n_tok * x.stride(1)):
+        raise NativeError("conv_silu: conv_state and w contiguous, x float32 rows of one stride")
+    y = torch.empty(bsz * n_tok, ch, dtype=torch.float32)
+    ldx = x.stride(1) if n_tok > 1 else (x.stride(0) if bsz > 1 else ch)   # row b*T + t to the next
+    _cpu.conv_silu_seq(x.data_ptr(), ldx, conv_state.data_ptr(), w.data_ptr(), bsz, n_tok, ch,
+                       w.shape[1], y.data_ptr(), 0)
     return y
 
 

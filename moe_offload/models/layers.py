@@ -203,10 +203,7 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
         return o.view(B, 1, hv * dv)
     if _cpu_kernel_for(mix) and ssm_state.is_contiguous():
         # on the CPU (csrc/cpu/step.cpp): the recurrence token by token, each head's state in cache
-        if T == 1:
-            y = ops.cpu_conv_silu_step(mix[:, 0], conv_state, conv_w)
-        else:
-            y = F.silu(causal_conv(mix, conv_state, conv_w)).contiguous().view(B * T, -1)
+        y = ops.cpu_conv_silu(mix, conv_state, conv_w)                        # [B*T, C]
         o = ops.cpu_delta_rule(y, z.reshape(B * T, -1), beta_raw.reshape(B * T, -1),
                                alpha_raw.reshape(B * T, -1), ssm_a, dt_bias, ssm_state, norm_w, hk, eps)
         return o.view(B, T, hv * dv)

@@ -38,6 +38,9 @@
 //   residual_rms_norm(x, rows, n, a, lda, b, ldb, s, lds, w, eps, out, stream)
 //   route_topk(logits, rows, ld, n_experts, top_k, floor, ids, weights, stream)
 //   conv_silu_step(x, ldx, conv_state, w, batch, channels, kc, y, stream)
+//   conv_silu_seq(x, ldx, conv_state, w, batch, n_tok, channels, kc, y, stream)
+//       conv_silu_step over n_tok tokens of each sequence in order (x rows b*n_tok + t, stride
+//       ldx; y [batch*n_tok, channels]): a prompt's causal conv + silu, channels over the pool.
 //   delta_rule_step(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch,
 //                   hk, hv, dk, dv, eps, out, stream)
 //       the delta-net token of a decode step (csrc/cpu/step.cpp): the same arguments and results
@@ -195,6 +198,16 @@ PYBIND11_MODULE(_cpu, m) {
           },
           py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
           py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("conv_silu_seq",
+          [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch, int64_t n_tok,
+             int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {
+              no_stream(stream);
+              cpu::conv_silu_seq(ptr<const float>(x), ldx, ptr<float>(state), ptr<const float>(w),
+                                 batch, n_tok, channels, kc, ptr<float>(y));
+          },
+          py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
+          py::arg("n_tok"), py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0,
+          release);
     m.def("delta_rule_step",
           [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
              uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias, uintptr_t S,

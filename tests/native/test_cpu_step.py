@@ -1,5 +1,5 @@
 """The CPU step kernels against their torch references in moe_offload.models.layers, on fresh random
-inputs: the delta-net (native._cpu.conv_silu_step, delta_rule_step / delta_rule_seq; the recurrent
+inputs: the delta-net (native._cpu.conv_silu_seq, delta_rule_step / delta_rule_seq; the recurrent
 form for a token, the chunked form for a prompt: outputs and the updated states), the residual add
 + RMS norm, the router's top-k and the attention core (native._cpu.attention, on every ISA)."""
 from __future__ import annotations

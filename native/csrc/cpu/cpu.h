@@ -163,6 +163,10 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 // The delta-net token of a decode step (step.cpp; contracts: csrc/cuda/api.h, same names).
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y);
+// conv_silu_step for n_tok tokens of each sequence in order: x rows b*n_tok + t (stride ldx),
+// y [batch*n_tok, channels].
+void conv_silu_seq(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                   int64_t n_tok, int64_t channels, int64_t kc, float* y);
 void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
                      const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                      float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk,
