@@ -714,12 +714,15 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     return out
 
 
-def cuda_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [N, F] views with the same row stride."""
+def step_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [N, F] views with the same row stride, on their device: the CUDA step
+    kernel, or the CPU's (rows over the pool)."""
     n, f = gate.shape
     ld = _ld(gate, "swiglu gate")
     if _ld(up, "swiglu up") != ld:
         raise NativeError("swiglu: gate and up need the same row stride")
     out = torch.empty(n, f, dtype=torch.float32, device=gate.device)
-    _cuda.swiglu(gate.data_ptr(), up.data_ptr(), ld, n, f, out.data_ptr(), _stream(gate.device))
+    ext, stream = _step_ext(gate)
+    ext.swiglu(gate.data_ptr(), up.data_ptr(), ld, n, f, out.data_ptr(), stream)
     return out
+

@@ -9,7 +9,7 @@ A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for 
 `route_topk`, `swiglu`)
 run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
 each, and launches, not bytes, bound a decode step. On CPU tensors `residual_rms_norm`,
-`route_topk`, the delta-net's recurrence and the attention core (after the norms, RoPE and the
+`route_topk`, `swiglu`, the delta-net's conv and recurrence and the attention core (after the norms, RoPE and the
 cache write) run in native._cpu (native.ops.cpu_*; a token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
 small matmuls) cost more than the layer's weights, and its per-operation overhead more than a
 norm's arithmetic. The
@@ -66,7 +66,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dim() == 2 and _kernel_for(gate):
-        return ops.cuda_swiglu(gate, up)
+        return ops.step_swiglu(gate, up)
+    if gate.dim() == 2 and _cpu_kernel_for(gate) and hasattr(ops._cpu, "swiglu") \
+            and gate.stride(0) == up.stride(0) and gate.stride(-1) == up.stride(-1) == 1:
+        return ops.step_swiglu(gate, up)
     return F.silu(gate) * up
 
 

@@ -37,6 +37,7 @@
 //       ids[t,k] < 0 skips the slot (e.g. experts computed elsewhere); ids >= E raise.
 //   residual_rms_norm(x, rows, n, a, lda, b, ldb, s, lds, w, eps, out, stream)
 //   route_topk(logits, rows, ld, n_experts, top_k, floor, ids, weights, stream)
+//   swiglu(gate, up, ld, rows, n, out, stream)   out f32 [rows, n] = silu(gate) * up (rows at ld)
 //   conv_silu_step(x, ldx, conv_state, w, batch, channels, kc, y, stream)
 //   conv_silu_seq(x, ldx, conv_state, w, batch, n_tok, channels, kc, y, stream)
 //       conv_silu_step over n_tok tokens of each sequence in order (x rows b*n_tok + t, stride
@@ -189,6 +190,14 @@ PYBIND11_MODULE(_cpu, m) {
           },
           py::arg("logits"), py::arg("rows"), py::arg("ld"), py::arg("n_experts"), py::arg("top_k"),
           py::arg("floor"), py::arg("ids"), py::arg("weights"), py::arg("stream") = 0, release);
+    m.def("swiglu",
+          [](uintptr_t gate, uintptr_t up, int64_t ld, int64_t rows, int64_t n, uintptr_t out,
+             uintptr_t stream) {
+              no_stream(stream);
+              cpu::swiglu(ptr<const float>(gate), ptr<const float>(up), ld, rows, n, ptr<float>(out));
+          },
+          py::arg("gate"), py::arg("up"), py::arg("ld"), py::arg("rows"), py::arg("n"), py::arg("out"),
+          py::arg("stream") = 0, release);
     m.def("conv_silu_step",
           [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch,
              int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {

@@ -84,7 +84,7 @@ def test_residual_rms_norm_matches_the_torch_reference(rows, parts):
                                    msg=lambda m: f"{what} rows={rows} {parts}: {m} (seed {SEED})")
 
 
-@pytest.mark.parametrize("rows,e,k", [(1, 256, 8), (37, 16, 4)])
+@pytest.mark.parametrize("rows,e,k", [(1, 256, 8), (37, 16, 4), (300, 256, 8)])
 def test_route_topk_matches_the_torch_reference(rows, e, k):
     logits = _t(rng_for("topk", rows, e, k), rows, e, scale=3.0)
     ids, w = layers.route_topk(logits, k)
@@ -96,6 +96,16 @@ def test_route_topk_matches_the_torch_reference(rows, e, k):
         layers.STEP_KERNELS = True
     assert torch.equal(ids.long(), ref_ids), f"seed {SEED}"
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{m} (seed {SEED})")
+
+
+@pytest.mark.parametrize("rows", [1, 200])
+def test_swiglu_matches_torch_on_views_of_one_buffer(rows):
+    """The shared expert's silu(gate) * up on the gate|up column views of one matmul_many output."""
+    gu = _t(rng_for("swiglu", rows), rows, 2 * 384, scale=3.0)
+    gate, up = gu.split(384, dim=1)
+    got = layers.swiglu(gate, up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6,
+                               msg=lambda m: f"{m} (seed {SEED})")
 
 
 @pytest.mark.parametrize("n_tok,pos0,n_attn", [(1, 0, 1), (1, 40, 41), (1, 5, 64), (37, 0, 37),

@@ -160,6 +160,8 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
                        int64_t ldb, const float* s, int64_t lds, const float* w, float eps, float* out);
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
                 float floor, int32_t* ids, float* weights);
+// out [rows, n] = silu(gate) * up, gate and up rows at stride ld (the shared expert's gate|up).
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out);
 // The delta-net token of a decode step (step.cpp; contracts: csrc/cuda/api.h, same names).
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y);

@@ -196,27 +196,43 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
                 float floor, int32_t* ids, float* weights) {
     if (top_k <= 0 || top_k > n_experts) throw std::invalid_argument("route_topk: need 0 < top_k <= n_experts");
-    std::vector<float> p(n_experts);
-    std::vector<int32_t> order(n_experts);
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* l = logits + r * ld;
-        float mx = l[0];
-        for (int64_t e = 1; e < n_experts; ++e) mx = std::max(mx, l[e]);
-        float sum = 0.f;
-        for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(l[e] - mx));
-        for (int64_t e = 0; e < n_experts; ++e) p[e] /= sum, order[e] = int32_t(e);
-        // the k largest, descending; ties: lower id first
-        std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t i, int32_t j) {
-            return p[i] > p[j] || (p[i] == p[j] && i < j);
-        });
-        float ksum = 0.f;
-        for (int64_t k = 0; k < top_k; ++k) ksum += p[order[k]];
-        const float denom = std::max(ksum, floor);
-        for (int64_t k = 0; k < top_k; ++k) {
-            ids[r * top_k + k] = order[k];
-            weights[r * top_k + k] = p[order[k]] / denom;
+    auto run = [&](int64_t r0, int64_t r1) {
+        std::vector<float> p(n_experts);
+        std::vector<int32_t> order(n_experts);
+        for (int64_t r = r0; r < r1; ++r) {
+            const float* l = logits + r * ld;
+            float mx = l[0];
+            for (int64_t e = 1; e < n_experts; ++e) mx = std::max(mx, l[e]);
+            float sum = 0.f;
+            for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(l[e] - mx));
+            for (int64_t e = 0; e < n_experts; ++e) p[e] /= sum, order[e] = int32_t(e);
+            // the k largest, descending; ties: lower id first
+            std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t i, int32_t j) {
+                return p[i] > p[j] || (p[i] == p[j] && i < j);
+            });
+            float ksum = 0.f;
+            for (int64_t k = 0; k < top_k; ++k) ksum += p[order[k]];
+            const float denom = std::max(ksum, floor);
+            for (int64_t k = 0; k < top_k; ++k) {
+                ids[r * top_k + k] = order[k];
+                weights[r * top_k + k] = p[order[k]] / denom;
+            }
         }
-    }
+    };
+    if (rows < 16) return run(0, rows);  // a decode step: cheaper than the pool
+    parallel_for(rows, 8, run);
+}
+
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out) {
+    auto run = [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *g = gate + r * ld, *u = up + r * ld;
+            float* o = out + r * n;
+            for (int64_t j = 0; j < n; ++j) o[j] = silu(g[j]) * u[j];
+        }
+    };
+    if (rows * n < (1 << 16)) return run(0, rows);
+    parallel_for(rows, std::max<int64_t>(1, 16384 / n), run);
 }
 
 void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
