@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -37,9 +38,10 @@ struct Act {
         return a;
     }
 };
-struct ActBuf {
-    std::vector<int8_t> q8;
-    std::vector<float> d8, m16;
+struct ActBuf {  // left uninitialized (every element is written before it is read): a prompt's
+                // buffers are megabytes, and zeroing them would run on one thread
+    std::unique_ptr<int8_t[]> q8;
+    std::unique_ptr<float[]> d8, m16;
 };
 // Fills q8/d8/m16 rows [t0, t1) (x rows at x + t*ldx, n % 32 == 0).
 using QuantizeActFn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
