@@ -592,6 +592,38 @@ def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Ten
     return out
 
 
+_INV_FREQ: dict[tuple[int, float], torch.Tensor] = {}
+
+
+def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                        k_norm: torch.Tensor, eps: float, pos0: int, n_rot: int, base: float,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int,
+                        n_attn: int) -> torch.Tensor:
+    """The attention mixer between its projections for T tokens of one sequence on host tensors
+    (csrc/cpu/attention.cpp; cuda_attention_step's contract, any T): qg [T, Hq*2d] (per head d
+    query then d gate values), k, v [T, Hkv*d] (rows with unit stride); q, k RMS-normed and roped
+    at positions pos0 + t, k and v written to the caches [n_ctx, Hkv, d] (float32, contiguous),
+    the first n_attn rows attended -> [T, Hq*d]."""
+    t = qg.shape[0]
+    n_ctx, hkv, d = k_cache.shape
+    if any(c.dtype != torch.float32 or not c.is_contiguous() for c in (k_cache, v_cache)) \
+            or pos0 + t > min(n_attn, n_ctx) or qg.shape[1] != n_head * 2 * d:
+        raise NativeError("gated_attention: contiguous float32 caches with room for the tokens")
+    ld_kv = _ld(k, "gated_attention k")
+    if _ld(v, "gated_attention v") != ld_kv:
+        raise NativeError("gated_attention: k and v need the same row stride")
+    key = (n_rot, float(base))
+    if key not in _INV_FREQ:   # layers.rope_neox's frequencies, the same float32 arithmetic
+        _INV_FREQ[key] = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot)
+    work = torch.empty(t, n_head * d, dtype=torch.float32)
+    out = torch.empty(t, n_head * d, dtype=torch.float32)
+    _cpu.gated_attention(qg.data_ptr(), _ld(qg, "gated_attention qg"), k.data_ptr(), v.data_ptr(), ld_kv,
+                         q_norm.data_ptr(), k_norm.data_ptr(), eps, pos0, t, n_head, hkv, d, n_rot,
+                         _INV_FREQ[key].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_attn,
+                         work.data_ptr(), out.data_ptr(), 0)
+    return out
+
+
 class cpu_threads_held:
     """`with cpu_threads_held(device):` keeps the CPU pool's idle threads spinning (not asleep)
     for a forward on the CPU, whose few hundred kernel calls a token then start without waking

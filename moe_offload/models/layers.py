@@ -139,17 +139,19 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
         o = ops.cuda_attention_step(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
                                     base, k_cache, v_cache, hq, n_attn)
         return o.view(B, 1, hq * d)
+    if B == 1 and d % 16 == 0 and k_cache.dtype == torch.float32 and k_cache.is_contiguous() \
+            and v_cache.is_contiguous() and _cpu_kernel_for(qg) and ops.cpu_attention_available(qg):
+        # the CPU's (csrc/cpu/attention.cpp): norms, RoPE, the cache write, then heads and query
+        # blocks over the kernels' pool
+        o = ops.cpu_gated_attention(qg[0], k[0], v[0], q_norm, k_norm, eps, int(pos[0]), n_rot, base,
+                                    k_cache[0], v_cache[0], hq, n_attn)
+        return o.view(B, T, hq * d)
     qg = qg.view(B, T, hq, 2, d)
     q, gate = qg[..., 0, :], qg[..., 1, :]
     q = rope_neox(rms_norm(q, q_norm, eps), pos, n_rot, base)
     k = rope_neox(rms_norm(k.view(B, T, hkv, d), k_norm, eps), pos, n_rot, base)
     k_cache.index_copy_(1, pos, k.to(k_cache.dtype))
     v_cache.index_copy_(1, pos, v.view(B, T, hkv, d).to(v_cache.dtype))
-    if B == 1 and d % 16 == 0 and k_cache.dtype == torch.float32 and k_cache.is_contiguous() \
-            and v_cache.is_contiguous() and _cpu_kernel_for(qg) and ops.cpu_attention_available(qg):
-        # the CPU's (csrc/cpu/attention.cpp): heads and query blocks over the kernels' pool
-        o = ops.cpu_attention(q[0], gate[0], k_cache[0], v_cache[0], n_attn, int(pos[0]))
-        return o.view(B, T, hq * d)
     k_pos = torch.arange(n_attn, device=qg.device)
     attend = attention_fused if qg.is_cuda else attention
     o = attend(q, k_cache[:, :n_attn].float(), v_cache[:, :n_attn].float(), pos, k_pos)

@@ -54,6 +54,10 @@
 //       causal GQA attention of one sequence with a sigmoid gate (csrc/cpu/cpu.h): query t of
 //       head h at q + (t*q_t + h*q_h) floats, position pos0 + t; gate likewise (0: none);
 //       caches f32 [n_ctx, hkv, d] contiguous, rows < n_attn read; out f32 [n_tok, hq*d].
+//   gated_attention(qg, ld_qg, k, v, ld_kv, q_norm, k_norm, eps, pos0, n_tok, hq, hkv, d, n_rot,
+//                   inv_freq, k_cache, v_cache, n_attn, q_work, out, stream)
+//       the attention mixer between its projections (csrc/cpu/cpu.h): q/k RMS norm + NEOX RoPE,
+//       the cache write at rows pos0 + t, then `attention` with the gate; q_work f32 [T, hq*d].
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
@@ -154,6 +158,21 @@ PYBIND11_MODULE(_cpu, m) {
           py::arg("q"), py::arg("q_t"), py::arg("q_h"), py::arg("gate"), py::arg("g_t"), py::arg("g_h"),
           py::arg("k_cache"), py::arg("v_cache"), py::arg("n_attn"), py::arg("pos0"), py::arg("n_tok"),
           py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("gated_attention",
+          [](uintptr_t qg, int64_t ld_qg, uintptr_t k, uintptr_t v, int64_t ld_kv, uintptr_t q_norm,
+             uintptr_t k_norm, float eps, int64_t pos0, int64_t n_tok, int64_t hq, int64_t hkv, int64_t d,
+             int64_t n_rot, uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache, int64_t n_attn,
+             uintptr_t q_work, uintptr_t out, uintptr_t stream) {
+              no_stream(stream);
+              cpu::gated_attention(ptr<const float>(qg), ld_qg, ptr<const float>(k), ptr<const float>(v),
+                                   ld_kv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps, pos0,
+                                   n_tok, hq, hkv, d, n_rot, ptr<const float>(inv_freq), ptr<float>(k_cache),
+                                   ptr<float>(v_cache), n_attn, ptr<float>(q_work), ptr<float>(out));
+          },
+          py::arg("qg"), py::arg("ld_qg"), py::arg("k"), py::arg("v"), py::arg("ld_kv"), py::arg("q_norm"),
+          py::arg("k_norm"), py::arg("eps"), py::arg("pos0"), py::arg("n_tok"), py::arg("hq"), py::arg("hkv"),
+          py::arg("d"), py::arg("n_rot"), py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("n_attn"), py::arg("q_work"), py::arg("out"), py::arg("stream") = 0, release);
     m.def("moe_ffn",
           [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
              uintptr_t ids, uintptr_t weights, int64_t top_k, int gate_type, uintptr_t gate,

@@ -134,17 +134,18 @@ def test_attention_matches_the_torch_reference(cpu_isa, hq, hkv, d, n_tok, pos0,
     torch.testing.assert_close(plain * torch.sigmoid(gate.reshape(n_tok, -1)), got, rtol=1e-6, atol=1e-7)
 
 
-def test_gated_attention_on_the_cpu_uses_the_kernel_and_matches_torch():
-    """layers.gated_attention of a prompt then a token (norms, RoPE, cache write, core): the native
-    core against STEP_KERNELS = False, outputs and caches."""
-    rng = rng_for("gated_attention")
-    hq, hkv, d, n_ctx = 4, 2, 32, 24
+@pytest.mark.parametrize("start", [0, 3000])
+def test_gated_attention_on_the_cpu_uses_the_kernel_and_matches_torch(start):
+    """layers.gated_attention of a prompt then a token (norms, RoPE at positions from `start`,
+    cache write, core): the native path against STEP_KERNELS = False, outputs and caches."""
+    rng = rng_for("gated_attention", start)
+    hq, hkv, d, n_ctx = 4, 2, 32, start + 24
     q_norm, k_norm = 1 + _t(rng, d, scale=0.1), 1 + _t(rng, d, scale=0.1)
-    steps = [(_t(rng, 1, 9, hq * 2 * d), _t(rng, 1, 9, hkv * d), _t(rng, 1, 9, hkv * d), torch.arange(9)),
-             (_t(rng, 1, 1, hq * 2 * d), _t(rng, 1, 1, hkv * d), _t(rng, 1, 1, hkv * d), torch.tensor([9]))]
+    steps = [(_t(rng, 1, 9, hq * 2 * d), _t(rng, 1, 9, hkv * d), _t(rng, 1, 9, hkv * d), start + torch.arange(9)),
+             (_t(rng, 1, 1, hq * 2 * d), _t(rng, 1, 1, hkv * d), _t(rng, 1, 1, hkv * d), torch.tensor([start + 9]))]
     outs = {}
     for kernels in (True, False):
-        kc, vc = torch.zeros(1, n_ctx, hkv, d), torch.zeros(1, n_ctx, hkv, d)
+        kc, vc = _t(rng_for("cache"), 1, n_ctx, hkv, d), _t(rng_for("cache"), 1, n_ctx, hkv, d)
         layers.STEP_KERNELS = kernels
         try:
             outs[kernels] = [layers.gated_attention(qg, k, v, q_norm, k_norm, 1e-6, pos, 16, 1e4, kc, vc,

@@ -119,4 +119,41 @@ void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int6
     parallel_for(hq * nb, 1, run);
 }
 
+void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float* v, int64_t ld_kv,
+                     const float* q_norm, const float* k_norm, float eps, int64_t pos0, int64_t n_tok,
+                     int64_t hq, int64_t hkv, int64_t d, int64_t n_rot, const float* inv_freq,
+                     float* k_cache, float* v_cache, int64_t n_attn, float* q_work, float* out) {
+    if (n_rot < 0 || n_rot > d || n_rot % 2 || pos0 + n_tok > n_attn)
+        throw std::invalid_argument("gated_attention: needs an even n_rot <= d and pos0 + n_tok <= n_attn");
+    // RMS norm (times its weight), then NEOX RoPE on the first n_rot dims: pair (i, i + n_rot/2)
+    // turns by angle pos * inv_freq[i] -- layers.rms_norm and layers.rope_neox, row by row
+    auto norm_rope = [&](const float* x, const float* w, int64_t pos, float* y) {
+        float ss = 0.f;
+        for (int64_t c = 0; c < d; ++c) ss += x[c] * x[c];
+        const float r = 1.f / std::sqrt(ss / float(d) + eps);
+        for (int64_t c = 0; c < d; ++c) y[c] = x[c] * r * w[c];
+        const int64_t half = n_rot / 2;
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = float(pos) * inv_freq[i], cs = std::cos(a), sn = std::sin(a);
+            const float x1 = y[i], x2 = y[i + half];
+            y[i] = x1 * cs - x2 * sn;
+            y[i + half] = x2 * cs + x1 * sn;
+        }
+    };
+    auto prep = [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t pos = pos0 + t;
+            for (int64_t h = 0; h < hq; ++h)  // qg row: per head d query values, then d gate values
+                norm_rope(qg + t * ld_qg + h * 2 * d, q_norm, pos, q_work + (t * hq + h) * d);
+            for (int64_t g = 0; g < hkv; ++g) {
+                norm_rope(k + t * ld_kv + g * d, k_norm, pos, k_cache + (pos * hkv + g) * d);
+                std::copy(v + t * ld_kv + g * d, v + t * ld_kv + (g + 1) * d, v_cache + (pos * hkv + g) * d);
+            }
+        }
+    };
+    if (n_tok < 8) prep(0, n_tok);  // a decode token: cheaper than the pool
+    else parallel_for(n_tok, 4, prep);
+    attention(q_work, hq * d, d, qg + d, ld_qg, 2 * d, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out);
+}
+
 }  // namespace ft::cpu
