@@ -316,6 +316,11 @@ def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
     `out` (float32 [T, H], contiguous) receives the result if given. On CPU tensors the call
     releases the GIL, so a Python thread can run the CPU misses while another drives the GPU.
     """
+    if x.device.type == "cpu" and ids.device.type == "cpu" and weights.device.type == "cpu":
+        banks = _cpu_banks(gate, up, down)   # the banks checked once (a decode token: 40 calls)
+        if banks is not None and x.dim() == 2 and x.shape[1] == banks[2] and ids.dim() == 2 \
+                and ids.shape == weights.shape and ids.shape[0] == x.shape[0]:
+            return ext_moe_ffn(_cpu, x, gate, up, down, ids, weights, out, banks)
     (t, h), (e, f) = x.shape, gate.shape[:2]
     if (tuple(gate.shape) != (e, f, h) or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
             or tuple(ids.shape) != tuple(weights.shape) or ids.dim() != 2 or ids.shape[0] != t):
@@ -364,18 +369,40 @@ def ext_matmul(ext, x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], o)
 
 
-def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None) -> torch.Tensor:
+_CPU_BANKS: dict[tuple, tuple] = {}   # (ids of gate, up, down) -> (weakrefs..., _cpu_banks' value)
+
+
+def _cpu_banks(gate: QTensor, up: QTensor, down: QTensor) -> tuple | None:
+    """(E, F, H, the bank arguments of native moe_ffn) of three CPU banks that fit together and
+    the extension runs, else None (moe_ffn's checks then say why)."""
+    key = (id(gate), id(up), id(down))
+    hit = _CPU_BANKS.get(key)
+    if hit is not None and hit[0]() is gate and hit[1]() is up and hit[2]() is down and _cpu is not None:
+        return hit[3]
+    e, f, h = gate.shape if len(gate.shape) == 3 else (0, 0, 0)
+    if (_cpu is None or not e or any(q.device.type != "cpu" for q in (gate, up, down))
+            or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
+            or not all(_ext_supports(_cpu, q.qtype, "moe_ffn", int(q.shape[-1])) for q in (gate, up, down))):
+        return None
+    arg = (e, f, h, [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)])
+    _CPU_BANKS[key] = (*(weakref.ref(q, lambda _, k=key: _CPU_BANKS.pop(k, None)) for q in (gate, up, down)), arg)
+    return arg
+
+
+def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None, banks=None) -> torch.Tensor:
     (t, h), (e, f), k = x.shape, gate.shape[:2], ids.shape[1]
-    x32 = x.to(torch.float32).contiguous()
-    ids32 = ids.to(torch.int32).contiguous()
-    w32 = weights.to(torch.float32).contiguous()
+    x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    ids32 = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+    w32 = weights if weights.dtype == torch.float32 and weights.is_contiguous() \
+        else weights.to(torch.float32).contiguous()
     if out is None:
         out = torch.empty(t, h, dtype=torch.float32, device=x.device)
     elif out.dtype != torch.float32 or tuple(out.shape) != (t, h) or not out.is_contiguous():
         raise NativeError(f"moe_ffn: out must be contiguous float32 {[t, h]}, got {out.dtype} "
                           f"{list(out.shape)}")
     if t:
-        banks = [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)]
+        banks = banks[3] if banks is not None else \
+            [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)]
         ext.moe_ffn(x32.data_ptr(), t, h, f, e, ids32.data_ptr(), w32.data_ptr(), k, *banks,
                     out.data_ptr(), _stream(x.device))
     return out
