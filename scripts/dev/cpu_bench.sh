@@ -69,18 +69,20 @@ if [[ "${LLAMA_SKIP:-0}" != 1 && ! -x $LB ]]; then
   ) > "$OUT/llama_build.log" 2>&1 &
   PID_LLAMA=$!
 fi
+PIDS_SYNTH=()
+for t in $TYPES; do   # one process each (numpy, mostly one thread), beside the builds
+  m="$MODELS/${PRESET}_${t,,}.gguf"
+  [[ -f "$m" ]] && continue
+  ( $FT synth --preset "$PRESET" --type "$t" -o "$m.part" && mv "$m.part" "$m" ) > "$OUT/synth_$t.log" 2>&1 &
+  PIDS_SYNTH+=($!)
+done
 if [[ -n "${PID_CPU:-}" ]]; then
   wait "$PID_CPU"; echo "our CPU extension: build rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/setup.log"
 fi
 $PY -c "import native.ops as o; print('isa', o._cpu.isa(), o._cpu.available_isas())" 2>&1 | tee -a "$OUT/setup.log" \
   | grep -q "^isa" || { echo "native._cpu does not import: $OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; }
-t1=$SECONDS
-for t in $TYPES; do   # (the synth is single-threaded numpy: beside the llama.cpp build)
-  m="$MODELS/${PRESET}_${t,,}.gguf"
-  [[ -f "$m" ]] || $FT synth --preset "$PRESET" --type "$t" -o "$m" > "$OUT/synth_$t.log" 2>&1 \
-    || { echo "synth $t failed:"; tail -5 "$OUT/synth_$t.log"; }
-done
-echo "models: $((SECONDS - t1)) s; $(ls -la "$MODELS"/${PRESET}_*.gguf 2> /dev/null | awk '{printf "%s %.2f GB; ", $NF, $5 / 1e9}')" | tee -a "$OUT/setup.log"
+for p in "${PIDS_SYNTH[@]}"; do wait "$p"; done
+echo "models after $((SECONDS - t0)) s: $(ls -la "$MODELS"/${PRESET}_*.gguf 2> /dev/null | awk '{printf "%s %.2f GB; ", $NF, $5 / 1e9}')" | tee -a "$OUT/setup.log"
 if [[ -n "${PID_LLAMA:-}" ]]; then
   wait "$PID_LLAMA"; echo "llama-bench (CPU) build rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/setup.log"
 fi
