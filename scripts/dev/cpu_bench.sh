@@ -18,6 +18,7 @@
 #   OUT=/tmp/cpu THREADS=16 scripts/dev/cpu_bench.sh          # the lead's run (carry .llama)
 #   PRESET=tiny LLAMA_SKIP=1 PP=64 TG=16 scripts/dev/cpu_bench.sh   # a smoke test of the script
 # LLAMA_SKIP=1: no llama.cpp (build nor runs). BUILD_CPU=0: use the native._cpu that imports.
+# LLAMA_ARGS: more llama-bench flags (a run that dies of SIGILL is repeated with --repack 0).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -82,7 +83,7 @@ fi
 $PY -c "import native.ops as o; print('isa', o._cpu.isa(), o._cpu.available_isas())" 2>&1 | tee -a "$OUT/setup.log" \
   | grep -q "^isa" || { echo "native._cpu does not import: $OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; }
 for p in "${PIDS_SYNTH[@]}"; do wait "$p"; done
-echo "models after $((SECONDS - t0)) s: $(ls -la "$MODELS"/${PRESET}_*.gguf 2> /dev/null | awk '{printf "%s %.2f GB; ", $NF, $5 / 1e9}')" | tee -a "$OUT/setup.log"
+echo "models after $((SECONDS - t0)) s: $(ls -laL "$MODELS"/${PRESET}_*.gguf 2> /dev/null | awk '{printf "%s %.2f GB; ", $NF, $5 / 1e9}')" | tee -a "$OUT/setup.log"
 if [[ -n "${PID_LLAMA:-}" ]]; then
   wait "$PID_LLAMA"; echo "llama-bench (CPU) build rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/setup.log"
 fi
@@ -105,9 +106,13 @@ for t in $TYPES; do
   echo "ours $t: rc=$? in $((SECONDS - t1)) s: $(grep -E "^(pp|tg)" "$OUT/ours_$t.log" | tr '\n' ' ')"
   if [[ "${LLAMA_SKIP:-0}" != 1 ]]; then
     t1=$SECONDS
-    timeout "$(limit $((share + 30)) 0)" "$LB" -m "$m" -ngl 0 -t "$THREADS" -p "$PP" -n "$TG" -r "$LLAMA_REPS" \
-      -o json > "$OUT/llama_$t.json" 2> "$OUT/llama_$t.log"
-    echo "llama.cpp $t: rc=$? in $((SECONDS - t1)) s"
+    lb_run() { timeout "$(limit $((share + 30)) 0)" "$LB" -m "$m" -ngl 0 -t "$THREADS" -p "$PP" -n "$TG" \
+      -r "$LLAMA_REPS" ${LLAMA_ARGS:-} "$@" -o json > "$OUT/llama_$t.json" 2>> "$OUT/llama_$t.log"; }
+    lb_run; rc=$?
+    if ((rc == 132)); then   # SIGILL: seen on a VM whose CPUID reports AMX (Q4_K's repacked kernels)
+      echo "llama.cpp $t: illegal instruction; again with --repack 0"; lb_run --repack 0; rc=$?
+    fi
+    echo "llama.cpp $t: rc=$rc in $((SECONDS - t1)) s"
   fi
 done
 
