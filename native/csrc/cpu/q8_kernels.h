@@ -86,6 +86,31 @@ inline __m256 scale_pair(float s0, float s1) {
     return _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
 }
 
+// The additive mins of a row against a token: sum over 16-weight groups i of m[i] * m16[i]
+// (m16 = d * sum of q per 16), 8 lanes then the tail; both paths below use it, so a token's
+// result does not depend on how many tokens its call has. (Per group and token, scalar, the
+// mins cost as much as the integer products of Q4_K / Q5_K.)
+inline float dot_mins(const float* m, const float* m16, int64_t ns) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= ns; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), _mm256_loadu_ps(m16 + i), acc);
+    float sum = hsum_ps(acc);
+    for (; i < ns; ++i) sum += m[i] * m16[i];
+    return sum;
+}
+struct MinBuf {  // one streamed row's mins [n/16] (a plain array, as RowBuf below)
+    float* p = nullptr;
+    int64_t cap = 0;
+    float* size(int64_t n) {
+        if (n > cap) delete[] p, p = new float[n], cap = n;
+        return p;
+    }
+    MinBuf() = default;
+    MinBuf(const MinBuf&) = delete;
+    MinBuf& operator=(const MinBuf&) = delete;
+    ~MinBuf() { delete[] p; }
+};
+
 // ---- few tokens: stream R rows through the decoder ------------------------------------------------------
 template <class Dot, QType T, int R, int NT>
 void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
@@ -93,10 +118,13 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
     using Tr = Traits<T>;
     using U = Unit<T>;
     __m256 acc[R][NT];
-    float macc[R][NT];
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.f;
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
     const int64_t nd = a.n / 32, ns = a.n / 16;
+    thread_local MinBuf mbuf[2];
+    float* mins[R];
+    if constexpr (U::has_min)
+        for (int r = 0; r < R; ++r) mins[r] = mbuf[r].size(ns);
     for (int64_t b = 0; b < nkb; ++b) {
         typename U::State st[R];
         for (int r = 0; r < R; ++r) U::begin(rows[r] + b * Tr::kb_bytes, g, st[r]);
@@ -112,14 +140,18 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
                     const __m256 sc = U::per16 ? scale_pair(u[r].s[0] * dx, u[r].s[1] * dx)
                                                : _mm256_set1_ps(u[r].s[0] * dx);
                     acc[r][t] = _mm256_fmadd_ps(p, sc, acc[r][t]);
-                    if constexpr (U::has_min)
-                        macc[r][t] += u[r].m[0] * a.m16[t * ns + 2 * c] + u[r].m[1] * a.m16[t * ns + 2 * c + 1];
                 }
             }
+            if constexpr (U::has_min)
+                for (int r = 0; r < R; ++r) mins[r][2 * c] = u[r].m[0], mins[r][2 * c + 1] = u[r].m[1];
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]) + macc[r][t];
+        for (int t = 0; t < NT; ++t) {
+            float v = hsum_ps(acc[r][t]);
+            if constexpr (U::has_min) v += dot_mins(mins[r], a.m16 + t * ns, ns);
+            out[r][t * ldo] = v;
+        }
 }
 
 template <class Dot, QType T, int R>
@@ -200,10 +232,8 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
     constexpr bool biased = kBiased<Dot, U>;
     const int64_t nc = a.n / 32, ns = a.n / 16;
     __m256 acc[RB][NT];
-    float macc[RB][NT];  // the mins in dot_stream's order (both paths give the same bits), RB*NT
-                         // independent chains hidden under the vector work
     for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.f;
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
         __m256i x[NT];
         __m256 dx[NT];
@@ -225,16 +255,13 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<Dot, U::has_min>(w, x[t])),
                                                 _mm256_mul_ps(sw, dx[t]), acc[r][t]);
             }
-            if constexpr (U::has_min) {
-                const float* wm = rb[r].m + 2 * c;
-                for (int t = 0; t < NT; ++t)
-                    macc[r][t] += wm[0] * a.m16[t * ns + 2 * c] + wm[1] * a.m16[t * ns + 2 * c + 1];
-            }
         }
     }
     for (int r = 0; r < RB; ++r)
         for (int t = 0; t < NT; ++t) {
-            out[t * ldo + r] = hsum_ps(acc[r][t]) + macc[r][t];
+            float v = hsum_ps(acc[r][t]);
+            if constexpr (U::has_min) v += dot_mins(rb[r].m, a.m16 + t * ns, ns);  // dot_stream's order
+            out[t * ldo + r] = v;
         }
 }
 
