@@ -88,7 +88,8 @@ if [[ -n "${PID_LLAMA:-}" ]]; then
   wait "$PID_LLAMA"; echo "llama-bench (CPU) build rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/setup.log"
 fi
 if [[ "${LLAMA_SKIP:-0}" != 1 && ! -x $LB ]]; then
-  echo "no llama-bench: $(tail -3 "$OUT/llama_build.log")"; LLAMA_SKIP=1
+  echo "no llama-bench yet (a second call on the warm machine resumes its build in $LLAMA_BUILD):"
+  tail -3 "$OUT/llama_build.log"; LLAMA_SKIP=1
 fi
 
 # ---- 2. ours and llama.cpp's, interleaved ------------------------------------------------------------
