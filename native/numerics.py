@@ -123,11 +123,13 @@ _DEQUANTIZED: dict[int, tuple[weakref.ref, dict]] = {}
 
 @contextlib.contextmanager
 def emulate(scheme: str):
-    """native.ops.matmul / moe_ffn replaced by the emulation of `scheme` (see the module doc)."""
+    """native.ops.matmul / matmul_many / moe_ffn replaced by the emulation of `scheme` (see the
+    module doc); matmul_many as one emulated matmul per weight."""
     em = _Emulation(scheme)
-    em.saved_matmul, saved_moe = ops.matmul, ops.moe_ffn
+    em.saved_matmul, saved_many, saved_moe = ops.matmul, ops.matmul_many, ops.moe_ffn
     ops.matmul, ops.moe_ffn = em.matmul, em.moe_ffn
+    ops.matmul_many = lambda x, ws: [em.matmul(x, w) for w in ws]
     try:
         yield em
     finally:
-        ops.matmul, ops.moe_ffn = em.saved_matmul, saved_moe
+        ops.matmul, ops.matmul_many, ops.moe_ffn = em.saved_matmul, saved_many, saved_moe

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -161,8 +162,16 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+_EXT_TYPES: dict[tuple[int, str], tuple] = {}   # (id(ext), op) -> (ext, names): asked once
+
+
 def _ext_supports(ext, qtype: QuantType, op: str, n_cols: int | None = None) -> bool:
-    if ext is None or qtype.name not in getattr(ext, f"{op}_types", lambda: ())():
+    if ext is None:
+        return False
+    hit = _EXT_TYPES.get((id(ext), op))
+    if hit is None or hit[0] is not ext:
+        hit = _EXT_TYPES[(id(ext), op)] = (ext, frozenset(getattr(ext, f"{op}_types", lambda: ())()))
+    if qtype.name not in hit[1]:
         return False
     # kernels address rows in 32-weight groups: float rows need a multiple of 32 elements
     return n_cols is None or n_cols % max(32, qtype.block_elems) == 0
@@ -222,6 +231,10 @@ def dequantize(data, qtype: str | QuantType, shape: Sequence[int]) -> torch.Tens
 
 def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y = x @ W^T, float32. x [T, H] (or [H]) float; W [O, H] on x's device -> [T, O]."""
+    if x.device.type == "cpu":
+        arg = _cpu_weight(w)
+        if arg is not None and x.shape[-1] == arg[4]:
+            return _cpu_matmul_many(x, [arg])[0]
     if x.device != w.device:
         raise NativeError(f"{w.name}: weight on {w.device}, input on {x.device}")
     if x.shape[-1] != w.shape[-1]:
@@ -237,6 +250,52 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def matmul_many(x: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor]:
+    """[x @ W^T for W in ws]: several weights that read the same x [T, H] (or [H]), float32.
+    On the CPU one native call for all of them (x rounded once, one pool hand-off, the rows of
+    every weight split over all threads) into one [T, sum O] buffer, returned as column views;
+    elsewhere (or for a type the extension lacks) one `matmul` each."""
+    if x.device.type == "cpu":
+        args = [_cpu_weight(w) for w in ws]
+        if all(a is not None and a[4] == x.shape[-1] for a in args):
+            return _cpu_matmul_many(x, args)
+    return [matmul(x, w) for w in ws]
+
+
+# A decode token makes a few hundred matmul calls, each cheap next to Python's own checks: the
+# native arguments of a CPU weight are worked out once, kept while the weight lives.
+_CPU_WEIGHTS: dict[int, tuple] = {}   # id(w) -> (weakref to w, (type_id, ptr, n_out, row_bytes, n_in))
+
+
+def _cpu_weight(w: QTensor) -> tuple | None:
+    """The matmul_multi argument of a 2-D CPU weight the extension runs (else None), plus n_in."""
+    hit = _CPU_WEIGHTS.get(id(w))
+    if hit is not None and hit[0]() is w and _cpu is not None:
+        return hit[1]
+    if (_cpu is None or not hasattr(_cpu, "matmul_multi") or w.device.type != "cpu"
+            or len(w.shape) != 2 or w.data.dim() != 2
+            or not _ext_supports(_cpu, w.qtype, "matmul", int(w.shape[-1]))):
+        return None
+    key = id(w)
+    arg = (w.qtype.type_id, w.data.data_ptr(), int(w.shape[0]), w.row_bytes, int(w.shape[1]))
+    _CPU_WEIGHTS[key] = (weakref.ref(w, lambda _, k=key: _CPU_WEIGHTS.pop(k, None)), arg)
+    return arg
+
+
+def _cpu_matmul_many(x: torch.Tensor, args: list[tuple]) -> list[torch.Tensor]:
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    outs = [a[2] for a in args]
+    total = sum(outs)
+    y = torch.empty(x2.shape[0], total, dtype=torch.float32)
+    if x2.shape[0] and total:
+        _cpu.matmul_multi([a[:4] for a in args], h, x2.data_ptr(), x2.shape[0], y.data_ptr(), total, 0)
+    yv = y.view(*x.shape[:-1], total)
+    return [yv] if len(args) == 1 else list(yv.split(outs, dim=-1))
 
 
 def _float_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -264,6 +323,11 @@ def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
     `out` (float32 [T, H], contiguous) receives the result if given. On CPU tensors the call
     releases the GIL, so a Python thread can run the CPU misses while another drives the GPU.
     """
+    if x.device.type == "cpu" and ids.device.type == "cpu" and weights.device.type == "cpu":
+        banks = _cpu_banks(gate, up, down)   # the banks checked once (a decode token: 40 calls)
+        if banks is not None and x.dim() == 2 and x.shape[1] == banks[2] and ids.dim() == 2 \
+                and ids.shape == weights.shape and ids.shape[0] == x.shape[0]:
+            return ext_moe_ffn(_cpu, x, gate, up, down, ids, weights, out, banks)
     (t, h), (e, f) = x.shape, gate.shape[:2]
     if (tuple(gate.shape) != (e, f, h) or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
             or tuple(ids.shape) != tuple(weights.shape) or ids.dim() != 2 or ids.shape[0] != t):
@@ -312,18 +376,40 @@ def ext_matmul(ext, x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], o)
 
 
-def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None) -> torch.Tensor:
+_CPU_BANKS: dict[tuple, tuple] = {}   # (ids of gate, up, down) -> (weakrefs..., _cpu_banks' value)
+
+
+def _cpu_banks(gate: QTensor, up: QTensor, down: QTensor) -> tuple | None:
+    """(E, F, H, the bank arguments of native moe_ffn) of three CPU banks that fit together and
+    the extension runs, else None (moe_ffn's checks then say why)."""
+    key = (id(gate), id(up), id(down))
+    hit = _CPU_BANKS.get(key)
+    if hit is not None and hit[0]() is gate and hit[1]() is up and hit[2]() is down and _cpu is not None:
+        return hit[3]
+    e, f, h = gate.shape if len(gate.shape) == 3 else (0, 0, 0)
+    if (_cpu is None or not e or any(q.device.type != "cpu" for q in (gate, up, down))
+            or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
+            or not all(_ext_supports(_cpu, q.qtype, "moe_ffn", int(q.shape[-1])) for q in (gate, up, down))):
+        return None
+    arg = (e, f, h, [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)])
+    _CPU_BANKS[key] = (*(weakref.ref(q, lambda _, k=key: _CPU_BANKS.pop(k, None)) for q in (gate, up, down)), arg)
+    return arg
+
+
+def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None, banks=None) -> torch.Tensor:
     (t, h), (e, f), k = x.shape, gate.shape[:2], ids.shape[1]
-    x32 = x.to(torch.float32).contiguous()
-    ids32 = ids.to(torch.int32).contiguous()
-    w32 = weights.to(torch.float32).contiguous()
+    x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    ids32 = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+    w32 = weights if weights.dtype == torch.float32 and weights.is_contiguous() \
+        else weights.to(torch.float32).contiguous()
     if out is None:
         out = torch.empty(t, h, dtype=torch.float32, device=x.device)
     elif out.dtype != torch.float32 or tuple(out.shape) != (t, h) or not out.is_contiguous():
         raise NativeError(f"moe_ffn: out must be contiguous float32 {[t, h]}, got {out.dtype} "
                           f"{list(out.shape)}")
     if t:
-        banks = [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)]
+        banks = banks[3] if banks is not None else \
+            [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)]
         ext.moe_ffn(x32.data_ptr(), t, h, f, e, ids32.data_ptr(), w32.data_ptr(), k, *banks,
                     out.data_ptr(), _stream(x.device))
     return out
@@ -472,8 +558,8 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 # ---- decode-step kernels of the CPU (csrc/cpu/step.cpp) ----------------------------------------------
-# The delta-net's conv token and recurrence (a decode token, or a prompt's tokens in order), with
-# the arguments and results of the CUDA step kernels below; host tensors. The residual add + RMS
+# The delta-net's conv and recurrence (a decode token, or a prompt's tokens in order), with the
+# arguments and results of the CUDA step kernels below, and the attention core; host tensors. The residual add + RMS
 # norm and the router's top-k have one wrapper for both devices (step_residual_rms_norm,
 # step_route_topk, below).
 
@@ -481,14 +567,17 @@ def cpu_step_kernels_available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "route_topk")
 
 
-def cpu_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One token: x [B, C] -> silu(causal conv) [B, C]; conv_state [B, C, Kc-1] shifts in place."""
-    bsz, ch = x.shape
-    if not conv_state.is_contiguous() or not w.is_contiguous():
-        raise NativeError("conv_silu_step: conv_state and w must be contiguous")
-    y = torch.empty(bsz, ch, dtype=torch.float32)
-    _cpu.conv_silu_step(x.data_ptr(), _ld(x, "conv_silu_step x"), conv_state.data_ptr(),
-                        w.data_ptr(), bsz, ch, w.shape[1], y.data_ptr(), 0)
+def cpu_conv_silu(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """T tokens of B sequences: x [B, T, C] (rows with unit stride) -> silu(causal conv)
+    [B*T, C] contiguous; conv_state [B, C, Kc-1] shifts in place (the last Kc-1 inputs)."""
+    bsz, n_tok, ch = x.shape
+    if not conv_state.is_contiguous() or not w.is_contiguous() or x.dtype != torch.float32 \
+            or x.stride(2) != 1 or (bsz > 1 and n_tok > 1 and x.stride(0) != n_tok * x.stride(1)):
+        raise NativeError("conv_silu: conv_state and w contiguous, x float32 rows of one stride")
+    y = torch.empty(bsz * n_tok, ch, dtype=torch.float32)
+    ldx = x.stride(1) if n_tok > 1 else (x.stride(0) if bsz > 1 else ch)   # row b*T + t to the next
+    _cpu.conv_silu_seq(x.data_ptr(), ldx, conv_state.data_ptr(), w.data_ptr(), bsz, n_tok, ch,
+                       w.shape[1], y.data_ptr(), 0)
     return y
 
 
@@ -510,6 +599,81 @@ def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                         dt_bias.data_ptr(), S.data_ptr(), norm_w.data_ptr(), bsz, n_tok, n_k_heads,
                         hv, dk, dv, eps, out.data_ptr(), 0)
     return out
+
+
+def cpu_attention_available(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "attention")
+
+
+def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, n_attn: int, pos0: int) -> torch.Tensor:
+    """Causal GQA attention of one sequence on host tensors (csrc/cpu/attention.cpp): q [T, Hq, d]
+    and gate [T, Hq, d] (views: unit stride in d), query t at position pos0 + t; caches [n_ctx,
+    Hkv, d] float32 contiguous, the first n_attn rows attended, key l visible to query t iff
+    l <= pos0 + t -> softmax(q k^T / sqrt(d)) v * sigmoid(gate), [T, Hq*d]. d % 16 == 0."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    for name, u in (("q", q), ("gate", gate)):
+        if u is not None and (u.dtype != torch.float32 or u.stride(2) != 1 or tuple(u.shape) != (t, hq, d)):
+            raise NativeError(f"attention: {name} must be float32 [T, Hq, d] with unit stride in d")
+    if any(c.dtype != torch.float32 or not c.is_contiguous() or c.shape[1:] != (hkv, d)
+           for c in (k_cache, v_cache)):
+        raise NativeError("attention: caches must be contiguous float32 [n_ctx, Hkv, d]")
+    out = torch.empty(t, hq * d, dtype=torch.float32)
+    g = (gate.data_ptr(), gate.stride(0), gate.stride(1)) if gate is not None else (0, 0, 0)
+    _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), *g, k_cache.data_ptr(),
+                   v_cache.data_ptr(), n_attn, pos0, t, hq, hkv, d, out.data_ptr(), 0)
+    return out
+
+
+_INV_FREQ: dict[tuple[int, float], torch.Tensor] = {}
+
+
+def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                        k_norm: torch.Tensor, eps: float, pos0: int, n_rot: int, base: float,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int,
+                        n_attn: int) -> torch.Tensor:
+    """The attention mixer between its projections for T tokens of one sequence on host tensors
+    (csrc/cpu/attention.cpp; cuda_attention_step's contract, any T): qg [T, Hq*2d] (per head d
+    query then d gate values), k, v [T, Hkv*d] (rows with unit stride); q, k RMS-normed and roped
+    at positions pos0 + t, k and v written to the caches [n_ctx, Hkv, d] (float32, contiguous),
+    the first n_attn rows attended -> [T, Hq*d]."""
+    t = qg.shape[0]
+    n_ctx, hkv, d = k_cache.shape
+    if any(c.dtype != torch.float32 or not c.is_contiguous() for c in (k_cache, v_cache)) \
+            or pos0 + t > min(n_attn, n_ctx) or qg.shape[1] != n_head * 2 * d:
+        raise NativeError("gated_attention: contiguous float32 caches with room for the tokens")
+    ld_kv = _ld(k, "gated_attention k")
+    if _ld(v, "gated_attention v") != ld_kv:
+        raise NativeError("gated_attention: k and v need the same row stride")
+    key = (n_rot, float(base))
+    if key not in _INV_FREQ:   # layers.rope_neox's frequencies, the same float32 arithmetic
+        _INV_FREQ[key] = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot)
+    work = torch.empty(t, n_head * d, dtype=torch.float32)
+    out = torch.empty(t, n_head * d, dtype=torch.float32)
+    _cpu.gated_attention(qg.data_ptr(), _ld(qg, "gated_attention qg"), k.data_ptr(), v.data_ptr(), ld_kv,
+                         q_norm.data_ptr(), k_norm.data_ptr(), eps, pos0, t, n_head, hkv, d, n_rot,
+                         _INV_FREQ[key].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_attn,
+                         work.data_ptr(), out.data_ptr(), 0)
+    return out
+
+
+class cpu_threads_held:
+    """`with cpu_threads_held(device):` keeps the CPU pool's idle threads spinning (not asleep)
+    for a forward on the CPU, whose few hundred kernel calls a token then start without waking
+    them; nothing on other devices."""
+
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cpu" and hasattr(_cpu, "hold_threads")
+
+    def __enter__(self):
+        if self.on:
+            _cpu.hold_threads(True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            _cpu.hold_threads(False)
 
 
 # ---- decode-step kernels (csrc/cuda/step.cu; the step_* ones also csrc/cpu/step.cpp) ------------------
@@ -616,12 +780,15 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     return out
 
 
-def cuda_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [N, F] views with the same row stride."""
+def step_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [N, F] views with the same row stride, on their device: the CUDA step
+    kernel, or the CPU's (rows over the pool)."""
     n, f = gate.shape
     ld = _ld(gate, "swiglu gate")
     if _ld(up, "swiglu up") != ld:
         raise NativeError("swiglu: gate and up need the same row stride")
     out = torch.empty(n, f, dtype=torch.float32, device=gate.device)
-    _cuda.swiglu(gate.data_ptr(), up.data_ptr(), ld, n, f, out.data_ptr(), _stream(gate.device))
+    ext, stream = _step_ext(gate)
+    ext.swiglu(gate.data_ptr(), up.data_ptr(), ld, n, f, out.data_ptr(), stream)
     return out
+

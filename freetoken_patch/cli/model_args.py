@@ -303,10 +303,15 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
         if placement.get("link_gbps") is not None:
             raise CLIError("--link-gbps emulates the link the offload runtime copies experts "
                            "over; add --vram SIZE")
+        import torch
+        if dev.type == "cpu":
+            # torch runs only glue here (RoPE, casts); its own threads would spin on the cores of
+            # the kernels' pool between its calls (measured: slower decode and prefill)
+            torch.set_num_threads(1)
         if placement.get("cpu_threads"):
-            import torch
             from native.ops import _cpu
-            torch.set_num_threads(placement["cpu_threads"])
+            if dev.type != "cpu":
+                torch.set_num_threads(placement["cpu_threads"])
             if _cpu is not None:
                 _cpu.set_threads(placement["cpu_threads"])
         from moe_offload.models import build_model

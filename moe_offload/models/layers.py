@@ -9,8 +9,8 @@ A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for 
 `route_topk`, `swiglu`)
 run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
 each, and launches, not bytes, bound a decode step. On CPU tensors `residual_rms_norm`,
-`route_topk` and the delta-net's recurrence run in native._cpu (native.ops.cpu_*; the recurrence a
-token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
+`route_topk`, `swiglu`, the delta-net's conv and recurrence and the attention core (after the norms, RoPE and the
+cache write) run in native._cpu (native.ops.cpu_*; a token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
 small matmuls) cost more than the layer's weights, and its per-operation overhead more than a
 norm's arithmetic. The
 torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU tests
@@ -66,7 +66,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dim() == 2 and _kernel_for(gate):
-        return ops.cuda_swiglu(gate, up)
+        return ops.step_swiglu(gate, up)
+    if gate.dim() == 2 and _cpu_kernel_for(gate) and hasattr(ops._cpu, "swiglu") \
+            and gate.stride(0) == up.stride(0) and gate.stride(-1) == up.stride(-1) == 1:
+        return ops.step_swiglu(gate, up)
     return F.silu(gate) * up
 
 
@@ -140,6 +143,13 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
                                      pos[t] if pos.dim() else pos, n_rot, base, k_cache, v_cache,
                                      hq, n_attn) for t in range(T)]
         return (o[0] if T == 1 else torch.stack(o, 1)).view(B, T, hq * d)
+    if B == 1 and d % 16 == 0 and k_cache.dtype == torch.float32 and k_cache.is_contiguous() \
+            and v_cache.is_contiguous() and _cpu_kernel_for(qg) and ops.cpu_attention_available(qg):
+        # the CPU's (csrc/cpu/attention.cpp): norms, RoPE, the cache write, then heads and query
+        # blocks over the kernels' pool
+        o = ops.cpu_gated_attention(qg[0], k[0], v[0], q_norm, k_norm, eps, int(pos[0]), n_rot, base,
+                                    k_cache[0], v_cache[0], hq, n_attn)
+        return o.view(B, T, hq * d)
     qg = qg.view(B, T, hq, 2, d)
     q, gate = qg[..., 0, :], qg[..., 1, :]
     q = rope_neox(rms_norm(q, q_norm, eps), pos, n_rot, base)
@@ -202,10 +212,7 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
         return o.view(B, 1, hv * dv)
     if _cpu_kernel_for(mix) and ssm_state.is_contiguous():
         # on the CPU (csrc/cpu/step.cpp): the recurrence token by token, each head's state in cache
-        if T == 1:
-            y = ops.cpu_conv_silu_step(mix[:, 0], conv_state, conv_w)
-        else:
-            y = F.silu(causal_conv(mix, conv_state, conv_w)).contiguous().view(B * T, -1)
+        y = ops.cpu_conv_silu(mix, conv_state, conv_w)                        # [B*T, C]
         o = ops.cpu_delta_rule(y, z.reshape(B * T, -1), beta_raw.reshape(B * T, -1),
                                alpha_raw.reshape(B * T, -1), ssm_a, dt_bias, ssm_state, norm_w, hk, eps)
         return o.view(B, T, hv * dv)

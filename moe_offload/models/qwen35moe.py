@@ -8,6 +8,7 @@ Hq/Hkv attention heads, d head dim, Hk/Hv delta-net key/value heads, dk/dv their
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
 import torch
@@ -31,6 +32,16 @@ ATTN_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 SHEXP_IN = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")
 ROUTER = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 FUSED_PROJECTIONS = {"+".join(g): g for g in (SSM_IN, ATTN_IN, SHEXP_IN, ROUTER)}
+
+
+def _pool_held(fn):
+    """On the CPU a forward keeps the kernel pool's threads awake between its few hundred calls
+    (ops.cpu_threads_held); elsewhere it changes nothing."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        with ops.cpu_threads_held(self.device):
+            return fn(self, *args, **kwargs)
+    return run
 
 
 def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -63,6 +74,7 @@ class Qwen35Moe:
 
     # -- entry points -------------------------------------------------------------------------------
 
+    @_pool_held
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False,
                 hidden: bool = False):
         """tokens [B, T] int64 on the model's device -> logits [B, T or 1, V]; advances state.
@@ -139,6 +151,12 @@ class Qwen35Moe:
         stream gets routed + sigmoid(logit) * shared (added by the next residual_rms_norm)."""
         E = self.config.n_expert
         shared = SHEXP_IN[0] in L or "+".join(SHEXP_IN) in L
+        if shared and not f.is_cuda and ROUTER[0] in L and SHEXP_IN[0] in L:
+            # the router, the shared gate and its gate|up read f: one pass on the CPU pool
+            logits, gate_logit, gate, up = self._proj(L, ROUTER + SHEXP_IN, f)
+            ids, w = route_topk(logits[:, :E], self.config.n_expert_used)
+            y = experts(f, ids, w)
+            return y, _mm(swiglu(gate, up), L["ffn_down_shexp.weight"]), gate_logit
         logits = self._proj(L, ROUTER, f) if shared else (_mm(f, L[ROUTER[0]]),)
         ids, w = route_topk(logits[0][:, :E], self.config.n_expert_used)
         if not shared:
@@ -176,10 +194,11 @@ class Qwen35Moe:
         fused = L.get("+".join(names))
         if fused is not None:
             return list(_mm(a, fused).split(fused.parts, dim=-1))
-        return [_mm(a, L[n]) for n in names]
+        return ops.matmul_many(a, [L[n] for n in names])
 
     # -- many sequences, each at its own position ------------------------------------------------
 
+    @_pool_held
     def decode_many(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
         """One token for each of B single-sequence states, each at its own position: tokens [B]
         -> logits [B, V]; advances every state by one. Norms, projections, router and experts

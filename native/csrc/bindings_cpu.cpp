@@ -21,6 +21,11 @@
 //   matmul(type_id, w, n_out, n_in, w_row_stride, x, n_tok, y, stream)
 //       W [n_out, n_in] raw blocks (row o at w + o*w_row_stride); x f32 [n_tok, n_in]
 //       contiguous; y f32 [n_tok, n_out] contiguous: y = x @ W^T, float32 accumulation.
+//   matmul_multi(weights, n_in, x, n_tok, y, ldy, stream)
+//       weights: [(type_id, w, n_out, w_row_stride)], each W_j [n_out_j, n_in] as in matmul; x f32
+//       [n_tok, n_in] contiguous; y f32 [n_tok, >= sum n_out] with row stride ldy: W_j's outputs
+//       in the columns after those of the weights before it. One activation rounding and one
+//       pool hand-off for all of them.
 //   moe_ffn(x, n_tok, hidden, ff, n_experts, ids, weights, top_k,
 //           gate_type, gate, gate_expert_stride, up_type, up, up_expert_stride,
 //           down_type, down, down_expert_stride, y, stream)
@@ -32,7 +37,11 @@
 //       ids[t,k] < 0 skips the slot (e.g. experts computed elsewhere); ids >= E raise.
 //   residual_rms_norm(x, rows, n, a, lda, b, ldb, s, lds, w, eps, out, stream)
 //   route_topk(logits, rows, ld, n_experts, top_k, floor, ids, weights, stream)
+//   swiglu(gate, up, ld, rows, n, out, stream)   out f32 [rows, n] = silu(gate) * up (rows at ld)
 //   conv_silu_step(x, ldx, conv_state, w, batch, channels, kc, y, stream)
+//   conv_silu_seq(x, ldx, conv_state, w, batch, n_tok, channels, kc, y, stream)
+//       conv_silu_step over n_tok tokens of each sequence in order (x rows b*n_tok + t, stride
+//       ldx; y [batch*n_tok, channels]): a prompt's causal conv + silu, channels over the pool.
 //   delta_rule_step(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch,
 //                   hk, hv, dk, dv, eps, out, stream)
 //       the delta-net token of a decode step (csrc/cpu/step.cpp): the same arguments and results
@@ -40,6 +49,15 @@
 //   delta_rule_seq(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, S, norm_w, batch,
 //                  n_tok, hk, hv, dk, dv, eps, out, stream)
 //       delta_rule_step over n_tok tokens of each sequence (rows b*n_tok + t), in order: a prompt.
+//   attention(q, q_t, q_h, gate, g_t, g_h, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out,
+//             stream)
+//       causal GQA attention of one sequence with a sigmoid gate (csrc/cpu/cpu.h): query t of
+//       head h at q + (t*q_t + h*q_h) floats, position pos0 + t; gate likewise (0: none);
+//       caches f32 [n_ctx, hkv, d] contiguous, rows < n_attn read; out f32 [n_tok, hq*d].
+//   gated_attention(qg, ld_qg, k, v, ld_kv, q_norm, k_norm, eps, pos0, n_tok, hq, hkv, d, n_rot,
+//                   inv_freq, k_cache, v_cache, n_attn, q_work, out, stream)
+//       the attention mixer between its projections (csrc/cpu/cpu.h): q/k RMS norm + NEOX RoPE,
+//       the cache write at rows pos0 + t, then `attention` with the gate; q_work f32 [T, hq*d].
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
@@ -55,6 +73,8 @@
 //       none): x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], m16 f32 [T, n/16] = d * sum of q
 //       per 16 (what the q8 kernels multiply; tests hold it to q8_round bit for bit)
 //   set_threads(n) (n <= 0: all cores), threads() -> int
+//   hold_threads(on)   while held (counted), idle pool threads spin instead of sleeping: a CPU
+//       forward holds them, so its few hundred calls a token start without waking 15 threads
 //   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2" | "avx512"; the env
 //       FTPATCH_CPU_ISA picks the start value, default: the best this CPU runs)
 #include <memory>
@@ -113,6 +133,46 @@ PYBIND11_MODULE(_cpu, m) {
           py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
           py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
           py::arg("stream") = 0, release);
+    m.def("matmul_multi",
+          [](const std::vector<std::tuple<int, uintptr_t, int64_t, int64_t>>& weights, int64_t n_in,
+             uintptr_t x, int64_t n_tok, uintptr_t y, int64_t ldy, uintptr_t stream) {
+              no_stream(stream);
+              std::vector<cpu::MatW> ws;
+              for (const auto& [type_id, w, n_out, stride] : weights)
+                  ws.push_back({type_id, ptr<const uint8_t>(w), n_out, stride});
+              py::gil_scoped_release nogil;
+              cpu::matmul_multi(ws.data(), int(ws.size()), n_in, ptr<const float>(x), n_tok,
+                                ptr<float>(y), ldy);
+          },
+          py::arg("weights"), py::arg("n_in"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
+          py::arg("ldy"), py::arg("stream") = 0);
+    m.def("attention",
+          [](uintptr_t q, int64_t q_t, int64_t q_h, uintptr_t gate, int64_t g_t, int64_t g_h,
+             uintptr_t k_cache, uintptr_t v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
+             int64_t hq, int64_t hkv, int64_t d, uintptr_t out, uintptr_t stream) {
+              no_stream(stream);
+              cpu::attention(ptr<const float>(q), q_t, q_h, ptr<const float>(gate), g_t, g_h,
+                             ptr<const float>(k_cache), ptr<const float>(v_cache), n_attn, pos0, n_tok,
+                             hq, hkv, d, ptr<float>(out));
+          },
+          py::arg("q"), py::arg("q_t"), py::arg("q_h"), py::arg("gate"), py::arg("g_t"), py::arg("g_h"),
+          py::arg("k_cache"), py::arg("v_cache"), py::arg("n_attn"), py::arg("pos0"), py::arg("n_tok"),
+          py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("gated_attention",
+          [](uintptr_t qg, int64_t ld_qg, uintptr_t k, uintptr_t v, int64_t ld_kv, uintptr_t q_norm,
+             uintptr_t k_norm, float eps, int64_t pos0, int64_t n_tok, int64_t hq, int64_t hkv, int64_t d,
+             int64_t n_rot, uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache, int64_t n_attn,
+             uintptr_t q_work, uintptr_t out, uintptr_t stream) {
+              no_stream(stream);
+              cpu::gated_attention(ptr<const float>(qg), ld_qg, ptr<const float>(k), ptr<const float>(v),
+                                   ld_kv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps, pos0,
+                                   n_tok, hq, hkv, d, n_rot, ptr<const float>(inv_freq), ptr<float>(k_cache),
+                                   ptr<float>(v_cache), n_attn, ptr<float>(q_work), ptr<float>(out));
+          },
+          py::arg("qg"), py::arg("ld_qg"), py::arg("k"), py::arg("v"), py::arg("ld_kv"), py::arg("q_norm"),
+          py::arg("k_norm"), py::arg("eps"), py::arg("pos0"), py::arg("n_tok"), py::arg("hq"), py::arg("hkv"),
+          py::arg("d"), py::arg("n_rot"), py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("n_attn"), py::arg("q_work"), py::arg("out"), py::arg("stream") = 0, release);
     m.def("moe_ffn",
           [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
              uintptr_t ids, uintptr_t weights, int64_t top_k, int gate_type, uintptr_t gate,
@@ -149,6 +209,14 @@ PYBIND11_MODULE(_cpu, m) {
           },
           py::arg("logits"), py::arg("rows"), py::arg("ld"), py::arg("n_experts"), py::arg("top_k"),
           py::arg("floor"), py::arg("ids"), py::arg("weights"), py::arg("stream") = 0, release);
+    m.def("swiglu",
+          [](uintptr_t gate, uintptr_t up, int64_t ld, int64_t rows, int64_t n, uintptr_t out,
+             uintptr_t stream) {
+              no_stream(stream);
+              cpu::swiglu(ptr<const float>(gate), ptr<const float>(up), ld, rows, n, ptr<float>(out));
+          },
+          py::arg("gate"), py::arg("up"), py::arg("ld"), py::arg("rows"), py::arg("n"), py::arg("out"),
+          py::arg("stream") = 0, release);
     m.def("conv_silu_step",
           [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch,
              int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {
@@ -158,6 +226,16 @@ PYBIND11_MODULE(_cpu, m) {
           },
           py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
           py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0, release);
+    m.def("conv_silu_seq",
+          [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch, int64_t n_tok,
+             int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {
+              no_stream(stream);
+              cpu::conv_silu_seq(ptr<const float>(x), ldx, ptr<float>(state), ptr<const float>(w),
+                                 batch, n_tok, channels, kc, ptr<float>(y));
+          },
+          py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
+          py::arg("n_tok"), py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0,
+          release);
     m.def("delta_rule_step",
           [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
              uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias, uintptr_t S,
@@ -223,6 +301,7 @@ PYBIND11_MODULE(_cpu, m) {
     }, py::arg("x"), py::arg("n_tok"), py::arg("n"), py::arg("q"), py::arg("d"), py::arg("m16"));
     m.def("set_threads", &cpu::set_num_threads, py::arg("n"));
     m.def("threads", &cpu::num_threads);
+    m.def("hold_threads", &cpu::hold_threads, py::arg("on"));
     m.def("isa", [] { return std::string(cpu::kernels().name); });
     m.def("available_isas", &cpu::available_isas);
     m.def("set_isa", &cpu::set_isa, py::arg("name"));

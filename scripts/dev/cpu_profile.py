@@ -2,7 +2,7 @@
 
     python scripts/dev/cpu_profile.py MODEL.gguf [--tokens 8] [--prompt 64] [--threads N]
 
-Wraps native.ops.matmul / moe_ffn (and the model's head call) with wall-clock timers and sorts
+Wraps native.ops.matmul / matmul_many / moe_ffn (and the model's head call) with wall-clock timers and sorts
 each call into a family by the weight's name: expert FFN (routed), shared expert, router, mixer
 projections (attention + delta-net in/out), head; "other" is the rest of the step (norms,
 attention and delta-net cores, routing, Python). Prints ms per token for decode and prefill.
@@ -17,6 +17,8 @@ import torch
 
 
 def family(name: str) -> str:
+    if "ffn_gate_inp" in name and "ffn_up_shexp" in name:   # one matmul_many on the CPU
+        return "router + shared gate|up"
     if "shexp" in name:
         return "shared expert"
     if "ffn_gate_inp" in name:
@@ -32,7 +34,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8, help="decode steps timed")
     ap.add_argument("--prompt", type=int, default=64, help="prefill tokens timed")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--torch-threads", type=int, default=0, help="torch's own (default: --threads)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch's own (default 1, as run/bench on the CPU: the pool owns the cores)")
     ap.add_argument("--torch-steps", action="store_true",
                     help="norms, routing and the delta-net in torch (layers.STEP_KERNELS = False)")
     args = ap.parse_args()
@@ -42,21 +45,25 @@ def main() -> None:
     from native import ops
     if args.threads:
         ops._cpu.set_threads(args.threads)
-        torch.set_num_threads(args.threads)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(args.torch_threads)
     loaded = open_model(args.model)
     model = build_model(loaded, "cpu")
     if args.torch_steps:
         from moe_offload.models import layers
         layers.STEP_KERNELS = False
     spent: dict[str, float] = collections.defaultdict(float)
-    mm, moe = ops.matmul, ops.moe_ffn
+    mm, many, moe = ops.matmul, ops.matmul_many, ops.moe_ffn
 
     def timed_mm(x, w):
         t = time.perf_counter()
         y = mm(x, w)
         spent[family(w.name)] += time.perf_counter() - t
+        return y
+
+    def timed_many(x, ws):
+        t = time.perf_counter()
+        y = many(x, ws)
+        spent[family("+".join(w.name for w in ws))] += time.perf_counter() - t
         return y
 
     def timed_moe(*a, **k):
@@ -65,7 +72,7 @@ def main() -> None:
         spent["expert FFN"] += time.perf_counter() - t
         return y
 
-    ops.matmul, ops.moe_ffn = timed_mm, timed_moe
+    ops.matmul, ops.matmul_many, ops.moe_ffn = timed_mm, timed_many, timed_moe
     from moe_offload.models import qwen35moe as arch
     cores = {"gated_delta_net": "delta-net core", "gated_attention": "attention core",
              "residual_rms_norm": "norms", "route_topk": "routing", "swiglu": "swiglu"}

@@ -160,6 +160,45 @@ def _matmul(q, raw, x):
     return y
 
 
+# ---- matmul_multi ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("names", [("IQ3_S", "Q4_K", "Q8_0", "F32"), ("Q6_K",), ("IQ4_XS", "BF16", "Q5_K")])
+def test_matmul_multi_is_each_matmul_bit_for_bit(cpu_isa, names):
+    """Several weights against one x in one call (small ones inline, large ones over the pool):
+    every weight's columns hold exactly what its own matmul gives (which the test above holds to
+    float64), written at the output row stride; the columns past them are left alone."""
+    rng = rng_for("matmul_multi", cpu_isa, *names)
+    n_in = 256
+    sizes = [3, 40, 1, 300][:len(names)]
+    ws = [random_weight(QUANT_TYPES[n], (o, n_in), rng)[0] for n, o in zip(names, sizes)]
+    for n_tok in (1, 3, 7, 70):
+        x = rng.standard_normal((n_tok, n_in), dtype=np.float32)
+        ldy = sum(sizes) + 5
+        y = poisoned((n_tok, ldy))
+        cpu.matmul_multi([(QUANT_TYPES[n].type_id, w.ctypes.data, o, w.shape[1])
+                          for n, w, o in zip(names, ws, sizes)], n_in, x.ctypes.data, n_tok,
+                         y.ctypes.data, ldy, 0)
+        col = 0
+        for n, w, o in zip(names, ws, sizes):
+            assert np.array_equal(y[:, col:col + o], _matmul(QUANT_TYPES[n], w, x)), \
+                f"{n} in {names} T={n_tok} on {cpu_isa} (seed {SEED})"
+            col += o
+        assert np.isnan(y[:, col:]).all(), "matmul_multi wrote past its columns"
+
+
+def test_matmul_multi_checks_every_weight_first():
+    q = QUANT_TYPES["Q4_K"]
+    w = random_weight(q, (4, 256), rng_for("multi_bad"))[0]
+    x = np.ones((1, 256), dtype=np.float32)
+    y = poisoned((1, 8))
+    good = (q.type_id, w.ctypes.data, 4, w.shape[1])
+    with pytest.raises(ValueError, match="row stride is shorter"):
+        cpu.matmul_multi([good, (q.type_id, w.ctypes.data, 4, 8)], 256, x.ctypes.data, 1, y.ctypes.data, 8, 0)
+    with pytest.raises(ValueError, match="output row stride"):
+        cpu.matmul_multi([good, good], 256, x.ctypes.data, 1, y.ctypes.data, 7, 0)
+    assert np.isnan(y).all()
+
+
 # ---- moe_ffn ---------------------------------------------------------------------------------------
 
 def _moe_case(rng, gate_t, up_t, down_t, n_tok, n_exp=6, k=3, fused=False):

@@ -67,6 +67,18 @@ def test_moe_ffn_fused_gate_up_rows_views_out_and_skipped_slots():
         ops.moe_ffn(x, gate, up, gate, ids, weights)
 
 
+def test_matmul_many_is_each_matmul():
+    """ops.matmul_many: one native call on the CPU, [T, O_j] column views of one buffer, each
+    equal to its own ops.matmul; 3-D inputs keep their leading dims."""
+    rng = rng_for("matmul_many")
+    ws = [_bank(n, 1, o, 512, rng).expert(0) for n, o in (("IQ3_S", 64), ("Q8_0", 32), ("F32", 1))]
+    for x in (_normal(rng, 5, 512), _normal(rng, 1, 3, 512)):
+        ys = ops.matmul_many(x, ws)
+        for y, w in zip(ys, ws):
+            assert y.shape == (*x.shape[:-1], w.shape[0])
+            assert torch.equal(y, ops.matmul(x, w)), f"{w.name} (seed {SEED})"
+
+
 def test_results_do_not_depend_on_the_thread_count():
     rng = rng_for("threads")
     e, f, h = 6, 256, 512

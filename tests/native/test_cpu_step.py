@@ -1,6 +1,7 @@
-"""The CPU delta-net kernels (native._cpu.conv_silu_step, delta_rule_step / delta_rule_seq) against
-their torch reference in moe_offload.models.layers (the recurrent form for a token, the chunked form
-for a prompt), on fresh random inputs: outputs and the updated states."""
+"""The CPU step kernels against their torch references in moe_offload.models.layers, on fresh random
+inputs: the delta-net (native._cpu.conv_silu_seq, delta_rule_step / delta_rule_seq; the recurrent
+form for a token, the chunked form for a prompt: outputs and the updated states), the residual add
++ RMS norm, the router's top-k and the attention core (native._cpu.attention, on every ISA)."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,7 +84,7 @@ def test_residual_rms_norm_matches_the_torch_reference(rows, parts):
                                    msg=lambda m: f"{what} rows={rows} {parts}: {m} (seed {SEED})")
 
 
-@pytest.mark.parametrize("rows,e,k", [(1, 256, 8), (37, 16, 4)])
+@pytest.mark.parametrize("rows,e,k", [(1, 256, 8), (37, 16, 4), (300, 256, 8)])
 def test_route_topk_matches_the_torch_reference(rows, e, k):
     logits = _t(rng_for("topk", rows, e, k), rows, e, scale=3.0)
     ids, w = layers.route_topk(logits, k)
@@ -95,3 +96,61 @@ def test_route_topk_matches_the_torch_reference(rows, e, k):
         layers.STEP_KERNELS = True
     assert torch.equal(ids.long(), ref_ids), f"seed {SEED}"
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{m} (seed {SEED})")
+
+
+@pytest.mark.parametrize("rows", [1, 200])
+def test_swiglu_matches_torch_on_views_of_one_buffer(rows):
+    """The shared expert's silu(gate) * up on the gate|up column views of one matmul_many output."""
+    gu = _t(rng_for("swiglu", rows), rows, 2 * 384, scale=3.0)
+    gate, up = gu.split(384, dim=1)
+    got = layers.swiglu(gate, up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6,
+                               msg=lambda m: f"{m} (seed {SEED})")
+
+
+@pytest.mark.parametrize("n_tok,pos0,n_attn", [(1, 0, 1), (1, 40, 41), (1, 5, 64), (37, 0, 37),
+                                               (20, 13, 40), (9, 100, 128)])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 256), (4, 4, 32), (6, 2, 16)])
+def test_attention_matches_the_torch_reference(cpu_isa, hq, hkv, d, n_tok, pos0, n_attn):
+    """Causal GQA attention with the sigmoid gate: the kernel (heads and query blocks over the
+    pool, 16 partial sums a dot) against layers.attention; cache rows past the queries' positions
+    hold garbage the mask must hide. Every ISA gives the same bits (the sums' order is fixed)."""
+    rng = rng_for("attention", hq, hkv, d, n_tok, pos0, n_attn)
+    qg = _t(rng, n_tok, hq, 2, d)
+    q, gate = qg[:, :, 0], qg[:, :, 1]
+    kc, vc = _t(rng, n_attn + 3, hkv, d), _t(rng, n_attn + 3, hkv, d)
+    pos = torch.arange(pos0, pos0 + n_tok)
+    want = layers.attention(q[None], kc[None, :n_attn], vc[None, :n_attn], pos, torch.arange(n_attn))
+    want = want[0].reshape(n_tok, hq * d) * torch.sigmoid(gate.reshape(n_tok, hq * d))
+    got = ops.cpu_attention(q, gate, kc, vc, n_attn, pos0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{cpu_isa}: {m} (seed {SEED})")
+    before = ops._cpu.isa()
+    try:
+        ops._cpu.set_isa("generic")
+        assert torch.equal(ops.cpu_attention(q, gate, kc, vc, n_attn, pos0), got), cpu_isa
+    finally:
+        ops._cpu.set_isa(before)
+    plain = ops.cpu_attention(q, None, kc, vc, n_attn, pos0)   # no gate
+    torch.testing.assert_close(plain * torch.sigmoid(gate.reshape(n_tok, -1)), got, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("start", [0, 3000])
+def test_gated_attention_on_the_cpu_uses_the_kernel_and_matches_torch(start):
+    """layers.gated_attention of a prompt then a token (norms, RoPE at positions from `start`,
+    cache write, core): the native path against STEP_KERNELS = False, outputs and caches."""
+    rng = rng_for("gated_attention", start)
+    hq, hkv, d, n_ctx = 4, 2, 32, start + 24
+    q_norm, k_norm = 1 + _t(rng, d, scale=0.1), 1 + _t(rng, d, scale=0.1)
+    steps = [(_t(rng, 1, 9, hq * 2 * d), _t(rng, 1, 9, hkv * d), _t(rng, 1, 9, hkv * d), start + torch.arange(9)),
+             (_t(rng, 1, 1, hq * 2 * d), _t(rng, 1, 1, hkv * d), _t(rng, 1, 1, hkv * d), torch.tensor([start + 9]))]
+    outs = {}
+    for kernels in (True, False):
+        kc, vc = _t(rng_for("cache"), 1, n_ctx, hkv, d), _t(rng_for("cache"), 1, n_ctx, hkv, d)
+        layers.STEP_KERNELS = kernels
+        try:
+            outs[kernels] = [layers.gated_attention(qg, k, v, q_norm, k_norm, 1e-6, pos, 16, 1e4, kc, vc,
+                                                    int(pos[-1]) + 1) for qg, k, v, pos in steps] + [kc, vc]
+        finally:
+            layers.STEP_KERNELS = True
+    for got, want in zip(outs[True], outs[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{m} (seed {SEED})")

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -37,9 +38,10 @@ struct Act {
         return a;
     }
 };
-struct ActBuf {
-    std::vector<int8_t> q8;
-    std::vector<float> d8, m16;
+struct ActBuf {  // left uninitialized (every element is written before it is read): a prompt's
+                // buffers are megabytes, and zeroing them would run on one thread
+    std::unique_ptr<int8_t[]> q8;
+    std::unique_ptr<float[]> d8, m16;
 };
 // Fills q8/d8/m16 rows [t0, t1) (x rows at x + t*ldx, n % 32 == 0).
 using QuantizeActFn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
@@ -137,6 +139,15 @@ void dequantize(int type_id, const uint8_t* src, int64_t n_rows, int64_t n_cols,
                 int64_t src_row_stride, void* dst, int dst_dtype);
 void matmul(int type_id, const uint8_t* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
             const float* x, int64_t n_tok, float* y);
+struct MatW {  // one weight W [n_out, n_in] of matmul_multi: row o at w + o*row_stride (bytes)
+    int type_id;
+    const uint8_t* w;
+    int64_t n_out, row_stride;
+};
+// y[t, c_j + o] = x[t] . W_j[o] for the n_w weights in order (c_j = the n_out of those before j):
+// y [n_tok, >= sum n_out] with row stride ldy, x [n_tok, n_in] contiguous.
+void matmul_multi(const MatW* ws, int n_w, int64_t n_in, const float* x, int64_t n_tok, float* y,
+                  int64_t ldy);
 struct Bank {  // one expert weight bank [E, rows, cols]: rows contiguous inside an expert
     int type_id;
     const uint8_t* base;
@@ -151,9 +162,15 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
                        int64_t ldb, const float* s, int64_t lds, const float* w, float eps, float* out);
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
                 float floor, int32_t* ids, float* weights);
+// out [rows, n] = silu(gate) * up, gate and up rows at stride ld (the shared expert's gate|up).
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out);
 // The delta-net token of a decode step (step.cpp; contracts: csrc/cuda/api.h, same names).
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y);
+// conv_silu_step for n_tok tokens of each sequence in order: x rows b*n_tok + t (stride ldx),
+// y [batch*n_tok, channels].
+void conv_silu_seq(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                   int64_t n_tok, int64_t channels, int64_t kc, float* y);
 void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
                      const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                      float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk,
@@ -164,6 +181,26 @@ void delta_rule_seq(const float* y, int64_t ldy, const float* z, int64_t ldz, co
                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                     float* S, const float* norm_w, int64_t batch, int64_t n_tok, int64_t hk, int64_t hv,
                     int64_t dk, int64_t dv, float eps, float* out);
+
+// Causal GQA attention of one sequence (attention.cpp): query t of head h at q + t*q_t + h*q_h
+// (d floats, normed and roped), position pos0 + t, sees cache rows l < n_attn with l <= pos0 + t;
+// k_cache, v_cache [n_ctx, hkv, d] f32 contiguous, query head h reads kv head h / (hq / hkv);
+// scale 1/sqrt(d). out [n_tok, hq*d] contiguous = softmax(q k^T) v, times sigmoid(gate) where
+// gate (same layout as q, strides g_t, g_h) is not null. d % 16 == 0.
+void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int64_t g_t, int64_t g_h,
+               const float* k_cache, const float* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
+               int64_t hq, int64_t hkv, int64_t d, float* out);
+
+// The full-attention mixer between its projections for n_tok tokens of one sequence (the
+// contract of csrc/cuda/api.h's attention_step, any n_tok): qg [n_tok, hq*2d] rows at ld_qg (per
+// head d query then d gate values), k, v [n_tok, hkv*d] rows at ld_kv; q and k RMS-normed (times
+// q_norm / k_norm [d]) and roped (NEOX, first n_rot dims, inv_freq [n_rot/2]) at positions
+// pos0 + t; k, v written to cache rows pos0 + t (f32 [n_ctx, hkv, d]); then `attention` with
+// the gate. q_work: [n_tok, hq*d] scratch; out [n_tok, hq*d].
+void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float* v, int64_t ld_kv,
+                     const float* q_norm, const float* k_norm, float eps, int64_t pos0, int64_t n_tok,
+                     int64_t hq, int64_t hkv, int64_t d, int64_t n_rot, const float* inv_freq,
+                     float* k_cache, float* v_cache, int64_t n_attn, float* q_work, float* out);
 
 // Row geometry check shared by the ops: n_cols weights of `k` per row.
 int64_t row_kblocks(const TypeKernels& k, int64_t n_cols, const char* what);

@@ -144,15 +144,15 @@ Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, 
     a.ldx = ldx;
     a.n = n;
     if (!isa.quantize_act || nt <= 0) return a;
-    buf.q8.resize(nt * n);
-    buf.d8.resize(nt * (n / 32));
-    buf.m16.resize(nt * (n / 16));
-    a.q8 = buf.q8.data();
-    a.d8 = buf.d8.data();
-    a.m16 = buf.m16.data();
+    buf.q8.reset(new int8_t[nt * n]);
+    buf.d8.reset(new float[nt * (n / 32)]);
+    buf.m16.reset(new float[nt * (n / 16)]);
+    a.q8 = buf.q8.get();
+    a.d8 = buf.d8.get();
+    a.m16 = buf.m16.get();
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     auto fill = [&](int64_t t0, int64_t t1) {
-        isa.quantize_act(x, ldx, t0, t1, n, buf.q8.data(), buf.d8.data(), buf.m16.data());
+        isa.quantize_act(x, ldx, t0, t1, n, buf.q8.get(), buf.d8.get(), buf.m16.get());
     };
     if (nt * n < 65536) fill(0, nt);  // one token: cheaper than waking the pool
     else parallel_for(nt, grain, fill);

@@ -26,7 +26,9 @@ namespace ft::cpu {
 namespace {
 
 struct DotVnni {  // 32 u8 x s8 products -> 8 int32 (4 per 16 weights), exact
+    static constexpr bool kBiasedX = true;  // q8_kernels.h kBiased: signed weights in one dpbusd
     static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+    static __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 // expert order (so the result does not depend on the thread count). Even one token keeps every
 // core busy: K experts x F rows, then H rows.
 #include <cmath>
+#include <memory>
 
 #include "cpu.h"
 
@@ -48,18 +49,26 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
     }
     std::vector<int64_t> tok(n_slots);
     std::vector<float> wt(n_slots);
-    std::vector<float> xg(n_slots * H), hg(n_slots * F), hu(n_slots * F);
     for (int64_t i = 0; i < T * K; ++i) {
         if (ids[i] < 0) continue;
         const int64_t s = count[ids[i]]++;
         tok[s] = i / K;
         wt[s] = weights[i];
-        std::copy(x + (i / K) * H, x + (i / K + 1) * H, xg.data() + s * H);
     }
+    // The gathered rows and the hidden activations: tens of MB for a prompt chunk, left
+    // uninitialized and filled over the pool (on one thread, zeroing and copying them took as
+    // long as a sixth of the experts' work on 16 cores).
+    const std::unique_ptr<float[]> xg(new float[n_slots * H]), hg(new float[n_slots * F]),
+        hu(new float[n_slots * F]);
+    auto gather = [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; ++s) std::copy(x + tok[s] * H, x + (tok[s] + 1) * H, xg.get() + s * H);
+    };
+    if (n_slots * H < (1 << 16)) gather(0, n_slots);  // a decode token: cheaper than the pool
+    else parallel_for(n_slots, 16, gather);
 
     // Phase 1: gate/up, then h = silu(g) * u in place of g.
     ActBuf xbuf;
-    const Act xa = prepare_act(isa, xg.data(), H, n_slots, H, xbuf);
+    const Act xa = prepare_act(isa, xg.get(), H, n_slots, H, xbuf);
     std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, first row)
     for (int64_t i = 0; i < int64_t(groups.size()); ++i)
         for (int64_t f = 0; f < F; f += kRowsPerTask) tasks.push_back({i, f});
@@ -70,8 +79,8 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
             const uint8_t* wg = gate.base + gr.e * gate.expert_stride;
             const uint8_t* wu = up.base + gr.e * up.expert_stride;
             const Act xe = xa.at(gr.off);
-            float* ge = hg.data() + gr.off * F;
-            float* ue = hu.data() + gr.off * F;
+            float* ge = hg.get() + gr.off * F;
+            float* ue = hu.get() + gr.off * F;
             if (kg.gemm && ku.gemm) {  // each row decoded once for all the expert's tokens
                 kg.gemm(wg + f0 * rb_g, rb_g, f1 - f0, nkb_g, xe, gr.n, ge + f0, F, g);
                 ku.gemm(wu + f0 * rb_u, rb_u, f1 - f0, nkb_u, xe, gr.n, ue + f0, F, g);
@@ -93,7 +102,7 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
 
     // Phase 2: down rows, weighted sum over experts in ascending expert order.
     ActBuf hbuf;
-    const Act ha = prepare_act(isa, hg.data(), F, n_slots, F, hbuf);
+    const Act ha = prepare_act(isa, hg.get(), F, n_slots, F, hbuf);
     parallel_for(H, kRowsPerTask, [&](int64_t r0, int64_t r1) {
         thread_local std::vector<float> out;
         for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + r0, y + t * H + r1, 0.f);

@@ -86,6 +86,31 @@ inline __m256 scale_pair(float s0, float s1) {
     return _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
 }
 
+// The additive mins of a row against a token: sum over 16-weight groups i of m[i] * m16[i]
+// (m16 = d * sum of q per 16), 8 lanes then the tail; both paths below use it, so a token's
+// result does not depend on how many tokens its call has. (Per group and token, scalar, the
+// mins cost as much as the integer products of Q4_K / Q5_K.)
+inline float dot_mins(const float* m, const float* m16, int64_t ns) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= ns; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + i), _mm256_loadu_ps(m16 + i), acc);
+    float sum = hsum_ps(acc);
+    for (; i < ns; ++i) sum += m[i] * m16[i];
+    return sum;
+}
+struct MinBuf {  // one streamed row's mins [n/16] (a plain array, as RowBuf below)
+    float* p = nullptr;
+    int64_t cap = 0;
+    float* size(int64_t n) {
+        if (n > cap) delete[] p, p = new float[n], cap = n;
+        return p;
+    }
+    MinBuf() = default;
+    MinBuf(const MinBuf&) = delete;
+    MinBuf& operator=(const MinBuf&) = delete;
+    ~MinBuf() { delete[] p; }
+};
+
 // ---- few tokens: stream R rows through the decoder ------------------------------------------------------
 template <class Dot, QType T, int R, int NT>
 void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
@@ -93,10 +118,13 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
     using Tr = Traits<T>;
     using U = Unit<T>;
     __m256 acc[R][NT];
-    float macc[R][NT];
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.f;
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
     const int64_t nd = a.n / 32, ns = a.n / 16;
+    thread_local MinBuf mbuf[2];
+    float* mins[R];
+    if constexpr (U::has_min)
+        for (int r = 0; r < R; ++r) mins[r] = mbuf[r].size(ns);
     for (int64_t b = 0; b < nkb; ++b) {
         typename U::State st[R];
         for (int r = 0; r < R; ++r) U::begin(rows[r] + b * Tr::kb_bytes, g, st[r]);
@@ -112,14 +140,18 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
                     const __m256 sc = U::per16 ? scale_pair(u[r].s[0] * dx, u[r].s[1] * dx)
                                                : _mm256_set1_ps(u[r].s[0] * dx);
                     acc[r][t] = _mm256_fmadd_ps(p, sc, acc[r][t]);
-                    if constexpr (U::has_min)
-                        macc[r][t] += u[r].m[0] * a.m16[t * ns + 2 * c] + u[r].m[1] * a.m16[t * ns + 2 * c + 1];
                 }
             }
+            if constexpr (U::has_min)
+                for (int r = 0; r < R; ++r) mins[r][2 * c] = u[r].m[0], mins[r][2 * c + 1] = u[r].m[1];
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]) + macc[r][t];
+        for (int t = 0; t < NT; ++t) {
+            float v = hsum_ps(acc[r][t]);
+            if constexpr (U::has_min) v += dot_mins(mins[r], a.m16 + t * ns, ns);
+            out[r][t * ldo] = v;
+        }
 }
 
 template <class Dot, QType T, int R>
@@ -144,19 +176,20 @@ void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64
 // One decoded row. Plain arrays, no std::vector: a library template instantiated here would be
 // compiled with this file's ISA flags, and the linker may keep that copy for every file.
 struct RowBuf {
-    int8_t* q = nullptr;  // [n]
-    float* s = nullptr;   // [n/32][8]: the scale vector of each 32-weight group
-    float* m = nullptr;   // [n/16]: the additive min of each 16 (types with mins)
+    int8_t* q = nullptr;   // [n]
+    float* s = nullptr;    // [n/32][8]: the scale vector of each 32-weight group
+    float* m = nullptr;    // [n/16]: the additive min of each 16 (types with mins)
+    int32_t* c = nullptr;  // [n/32][8]: -128 * (sum of each 4 weights), for Dot::kBiasedX
     int64_t cap = 0;
     void size(int64_t n) {
         if (n <= cap) return;
         release();
-        q = new int8_t[n], s = new float[n / 4], m = new float[n / 16];
+        q = new int8_t[n], s = new float[n / 4], m = new float[n / 16], c = new int32_t[n / 4];
         cap = n;
     }
     void release() {
-        delete[] q, delete[] s, delete[] m;
-        q = nullptr, s = nullptr, m = nullptr, cap = 0;
+        delete[] q, delete[] s, delete[] m, delete[] c;
+        q = nullptr, s = nullptr, m = nullptr, c = nullptr, cap = 0;
     }
     RowBuf() = default;
     RowBuf(const RowBuf&) = delete;
@@ -164,10 +197,11 @@ struct RowBuf {
     ~RowBuf() { release(); }
 };
 
-template <QType T>
+template <QType T, bool kBias = false>
 void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) {
     using Tr = Traits<T>;
     using U = Unit<T>;
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nkb; ++b) {
         typename U::State st;
         U::begin(row + b * Tr::kb_bytes, g, st);
@@ -177,43 +211,57 @@ void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) 
             U::decode(row + b * Tr::kb_bytes, s, g, st, u);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.q + 32 * c), u.q);
             _mm256_storeu_ps(rb.s + 8 * c, U::per16 ? scale_pair(u.s[0], u.s[1]) : _mm256_set1_ps(u.s[0]));
+            if constexpr (kBias) {  // sums of 4 weights (exact in int16), times -128
+                const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, u.q), ones16);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.c + 8 * c),
+                                    _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s4, 7)));
+            }
             if constexpr (U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
         }
     }
 }
 
+// Signed weights with a Dot that takes an accumulator (VNNI: Dot::kBiasedX): x + 128 is unsigned,
+// and dpbusd(-128 * sums of 4 weights, x + 128, w) = the exact sum of x * w in one instruction,
+// where maddubs needs |w| and x with w's sign (two more per row and token). The same integers.
+template <class Dot, class U> constexpr bool kBiased = Dot::kBiasedX && !U::has_min;
+
 template <class Dot, QType T, int RB, int NT>
 void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
     using U = Unit<T>;
+    constexpr bool biased = kBiased<Dot, U>;
     const int64_t nc = a.n / 32, ns = a.n / 16;
     __m256 acc[RB][NT];
-    float macc[RB][NT];  // the mins in dot_stream's order (both paths give the same bits), RB*NT
-                         // independent chains hidden under the vector work
     for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps(), macc[r][t] = 0.f;
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
         __m256i x[NT];
         __m256 dx[NT];
         for (int t = 0; t < NT; ++t) {
             x[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+            if constexpr (biased) x[t] = _mm256_xor_si256(x[t], _mm256_set1_epi8(char(0x80)));  // x + 128
             dx[t] = _mm256_broadcast_ss(a.d8 + t * nc + c);
         }
         for (int r = 0; r < RB; ++r) {
             const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb[r].q + 32 * c));
             const __m256 sw = _mm256_loadu_ps(rb[r].s + 8 * c);
-            for (int t = 0; t < NT; ++t)
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<Dot, U::has_min>(w, x[t])),
-                                            _mm256_mul_ps(sw, dx[t]), acc[r][t]);
-            if constexpr (U::has_min) {
-                const float* wm = rb[r].m + 2 * c;
+            if constexpr (biased) {
+                const __m256i cw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb[r].c + 8 * c));
                 for (int t = 0; t < NT; ++t)
-                    macc[r][t] += wm[0] * a.m16[t * ns + 2 * c] + wm[1] * a.m16[t * ns + 2 * c + 1];
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dot::dot_acc(cw, x[t], w)),
+                                                _mm256_mul_ps(sw, dx[t]), acc[r][t]);
+            } else {
+                for (int t = 0; t < NT; ++t)
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(idot<Dot, U::has_min>(w, x[t])),
+                                                _mm256_mul_ps(sw, dx[t]), acc[r][t]);
             }
         }
     }
     for (int r = 0; r < RB; ++r)
         for (int t = 0; t < NT; ++t) {
-            out[t * ldo + r] = hsum_ps(acc[r][t]) + macc[r][t];
+            float v = hsum_ps(acc[r][t]);
+            if constexpr (U::has_min) v += dot_mins(rb[r].m, a.m16 + t * ns, ns);  // dot_stream's order
+            out[t * ldo + r] = v;
         }
 }
 
@@ -251,12 +299,13 @@ void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Ac
     const int64_t n = nkb * Traits<T>::kb_elems;
     for (auto& b : bufs) b.size(n);
     int64_t r = 0;
+    constexpr bool biased = kBiased<Dot, Unit<T>>;
     for (; r + RB <= nr; r += RB) {
-        for (int i = 0; i < RB; ++i) decode_q8_row<T>(w + (r + i) * stride, nkb, bufs[i], g);
+        for (int i = 0; i < RB; ++i) decode_q8_row<T, biased>(w + (r + i) * stride, nkb, bufs[i], g);
         gemm_rows<Dot, T, RB>(bufs, a, nt, out + r, ldo);
     }
     for (; r < nr; ++r) {
-        decode_q8_row<T>(w + r * stride, nkb, bufs[0], g);
+        decode_q8_row<T, biased>(w + r * stride, nkb, bufs[0], g);
         gemm_rows<Dot, T, 1>(bufs, a, nt, out + r, ldo);
     }
 }

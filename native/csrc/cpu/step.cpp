@@ -39,28 +39,53 @@ inline float silu(float x) { return x * sigmoid(x); }
 
 }  // namespace
 
+void conv_silu_seq(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
+                   int64_t n_tok, int64_t channels, int64_t kc, float* y) {
+    if (kc < 1 || channels <= 0 || batch <= 0 || n_tok <= 0) return;
+    // Blocks of channels over the pool. Per block: the weights transposed to [kc, block] and the
+    // state to [kc - 1, block] rows, so that each tap is a contiguous multiply-add over the block
+    // (vectorized), in the reference's order (oldest input first, this token's last).
+    const int64_t grain = std::max<int64_t>(64, channels / (4 * num_threads()));
+    auto run = [&](int64_t c0, int64_t c1) {
+        FlushDenormals ftz;
+        const int64_t nc = c1 - c0, nh = kc - 1;
+        thread_local std::vector<float> wt, hist;
+        wt.resize(kc * nc);
+        hist.resize(std::max<int64_t>(nh, 1) * nc);
+        for (int64_t c = 0; c < nc; ++c)
+            for (int64_t j = 0; j < kc; ++j) wt[j * nc + c] = w[(c0 + c) * kc + j];
+        for (int64_t b = 0; b < batch; ++b) {
+            float* sb = conv_state + b * channels * nh;
+            for (int64_t c = 0; c < nc; ++c)
+                for (int64_t r = 0; r < nh; ++r) hist[r * nc + c] = sb[(c0 + c) * nh + r];
+            // input i of the sequence [state, x]: a state row for i < nh, else x row i - nh
+            auto in = [&](int64_t i) -> const float* {
+                return i < nh ? hist.data() + i * nc : x + (b * n_tok + i - nh) * ldx + c0;
+            };
+            for (int64_t t = 0; t < n_tok; ++t) {
+                float* __restrict yt = y + (b * n_tok + t) * channels + c0;
+                for (int64_t c = 0; c < nc; ++c) yt[c] = 0.f;
+                for (int64_t j = 0; j < kc; ++j) {
+                    const float* __restrict src = in(t + j);
+                    const float* __restrict wj = wt.data() + j * nc;
+                    for (int64_t c = 0; c < nc; ++c) yt[c] += src[c] * wj[c];
+                }
+                for (int64_t c = 0; c < nc; ++c) yt[c] = silu(yt[c]);
+            }
+            // the new state: the last nh inputs (read before any is overwritten: hist is a copy)
+            for (int64_t r = 0; r < nh; ++r) {
+                const float* src = in(n_tok + r);
+                for (int64_t c = 0; c < nc; ++c) sb[(c0 + c) * nh + r] = src[c];
+            }
+        }
+    };
+    if (batch * n_tok * channels < (1 << 14)) return run(0, channels);  // cheaper than the pool
+    parallel_for(channels, grain, run);
+}
+
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y) {
-    if (kc < 1 || channels <= 0 || batch <= 0) return;
-    const int64_t grain = std::max<int64_t>(256, channels / (4 * num_threads()));
-    for (int64_t b = 0; b < batch; ++b) {
-        const float* xb = x + b * ldx;
-        float* sb = conv_state + b * channels * (kc - 1);
-        float* yb = y + b * channels;
-        parallel_for(channels, grain, [&](int64_t c0, int64_t c1) {
-            FlushDenormals ftz;
-            for (int64_t c = c0; c < c1; ++c) {
-                float* s = sb + c * (kc - 1);
-                const float* wc = w + c * kc;
-                float acc = 0.f;
-                for (int64_t j = 0; j < kc - 1; ++j) acc += s[j] * wc[j];
-                acc += xb[c] * wc[kc - 1];
-                for (int64_t j = 0; j + 1 < kc - 1; ++j) s[j] = s[j + 1];
-                if (kc > 1) s[kc - 2] = xb[c];
-                yb[c] = silu(acc);
-            }
-        });
-    }
+    conv_silu_seq(x, ldx, conv_state, w, batch, 1, channels, kc, y);
 }
 
 namespace {
@@ -171,27 +196,43 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
                 float floor, int32_t* ids, float* weights) {
     if (top_k <= 0 || top_k > n_experts) throw std::invalid_argument("route_topk: need 0 < top_k <= n_experts");
-    std::vector<float> p(n_experts);
-    std::vector<int32_t> order(n_experts);
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* l = logits + r * ld;
-        float mx = l[0];
-        for (int64_t e = 1; e < n_experts; ++e) mx = std::max(mx, l[e]);
-        float sum = 0.f;
-        for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(l[e] - mx));
-        for (int64_t e = 0; e < n_experts; ++e) p[e] /= sum, order[e] = int32_t(e);
-        // the k largest, descending; ties: lower id first
-        std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t i, int32_t j) {
-            return p[i] > p[j] || (p[i] == p[j] && i < j);
-        });
-        float ksum = 0.f;
-        for (int64_t k = 0; k < top_k; ++k) ksum += p[order[k]];
-        const float denom = std::max(ksum, floor);
-        for (int64_t k = 0; k < top_k; ++k) {
-            ids[r * top_k + k] = order[k];
-            weights[r * top_k + k] = p[order[k]] / denom;
+    auto run = [&](int64_t r0, int64_t r1) {
+        std::vector<float> p(n_experts);
+        std::vector<int32_t> order(n_experts);
+        for (int64_t r = r0; r < r1; ++r) {
+            const float* l = logits + r * ld;
+            float mx = l[0];
+            for (int64_t e = 1; e < n_experts; ++e) mx = std::max(mx, l[e]);
+            float sum = 0.f;
+            for (int64_t e = 0; e < n_experts; ++e) sum += (p[e] = std::exp(l[e] - mx));
+            for (int64_t e = 0; e < n_experts; ++e) p[e] /= sum, order[e] = int32_t(e);
+            // the k largest, descending; ties: lower id first
+            std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t i, int32_t j) {
+                return p[i] > p[j] || (p[i] == p[j] && i < j);
+            });
+            float ksum = 0.f;
+            for (int64_t k = 0; k < top_k; ++k) ksum += p[order[k]];
+            const float denom = std::max(ksum, floor);
+            for (int64_t k = 0; k < top_k; ++k) {
+                ids[r * top_k + k] = order[k];
+                weights[r * top_k + k] = p[order[k]] / denom;
+            }
         }
-    }
+    };
+    if (rows < 16) return run(0, rows);  // a decode step: cheaper than the pool
+    parallel_for(rows, 8, run);
+}
+
+void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out) {
+    auto run = [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *g = gate + r * ld, *u = up + r * ld;
+            float* o = out + r * n;
+            for (int64_t j = 0; j < n; ++j) o[j] = silu(g[j]) * u[j];
+        }
+    };
+    if (rows * n < (1 << 16)) return run(0, rows);
+    parallel_for(rows, std::max<int64_t>(1, 16384 / n), run);
 }
 
 void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
