@@ -568,7 +568,7 @@ class OffloadRuntime:
         dev = self.device
         # a step size captured before has loaded its kernels and lazy state: a new batch of
         # that size (other states, other lengths) needs no eager warm-up and no new measure of
-        # the memory outside torch -- together ~60% of a capture's cost
+        # the memory outside torch, a large part of what a capture costs
         first = n_tok not in self._captured_sizes
         self.vram.before_capture()
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
