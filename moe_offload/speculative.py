@@ -103,19 +103,23 @@ class DraftPolicy:
     when the ones before it were kept); cost of a step with k drafts measured (EMA of wall
     time by k). Before a k has been measured its cost is guessed from k = 0's as
     (1 + prior_slope * k) plus k draft calls at prior_draft each -- optimistic, so it gets tried
-    and measured. While k = 0 wins, every `probe_every` steps one k = 1 step keeps a current.
+    and measured. While k = 0 wins, one k = 1 step now and then keeps the acceptance current:
+    `probe_every` steps after the last draft at first; a refused probe doubles the gap (up to
+    `probe_max`), a kept one halves it, so a head that rarely agrees costs a few probes a
+    thousand steps instead of one every 16, and one that starts agreeing is probed often again.
     """
 
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
                  a0: float = 0.6, prior_slope: float = 0.25, prior_draft: float = 0.05,
-                 probe_every: int = 16):
+                 probe_every: int = 16, probe_max: int = 256):
         if fixed is not None and not 0 <= fixed <= k_max:
             raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
         self.fixed, self.k_max, self.ema = fixed, k_max, ema
         self.a = a0
         self.cost: dict[int, float] = {}
         self.prior_slope, self.prior_draft = prior_slope, prior_draft
-        self.probe_every, self._since_draft = probe_every, 0
+        self.probe_every, self.probe_max, self._since_draft = probe_every, probe_max, 0
+        self._probe_gap, self._probing = probe_every, False
 
     @property
     def max_k(self) -> int:
@@ -139,14 +143,21 @@ class DraftPolicy:
         if 0 not in self.cost:
             return 0                       # measure plain decode first
         best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
-        if best == 0 and self._since_draft >= self.probe_every:
-            best = 1
+        self._probing = False
+        if best:
+            self._probe_gap = self.probe_every      # drafting pays: probe often again later
+        elif self._since_draft >= self._probe_gap:
+            best, self._probing = 1, True
         return best
 
     def observe(self, k: int, accepted: int, seconds: float | None) -> None:
         """A step with k drafts kept `accepted` of them and took `seconds` (None: a time that
         says nothing of the next steps, e.g. it included a graph capture; not counted)."""
         self._since_draft = 0 if k else self._since_draft + 1
+        if self._probing:   # a refused probe spaces the next ones out, a kept one brings them in
+            gap = self._probe_gap * 2 if accepted == 0 else self._probe_gap // 2
+            self._probe_gap = min(max(gap, self.probe_every), self.probe_max)
+            self._probing = False
         if seconds is not None:
             old = self.cost.get(k)
             self.cost[k] = seconds if old is None else old + self.ema * (seconds - old)

@@ -269,6 +269,34 @@ def test_adaptive_policy_drafts_when_it_pays_and_stops_when_not():
     assert 1 <= probes <= 4
 
 
+def test_probes_thin_out_while_drafting_does_not_pay():
+    """A head agreeing 27% of the time, a k = 1 step costing 1.7 plain ones (the 35B under an
+    8 GiB cap): after its first tries the policy decodes plainly, and its probes -- spaced out
+    while refused -- cost under 3% over 2,000 steps; when the head starts agreeing (0.95) the
+    kept probes come closer and drafting resumes for good."""
+    import random
+    rng = random.Random(0)
+    pol = DraftPolicy(None)
+    cost = {0: 1.0, 1: 1.7, 2: 2.4, 3: 3.1}
+
+    def run(steps, rate):
+        spent = tokens = 0.0
+        drafting = []
+        for _ in range(steps):
+            k = pol.choose()
+            accepted = next((i for i in range(k) if rng.random() >= rate), k)
+            pol.observe(k, accepted, cost[k])
+            spent, tokens = spent + cost[k], tokens + accepted + 1
+            drafting.append(k > 0)
+        return spent / tokens, drafting
+    per_token, _ = run(2000, 0.27)
+    assert per_token < 1.03                    # against 1.0 a token decoding plainly
+    assert pol._probe_gap > 4 * pol.probe_every
+    _, drafting = run(1500, 0.95)
+    assert all(drafting[-200:])                # drafting again, steadily
+    assert drafting.index(True) < pol.probe_max
+
+
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_synthetic_head_agrees_at_the_chosen_rate(synth_model, rate):
     loaded = open_model(synth_model(mtp_agree=rate, type="Q4_K"))
