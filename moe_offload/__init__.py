@@ -20,12 +20,13 @@ The model on one device, no cap:
   ResidentExperts              the default experts[layer](x, ids, weights) -> y implementation
   State, Snapshot              per-sequence KV + conv + recurrent caches
   generate, Session            the token stream; model + state + tokenizer + chat template
+  continue_ids                 a prompt's ids on top of a cache whose text it extends
   SamplingParams, GREEDY, Sampler   sampling (temperature, top-k/p, min-p, penalties, seed)
   TokenEvent, DoneEvent, Timings    what the stream yields
 """
 from .errors import OffloadError
 from .generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, Timings, TokenEvent,
-                       generate)
+                       continue_ids, generate)
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
 from .policy import OffloadPolicy
 from .report import LoadReport, RoutingRecorder, RuntimeStats
@@ -35,4 +36,4 @@ from .state import Snapshot, State
 __all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",
            "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
            "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
-           "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings"]
+           "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings", "continue_ids"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -274,6 +274,18 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     yield DoneEvent(reason, tail, tuple(out), timings)
 
 
+def continue_ids(tokens: Sequence[int], cached_text: str | None, text: str,
+                 encode: Callable[[str], list[int]]) -> list[int] | None:
+    """The ids of `text` on top of a cache that holds `tokens`, whose text is `cached_text`:
+    those ids, then encode(the rest of the text) -- when `text` extends `cached_text` with
+    something new; else None. A reply's text need not tokenize back into the ids the model
+    sampled, so a conversation that goes on keeps its own ids and tokenizes only what is new."""
+    if cached_text is None or not tokens or len(text) <= len(cached_text) \
+            or not text.startswith(cached_text):
+        return None
+    return list(tokens) + encode(text[len(cached_text):])
+
+
 def _penalized(p: SamplingParams) -> bool:
     return p.repeat_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
@@ -369,12 +381,8 @@ class Session:
         text = self.template.render(messages, add_generation_prompt=True,
                                     enable_thinking=enable_thinking, bos_token=tok.bos_token,
                                     eos_token=tok.eos_token)
-        if (self.text is not None and self.tokens and len(text) > len(self.text)
-                and text.startswith(self.text)):
-            ids = self.tokens + tok.encode(text[len(self.text):], add_special=False,
-                                           parse_special=True)
-        else:
-            ids = tok.encode(text, add_special=False, parse_special=True)
+        encode = lambda t: tok.encode(t, add_special=False, parse_special=True)   # noqa: E731
+        ids = continue_ids(self.tokens, self.text, text, encode) or encode(text)
         return self._turn(ids, text, params)
 
     def _turn(self, ids: list[int], text: str, params: SamplingParams

@@ -351,12 +351,9 @@ class Engine:
             return None
         state = None
         try:
-            entry, n, snap, ids = (self.cache.take(job.prompt, job.text, self._encode)
-                                   if self.cache.size else (None, 0, None, job.prompt))
-            if entry is not None and len(ids) >= self.n_ctx:   # the cached ids spell the text in more tokens than fit
-                self.cache.put(entry)
-                entry, n, snap, ids = self.cache.take(job.prompt)
-            job.prompt = ids
+            entry, n, snap, job.prompt = (
+                self.cache.take(job.prompt, job.text, self._encode, max_len=self.n_ctx)
+                if self.cache.size else (None, 0, None, job.prompt))
             if entry is None:
                 state, history, snaps = self._fresh_state(), [], []
             else:

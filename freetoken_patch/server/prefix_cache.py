@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moe_offload import continue_ids
+
 
 @dataclass(eq=False)
 class Cached:
@@ -31,13 +33,13 @@ class PrefixCache:
         self.entries: list[Cached] = []
 
     def take(self, prompt: list[int], text: str | None = None,
-             encode: Callable[[str], list[int]] | None = None
+             encode: Callable[[str], list[int]] | None = None, max_len: int | None = None
              ) -> tuple[Cached | None, int, object, list[int]]:
         """Remove and return the entry that covers the longest prefix of `prompt` (at least one
         prompt token is left to feed), with that length, the snapshot to restore (None:
         the entry's tokens are all a prefix) and the prompt's ids: `prompt`, or -- when
-        `text` extends an entry's text further than any ids match -- the entry's ids followed
-        by encode(the rest of the text)."""
+        `text` extends an entry's text further than any ids match, in fewer than `max_len`
+        ids -- the entry's ids followed by encode(the rest of the text)."""
         best, best_n, best_snap, ids = None, 0, None, prompt
         limit = len(prompt) - 1
         for e in self.entries:
@@ -53,10 +55,11 @@ class PrefixCache:
                 best, best_n, best_snap = e, use, snap
         if text is not None and encode is not None:
             for e in self.entries:
-                if (e.text is not None and len(e.tokens) > best_n and len(text) > len(e.text)
-                        and text.startswith(e.text)):
-                    best, best_n, best_snap = e, len(e.tokens), None
-                    ids = e.tokens + encode(text[len(e.text):])
+                if len(e.tokens) <= best_n:
+                    continue
+                extended = continue_ids(e.tokens, e.text, text, encode)
+                if extended is not None and (max_len is None or len(extended) < max_len):
+                    best, best_n, best_snap, ids = e, len(e.tokens), None, extended
         if best is not None:
             self.entries.remove(best)
         return best, best_n, best_snap, ids

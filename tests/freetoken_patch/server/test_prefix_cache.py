@@ -74,3 +74,14 @@ def test_text_that_does_not_extend_the_entry_falls_back_to_the_ids():
     c.put(e)
     entry, n, snap, ids = c.take(_encode("abZ"), "abZ", _encode)   # nothing new after it
     assert n == 2 and ids == _encode("abZ")
+
+
+def test_a_continuation_longer_than_the_context_is_not_taken():
+    c = PrefixCache(4)
+    e = Cached("A", [1, 2, 7, 8], text="abxy")
+    c.put(e)
+    entry, n, snap, ids = c.take(_encode("abxy?!"), "abxy?!", _encode, max_len=6)
+    assert (entry, n, ids) == (None, 0, _encode("abxy?!"))   # 6 ids would not fit under 6
+    assert c.entries == [e]
+    entry, n, snap, ids = c.take(_encode("abxy?!"), "abxy?!", _encode, max_len=7)
+    assert entry is e and ids == [1, 2, 7, 8, 63, 33]
