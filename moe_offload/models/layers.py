@@ -7,14 +7,14 @@ d head dim, C conv channels, Kc conv kernel.
 
 A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for one token,
 `route_topk`, `swiglu`)
-run as single CUDA kernels on CUDA tensors (native.ops.cuda_*): torch needs 5-10 launches for
-each, and launches, not bytes, bound a decode step. On CPU tensors `residual_rms_norm`,
-`route_topk`, `swiglu`, the delta-net's conv and recurrence and the attention core (after the norms, RoPE and the
-cache write) run in native._cpu (native.ops.cpu_*; a token or a whole prompt a call): torch's ~40 passes over the state a token (or its chunked form's
-small matmuls) cost more than the layer's weights, and its per-operation overhead more than a
-norm's arithmetic. The
-torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU tests
-compare the two, tests/native/test_cpu_step.py the CPU ones).
+run as single CUDA kernels on CUDA tensors (native.ops.cuda_* / step_*): torch needs 5-10
+launches for each, and launches, not bytes, bound a decode step. On CPU tensors
+`residual_rms_norm`, `route_topk`, `swiglu`, the delta-net's conv and recurrence and the
+attention mixer run in native._cpu (native.ops.step_* / cpu_*; a token or a whole prompt a
+call): torch's ~40 passes over the state a token (or its chunked form's small matmuls) cost
+more than the layer's weights, and its per-operation overhead more than a norm's arithmetic.
+The torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU
+tests compare the two, tests/native/test_cpu_step.py the CPU ones).
 """
 from __future__ import annotations
 
@@ -50,9 +50,7 @@ def residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, a: torch.Ten
     """The residual stream's add-then-norm: x += a + sigmoid(s) * b in place (a, b, s optional;
     b is the shared expert's output, s its gate logit), then rms_norm(x, w).
     x [N, H] contiguous; a, b [N, H]; s [N, 1]."""
-    if _kernel_for(x):
-        return ops.step_residual_rms_norm(x, w, eps, a, b, s)
-    if _cpu_kernel_for(x) and x.is_contiguous() and x.dim() == 2:
+    if _kernel_for(x) or (_cpu_kernel_for(x) and x.is_contiguous() and x.dim() == 2):
         return ops.step_residual_rms_norm(x, w, eps, a, b, s)
     if a is not None:
         x += a if b is None else a + torch.sigmoid(s) * b
@@ -65,10 +63,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if gate.dim() == 2 and _kernel_for(gate):
-        return ops.step_swiglu(gate, up)
-    if gate.dim() == 2 and _cpu_kernel_for(gate) and hasattr(ops._cpu, "swiglu") \
-            and gate.stride(0) == up.stride(0) and gate.stride(-1) == up.stride(-1) == 1:
+    if gate.dim() == 2 and (_kernel_for(gate) or (
+            _cpu_kernel_for(gate) and hasattr(ops._cpu, "swiglu")
+            and gate.stride(0) == up.stride(0) and gate.stride(-1) == up.stride(-1) == 1)):
         return ops.step_swiglu(gate, up)
     return F.silu(gate) * up
 
@@ -299,9 +296,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 def route_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts (f32), top-k, renormalise. logits [N, E] -> ids, weights [N, K]
     (ids int32 from the CUDA kernel, int64 from torch: consumers take either)."""
-    if _kernel_for(logits) and logits.dtype == torch.float32:
-        return ops.step_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
-    if _cpu_kernel_for(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+    if logits.dtype == torch.float32 and (
+            _kernel_for(logits) or (_cpu_kernel_for(logits) and logits.dim() == 2)):
         return ops.step_route_topk(logits, k, EXPERT_WEIGHT_FLOOR)
     p = torch.softmax(logits.float(), dim=-1)
     w, ids = p.topk(k, dim=-1)
