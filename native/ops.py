@@ -264,24 +264,34 @@ def matmul_many(x: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor]:
     return [matmul(x, w) for w in ws]
 
 
-# A decode token makes a few hundred matmul calls, each cheap next to Python's own checks: the
-# native arguments of a CPU weight are worked out once, kept while the weight lives.
-_CPU_WEIGHTS: dict[int, tuple] = {}   # id(w) -> (weakref to w, (type_id, ptr, n_out, row_bytes, n_in))
+# A decode token makes a few hundred matmul and moe_ffn calls, each cheap next to Python's own
+# checks: the native arguments of CPU weights are worked out once, kept while the weights live.
+_NATIVE_ARGS: dict[tuple, tuple] = {}   # ids of the weights -> (weakrefs to them, the arguments)
+
+
+def _native_args(weights: tuple, make) -> tuple | None:
+    """make() -> the native arguments of `weights` (None: the extension cannot run them), worked
+    out once and kept while every one of the weights lives."""
+    key = tuple(map(id, weights))
+    hit = _NATIVE_ARGS.get(key)
+    if hit is not None and all(r() is q for r, q in zip(hit[0], weights)):
+        return hit[1]
+    arg = make()
+    if arg is not None:
+        drop = lambda _, k=key: _NATIVE_ARGS.pop(k, None)   # noqa: E731
+        _NATIVE_ARGS[key] = (tuple(weakref.ref(q, drop) for q in weights), arg)
+    return arg
 
 
 def _cpu_weight(w: QTensor) -> tuple | None:
     """The matmul_multi argument of a 2-D CPU weight the extension runs (else None), plus n_in."""
-    hit = _CPU_WEIGHTS.get(id(w))
-    if hit is not None and hit[0]() is w and _cpu is not None:
-        return hit[1]
-    if (_cpu is None or not hasattr(_cpu, "matmul_multi") or w.device.type != "cpu"
-            or len(w.shape) != 2 or w.data.dim() != 2
-            or not _ext_supports(_cpu, w.qtype, "matmul", int(w.shape[-1]))):
-        return None
-    key = id(w)
-    arg = (w.qtype.type_id, w.data.data_ptr(), int(w.shape[0]), w.row_bytes, int(w.shape[1]))
-    _CPU_WEIGHTS[key] = (weakref.ref(w, lambda _, k=key: _CPU_WEIGHTS.pop(k, None)), arg)
-    return arg
+    def make():
+        if (_cpu is None or not hasattr(_cpu, "matmul_multi") or w.device.type != "cpu"
+                or len(w.shape) != 2 or w.data.dim() != 2
+                or not _ext_supports(_cpu, w.qtype, "matmul", int(w.shape[-1]))):
+            return None
+        return (w.qtype.type_id, w.data.data_ptr(), int(w.shape[0]), w.row_bytes, int(w.shape[1]))
+    return None if _cpu is None else _native_args((w,), make)   # (tests can switch it off)
 
 
 def _cpu_matmul_many(x: torch.Tensor, args: list[tuple]) -> list[torch.Tensor]:
@@ -376,24 +386,19 @@ def ext_matmul(ext, x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], o)
 
 
-_CPU_BANKS: dict[tuple, tuple] = {}   # (ids of gate, up, down) -> (weakrefs..., _cpu_banks' value)
-
-
 def _cpu_banks(gate: QTensor, up: QTensor, down: QTensor) -> tuple | None:
     """(E, F, H, the bank arguments of native moe_ffn) of three CPU banks that fit together and
     the extension runs, else None (moe_ffn's checks then say why)."""
-    key = (id(gate), id(up), id(down))
-    hit = _CPU_BANKS.get(key)
-    if hit is not None and hit[0]() is gate and hit[1]() is up and hit[2]() is down and _cpu is not None:
-        return hit[3]
-    e, f, h = gate.shape if len(gate.shape) == 3 else (0, 0, 0)
-    if (_cpu is None or not e or any(q.device.type != "cpu" for q in (gate, up, down))
-            or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
-            or not all(_ext_supports(_cpu, q.qtype, "moe_ffn", int(q.shape[-1])) for q in (gate, up, down))):
-        return None
-    arg = (e, f, h, [v for q in (gate, up, down) for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)])
-    _CPU_BANKS[key] = (*(weakref.ref(q, lambda _, k=key: _CPU_BANKS.pop(k, None)) for q in (gate, up, down)), arg)
-    return arg
+    def make():
+        e, f, h = gate.shape if len(gate.shape) == 3 else (0, 0, 0)
+        if (_cpu is None or not e or any(q.device.type != "cpu" for q in (gate, up, down))
+                or tuple(up.shape) != (e, f, h) or tuple(down.shape) != (e, h, f)
+                or not all(_ext_supports(_cpu, q.qtype, "moe_ffn", int(q.shape[-1]))
+                           for q in (gate, up, down))):
+            return None
+        return (e, f, h, [v for q in (gate, up, down)
+                          for v in (q.qtype.type_id, q.data.data_ptr(), q.expert_stride)])
+    return None if _cpu is None else _native_args((gate, up, down), make)
 
 
 def ext_moe_ffn(ext, x, gate, up, down, ids, weights, out=None, banks=None) -> torch.Tensor:
