@@ -603,9 +603,12 @@ class OffloadRuntime:
                 st.n_past = n  # capture ran no kernels; the host counters must not move
         return g, tok_in, out
 
-    def _drop_graphs(self) -> None:
+    def _drop_graphs(self, new_kernels: bool = False) -> None:
         """The next decode steps capture anew (in a new pool: a pool whose graphs are all gone
-        cannot be captured into again)."""
+        cannot be captured into again); `new_kernels`: they run kernels no step has run yet
+        (recording, replayed routing), so each size is warmed up again before its capture."""
+        if new_kernels:
+            self._captured_sizes.clear()
         self.engine.settle()
         self._graphs.clear()
         self._graph_pool = torch.cuda.graph_pool_handle()
@@ -617,8 +620,7 @@ class OffloadRuntime:
         self.engine.record = (None if recorder is None
                               else recorder.bind(c.n_layer, c.n_expert_used, self.device))
         self._recorder = recorder
-        self._drop_graphs()
-        self._captured_sizes.clear()   # recording runs kernels decode has not run yet
+        self._drop_graphs(new_kernels=True)
         return recorder
 
     def replay(self, trace, by_position: bool = False) -> None:
@@ -637,8 +639,7 @@ class OffloadRuntime:
                 raise OffloadError(f"a routing trace is [steps, {c.n_layer}, {c.n_expert_used}], "
                                    f"got {list(trace.shape)}")
         self.engine.trace = trace
-        self._drop_graphs()
-        self._captured_sizes.clear()   # replayed routing runs other kernels
+        self._drop_graphs(new_kernels=True)
 
     @property
     def prefetching(self) -> bool:
