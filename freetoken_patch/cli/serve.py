@@ -24,10 +24,11 @@ request by one token together (a layer's experts read once for all of them), and
 prompt goes in by chunks of --prefill-chunk tokens between those steps, so a long prompt does
 not stall the others. Under --vram the runtime holds one sequence unless --parallel asks for
 more (up to 8; each takes its delta-net state, ~63 MB on a 35B-A3B, and its KV from the expert
-cache); they are stepped together the same way, each layer's experts fetched once for the batch. --no-batch makes
-the requests take turns instead, one request a step (interleaved), to compare. More requests wait in a queue of --queue; past that
-the server answers 429 (529, overloaded, on /v1/messages). A follow-up whose prompt starts with
-a recent conversation prefills only the new tokens. With --draft a model with an MTP head
+cache); they are stepped together the same way, each layer's experts fetched once for the
+batch. --no-batch makes the requests take turns instead, one request a step (interleaved), to
+compare. More requests wait in a queue of --queue; past that the server answers 429 (529,
+overloaded, on /v1/messages). A follow-up whose prompt (or, for a chat, whose text) starts
+with a recent conversation prefills only the new tokens. With --draft a model with an MTP head
 decodes speculatively, one request at a time (--parallel 1); /health and /metrics show how
 many drafts were accepted.
 """
@@ -137,7 +138,7 @@ def check_draft_parallel(args: argparse.Namespace) -> None:
 def load(args: argparse.Namespace):
     """The model named by the flags (or the embedded default), its engine, and the app's Served."""
     from loaders.synth import default_model_path, ensure_default_model
-    from ..server.engine import Engine
+    from ..server.engine import PREFILL_CHUNK, PREFILL_CHUNK_UNDER_CAP, Engine
     from ..server.app import Served
     from ..server.metrics import Metrics
     dev = device_for(args.device, args.vram)
@@ -151,7 +152,7 @@ def load(args: argparse.Namespace):
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics,
                     prefill_chunk=getattr(args, "prefill_chunk", None)
-                    or (1024 if args.vram is not None else 256),
+                    or (PREFILL_CHUNK_UNDER_CAP if args.vram is not None else PREFILL_CHUNK),
                     batch=False if getattr(args, "no_batch", False) else None,
                     draft=speculative_for(args, loaded, model))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)

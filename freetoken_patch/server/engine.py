@@ -47,6 +47,7 @@ from .sequence import TokenStream
 
 MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
 PREFILL_CHUNK = 256  # prompt tokens a newcomer feeds between two batched decode steps
+PREFILL_CHUNK_UNDER_CAP = 1024   # ... under a VRAM cap, where each chunk streams the cold experts
 
 
 class QueueFull(Exception):
