@@ -238,7 +238,9 @@ class OffloadRuntime:
         self.scheduler.rates = measure_rates(self.cache, self.bank, c, self.engine.link)
         self.scheduler.apply()
         # guesses travel over the link: only with pinned banks, and while the link has room
-        if pol.prefetch and self.bank.pinned and self.scheduler.q() >= pol.prefetch_min_fetch_share:
+        # (or when a number of guesses was asked for: the user's choice)
+        if pol.prefetch and self.bank.pinned and (pol.prefetch_k is not None
+                                                  or self.scheduler.q() >= pol.prefetch_min_fetch_share):
             self.engine.set_predictor(self.model.router_logits, pol.guesses(c.n_expert_used))
         self._torch_peak = 0
         self.prefill_memory: list[dict] = []

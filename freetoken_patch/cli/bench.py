@@ -94,8 +94,9 @@ def add_parser(sub) -> None:
     s.add_argument("--no-prefetch", action="store_true",
                    help="do not guess the next layer's experts (decode); off anyway with --trace")
     s.add_argument("--prefetch-k", type=int, default=None,
-                   help=f"experts guessed per token for the next layer (default: "
-                        f"{POLICY.prefetch_share:g} of the top-k, {POLICY.guesses(8)} of 8)")
+                   help=f"experts guessed per token for the next layer, even on a slow link "
+                        f"(default: {POLICY.prefetch_share:g} of the top-k, {POLICY.guesses(8)} of 8, "
+                        f"while the link takes >= {POLICY.prefetch_min_fetch_share:g} of the misses)")
     s.add_argument("--no-elastic", action="store_true",
                    help="keep the expert cache at its prefill size while decoding and the KV "
                         "allocated for the whole --ctx (by default the cache grows into the prefill "
