@@ -40,7 +40,8 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
                    new_state: Callable[[], object], sync: Callable[[], None] = lambda: None,
                    prompt_len: int = 16, seed: int = 0, phases: bool = False) -> dict:
     """Plain and speculative greedy decoding of `gen` tokens after random prompts (one warm-up,
-    then `reps` timed; the same prompts for both) -> the JSON object of bench's "speculative".
+    then `reps` timed; the same prompts for both, each pair in the other order than the last: an
+    even `reps` cancels the cache's favour to the second run) -> bench's "speculative" object.
     phases: one more speculative run after the timed ones with the device synchronised between
     the phases of each step (SpecStats.phases), so that the timed rates stay unsynchronised."""
     from moe_offload.generate import SamplingParams, generate
@@ -61,16 +62,18 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
         return done
 
     for r, prompt in enumerate(prompts):
-        outs = []
-        for d in (None, dec):
+        outs = {}
+        # the second run of a pair finds the experts the first one used still cached (same
+        # prompt, greedy): alternate which goes first, so that neither side gets that for free
+        for d in ((None, dec) if r % 2 else (dec, None)):
             if d is not None and r == 1:
                 d.reset_stats()            # statistics of the timed repetitions
             done = run(prompt, d)
             if r:
                 (plain_tps if d is None else spec_tps).append(done.timings.decode_tps)
-            outs.append(list(done.tokens))
-        if outs[0] != outs[1]:
-            diffs.append(_divergence(model, new_state, prompt, *outs))
+            outs[d is not None] = list(done.tokens)
+        if outs[False] != outs[True]:
+            diffs.append(_divergence(model, new_state, prompt, outs[False], outs[True]))
     st = dec.stats
     out = {"draft": draft, "gen": gen, "reps": reps,
            "plain_tps": _spread(plain_tps), "speculative_tps": _spread(spec_tps),
