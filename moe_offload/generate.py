@@ -259,7 +259,8 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
                     tok = int(tok_dev)
             else:
                 new = draft.step(state, tok, sample,
-                                 lambda extra: _recent(context + extra, params, dev))
+                                 lambda extra: _recent(context + extra, params, dev),
+                                 ahead_ok=not params.stop and len(out) + 1 < params.max_tokens)
                 tok, queue, taken = new[0], new[1:], 0
             decode_s += time.perf_counter() - t
             timings = Timings(len(prompt), timings.prompt_s, len(out) + len(queue), decode_s,
@@ -267,6 +268,8 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     finally:   # stopped (or left) inside a speculative step: the cache forgets what follows
         if draft is not None and queue:
             draft.truncate(state, taken)
+        if draft is not None:
+            draft.finish(state)
     tail = ""
     if reason != "stop":
         tail, stopped = stops.push(stream(None))

@@ -30,6 +30,12 @@ Greedy drafting without penalties stays on the device: the draft ids are argmaxe
 device tensor, fed to the next draft call and into the verify input, and read back once with the
 trunk's choices after the verify step (one host sync a step, not one per draft and per check).
 
+Plain steps (k = 0: auto while drafting does not pay) are pipelined as generate() pipelines
+plain decoding: when the next step is surely plain as well (`DraftPolicy.plain_next`) and the
+caller wants another token, it is queued on the device's argmax before the host reads that token
+back, so the GPU does not wait for the host's turn between steps. When the generation ends, that
+queued step's token stays in the cache (`finish`), as with generate()'s own pipelining.
+
 Phase timing (`phases=True`, or FTPATCH_SPEC_PHASES=1): the device is synchronised between the
 phases of a step (draft, verify of T tokens, accept, rewind) and their wall times are kept in
 `SpecStats.phases`. Off by default: the syncs cost the overlap of the host with the device.
@@ -150,6 +156,17 @@ class DraftPolicy:
             best, self._probing = 1, True
         return best
 
+    def plain_next(self) -> bool:
+        """Whether the step after the current plain one (k = 0, not yet observed) is surely
+        plain as well: drafting does not pay and no probe falls due. A pipelined plain step is
+        queued on this (SpeculativeDecoder.step)."""
+        if self.fixed is not None:
+            return self.fixed == 0
+        if 0 not in self.cost:
+            return False
+        best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        return best == 0 and self._since_draft + 1 < self._probe_gap
+
     def observe(self, k: int, accepted: int, seconds: float | None) -> None:
         """A step with k drafts kept `accepted` of them and took `seconds` (None: a time that
         says nothing of the next steps, e.g. it included a graph capture; not counted)."""
@@ -175,7 +192,7 @@ class SpeculativeDecoder:
     draft: tokens a step (0..K_MAX) or "auto"."""
 
     def __init__(self, model, mtp, draft: int | str = "auto", *, policy: DraftPolicy | None = None,
-                 phases: bool | None = None):
+                 phases: bool | None = None, pipeline: bool | None = None):
         if mtp is None:
             raise OffloadError("this model has no MTP block (nextn_predict_layers = 0): "
                                "speculative decoding needs one; use --draft 0")
@@ -188,6 +205,11 @@ class SpeculativeDecoder:
         self.phases = os.environ.get(PHASES_ENV, "") not in ("", "0") if phases is None else phases
         self._timed_k: set[int] = set()   # k whose first step (lazy init) is behind us
         self._t = 0.0
+        # plain greedy steps queue the next one before the host reads the token (generate()'s
+        # pipelining, for k = 0): on a GPU by default; `pipeline` forces it (tests on the CPU)
+        self.pipeline = self.device.type == "cuda" if pipeline is None else pipeline
+        self._ahead = None                # (logits, hidden) of the plain step queued last
+        self._tok_host = None             # its token, read back through pinned memory
 
     def _lap(self, name: str | None = None) -> None:
         """Phase timing: synchronise, and book the time since the last lap to `name`."""
@@ -245,16 +267,19 @@ class SpeculativeDecoder:
 
     # -- a step ------------------------------------------------------------------------------
 
-    def step(self, state: State, tok: int, sampler, recent) -> list[int]:
+    def step(self, state: State, tok: int, sampler, recent, *, ahead_ok: bool = False) -> list[int]:
         """Feed t_n = tok (sampled, not yet in the cache) and return the next tokens: the
         accepted drafts and one more (>= 1 token). sampler: generate.Sampler; recent(extra ids)
-        -> the penalties' context [1, n] or None."""
-        n = state.n_past
+        -> the penalties' context [1, n] or None. ahead_ok: the caller will want a token after
+        this step's (no stop strings, max_tokens not reached), so a plain greedy step may feed
+        its token before the host reads it (the cache then holds it too: `finish`)."""
+        ahead, self._ahead = self._ahead, None
+        n = state.n_past - (ahead is not None)   # a queued step fed tok already
         if len(self.ids) == n:
             self.ids.append(tok)
         else:
             self.ids[n:] = [tok]
-        k = min(self.policy.choose(), state.n_free - 1)
+        k = 0 if ahead is not None else min(self.policy.choose(), state.n_free - 1)
         if k < 0:
             raise OffloadError("the context is full")
         captures = getattr(self.model, "captures", 0)
@@ -263,9 +288,11 @@ class SpeculativeDecoder:
         greedy = sampler.p.temperature <= 0
         # greedy without penalties: drafts and checks stay on the device until one read-back
         on_device = greedy and recent([]) is None
-        tok_t = torch.tensor([tok], device=self.device)
-        if not k:
-            drafts, q, inp = (tok_t[:0] if on_device else []), [], tok_t[None]
+        tok_t = None if ahead is not None else torch.tensor([tok], device=self.device)
+        if not k:   # (a queued step fed tok already: no input)
+            drafts, q = (torch.empty(0, dtype=torch.int64, device=self.device) if on_device
+                         else []), []
+            inp = None if tok_t is None else tok_t[None]
         elif on_device:
             drafts, q = self._draft_device(state, k), []
             inp = torch.cat((tok_t, drafts))[None]
@@ -274,9 +301,12 @@ class SpeculativeDecoder:
             inp = torch.tensor([[tok] + drafts], device=self.device)
         if k:
             self._lap(f"draft_k{k}")
-        logits, hidden = self._verify(inp, state)
+        logits, hidden = ahead if ahead is not None else self._verify(inp, state)
         self._lap(f"verify_T{k + 1}")
-        if on_device:
+        if (on_device and not k and ahead_ok and self.pipeline and state.n_free >= 1
+                and self.policy.plain_next()):
+            new, accepted = self._plain_ahead(logits[0], state), 0
+        elif on_device:
             new, accepted = self._accept_greedy(logits[0], drafts)
         else:
             new, accepted = self._accept(logits[0], drafts, q, sampler, recent, greedy)
@@ -303,6 +333,32 @@ class SpeculativeDecoder:
         st.by_k[k] = st.by_k.get(k, 0) + 1
         st.by_accepted[k, accepted] = st.by_accepted.get((k, accepted), 0) + 1
         return new
+
+    def _plain_ahead(self, logits: torch.Tensor, state: State) -> list[int]:
+        """A plain greedy step's token, with the next plain step queued on it before the host
+        reads it back (the device never waits for the host's turn)."""
+        nxt = logits[-1].argmax(-1, keepdim=True)
+        if self.device.type == "cuda":
+            if self._tok_host is None:
+                self._tok_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self._tok_host.copy_(nxt, non_blocking=True)
+            read = torch.cuda.Event()
+            read.record()
+            self._ahead = self._verify(nxt[None], state)
+            read.synchronize()
+            return [int(self._tok_host[0])]
+        self._ahead = self._verify(nxt[None], state)
+        return [int(nxt[0])]
+
+    def finish(self, state: State) -> None:
+        """The generation ended: a plain step queued on the last token stays in the cache (its
+        token was fed), and its hidden state is owed to the MTP head like any other."""
+        if self._ahead is None:
+            return
+        hidden = self._ahead[1]
+        self._ahead = None
+        owed = state.mtp_hidden
+        state.mtp_hidden = hidden[0, :1] if owed is None else torch.cat((owed, hidden[0, :1]))
 
     def truncate(self, state: State, used: int) -> None:
         """Only the first `used` tokens of the last step's return were taken (a stop condition,

@@ -368,3 +368,54 @@ def test_divergence_report_names_the_step_and_the_margin(tiny):
     assert d["index"] == 5 and d["plain"][0] == ref[5]
     assert d["margin"] >= 0 and d["spec_token_logit_gap"] >= d["margin"] - 1e-6
     assert parse_drafts("1,2,auto") == [1, 2, "auto"] and parse_drafts("3") == [3]
+
+
+# ---- plain steps queued ahead (k = 0 pipelined, as generate() does without a draft) -------------
+
+class Rarely(DraftPolicy):
+    """auto's choice, probing every 4th step: plain runs queued ahead between drafted steps."""
+
+    def __init__(self):
+        super().__init__(None, probe_every=4, probe_max=4)
+
+
+@pytest.mark.parametrize("policy", [lambda: DraftPolicy(0), Rarely])
+def test_plain_steps_queued_ahead_equal_plain(tiny, policy):
+    _, model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    ref = _tokens(model, params)
+    # drafts always refused: auto settles on plain steps and probes every 4th
+    draft = SpeculativeDecoder(model, ForcedDrafts(head, PROMPT + ref, lambda p: True),
+                               policy=policy(), pipeline=True)
+    queued, inner = [], draft._plain_ahead
+    draft._plain_ahead = lambda *a: queued.append(1) or inner(*a)
+    st = model.new_state(1, 256)
+    evs = list(generate(model, st, PROMPT, params, draft=draft))
+    assert list(evs[-1].tokens) == ref
+    assert st.n_past == len(PROMPT) + len(ref) - 1       # the last token: never queued
+    assert st.mtp_past + st.mtp_hidden.shape[0] == st.n_past
+    assert len(queued) >= 5
+    if isinstance(draft.policy, Rarely):
+        assert draft.stats.drafted and draft.stats.by_k.get(0)
+
+
+def test_plain_step_queued_ahead_stays_in_the_cache_when_the_caller_leaves(tiny):
+    _, model, head = tiny
+    ref = _tokens(model, SamplingParams(temperature=0.0, max_tokens=40))
+    s = Session(model, model.new_state(1, 256),
+                draft=SpeculativeDecoder(model, head, policy=DraftPolicy(0), pipeline=True))
+    got = []
+    for ev in s.generate(PROMPT, GREEDY):
+        got.append(ev.token)
+        if len(got) == 6:
+            break
+    # the step after the 6th token was queued on it: the cache holds all six
+    assert got == ref[:6] and s.state.n_past == len(s.tokens) == len(PROMPT) + 6
+    st = s.state
+    assert st.mtp_past + st.mtp_hidden.shape[0] == st.n_past   # the MTP head owed in step
+    # and a follow-up continues from there as a cold run of the same ids does
+    more = [3, 4]
+    evs = list(s.generate(more, SamplingParams(temperature=0.0, max_tokens=5)))
+    cold = _tokens(model, SamplingParams(temperature=0.0, max_tokens=5),
+                   prompt=PROMPT + ref[:6] + more)
+    assert list(evs[-1].tokens) == cold
