@@ -5,7 +5,8 @@
 #      same time, llama.cpp's CPU-only llama-bench from .llama/llama.cpp-src.tar.gz into
 #      $LLAMA_BUILD (default /tmp/llama-cpu; -DGGML_CUDA=OFF -DGGML_NATIVE=ON, kept between calls
 #      on a warm machine) and the models: `ftpatch synth --preset $PRESET --type T` for each T of
-#      $TYPES into $MODELS (default /tmp, never the repo);
+#      $TYPES into $MODELS (default /tmp, never the repo); T = MIXED: Q4_K with IQ3_S experts
+#      and a Q6_K head;
 #   2. for each type, interleaved: ours
 #        ftpatch bench MODEL --device cpu --threads $THREADS -p $PP -n $TG --reps $REPS
 #      then llama.cpp's
@@ -74,7 +75,9 @@ PIDS_SYNTH=()
 for t in $TYPES; do   # one process each (numpy, mostly one thread), beside the builds
   m="$MODELS/${PRESET}_${t,,}.gguf"
   [[ -f "$m" ]] && continue
-  ( $FT synth --preset "$PRESET" --type "$t" -o "$m.part" && mv "$m.part" "$m" ) > "$OUT/synth_$t.log" 2>&1 &
+  flags="--type $t"   # MIXED: a file of several types, as the published quant mixes are
+  [[ $t == MIXED ]] && flags="--type Q4_K --expert-type IQ3_S --output-type Q6_K"
+  ( $FT synth --preset "$PRESET" $flags -o "$m.part" && mv "$m.part" "$m" ) > "$OUT/synth_$t.log" 2>&1 &
   PIDS_SYNTH+=($!)
 done
 if [[ -n "${PID_CPU:-}" ]]; then
