@@ -4,9 +4,12 @@
 // (float32 arithmetic, ties to even: native.numerics.q8_round bit for bit), plus d * (sum of q) per
 // 16 features for the additive mins. Weights are decoded to int8 by the Units; the products of one
 // 32-weight group are summed exactly in int32 (per 16 weights, so per-16 scales apply), then scaled
-// by weight scale * d in float32 and accumulated. Weights with a sign multiply as |w| * (x with w's
-// sign), so both the AVX2 (maddubs: unsigned x signed bytes) and the VNNI (dpbusd) products are
-// exact: |w| <= 128, |x| <= 127.
+// by weight scale * d in float32 and accumulated. Types with one scale per 32 over 256-weight
+// blocks (Unit::block_scales: Q4_K, Q5_K, IQ3_S, IQ4_XS) gather a block's 8 group sums into one
+// vector first and take the float steps, mins included, once per block (block_fma). Weights with
+// a sign multiply as |w| * (x with w's sign) (or, where the Unit keeps magnitude and sign bits
+// apart, magnitude * signed x), so both the AVX2 (maddubs: unsigned x signed bytes) and the VNNI
+// (dpbusd) products are exact: |w| <= 128, |x| <= 127.
 //
 // Included by kernels_avx2.cpp (Dot = maddubs + madd) and kernels_avx512.cpp (Dot = dpbusd on
 // 256-bit vectors, AVX512-VNNI + VL); each instantiates fill_q8<Dot, ...> for its table.
@@ -21,6 +24,8 @@
 // tokens of the call (decode_many's batch equals each sequence alone, bit for bit).
 #pragma once
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 
 #include "units_avx2.h"
 
@@ -111,6 +116,115 @@ struct MinBuf {  // one streamed row's mins [n/16] (a plain array, as RowBuf bel
     ~MinBuf() { delete[] p; }
 };
 
+// ---- block form ------------------------------------------------------------------------------------
+// Types whose Unit has block_scales (one scale per 32 weights, 256-weight kernel blocks) take
+// their float steps once per block instead of once per 32 weights: the 8 integer group sums P
+// of a block are gathered into one vector (lane g = group g, exact in int32: |P| < 2^17), then
+// acc += float(P) * (S * d8) and, for the mins, acc += M * m16 per 16. Both shapes call
+// block_fma with the same integers, so a token's bits do not depend on the shape.
+template <class U, class = void> struct HasBlock : std::false_type {};
+template <class U> struct HasBlock<U, std::void_t<decltype(&U::block_scales)>> : std::true_type {};
+// Units with unsigned magnitudes and separate sign bits (IQ3_S): the decode path signs the
+// activations instead of the weights (one op on AVX-512, and the magnitudes need no |w|).
+template <class U, class = void> struct HasSigns : std::false_type {};
+template <class U> struct HasSigns<U, std::void_t<decltype(&U::signs)>> : std::true_type {};
+
+template <class F, int... I>
+[[gnu::always_inline]] inline void static_for_(F&& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F> [[gnu::always_inline]] inline void static_for(F&& f) {
+    static_for_(f, std::make_integer_sequence<int, N>{});
+}
+
+// x negated where bit j of `bits` is set (|x| <= 127, so -x is exact)
+inline __m256i sign_x(__m256i x, uint32_t bits) {
+#ifdef __AVX512BW__
+    return _mm256_mask_sub_epi8(x, __mmask32(bits), _mm256_setzero_si256(), x);
+#else
+    return _mm256_sign_epi8(x, _mm256_or_si256(bits_to_bytes(bits), _mm256_set1_epi8(1)));
+#endif
+}
+
+// Sums the 8 lanes of each of 8 vectors added in order (add<0> .. add<7>): lane g of get() is
+// vector g's sum. Pairs are folded as they come, so at most three partial vectors are live.
+struct Sum8 {
+    __m256i e, p, q0, q1;
+    template <int S> [[gnu::always_inline]] void add(__m256i v) {
+        if constexpr (S % 2 == 0) e = v;
+        else if constexpr (S % 4 == 1) p = _mm256_hadd_epi32(e, v);
+        else if constexpr (S == 3) q0 = _mm256_hadd_epi32(p, _mm256_hadd_epi32(e, v));
+        else q1 = _mm256_hadd_epi32(p, _mm256_hadd_epi32(e, v));
+    }
+    // q0 = [g0..g3 over lanes 0-3 | g0..g3 over lanes 4-7], q1 the same for g4..g7
+    __m256i get() const {
+        return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+    }
+};
+
+// One block's float steps for one row and token: s = the row's block_scales, d8 / m16 = the
+// token's scales at the block's first group / 16, m = the row's block mins (has_min).
+template <bool kMin>
+inline __m256 block_fma(__m256 acc, __m256i sums, __m256 s, const float* d8, const __m256* m, const float* m16) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(s, _mm256_loadu_ps(d8)), acc);
+    if constexpr (kMin) {
+        acc = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(m16), acc);
+        acc = _mm256_fmadd_ps(m[1], _mm256_loadu_ps(m16 + 8), acc);
+    }
+    return acc;
+}
+
+template <class Dot, QType T, int R, int NT>
+void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                      const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    static_assert(Tr::subs == 8);
+    __m256 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    const int64_t nd = a.n / 32, ns = a.n / 16;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::State st[R];
+        const uint8_t* blk[R];
+        for (int r = 0; r < R; ++r) blk[r] = rows[r] + b * Tr::kb_bytes, U::begin(blk[r], g, st[r]);
+        Sum8 sum[R][NT];
+        static_for<8>([&](auto S) {
+            constexpr int s = S;
+            const int64_t c = b * 8 + s;
+            __m256i w[R];
+            uint32_t sg[R];
+            for (int r = 0; r < R; ++r) {
+                if constexpr (HasSigns<U>::value) {
+                    w[r] = U::magnitude(blk[r], s, g, st[r]);
+                    sg[r] = U::signs(blk[r], s);
+                } else {
+                    Sub u;
+                    U::decode(blk[r], s, g, st[r], u);
+                    w[r] = u.q;
+                }
+            }
+            for (int t = 0; t < NT; ++t) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+                for (int r = 0; r < R; ++r) {
+                    if constexpr (HasSigns<U>::value) sum[r][t].template add<s>(Dot::dot(w[r], sign_x(x, sg[r])));
+                    else sum[r][t].template add<s>(idot<Dot, U::has_min>(w[r], x));
+                }
+            }
+        });
+        for (int r = 0; r < R; ++r) {
+            const __m256 sc = U::block_scales(st[r]);
+            __m256 m[2];
+            if constexpr (U::has_min) U::block_mins(st[r], m);
+            for (int t = 0; t < NT; ++t)
+                acc[r][t] = block_fma<U::has_min>(acc[r][t], sum[r][t].get(), sc, a.d8 + t * nd + 8 * b, m,
+                                                  a.m16 + t * ns + 16 * b);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
+}
+
 // ---- few tokens: stream R rows through the decoder ------------------------------------------------------
 template <class Dot, QType T, int R, int NT>
 void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
@@ -154,6 +268,13 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
         }
 }
 
+template <class Dot, QType T, int R, int NT>
+void dot_stream_of(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                   const Grids& g) {
+    if constexpr (HasBlock<Unit<T>>::value) dot_stream_block<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
+    else dot_stream<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
+}
+
 template <class Dot, QType T, int R>
 void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64_t nt, float* const* out,
                     int64_t ldo, const Grids& g) {
@@ -163,10 +284,10 @@ void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64
         for (int r = 0; r < R; ++r) o[r] = out[r] + t * ldo;
         const Act at = a.at(t);
         switch (n) {
-            case 1: dot_stream<Dot, T, R, 1>(rows, nkb, at, o, ldo, g); break;
-            case 2: dot_stream<Dot, T, R, 2>(rows, nkb, at, o, ldo, g); break;
-            case 3: dot_stream<Dot, T, R, 3>(rows, nkb, at, o, ldo, g); break;
-            default: dot_stream<Dot, T, R, 4>(rows, nkb, at, o, ldo, g); break;
+            case 1: dot_stream_of<Dot, T, R, 1>(rows, nkb, at, o, ldo, g); break;
+            case 2: dot_stream_of<Dot, T, R, 2>(rows, nkb, at, o, ldo, g); break;
+            case 3: dot_stream_of<Dot, T, R, 3>(rows, nkb, at, o, ldo, g); break;
+            default: dot_stream_of<Dot, T, R, 4>(rows, nkb, at, o, ldo, g); break;
         }
         t += n;
     }
@@ -216,7 +337,15 @@ void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) 
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.c + 8 * c),
                                     _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s4, 7)));
             }
-            if constexpr (U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
+            if constexpr (!HasBlock<U>::value && U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
+        }
+        if constexpr (HasBlock<U>::value) {  // s: [nkb][8] block scales; m: [nkb][16] mins per 16
+            _mm256_storeu_ps(rb.s + 8 * b, U::block_scales(st));
+            if constexpr (U::has_min) {
+                __m256 m[2];
+                U::block_mins(st, m);
+                _mm256_storeu_ps(rb.m + 16 * b, m[0]), _mm256_storeu_ps(rb.m + 16 * b + 8, m[1]);
+            }
         }
     }
 }
@@ -225,6 +354,60 @@ void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) 
 // and dpbusd(-128 * sums of 4 weights, x + 128, w) = the exact sum of x * w in one instruction,
 // where maddubs needs |w| and x with w's sign (two more per row and token). The same integers.
 template <class Dot, class U> constexpr bool kBiased = Dot::kBiasedX && !U::has_min;
+
+// gemm_block of a type with block_scales: dot_stream_block's integers and block_fma, rows taken
+// kPass at a time so that their partial sums stay in registers.
+template <class Dot, QType T, int RB, int NT>
+void gemm_block_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
+    using U = Unit<T>;
+    constexpr bool biased = kBiased<Dot, U>;
+#ifdef __AVX512F__
+    constexpr int kPass = RB % 2 ? 1 : 2;  // 32 vector registers
+#else
+    constexpr int kPass = 1;
+#endif
+    const int64_t nkb = a.n / 256, nd = a.n / 32, ns = a.n / 16;
+    __m256 acc[RB][NT];
+    for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nkb; ++b) {
+        for (int r0 = 0; r0 < RB; r0 += kPass) {
+            Sum8 sum[kPass][NT];
+            static_for<8>([&](auto S) {
+                constexpr int s = S;
+                const int64_t c = b * 8 + s;
+                __m256i x[NT];
+                for (int t = 0; t < NT; ++t) {
+                    x[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+                    if constexpr (biased) x[t] = _mm256_xor_si256(x[t], _mm256_set1_epi8(char(0x80)));  // x + 128
+                }
+                for (int i = 0; i < kPass; ++i) {
+                    const RowBuf& w = rb[r0 + i];
+                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + 32 * c));
+                    for (int t = 0; t < NT; ++t) {
+                        if constexpr (biased) {
+                            const __m256i cw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.c + 8 * c));
+                            sum[i][t].template add<s>(Dot::dot_acc(cw, x[t], q));
+                        } else {
+                            sum[i][t].template add<s>(idot<Dot, U::has_min>(q, x[t]));
+                        }
+                    }
+                }
+            });
+            for (int i = 0; i < kPass; ++i) {
+                const RowBuf& w = rb[r0 + i];
+                const __m256 sc = _mm256_loadu_ps(w.s + 8 * b);
+                __m256 m[2];
+                if constexpr (U::has_min) m[0] = _mm256_loadu_ps(w.m + 16 * b), m[1] = _mm256_loadu_ps(w.m + 16 * b + 8);
+                for (int t = 0; t < NT; ++t)
+                    acc[r0 + i][t] = block_fma<U::has_min>(acc[r0 + i][t], sum[i][t].get(), sc, a.d8 + t * nd + 8 * b,
+                                                           m, a.m16 + t * ns + 16 * b);
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < NT; ++t) out[t * ldo + r] = hsum_ps(acc[r][t]);
+}
 
 template <class Dot, QType T, int RB, int NT>
 void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
@@ -265,14 +448,20 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
         }
 }
 
+template <class Dot, QType T, int RB, int NT>
+void gemm_block_of(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
+    if constexpr (HasBlock<Unit<T>>::value) gemm_block_block<Dot, T, RB, NT>(rb, a, out, ldo);
+    else gemm_block<Dot, T, RB, NT>(rb, a, out, ldo);
+}
+
 template <class Dot, QType T, int RB>
 void gemm_rows(const RowBuf* rb, const Act& a, int64_t nt, float* out, int64_t ldo) {
     int64_t t = 0;
-    for (; t + 4 <= nt; t += 4) gemm_block<Dot, T, RB, 4>(rb, a.at(t), out + t * ldo, ldo);
+    for (; t + 4 <= nt; t += 4) gemm_block_of<Dot, T, RB, 4>(rb, a.at(t), out + t * ldo, ldo);
     switch (nt - t) {
-        case 1: return gemm_block<Dot, T, RB, 1>(rb, a.at(t), out + t * ldo, ldo);
-        case 2: return gemm_block<Dot, T, RB, 2>(rb, a.at(t), out + t * ldo, ldo);
-        case 3: return gemm_block<Dot, T, RB, 3>(rb, a.at(t), out + t * ldo, ldo);
+        case 1: return gemm_block_of<Dot, T, RB, 1>(rb, a.at(t), out + t * ldo, ldo);
+        case 2: return gemm_block_of<Dot, T, RB, 2>(rb, a.at(t), out + t * ldo, ldo);
+        case 3: return gemm_block_of<Dot, T, RB, 3>(rb, a.at(t), out + t * ldo, ldo);
         default: return;
     }
 }

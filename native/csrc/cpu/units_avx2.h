@@ -119,6 +119,14 @@ inline void negate8(float* p) {
     _mm256_store_ps(p, _mm256_xor_ps(_mm256_load_ps(p), _mm256_set1_ps(-0.f)));
 }
 
+// Block form (Unit::block_scales, q8_kernels.h's dot_block): the 8 per-32 scales of a 256-weight
+// block as one vector, and its per-32 mins m[8] repeated per 16 (m16's order: m0 m0 m1 m1 ...).
+inline void mins_per16(const float* m8, __m256 m[2]) {
+    const __m256 v = _mm256_load_ps(m8);
+    m[0] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    m[1] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+
 // ---- K types ---------------------------------------------------------------------------------------
 template <> struct Unit<QType::Q2_K> : UnitBase {
     static constexpr bool has_min = true;
@@ -189,6 +197,8 @@ template <> struct Unit<QType::Q4_K> : UnitBase {
         scale(u, st.s[s]);
         u.m[0] = u.m[1] = st.m[s];
     }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+    static void block_mins(const State& st, __m256 m[2]) { mins_per16(st.m, m); }
 };
 template <> struct Unit<QType::Q5_K> : UnitBase {
     static constexpr bool has_min = true;
@@ -212,6 +222,8 @@ template <> struct Unit<QType::Q5_K> : UnitBase {
         scale(u, st.s[s]);
         u.m[0] = u.m[1] = st.m[s];
     }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+    static void block_mins(const State& st, __m256 m[2]) { mins_per16(st.m, m); }
 };
 template <> struct Unit<QType::Q6_K> : UnitBase {
     static constexpr bool has_min = false;
@@ -435,10 +447,15 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
         return _mm256_set_m128i(g1, g0);
     }
     static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
-        const BlockIQ3_S& b = *reinterpret_cast<const BlockIQ3_S*>(blk);
-        u.q = apply_signs(grid(st, s, g), ld_u32(b.signs + 4 * s));
+        u.q = apply_signs(grid(st, s, g), signs(blk, s));
         scale(u, st.s[s]);
     }
+    // u.q = magnitude(...) with signs(...) applied (dot_block signs the activations instead)
+    static __m256i magnitude(const uint8_t*, int s, const Grids& g, const State& st) { return grid(st, s, g); }
+    static uint32_t signs(const uint8_t* blk, int s) {
+        return ld_u32(reinterpret_cast<const BlockIQ3_S*>(blk)->signs + 4 * s);
+    }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
 };
 template <> struct Unit<QType::IQ4_NL> : UnitBase {
     static constexpr bool has_min = false;
@@ -468,6 +485,7 @@ template <> struct Unit<QType::IQ4_XS> : UnitBase {
         u.q = lookup16(nibbles16(b.qs + 16 * s), g.kvalues_iq4nl);
         scale(u, st.s[s]);
     }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
 };
 
 // ---- ternary, fp4 ----------------------------------------------------------------------------------
