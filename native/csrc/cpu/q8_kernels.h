@@ -174,6 +174,104 @@ inline __m256 block_fma(__m256 acc, __m256i sums, __m256 s, const float* d8, con
     return acc;
 }
 
+#ifdef __AVX512VNNI__
+// The block form on AVX-512: subs 2k and 2k+1 in one 512-bit vector, one dpbusd per pair. The
+// group sums are the same integers, so block_fma gives the 256-bit form's bits.
+template <class U, class = void> struct HasPair : std::false_type {};
+template <class U> struct HasPair<U, std::void_t<decltype(&U::pair)>> : std::true_type {};
+template <class U, class = void> struct HasSigns2 : std::false_type {};
+template <class U> struct HasSigns2<U, std::void_t<decltype(&U::signs2)>> : std::true_type {};
+
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+// weights of subs 2k and 2k+1 (HasSigns: their magnitudes) and, for HasSigns, their sign bits
+template <class U>
+inline __m512i decode_pair(const uint8_t* blk, int k, const Grids& g, const typename U::State& st, uint64_t& sg) {
+    if constexpr (HasSigns<U>::value) {
+        if constexpr (HasSigns2<U>::value) {
+            sg = U::signs2(blk, k);
+            return U::magnitude2(blk, k, g, st);
+        } else {
+            sg = U::signs(blk, 2 * k) | uint64_t(U::signs(blk, 2 * k + 1)) << 32;
+            return join(U::magnitude(blk, 2 * k, g, st), U::magnitude(blk, 2 * k + 1, g, st));
+        }
+    } else if constexpr (HasPair<U>::value) {
+        return U::pair(blk, k, g, st);
+    } else {
+        Sub u0, u1;
+        U::decode(blk, 2 * k, g, st, u0);
+        U::decode(blk, 2 * k + 1, g, st, u1);
+        return join(u0.q, u1.q);
+    }
+}
+inline __m512i dot512(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+inline __m512i neg_where(__m512i x, __mmask64 m) { return _mm512_mask_sub_epi8(x, m, _mm512_setzero_si512(), x); }
+
+// Sum8 for pairs: add<0..3>(z_k), z_k = [sums of sub 2k (8 lanes) | sub 2k+1]; lane g of get() is
+// sub g's total.
+struct Sum8x2 {
+    __m512i a, z;
+    template <int K> [[gnu::always_inline]] void add(__m512i v) {
+        if constexpr (K % 2 == 0) {
+            z = v;
+        } else {  // per 128-bit lane: [z e0+e2, v e0+e2, z e1+e3, v e1+e3]
+            const __m512i h = _mm512_add_epi32(_mm512_unpacklo_epi32(z, v), _mm512_unpackhi_epi32(z, v));
+            if constexpr (K == 1) a = h;
+            else a = _mm512_add_epi32(_mm512_unpacklo_epi64(a, h), _mm512_unpackhi_epi64(a, h));
+        }
+    }
+    // a: per 128-bit lane L, the 4 vectors' lane-L sums; lanes 0+1 hold subs 0 2 4 6, 2+3 subs 1 3 5 7
+    __m256i get() const {
+        const __m512i v = _mm512_add_epi32(a, _mm512_shuffle_i32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+        return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, v));
+    }
+};
+
+template <QType T, int R, int NT>
+void dot_stream_block512(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                         const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    __m256 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    const int64_t nd = a.n / 32, ns = a.n / 16;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::State st[R];
+        const uint8_t* blk[R];
+        for (int r = 0; r < R; ++r) blk[r] = rows[r] + b * Tr::kb_bytes, U::begin(blk[r], g, st[r]);
+        Sum8x2 sum[R][NT];
+        static_for<4>([&](auto K) {
+            constexpr int k = K;
+            __m512i w[R];
+            uint64_t sg[R];
+            for (int r = 0; r < R; ++r) w[r] = decode_pair<U>(blk[r], k, g, st[r], sg[r]);
+            for (int t = 0; t < NT; ++t) {
+                const __m512i x = _mm512_loadu_si512(a.q8 + t * a.n + 256 * b + 64 * k);
+                for (int r = 0; r < R; ++r) {
+                    __m512i z;
+                    if constexpr (HasSigns<U>::value) z = dot512(w[r], neg_where(x, sg[r]));
+                    else if constexpr (U::has_min) z = dot512(w[r], x);
+                    else z = dot512(_mm512_abs_epi8(w[r]), neg_where(x, _mm512_movepi8_mask(w[r])));
+                    sum[r][t].template add<k>(z);
+                }
+            }
+        });
+        for (int r = 0; r < R; ++r) {
+            const __m256 sc = U::block_scales(st[r]);
+            __m256 m[2];
+            if constexpr (U::has_min) U::block_mins(st[r], m);
+            for (int t = 0; t < NT; ++t)
+                acc[r][t] = block_fma<U::has_min>(acc[r][t], sum[r][t].get(), sc, a.d8 + t * nd + 8 * b, m,
+                                                  a.m16 + t * ns + 16 * b);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
+}
+#endif
+
 template <class Dot, QType T, int R, int NT>
 void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
                       const Grids& g) {
@@ -271,7 +369,11 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
 template <class Dot, QType T, int R, int NT>
 void dot_stream_of(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
                    const Grids& g) {
+#ifdef __AVX512VNNI__
+    if constexpr (HasBlock<Unit<T>>::value) dot_stream_block512<T, R, NT>(rows, nkb, a, out, ldo, g);
+#else
     if constexpr (HasBlock<Unit<T>>::value) dot_stream_block<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
+#endif
     else dot_stream<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
 }
 

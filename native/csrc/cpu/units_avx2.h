@@ -199,6 +199,14 @@ template <> struct Unit<QType::Q4_K> : UnitBase {
     }
     static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
     static void block_mins(const State& st, __m256 m[2]) { mins_per16(st.m, m); }
+#ifdef __AVX512BW__
+    // subs 2k and 2k+1 in one vector: the low and the high nibbles of the same 32 bytes
+    static __m512i pair(const uint8_t* blk, int k, const Grids&, const State&) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * k)));
+        const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+        return _mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8(0x0F));
+    }
+#endif
 };
 template <> struct Unit<QType::Q5_K> : UnitBase {
     static constexpr bool has_min = true;
@@ -456,6 +464,18 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
         return ld_u32(reinterpret_cast<const BlockIQ3_S*>(blk)->signs + 4 * s);
     }
     static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+#ifdef __AVX512F__
+    // magnitudes of subs 2k and 2k+1 (one 16-index gather) and their 64 sign bits
+    static __m512i magnitude2(const uint8_t*, int k, const Grids& g, const State& st) {
+        const __m512i idx = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(st.idx + 16 * k)));
+        return _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(g.iq3s), 4);
+    }
+    static uint64_t signs2(const uint8_t* blk, int k) {
+        uint64_t v;
+        std::memcpy(&v, reinterpret_cast<const BlockIQ3_S*>(blk)->signs + 8 * k, 8);
+        return v;
+    }
+#endif
 };
 template <> struct Unit<QType::IQ4_NL> : UnitBase {
     static constexpr bool has_min = false;
