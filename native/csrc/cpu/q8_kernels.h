@@ -123,11 +123,11 @@ struct MinBuf {  // one streamed row's mins [n/16] (a plain array, as RowBuf bel
 // acc += float(P) * (S * d8) and, for the mins, acc += M * m16 per 16. Both shapes call
 // block_fma with the same integers, so a token's bits do not depend on the shape.
 template <class U, class = void> struct HasBlock : std::false_type {};
-template <class U> struct HasBlock<U, std::void_t<decltype(&U::block_scales)>> : std::true_type {};
+template <class U> struct HasBlock<U, std::void_t<decltype((void)&U::block_scales)>> : std::true_type {};
 // Units with unsigned magnitudes and separate sign bits (IQ3_S): the decode path signs the
 // activations instead of the weights (one op on AVX-512, and the magnitudes need no |w|).
 template <class U, class = void> struct HasSigns : std::false_type {};
-template <class U> struct HasSigns<U, std::void_t<decltype(&U::signs)>> : std::true_type {};
+template <class U> struct HasSigns<U, std::void_t<decltype((void)&U::signs)>> : std::true_type {};
 
 template <class F, int... I>
 [[gnu::always_inline]] inline void static_for_(F&& f, std::integer_sequence<int, I...>) {
@@ -178,9 +178,9 @@ inline __m256 block_fma(__m256 acc, __m256i sums, __m256 s, const float* d8, con
 // The block form on AVX-512: subs 2k and 2k+1 in one 512-bit vector, one dpbusd per pair. The
 // group sums are the same integers, so block_fma gives the 256-bit form's bits.
 template <class U, class = void> struct HasPair : std::false_type {};
-template <class U> struct HasPair<U, std::void_t<decltype(&U::pair)>> : std::true_type {};
+template <class U> struct HasPair<U, std::void_t<decltype((void)&U::pair)>> : std::true_type {};
 template <class U, class = void> struct HasSigns2 : std::false_type {};
-template <class U> struct HasSigns2<U, std::void_t<decltype(&U::signs2)>> : std::true_type {};
+template <class U> struct HasSigns2<U, std::void_t<decltype((void)&U::signs2)>> : std::true_type {};
 
 inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
