@@ -12,7 +12,9 @@
 // (dpbusd) products are exact: |w| <= 128, |x| <= 127.
 //
 // Included by kernels_avx2.cpp (Dot = maddubs + madd) and kernels_avx512.cpp (Dot = dpbusd on
-// 256-bit vectors, AVX512-VNNI + VL); each instantiates fill_q8<Dot, ...> for its table.
+// 256-bit vectors, AVX512-VNNI + VL; the block form's decode streams take two groups per 512-bit
+// dpbusd); each instantiates fill_q8<Dot, ...> for its table. The group sums are exact integers
+// however they are formed, so only the float steps fix a token's bits.
 //
 // Two shapes of work:
 //   * few tokens (decode, nt <= 4): rows stream through the Unit decoder, two rows at a time
@@ -119,9 +121,10 @@ struct MinBuf {  // one streamed row's mins [n/16] (a plain array, as RowBuf bel
 // ---- block form ------------------------------------------------------------------------------------
 // Types whose Unit has block_scales (one scale per 32 weights, 256-weight kernel blocks) take
 // their float steps once per block instead of once per 32 weights: the 8 integer group sums P
-// of a block are gathered into one vector (lane g = group g, exact in int32: |P| < 2^17), then
-// acc += float(P) * (S * d8) and, for the mins, acc += M * m16 per 16. Both shapes call
-// block_fma with the same integers, so a token's bits do not depend on the shape.
+// of a block are gathered into one vector (lane g = group g; |P| <= 32 * 128 * 127 < 2^20, so
+// int32 and its float are exact), then acc += float(P) * (S * d8) and, for the mins, acc += M *
+// m16 per 16. Both shapes call block_fma with the same integers, so a token's bits do not depend
+// on the shape.
 template <class U, class = void> struct HasBlock : std::false_type {};
 template <class U> struct HasBlock<U, std::void_t<decltype((void)&U::block_scales)>> : std::true_type {};
 // Units with unsigned magnitudes and separate sign bits (IQ3_S): the decode path signs the
