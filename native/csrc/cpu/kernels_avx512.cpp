@@ -1,6 +1,7 @@
 // AVX-512 VNNI row kernels: the q8 kernels of q8_kernels.h with one vpdpbusd (AVX512-VNNI on
-// 256-bit vectors, AVX512-VL) per 32 weights and token instead of maddubs + madd, and 4-row
-// register blocks (32 vector registers). Float types, dequantize and the activation rounding
+// 256-bit vectors, AVX512-VL) per 32 weights and token instead of maddubs + madd (one 512-bit
+// vpdpbusd per 64 in the block form's decode streams), and 4-row register blocks (32 vector
+// registers). Float types, dequantize and the activation rounding
 // stay the AVX2 table's. Chosen at run time when CPUID reports AVX512 F/BW/VL/VNNI besides AVX2.
 //
 // Built with AVX-512 flags (CMakeLists.txt), so every header is compiled here in a namespace of

@@ -4,12 +4,17 @@
 // (float32 arithmetic, ties to even: native.numerics.q8_round bit for bit), plus d * (sum of q) per
 // 16 features for the additive mins. Weights are decoded to int8 by the Units; the products of one
 // 32-weight group are summed exactly in int32 (per 16 weights, so per-16 scales apply), then scaled
-// by weight scale * d in float32 and accumulated. Weights with a sign multiply as |w| * (x with w's
-// sign), so both the AVX2 (maddubs: unsigned x signed bytes) and the VNNI (dpbusd) products are
-// exact: |w| <= 128, |x| <= 127.
+// by weight scale * d in float32 and accumulated. Types with one scale per 32 over 256-weight
+// blocks (Unit::block_scales: Q4_K, Q5_K, IQ3_S, IQ4_XS) gather a block's 8 group sums into one
+// vector first and take the float steps, mins included, once per block (block_fma). Weights with
+// a sign multiply as |w| * (x with w's sign) (or, where the Unit keeps magnitude and sign bits
+// apart, magnitude * signed x), so both the AVX2 (maddubs: unsigned x signed bytes) and the VNNI
+// (dpbusd) products are exact: |w| <= 128, |x| <= 127.
 //
 // Included by kernels_avx2.cpp (Dot = maddubs + madd) and kernels_avx512.cpp (Dot = dpbusd on
-// 256-bit vectors, AVX512-VNNI + VL); each instantiates fill_q8<Dot, ...> for its table.
+// 256-bit vectors, AVX512-VNNI + VL; the block form's decode streams take two groups per 512-bit
+// dpbusd); each instantiates fill_q8<Dot, ...> for its table. The group sums are exact integers
+// however they are formed, so only the float steps fix a token's bits.
 //
 // Two shapes of work:
 //   * few tokens (decode, nt <= 4): rows stream through the Unit decoder, two rows at a time
@@ -21,6 +26,8 @@
 // tokens of the call (decode_many's batch equals each sequence alone, bit for bit).
 #pragma once
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 
 #include "units_avx2.h"
 
@@ -111,6 +118,214 @@ struct MinBuf {  // one streamed row's mins [n/16] (a plain array, as RowBuf bel
     ~MinBuf() { delete[] p; }
 };
 
+// ---- block form ------------------------------------------------------------------------------------
+// Types whose Unit has block_scales (one scale per 32 weights, 256-weight kernel blocks) take
+// their float steps once per block instead of once per 32 weights: the 8 integer group sums P
+// of a block are gathered into one vector (lane g = group g; |P| <= 32 * 128 * 127 < 2^20, so
+// int32 and its float are exact), then acc += float(P) * (S * d8) and, for the mins, acc += M *
+// m16 per 16. Both shapes call block_fma with the same integers, so a token's bits do not depend
+// on the shape.
+template <class U, class = void> struct HasBlock : std::false_type {};
+template <class U> struct HasBlock<U, std::void_t<decltype((void)&U::block_scales)>> : std::true_type {};
+// Units with unsigned magnitudes and separate sign bits (IQ3_S): the decode path signs the
+// activations instead of the weights (one op on AVX-512, and the magnitudes need no |w|).
+template <class U, class = void> struct HasSigns : std::false_type {};
+template <class U> struct HasSigns<U, std::void_t<decltype((void)&U::signs)>> : std::true_type {};
+
+template <class F, int... I>
+[[gnu::always_inline]] inline void static_for_(F&& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F> [[gnu::always_inline]] inline void static_for(F&& f) {
+    static_for_(f, std::make_integer_sequence<int, N>{});
+}
+
+// x negated where bit j of `bits` is set (|x| <= 127, so -x is exact)
+inline __m256i sign_x(__m256i x, uint32_t bits) {
+#ifdef __AVX512BW__
+    return _mm256_mask_sub_epi8(x, __mmask32(bits), _mm256_setzero_si256(), x);
+#else
+    return _mm256_sign_epi8(x, _mm256_or_si256(bits_to_bytes(bits), _mm256_set1_epi8(1)));
+#endif
+}
+
+// Sums the 8 lanes of each of 8 vectors added in order (add<0> .. add<7>): lane g of get() is
+// vector g's sum. Pairs are folded as they come, so at most three partial vectors are live.
+struct Sum8 {
+    __m256i e, p, q0, q1;
+    template <int S> [[gnu::always_inline]] void add(__m256i v) {
+        if constexpr (S % 2 == 0) e = v;
+        else if constexpr (S % 4 == 1) p = _mm256_hadd_epi32(e, v);
+        else if constexpr (S == 3) q0 = _mm256_hadd_epi32(p, _mm256_hadd_epi32(e, v));
+        else q1 = _mm256_hadd_epi32(p, _mm256_hadd_epi32(e, v));
+    }
+    // q0 = [g0..g3 over lanes 0-3 | g0..g3 over lanes 4-7], q1 the same for g4..g7
+    __m256i get() const {
+        return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+    }
+};
+
+// One block's float steps for one row and token: s = the row's block_scales, d8 / m16 = the
+// token's scales at the block's first group / 16, m = the row's block mins (has_min).
+template <bool kMin>
+inline __m256 block_fma(__m256 acc, __m256i sums, __m256 s, const float* d8, const __m256* m, const float* m16) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(s, _mm256_loadu_ps(d8)), acc);
+    if constexpr (kMin) {
+        acc = _mm256_fmadd_ps(m[0], _mm256_loadu_ps(m16), acc);
+        acc = _mm256_fmadd_ps(m[1], _mm256_loadu_ps(m16 + 8), acc);
+    }
+    return acc;
+}
+
+#ifdef __AVX512VNNI__
+// The block form on AVX-512: subs 2k and 2k+1 in one 512-bit vector, one dpbusd per pair. The
+// group sums are the same integers, so block_fma gives the 256-bit form's bits.
+template <class U, class = void> struct HasPair : std::false_type {};
+template <class U> struct HasPair<U, std::void_t<decltype((void)&U::pair)>> : std::true_type {};
+template <class U, class = void> struct HasSigns2 : std::false_type {};
+template <class U> struct HasSigns2<U, std::void_t<decltype((void)&U::signs2)>> : std::true_type {};
+
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+// weights of subs 2k and 2k+1 (HasSigns: their magnitudes) and, for HasSigns, their sign bits
+template <class U>
+inline __m512i decode_pair(const uint8_t* blk, int k, const Grids& g, const typename U::State& st, uint64_t& sg) {
+    if constexpr (HasSigns<U>::value) {
+        if constexpr (HasSigns2<U>::value) {
+            sg = U::signs2(blk, k);
+            return U::magnitude2(blk, k, g, st);
+        } else {
+            sg = U::signs(blk, 2 * k) | uint64_t(U::signs(blk, 2 * k + 1)) << 32;
+            return join(U::magnitude(blk, 2 * k, g, st), U::magnitude(blk, 2 * k + 1, g, st));
+        }
+    } else if constexpr (HasPair<U>::value) {
+        return U::pair(blk, k, g, st);
+    } else {
+        Sub u0, u1;
+        U::decode(blk, 2 * k, g, st, u0);
+        U::decode(blk, 2 * k + 1, g, st, u1);
+        return join(u0.q, u1.q);
+    }
+}
+inline __m512i dot512(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+inline __m512i neg_where(__m512i x, __mmask64 m) { return _mm512_mask_sub_epi8(x, m, _mm512_setzero_si512(), x); }
+
+// Sum8 for pairs: add<0..3>(z_k), z_k = [sums of sub 2k (8 lanes) | sub 2k+1]; lane g of get() is
+// sub g's total.
+struct Sum8x2 {
+    __m512i a, z;
+    template <int K> [[gnu::always_inline]] void add(__m512i v) {
+        if constexpr (K % 2 == 0) {
+            z = v;
+        } else {  // per 128-bit lane: [z e0+e2, v e0+e2, z e1+e3, v e1+e3]
+            const __m512i h = _mm512_add_epi32(_mm512_unpacklo_epi32(z, v), _mm512_unpackhi_epi32(z, v));
+            if constexpr (K == 1) a = h;
+            else a = _mm512_add_epi32(_mm512_unpacklo_epi64(a, h), _mm512_unpackhi_epi64(a, h));
+        }
+    }
+    // a: per 128-bit lane L, the 4 vectors' lane-L sums; lanes 0+1 hold subs 0 2 4 6, 2+3 subs 1 3 5 7
+    __m256i get() const {
+        const __m512i v = _mm512_add_epi32(a, _mm512_shuffle_i32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+        return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, v));
+    }
+};
+
+template <QType T, int R, int NT>
+void dot_stream_block512(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                         const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    __m256 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    const int64_t nd = a.n / 32, ns = a.n / 16;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::State st[R];
+        const uint8_t* blk[R];
+        for (int r = 0; r < R; ++r) blk[r] = rows[r] + b * Tr::kb_bytes, U::begin(blk[r], g, st[r]);
+        Sum8x2 sum[R][NT];
+        static_for<4>([&](auto K) {
+            constexpr int k = K;
+            __m512i w[R];
+            uint64_t sg[R];
+            for (int r = 0; r < R; ++r) w[r] = decode_pair<U>(blk[r], k, g, st[r], sg[r]);
+            for (int t = 0; t < NT; ++t) {
+                const __m512i x = _mm512_loadu_si512(a.q8 + t * a.n + 256 * b + 64 * k);
+                for (int r = 0; r < R; ++r) {
+                    __m512i z;
+                    if constexpr (HasSigns<U>::value) z = dot512(w[r], neg_where(x, sg[r]));
+                    else if constexpr (U::has_min) z = dot512(w[r], x);
+                    else z = dot512(_mm512_abs_epi8(w[r]), neg_where(x, _mm512_movepi8_mask(w[r])));
+                    sum[r][t].template add<k>(z);
+                }
+            }
+        });
+        for (int r = 0; r < R; ++r) {
+            const __m256 sc = U::block_scales(st[r]);
+            __m256 m[2];
+            if constexpr (U::has_min) U::block_mins(st[r], m);
+            for (int t = 0; t < NT; ++t)
+                acc[r][t] = block_fma<U::has_min>(acc[r][t], sum[r][t].get(), sc, a.d8 + t * nd + 8 * b, m,
+                                                  a.m16 + t * ns + 16 * b);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
+}
+#endif
+
+template <class Dot, QType T, int R, int NT>
+void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                      const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    static_assert(Tr::subs == 8);
+    __m256 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    const int64_t nd = a.n / 32, ns = a.n / 16;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::State st[R];
+        const uint8_t* blk[R];
+        for (int r = 0; r < R; ++r) blk[r] = rows[r] + b * Tr::kb_bytes, U::begin(blk[r], g, st[r]);
+        Sum8 sum[R][NT];
+        static_for<8>([&](auto S) {
+            constexpr int s = S;
+            const int64_t c = b * 8 + s;
+            __m256i w[R];
+            uint32_t sg[R];
+            for (int r = 0; r < R; ++r) {
+                if constexpr (HasSigns<U>::value) {
+                    w[r] = U::magnitude(blk[r], s, g, st[r]);
+                    sg[r] = U::signs(blk[r], s);
+                } else {
+                    Sub u;
+                    U::decode(blk[r], s, g, st[r], u);
+                    w[r] = u.q;
+                }
+            }
+            for (int t = 0; t < NT; ++t) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+                for (int r = 0; r < R; ++r) {
+                    if constexpr (HasSigns<U>::value) sum[r][t].template add<s>(Dot::dot(w[r], sign_x(x, sg[r])));
+                    else sum[r][t].template add<s>(idot<Dot, U::has_min>(w[r], x));
+                }
+            }
+        });
+        for (int r = 0; r < R; ++r) {
+            const __m256 sc = U::block_scales(st[r]);
+            __m256 m[2];
+            if constexpr (U::has_min) U::block_mins(st[r], m);
+            for (int t = 0; t < NT; ++t)
+                acc[r][t] = block_fma<U::has_min>(acc[r][t], sum[r][t].get(), sc, a.d8 + t * nd + 8 * b, m,
+                                                  a.m16 + t * ns + 16 * b);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
+}
+
 // ---- few tokens: stream R rows through the decoder ------------------------------------------------------
 template <class Dot, QType T, int R, int NT>
 void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
@@ -154,6 +369,17 @@ void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* co
         }
 }
 
+template <class Dot, QType T, int R, int NT>
+void dot_stream_of(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                   const Grids& g) {
+#ifdef __AVX512VNNI__
+    if constexpr (HasBlock<Unit<T>>::value) dot_stream_block512<T, R, NT>(rows, nkb, a, out, ldo, g);
+#else
+    if constexpr (HasBlock<Unit<T>>::value) dot_stream_block<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
+#endif
+    else dot_stream<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
+}
+
 template <class Dot, QType T, int R>
 void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64_t nt, float* const* out,
                     int64_t ldo, const Grids& g) {
@@ -163,10 +389,10 @@ void dot_stream_any(const uint8_t* const* rows, int64_t nkb, const Act& a, int64
         for (int r = 0; r < R; ++r) o[r] = out[r] + t * ldo;
         const Act at = a.at(t);
         switch (n) {
-            case 1: dot_stream<Dot, T, R, 1>(rows, nkb, at, o, ldo, g); break;
-            case 2: dot_stream<Dot, T, R, 2>(rows, nkb, at, o, ldo, g); break;
-            case 3: dot_stream<Dot, T, R, 3>(rows, nkb, at, o, ldo, g); break;
-            default: dot_stream<Dot, T, R, 4>(rows, nkb, at, o, ldo, g); break;
+            case 1: dot_stream_of<Dot, T, R, 1>(rows, nkb, at, o, ldo, g); break;
+            case 2: dot_stream_of<Dot, T, R, 2>(rows, nkb, at, o, ldo, g); break;
+            case 3: dot_stream_of<Dot, T, R, 3>(rows, nkb, at, o, ldo, g); break;
+            default: dot_stream_of<Dot, T, R, 4>(rows, nkb, at, o, ldo, g); break;
         }
         t += n;
     }
@@ -216,7 +442,15 @@ void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) 
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb.c + 8 * c),
                                     _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s4, 7)));
             }
-            if constexpr (U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
+            if constexpr (!HasBlock<U>::value && U::has_min) rb.m[2 * c] = u.m[0], rb.m[2 * c + 1] = u.m[1];
+        }
+        if constexpr (HasBlock<U>::value) {  // s: [nkb][8] block scales; m: [nkb][16] mins per 16
+            _mm256_storeu_ps(rb.s + 8 * b, U::block_scales(st));
+            if constexpr (U::has_min) {
+                __m256 m[2];
+                U::block_mins(st, m);
+                _mm256_storeu_ps(rb.m + 16 * b, m[0]), _mm256_storeu_ps(rb.m + 16 * b + 8, m[1]);
+            }
         }
     }
 }
@@ -225,6 +459,60 @@ void decode_q8_row(const uint8_t* row, int64_t nkb, RowBuf& rb, const Grids& g) 
 // and dpbusd(-128 * sums of 4 weights, x + 128, w) = the exact sum of x * w in one instruction,
 // where maddubs needs |w| and x with w's sign (two more per row and token). The same integers.
 template <class Dot, class U> constexpr bool kBiased = Dot::kBiasedX && !U::has_min;
+
+// gemm_block of a type with block_scales: dot_stream_block's integers and block_fma, rows taken
+// kPass at a time so that their partial sums stay in registers.
+template <class Dot, QType T, int RB, int NT>
+void gemm_block_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
+    using U = Unit<T>;
+    constexpr bool biased = kBiased<Dot, U>;
+#ifdef __AVX512F__
+    constexpr int kPass = RB % 2 ? 1 : 2;  // 32 vector registers
+#else
+    constexpr int kPass = 1;
+#endif
+    const int64_t nkb = a.n / 256, nd = a.n / 32, ns = a.n / 16;
+    __m256 acc[RB][NT];
+    for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nkb; ++b) {
+        for (int r0 = 0; r0 < RB; r0 += kPass) {
+            Sum8 sum[kPass][NT];
+            static_for<8>([&](auto S) {
+                constexpr int s = S;
+                const int64_t c = b * 8 + s;
+                __m256i x[NT];
+                for (int t = 0; t < NT; ++t) {
+                    x[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+                    if constexpr (biased) x[t] = _mm256_xor_si256(x[t], _mm256_set1_epi8(char(0x80)));  // x + 128
+                }
+                for (int i = 0; i < kPass; ++i) {
+                    const RowBuf& w = rb[r0 + i];
+                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + 32 * c));
+                    for (int t = 0; t < NT; ++t) {
+                        if constexpr (biased) {
+                            const __m256i cw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.c + 8 * c));
+                            sum[i][t].template add<s>(Dot::dot_acc(cw, x[t], q));
+                        } else {
+                            sum[i][t].template add<s>(idot<Dot, U::has_min>(q, x[t]));
+                        }
+                    }
+                }
+            });
+            for (int i = 0; i < kPass; ++i) {
+                const RowBuf& w = rb[r0 + i];
+                const __m256 sc = _mm256_loadu_ps(w.s + 8 * b);
+                __m256 m[2];
+                if constexpr (U::has_min) m[0] = _mm256_loadu_ps(w.m + 16 * b), m[1] = _mm256_loadu_ps(w.m + 16 * b + 8);
+                for (int t = 0; t < NT; ++t)
+                    acc[r0 + i][t] = block_fma<U::has_min>(acc[r0 + i][t], sum[i][t].get(), sc, a.d8 + t * nd + 8 * b,
+                                                           m, a.m16 + t * ns + 16 * b);
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < NT; ++t) out[t * ldo + r] = hsum_ps(acc[r][t]);
+}
 
 template <class Dot, QType T, int RB, int NT>
 void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
@@ -265,14 +553,20 @@ void gemm_block(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
         }
 }
 
+template <class Dot, QType T, int RB, int NT>
+void gemm_block_of(const RowBuf* rb, const Act& a, float* out, int64_t ldo) {
+    if constexpr (HasBlock<Unit<T>>::value) gemm_block_block<Dot, T, RB, NT>(rb, a, out, ldo);
+    else gemm_block<Dot, T, RB, NT>(rb, a, out, ldo);
+}
+
 template <class Dot, QType T, int RB>
 void gemm_rows(const RowBuf* rb, const Act& a, int64_t nt, float* out, int64_t ldo) {
     int64_t t = 0;
-    for (; t + 4 <= nt; t += 4) gemm_block<Dot, T, RB, 4>(rb, a.at(t), out + t * ldo, ldo);
+    for (; t + 4 <= nt; t += 4) gemm_block_of<Dot, T, RB, 4>(rb, a.at(t), out + t * ldo, ldo);
     switch (nt - t) {
-        case 1: return gemm_block<Dot, T, RB, 1>(rb, a.at(t), out + t * ldo, ldo);
-        case 2: return gemm_block<Dot, T, RB, 2>(rb, a.at(t), out + t * ldo, ldo);
-        case 3: return gemm_block<Dot, T, RB, 3>(rb, a.at(t), out + t * ldo, ldo);
+        case 1: return gemm_block_of<Dot, T, RB, 1>(rb, a.at(t), out + t * ldo, ldo);
+        case 2: return gemm_block_of<Dot, T, RB, 2>(rb, a.at(t), out + t * ldo, ldo);
+        case 3: return gemm_block_of<Dot, T, RB, 3>(rb, a.at(t), out + t * ldo, ldo);
         default: return;
     }
 }

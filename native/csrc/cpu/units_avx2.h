@@ -119,6 +119,31 @@ inline void negate8(float* p) {
     _mm256_store_ps(p, _mm256_xor_ps(_mm256_load_ps(p), _mm256_set1_ps(-0.f)));
 }
 
+// Block form (Unit::block_scales, q8_kernels.h's dot_block): the 8 per-32 scales of a 256-weight
+// block as one vector, and its per-32 mins m[8] repeated per 16 (m16's order: m0 m0 m1 m1 ...).
+inline void mins_per16(const float* m8, __m256 m[2]) {
+    const __m256 v = _mm256_load_ps(m8);
+    m[0] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    m[1] = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+
+// Q4_K / Q5_K: s[i] = d * scale i, m[i] = -(dmin * min i) from the 6-bit fields of quants.h's
+// k4_scale_min, all 16 at once: with u0 u1 u2 the three words of `scales`, scales 0-3 | 4-7 |
+// mins 0-3 | 4-7 are the bytes of [u0 & 63, (u2 & 15) | (u0 >> 2 & 48), u1 & 63, (u2 >> 4 & 15) | (u1 >> 2 & 48)].
+inline void k4_scales_mins(const uint8_t* blk, float* s, float* m) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));  // d, dmin, scales[12]
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+    const __m128i sm = _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi32(b, 2), _mm_set1_epi8(0x30)));
+    const __m128 dd = _mm_cvtph_ps(v);  // d, dmin (exact)
+    const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+    _mm256_store_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+    _mm256_store_ps(m, _mm256_xor_ps(_mm256_mul_ps(dmin, mn), _mm256_set1_ps(-0.f)));
+}
+
 // ---- K types ---------------------------------------------------------------------------------------
 template <> struct Unit<QType::Q2_K> : UnitBase {
     static constexpr bool has_min = true;
@@ -174,21 +199,23 @@ template <> struct Unit<QType::Q4_K> : UnitBase {
     struct State {
         alignas(32) float s[8], m[8];  // d*scale and -(dmin*min) of every 32 weights
     };
-    static void begin(const uint8_t* blk, const Grids&, State& st) {
-        // 6-bit scales/mins (quants.h k4_scale_min), four at a time in 32-bit words
-        const uint32_t u0 = ld_u32(blk + 4), u1 = ld_u32(blk + 8), u2 = ld_u32(blk + 12);
-        const uint32_t sc_lo = u0 & 0x3F3F3F3Fu, sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u);
-        const uint32_t mn_lo = u1 & 0x3F3F3F3Fu, mn_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
-        scale8(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0), false, h2f(ld_u16(blk)), st.s);
-        scale8(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0), false, h2f(ld_u16(blk + 2)), st.m);
-        negate8(st.m);
-    }
+    static void begin(const uint8_t* blk, const Grids&, State& st) { k4_scales_mins(blk, st.s, st.m); }
     static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
         const BlockQ4_K& b = *reinterpret_cast<const BlockQ4_K*>(blk);
         u.q = field32(b.qs + 32 * (s / 2), 4 * (s % 2), 0xF);
         scale(u, st.s[s]);
         u.m[0] = u.m[1] = st.m[s];
     }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+    static void block_mins(const State& st, __m256 m[2]) { mins_per16(st.m, m); }
+#ifdef __AVX512BW__
+    // subs 2k and 2k+1 in one vector: the low and the high nibbles of the same 32 bytes
+    static __m512i pair(const uint8_t* blk, int k, const Grids&, const State&) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * k)));
+        const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+        return _mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8(0x0F));
+    }
+#endif
 };
 template <> struct Unit<QType::Q5_K> : UnitBase {
     static constexpr bool has_min = true;
@@ -196,15 +223,7 @@ template <> struct Unit<QType::Q5_K> : UnitBase {
     struct State {
         alignas(32) float s[8], m[8];  // d*scale and -(dmin*min) of every 32 weights
     };
-    static void begin(const uint8_t* blk, const Grids&, State& st) {
-        // 6-bit scales/mins (quants.h k4_scale_min), four at a time in 32-bit words
-        const uint32_t u0 = ld_u32(blk + 4), u1 = ld_u32(blk + 8), u2 = ld_u32(blk + 12);
-        const uint32_t sc_lo = u0 & 0x3F3F3F3Fu, sc_hi = (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u);
-        const uint32_t mn_lo = u1 & 0x3F3F3F3Fu, mn_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u);
-        scale8(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0), false, h2f(ld_u16(blk)), st.s);
-        scale8(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0), false, h2f(ld_u16(blk + 2)), st.m);
-        negate8(st.m);
-    }
+    static void begin(const uint8_t* blk, const Grids&, State& st) { k4_scales_mins(blk, st.s, st.m); }
     static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
         const BlockQ5_K& b = *reinterpret_cast<const BlockQ5_K*>(blk);
         const __m256i hi = _mm256_slli_epi16(field32(b.qh, s, 1), 4);
@@ -212,6 +231,8 @@ template <> struct Unit<QType::Q5_K> : UnitBase {
         scale(u, st.s[s]);
         u.m[0] = u.m[1] = st.m[s];
     }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+    static void block_mins(const State& st, __m256 m[2]) { mins_per16(st.m, m); }
 };
 template <> struct Unit<QType::Q6_K> : UnitBase {
     static constexpr bool has_min = false;
@@ -435,10 +456,27 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
         return _mm256_set_m128i(g1, g0);
     }
     static void decode(const uint8_t* blk, int s, const Grids& g, const State& st, Sub& u) {
-        const BlockIQ3_S& b = *reinterpret_cast<const BlockIQ3_S*>(blk);
-        u.q = apply_signs(grid(st, s, g), ld_u32(b.signs + 4 * s));
+        u.q = apply_signs(grid(st, s, g), signs(blk, s));
         scale(u, st.s[s]);
     }
+    // u.q = magnitude(...) with signs(...) applied (dot_block signs the activations instead)
+    static __m256i magnitude(const uint8_t*, int s, const Grids& g, const State& st) { return grid(st, s, g); }
+    static uint32_t signs(const uint8_t* blk, int s) {
+        return ld_u32(reinterpret_cast<const BlockIQ3_S*>(blk)->signs + 4 * s);
+    }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+#ifdef __AVX512F__
+    // magnitudes of subs 2k and 2k+1 (one 16-index gather) and their 64 sign bits
+    static __m512i magnitude2(const uint8_t*, int k, const Grids& g, const State& st) {
+        const __m512i idx = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(st.idx + 16 * k)));
+        return _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(g.iq3s), 4);
+    }
+    static uint64_t signs2(const uint8_t* blk, int k) {
+        uint64_t v;
+        std::memcpy(&v, reinterpret_cast<const BlockIQ3_S*>(blk)->signs + 8 * k, 8);
+        return v;
+    }
+#endif
 };
 template <> struct Unit<QType::IQ4_NL> : UnitBase {
     static constexpr bool has_min = false;
@@ -468,6 +506,7 @@ template <> struct Unit<QType::IQ4_XS> : UnitBase {
         u.q = lookup16(nibbles16(b.qs + 16 * s), g.kvalues_iq4nl);
         scale(u, st.s[s]);
     }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
 };
 
 // ---- ternary, fp4 ----------------------------------------------------------------------------------
