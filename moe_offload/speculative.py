@@ -113,16 +113,24 @@ class DraftPolicy:
     `probe_every` steps after the last draft at first; a refused probe doubles the gap (up to
     `probe_max`), a kept one halves it, so a head that rarely agrees costs a few probes a
     thousand steps instead of one every 16, and one that starts agreeing is probed often again.
+
+    A cost is the median of its first `warm` samples before the EMA takes over, and plain
+    decoding is measured `warm` times before anything else: one slow early step (a cache still
+    warming, a bucket's first use) must not make drafting look cheap for good. While drafting
+    wins, one plain step every `plain_every` keeps k = 0's cost current for the same reason.
     """
 
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
                  a0: float = 0.6, prior_slope: float = 0.25, prior_draft: float = 0.05,
-                 probe_every: int = 16, probe_max: int = 256):
+                 probe_every: int = 16, probe_max: int = 256, warm: int = 4,
+                 plain_every: int = 64):
         if fixed is not None and not 0 <= fixed <= k_max:
             raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
         self.fixed, self.k_max, self.ema = fixed, k_max, ema
         self.a = a0
         self.cost: dict[int, float] = {}
+        self.warm, self._samples = warm, {}           # k -> its first `warm` costs
+        self.plain_every, self._since_plain = plain_every, 0
         self.prior_slope, self.prior_draft = prior_slope, prior_draft
         self.probe_every, self.probe_max, self._since_draft = probe_every, probe_max, 0
         self._probe_gap, self._probing = probe_every, False
@@ -146,12 +154,14 @@ class DraftPolicy:
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        if 0 not in self.cost:
+        if len(self._samples.get(0, ())) < self.warm:
             return 0                       # measure plain decode first
         best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
         self._probing = False
         if best:
             self._probe_gap = self.probe_every      # drafting pays: probe often again later
+            if self._since_plain >= self.plain_every:
+                best = 0                            # ... and plain decoding's cost is re-measured
         elif self._since_draft >= self._probe_gap:
             best, self._probing = 1, True
         return best
@@ -162,6 +172,8 @@ class DraftPolicy:
         queued on this (SpeculativeDecoder.step)."""
         if self.fixed is not None:
             return self.fixed == 0
+        if len(self._samples.get(0, ())) + 1 < self.warm:
+            return True                    # plain decoding is still being measured
         if 0 not in self.cost:
             return False
         best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
@@ -171,13 +183,19 @@ class DraftPolicy:
         """A step with k drafts kept `accepted` of them and took `seconds` (None: a time that
         says nothing of the next steps, e.g. it included a graph capture; not counted)."""
         self._since_draft = 0 if k else self._since_draft + 1
+        self._since_plain = self._since_plain + 1 if k else 0
         if self._probing:   # a refused probe spaces the next ones out, a kept one brings them in
             gap = self._probe_gap * 2 if accepted == 0 else self._probe_gap // 2
             self._probe_gap = min(max(gap, self.probe_every), self.probe_max)
             self._probing = False
         if seconds is not None:
-            old = self.cost.get(k)
-            self.cost[k] = seconds if old is None else old + self.ema * (seconds - old)
+            first = self._samples.setdefault(k, [])
+            if len(first) < self.warm:
+                first.append(seconds)
+                self.cost[k] = sorted(first)[len(first) // 2]
+            else:
+                old = self.cost[k]
+                self.cost[k] = old + self.ema * (seconds - old)
         judged = min(k, accepted + 1)      # drafts after the first refusal were not judged
         for i in range(judged):
             self.a += self.ema * ((1.0 if i < accepted else 0.0) - self.a)
