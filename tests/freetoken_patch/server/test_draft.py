@@ -34,12 +34,12 @@ def mtp_parts(synth_model):
             ChatTemplate.from_metadata(lm.metadata, str(path)), MtpHead.load(lm, model), path)
 
 
-def _engine(parts, draft=None, **kw):
+def _engine(parts, draft=None, pipeline=None, **kw):
     from freetoken_patch.server.engine import Engine
     from freetoken_patch.server.metrics import Metrics
     from moe_offload.speculative import SpeculativeDecoder
     model, tok, _, head, _ = parts
-    dec = None if draft is None else SpeculativeDecoder(model, head, draft)
+    dec = None if draft is None else SpeculativeDecoder(model, head, draft, pipeline=pipeline)
     return Engine(model, tok, 256, parallel=1, metrics=Metrics(), draft=dec, **kw)
 
 
@@ -120,6 +120,11 @@ def test_greedy_replies_equal_the_plain_server_with_and_without_reuse(mtp_parts)
         assert eng.mode == "speculative" and not eng.batched
         assert _conversation(eng, prompts) == plain, draft
         assert eng.draft.stats.accepted > 0
+    # plain steps queued ahead (as on a GPU): the same replies; the client that left has its
+    # last token in the cache too (the step queued on it), so the follow-up reuses one more
+    queued = _conversation(_engine(mtp_parts, 0, pipeline=True), prompts)
+    assert [t for t, _ in queued] == [t for t, _ in plain]
+    assert [n for _, n in queued] == [n for _, n in plain][:5] + [len(p3 + more) + 7]
     nocache = _conversation(_engine(mtp_parts, 2, prefix_cache=0), prompts)
     assert [t for t, _ in nocache] == [t for t, _ in plain]
     assert all(n == 0 for _, n in nocache)
