@@ -719,7 +719,7 @@ void gemm_pairs(const PairBuf* pb, const Act& a, float* out, int64_t ldo, int nr
 
 template <QType T, int RP>
 void gemm_pairs_rows(const PairBuf* pb, const Act& a, int64_t nt, float* out, int64_t ldo, int nrv) {
-    constexpr int NT = 4;
+    constexpr int NT = 4;  // 2 * RP * NT accumulators, RP weights and a token: within 32 registers
     int64_t t = 0;
     for (; t + NT <= nt; t += NT) gemm_pairs<T, RP, NT>(pb, a.at(t), out + t * ldo, ldo, nrv);
     switch (nt - t) {
