@@ -634,6 +634,10 @@ struct PairBuf {
     ~PairBuf() { release(); }
 };
 
+// Units that decode a block straight into that layout (Unit::interleaved)
+template <class U, class = void> struct HasInterleaved : std::false_type {};
+template <class U> struct HasInterleaved<U, std::void_t<decltype((void)&U::interleaved)>> : std::true_type {};
+
 template <QType T>
 void decode_half(const uint8_t* row, int64_t nkb, PairBuf& pb, int h, const Grids& g) {
     using U = Unit<T>;
@@ -642,13 +646,18 @@ void decode_half(const uint8_t* row, int64_t nkb, PairBuf& pb, int h, const Grid
         const uint8_t* blk = row + b * Traits<T>::kb_bytes;
         typename U::State st;
         U::begin(blk, g, st);
-        __m512i v[4], o[4];
-        static_for<4>([&](auto K) {
-            uint64_t sg = 0;
-            v[K] = decode_pair<U>(blk, K, g, st, sg);
-            if constexpr (HasSigns<U>::value) v[K] = neg_where(v[K], sg);
-        });
-        interleave_groups(v, o);
+        __m512i o[4];
+        if constexpr (HasInterleaved<U>::value) {
+            U::interleaved(blk, o);
+        } else {
+            __m512i v[4];
+            static_for<4>([&](auto K) {
+                uint64_t sg = 0;
+                v[K] = decode_pair<U>(blk, K, g, st, sg);
+                if constexpr (HasSigns<U>::value) v[K] = neg_where(v[K], sg);
+            });
+            interleave_groups(v, o);
+        }
         __m512i sum = _mm512_setzero_si512();
         int8_t* q = pb.q + 512 * b + 32 * h;
         for (int i = 0; i < 4; ++i) {
