@@ -28,6 +28,9 @@ struct Act {
     const int8_t* q8 = nullptr;  // [nt, n]      (null unless the ISA quantizes)
     const float* d8 = nullptr;   // [nt, n / 32]
     const float* m16 = nullptr;  // [nt, n / 16]
+    // [nt, n]: q8 + 128 with each 256-feature block's groups interleaved for the AVX-512 many-token
+    // kernels (q8_kernels.h, interleave_q8); null unless the ISA has them and nt > 4, n % 256 == 0
+    const uint8_t* q8x = nullptr;
     int64_t n = 0;
     // the activations from token t on (always inlined: an out-of-line copy built in an ISA file
     // could be the one the linker keeps for the generic files)
@@ -35,6 +38,7 @@ struct Act {
         Act a = *this;
         a.x += t * ldx;
         if (q8) a.q8 += t * n, a.d8 += t * (n / 32), a.m16 += t * (n / 16);
+        if (q8x) a.q8x += t * n;
         return a;
     }
 };
@@ -42,10 +46,13 @@ struct ActBuf {  // left uninitialized (every element is written before it is re
                 // buffers are megabytes, and zeroing them would run on one thread
     std::unique_ptr<int8_t[]> q8;
     std::unique_ptr<float[]> d8, m16;
+    std::unique_ptr<uint8_t[]> q8x;
 };
 // Fills q8/d8/m16 rows [t0, t1) (x rows at x + t*ldx, n % 32 == 0).
 using QuantizeActFn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
                                int8_t* q8, float* d8, float* m16);
+// Fills q8x rows [t0, t1) from the q8 rows (n % 256 == 0).
+using InterleaveActFn = void (*)(const int8_t* q8, int64_t t0, int64_t t1, int64_t n, uint8_t* q8x);
 
 // ---- row kernels of one type on one ISA --------------------------------------------------------
 // A row is `nkb` kernel blocks (Traits::kb_bytes each, contiguous) = nkb * kb_elems weights.
@@ -91,6 +98,7 @@ inline void dot_pair(const TypeKernels& k, const uint8_t* row0, const uint8_t* r
 struct IsaKernels {
     const char* name = nullptr;
     QuantizeActFn quantize_act = nullptr;  // null: the ISA reads float activations only
+    InterleaveActFn interleave_act = nullptr;  // null: the ISA reads no Act::q8x
     TypeKernels types[kMaxTypeId];
 };
 

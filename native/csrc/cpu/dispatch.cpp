@@ -150,9 +150,17 @@ Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, 
     a.q8 = buf.q8.get();
     a.d8 = buf.d8.get();
     a.m16 = buf.m16.get();
+    // q8x serves the many-token path (nt > 4) of the 256-weight block types
+    uint8_t* q8x = nullptr;
+    if (isa.interleave_act && nt > 4 && n % 256 == 0) {
+        buf.q8x.reset(new uint8_t[nt * n + 63]);
+        q8x = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.q8x.get()) + 63) & ~uintptr_t(63));
+        a.q8x = q8x;
+    }
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     auto fill = [&](int64_t t0, int64_t t1) {
         isa.quantize_act(x, ldx, t0, t1, n, buf.q8.get(), buf.d8.get(), buf.m16.get());
+        if (q8x) isa.interleave_act(buf.q8.get(), t0, t1, n, q8x);
     };
     if (nt * n < 65536) fill(0, nt);  // one token: cheaper than waking the pool
     else parallel_for(nt, grain, fill);

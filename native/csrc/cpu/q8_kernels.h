@@ -13,7 +13,8 @@
 //
 // Included by kernels_avx2.cpp (Dot = maddubs + madd) and kernels_avx512.cpp (Dot = dpbusd on
 // 256-bit vectors, AVX512-VNNI + VL; the block form's decode streams take two groups per 512-bit
-// dpbusd); each instantiates fill_q8<Dot, ...> for its table. The group sums are exact integers
+// dpbusd; the many-token path of the block types runs 512-bit on group-interleaved blocks,
+// gemm_q8x); each instantiates fill_q8<Dot, ...> for its table. The group sums are exact integers
 // however they are formed, so only the float steps fix a token's bits.
 //
 // Two shapes of work:
@@ -21,11 +22,13 @@
 //     (rows r and r + h: two sequential streams, which hardware prefetch follows better than
 //     adjacent rows) sharing each activation load;
 //   * many tokens (prefill, grouped experts): RB rows are decoded once into int8 + scale buffers
-//     (L1-sized), then a register-blocked RB x 4-token micro-kernel runs over all the tokens.
+//     (L1-sized), then a register-blocked RB x 4-token micro-kernel runs over all the tokens (on
+//     AVX-512, block types: row pairs against Act::q8x, whose layout needs no horizontal sums).
 // Both do a token's arithmetic in the same order, so its result does not depend on the other
 // tokens of the call (decode_many's batch equals each sequence alone, bit for bit).
 #pragma once
 #include <algorithm>
+#include <new>
 #include <type_traits>
 #include <utility>
 
@@ -571,6 +574,192 @@ void gemm_rows(const RowBuf* rb, const Act& a, int64_t nt, float* out, int64_t l
     }
 }
 
+#ifdef __AVX512VNNI__
+// ---- many tokens on AVX-512: group-interleaved blocks ------------------------------------------------
+// The block form wants lane g = group g's sum. With a block's 256 bytes stored as 8 vectors T_j
+// whose dword lane g holds bytes 4j..4j+3 of group g (weights and activations alike), dpbusd over
+// j accumulates every group in its own lane: no horizontal sums. Two rows share a 512-bit vector
+// ([row r | row r+1]) against the token's T_j in both halves, and the float steps run on both at
+// once, each lane as block_fma runs it, so a token's bits are the decode path's. The activations
+// are the unsigned operand (x + 128) and each row's -128 * (group weight sums) starts the sums.
+
+// v[k] = groups 2k, 2k+1 of a block -> o[i] = [T_2i | T_2i+1]
+[[gnu::always_inline]] inline void interleave_groups(const __m512i v[4], __m512i o[4]) {
+    alignas(64) static const int32_t i1[2][16] = {{0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
+                                                  {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
+    alignas(64) static const int32_t i2[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+                                                  {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+    const __m512i a0 = _mm512_load_si512(i1[0]), a1 = _mm512_load_si512(i1[1]);
+    const __m512i b0 = _mm512_load_si512(i2[0]), b1 = _mm512_load_si512(i2[1]);
+    // groups 0-3 (u0: dwords 0-3, u1: 4-7) and 4-7 (u2, u3), dword j of group g at lane 4j + g % 4
+    const __m512i u0 = _mm512_permutex2var_epi32(v[0], a0, v[1]), u1 = _mm512_permutex2var_epi32(v[0], a1, v[1]);
+    const __m512i u2 = _mm512_permutex2var_epi32(v[2], a0, v[3]), u3 = _mm512_permutex2var_epi32(v[2], a1, v[3]);
+    o[0] = _mm512_permutex2var_epi32(u0, b0, u2), o[1] = _mm512_permutex2var_epi32(u0, b1, u2);
+    o[2] = _mm512_permutex2var_epi32(u1, b0, u3), o[3] = _mm512_permutex2var_epi32(u1, b1, u3);
+}
+
+// Act::q8x rows [t0, t1): q8 + 128 (as x ^ 0x80), each block interleaved
+inline void interleave_q8(const int8_t* q8, int64_t t0, int64_t t1, int64_t n, uint8_t* q8x) {
+    const __m512i bias = _mm512_set1_epi8(char(0x80));
+    for (int64_t i = t0 * n; i < t1 * n; i += 256) {
+        __m512i v[4], o[4];
+        for (int k = 0; k < 4; ++k) v[k] = _mm512_loadu_si512(q8 + i + 64 * k);
+        interleave_groups(v, o);
+        for (int k = 0; k < 4; ++k) _mm512_storeu_si512(q8x + i + 64 * k, _mm512_xor_si512(o[k], bias));
+    }
+}
+
+// Two decoded rows (halves h = 0, 1), per block b: q [8 j][2 h][32 bytes] (T_j), s [2 h][8] block
+// scales, m [2 halves of 16][2 h][8] mins per 16 (has_min), c [2 h][8] = -128 * group weight sums.
+struct PairBuf {
+    int8_t* q = nullptr;
+    float *s = nullptr, *m = nullptr;
+    int32_t* c = nullptr;
+    int64_t cap = 0;  // blocks
+    void size(int64_t nkb) {
+        if (nkb <= cap) return;
+        release();
+        q = static_cast<int8_t*>(::operator new[](512 * nkb, std::align_val_t(64)));
+        s = new float[16 * nkb], m = new float[32 * nkb], c = new int32_t[16 * nkb];
+        cap = nkb;
+    }
+    void release() {
+        if (q) ::operator delete[](q, std::align_val_t(64));
+        delete[] s, delete[] m, delete[] c;
+        q = nullptr, s = nullptr, m = nullptr, c = nullptr, cap = 0;
+    }
+    PairBuf() = default;
+    PairBuf(const PairBuf&) = delete;
+    PairBuf& operator=(const PairBuf&) = delete;
+    ~PairBuf() { release(); }
+};
+
+// Units that decode a block straight into that layout (Unit::interleaved)
+template <class U, class = void> struct HasInterleaved : std::false_type {};
+template <class U> struct HasInterleaved<U, std::void_t<decltype((void)&U::interleaved)>> : std::true_type {};
+
+template <QType T>
+void decode_half(const uint8_t* row, int64_t nkb, PairBuf& pb, int h, const Grids& g) {
+    using U = Unit<T>;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < nkb; ++b) {
+        const uint8_t* blk = row + b * Traits<T>::kb_bytes;
+        typename U::State st;
+        U::begin(blk, g, st);
+        __m512i o[4];
+        if constexpr (HasInterleaved<U>::value) {
+            U::interleaved(blk, o);
+        } else {
+            __m512i v[4];
+            static_for<4>([&](auto K) {
+                uint64_t sg = 0;
+                v[K] = decode_pair<U>(blk, K, g, st, sg);
+                if constexpr (HasSigns<U>::value) v[K] = neg_where(v[K], sg);
+            });
+            interleave_groups(v, o);
+        }
+        __m512i sum = _mm512_setzero_si512();
+        int8_t* q = pb.q + 512 * b + 32 * h;
+        for (int i = 0; i < 4; ++i) {
+            sum = _mm512_dpbusd_epi32(sum, ones, o[i]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * i), _mm512_castsi512_si256(o[i]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * i + 64), _mm512_extracti64x4_epi64(o[i], 1));
+        }
+        const __m256i gs = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.c + 16 * b + 8 * h),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(gs, 7)));
+        _mm256_storeu_ps(pb.s + 16 * b + 8 * h, U::block_scales(st));
+        if constexpr (U::has_min) {
+            __m256 m[2];
+            U::block_mins(st, m);
+            _mm256_storeu_ps(pb.m + 32 * b + 8 * h, m[0]), _mm256_storeu_ps(pb.m + 32 * b + 16 + 8 * h, m[1]);
+        }
+    }
+}
+
+inline float hsum_hi(__m512 v) { return hsum_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))); }
+
+// out[t * ldo + r] for r < nrv of the 2 * RP rows of pb, t < NT
+template <QType T, int RP, int NT>
+void gemm_pairs(const PairBuf* pb, const Act& a, float* out, int64_t ldo, int nrv) {
+    constexpr bool kMin = Unit<T>::has_min;
+    const int64_t nkb = a.n / 256, nd = a.n / 32, ns = a.n / 16;
+    __m512 acc[RP][NT];
+    for (int r = 0; r < RP; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nkb; ++b) {
+        __m512i p[RP][NT];
+        for (int r = 0; r < RP; ++r) {
+            const __m512i c = _mm512_loadu_si512(pb[r].c + 16 * b);
+            for (int t = 0; t < NT; ++t) p[r][t] = c;
+        }
+        const uint8_t* xb = a.q8x + 256 * b;
+        static_for<8>([&](auto J) {
+            constexpr int j = J;
+            __m512i w[RP];
+            for (int r = 0; r < RP; ++r) w[r] = _mm512_load_si512(pb[r].q + 512 * b + 64 * j);
+            for (int t = 0; t < NT; ++t) {
+                const __m512i x = _mm512_broadcast_i64x4(
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + t * a.n + 32 * j)));
+                for (int r = 0; r < RP; ++r) p[r][t] = _mm512_dpbusd_epi32(p[r][t], x, w[r]);
+            }
+        });
+        for (int r = 0; r < RP; ++r) {
+            const __m512 s = _mm512_loadu_ps(pb[r].s + 16 * b);
+            __m512 m0, m1;
+            if constexpr (kMin) m0 = _mm512_loadu_ps(pb[r].m + 32 * b), m1 = _mm512_loadu_ps(pb[r].m + 32 * b + 16);
+            for (int t = 0; t < NT; ++t) {  // block_fma on both halves
+                const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.d8 + t * nd + 8 * b));
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[r][t]), _mm512_mul_ps(s, d), acc[r][t]);
+                if constexpr (kMin) {
+                    const float* m16 = a.m16 + t * ns + 16 * b;
+                    acc[r][t] = _mm512_fmadd_ps(m0, _mm512_broadcast_f32x8(_mm256_loadu_ps(m16)), acc[r][t]);
+                    acc[r][t] = _mm512_fmadd_ps(m1, _mm512_broadcast_f32x8(_mm256_loadu_ps(m16 + 8)), acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RP; ++r)
+        for (int t = 0; t < NT; ++t) {
+            out[t * ldo + 2 * r] = hsum_ps(_mm512_castps512_ps256(acc[r][t]));
+            if (2 * r + 1 < nrv) out[t * ldo + 2 * r + 1] = hsum_hi(acc[r][t]);
+        }
+}
+
+template <QType T, int RP>
+void gemm_pairs_rows(const PairBuf* pb, const Act& a, int64_t nt, float* out, int64_t ldo, int nrv) {
+    constexpr int NT = 4;  // 2 * RP * NT accumulators, RP weights and a token: within 32 registers
+    int64_t t = 0;
+    for (; t + NT <= nt; t += NT) gemm_pairs<T, RP, NT>(pb, a.at(t), out + t * ldo, ldo, nrv);
+    switch (nt - t) {
+        case 1: return gemm_pairs<T, RP, 1>(pb, a.at(t), out + t * ldo, ldo, nrv);
+        case 2: return gemm_pairs<T, RP, 2>(pb, a.at(t), out + t * ldo, ldo, nrv);
+        case 3: return gemm_pairs<T, RP, 3>(pb, a.at(t), out + t * ldo, ldo, nrv);
+        default: return;
+    }
+}
+
+// gemm_q8's many-token path for block types: RP row pairs decoded, then every token
+template <QType T, int RP>
+void gemm_q8x(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, int64_t nt, float* out,
+              int64_t ldo, const Grids& g) {
+    thread_local PairBuf bufs[RP];
+    for (auto& b : bufs) b.size(nkb);
+    for (int64_t r = 0; r < nr; r += 2 * RP) {
+        const int nrv = int(std::min<int64_t>(2 * RP, nr - r)), np = (nrv + 1) / 2;
+        for (int i = 0; i < np; ++i) {  // an odd last row fills both halves (the second is not written out)
+            decode_half<T>(w + (r + 2 * i) * stride, nkb, bufs[i], 0, g);
+            decode_half<T>(w + std::min(r + 2 * i + 1, nr - 1) * stride, nkb, bufs[i], 1, g);
+        }
+        if (np == RP) {
+            gemm_pairs_rows<T, RP>(bufs, a, nt, out + r, ldo, nrv);
+        } else {
+            for (int i = 0; i < np; ++i) gemm_pairs_rows<T, 1>(bufs + i, a, nt, out + r + 2 * i, ldo, nrv - 2 * i);
+        }
+    }
+}
+#endif
+
 // out[t * ldo + r] = dot(row r, token t), r < nr (rows at w + r * stride), t < nt.
 template <class Dot, QType T, int RB>
 void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, int64_t nt,
@@ -589,6 +778,10 @@ void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Ac
         }
         return;
     }
+#ifdef __AVX512VNNI__
+    if constexpr (HasBlock<Unit<T>>::value)
+        if (a.q8x) return gemm_q8x<T, RB / 2>(w, stride, nr, nkb, a, nt, out, ldo, g);
+#endif
     thread_local RowBuf bufs[RB];
     const int64_t n = nkb * Traits<T>::kb_elems;
     for (auto& b : bufs) b.size(n);
@@ -614,6 +807,9 @@ void dot_row_q8(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* ou
 template <class Dot, int RB>
 void fill_q8(IsaKernels& k) {
     k.quantize_act = quantize_q8;
+#ifdef __AVX512VNNI__
+    k.interleave_act = interleave_q8;
+#endif
 #define FT_X(NAME, BE, BB)                                                          \
     if constexpr (HasUnit<QType::NAME>::value) {                                    \
         TypeKernels& t = k.types[int(QType::NAME)];                                 \

@@ -215,6 +215,17 @@ template <> struct Unit<QType::Q4_K> : UnitBase {
         const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         return _mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8(0x0F));
     }
+    // the block in q8_kernels.h's interleave_groups layout: o[i] = [T_2i | T_2i+1], T_j lane g =
+    // dword j of group g, i.e. of qs dword 8 * (g / 2) + j, low nibbles for even g, high for odd
+    static void interleaved(const uint8_t* blk, __m512i o[4]) {
+        const __m512i a = _mm512_loadu_si512(blk + 16), b = _mm512_loadu_si512(blk + 80);
+        const __m512i idx = _mm512_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24, 1, 1, 9, 9, 17, 17, 25, 25);
+        const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        for (int i = 0; i < 4; ++i) {
+            const __m512i d = _mm512_permutex2var_epi32(a, _mm512_add_epi32(idx, _mm512_set1_epi32(2 * i)), b);
+            o[i] = _mm512_and_si512(_mm512_srlv_epi32(d, sh), _mm512_set1_epi8(0x0F));
+        }
+    }
 #endif
 };
 template <> struct Unit<QType::Q5_K> : UnitBase {
