@@ -151,12 +151,16 @@ class DraftPolicy:
             return 1 + (self.prior_slope + self.prior_draft) * k   # relative to plain decode
         return base * (1 + (self.prior_slope + self.prior_draft) * k)
 
+    def _best(self) -> int:
+        """The k with the most expected tokens per unit of step cost."""
+        return max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
         if len(self._samples.get(0, ())) < self.warm:
             return 0                       # measure plain decode first
-        best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        best = self._best()
         self._probing = False
         if best:
             self._probe_gap = self.probe_every      # drafting pays: probe often again later
@@ -176,8 +180,7 @@ class DraftPolicy:
             return True                    # plain decoding is still being measured
         if 0 not in self.cost:
             return False
-        best = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
-        return best == 0 and self._since_draft + 1 < self._probe_gap
+        return self._best() == 0 and self._since_draft + 1 < self._probe_gap
 
     def observe(self, k: int, accepted: int, seconds: float | None) -> None:
         """A step with k drafts kept `accepted` of them and took `seconds` (None: a time that
