@@ -202,12 +202,13 @@ def cpu_matmul(ring: Ring, n_tok: int, iters: int) -> float:
     from native import ops
     x = torch.randn(n_tok, ring.cols)
     times = []
-    for i in range(iters + 1):
-        w = ops.QTensor(ring.view(i), ring.q, (ring.rows, ring.cols))
-        t = time.perf_counter()
-        ops.matmul(x, w)
-        if i:
-            times.append(time.perf_counter() - t)
+    with ops.cpu_threads_held(torch.device("cpu")):   # as in a forward: no wake-up in the timing
+        for i in range(iters + 1):
+            w = ops.QTensor(ring.view(i), ring.q, (ring.rows, ring.cols))
+            t = time.perf_counter()
+            ops.matmul(x, w)
+            if i:
+                times.append(time.perf_counter() - t)
     return _median(times)
 
 
@@ -255,13 +256,14 @@ def time_cpu_moe(banks: list, x: torch.Tensor, n_experts: int, k: int, iters: in
     token x [1, H], a new random top-k of n_experts per call; the first `warmup` calls untimed."""
     from native import ops
     times = []
-    for i in range(iters + warmup):
-        ids = torch.randperm(n_experts)[:k].view(1, k).to(torch.int32)
-        w = torch.softmax(torch.randn(1, k), -1)
-        t = time.perf_counter()
-        ops.moe_ffn(x, *banks, ids, w)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+    with ops.cpu_threads_held(torch.device("cpu")):
+        for i in range(iters + warmup):
+            ids = torch.randperm(n_experts)[:k].view(1, k).to(torch.int32)
+            w = torch.softmax(torch.randn(1, k), -1)
+            t = time.perf_counter()
+            ops.moe_ffn(x, *banks, ids, w)
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
     return _median(times)
 
 
@@ -366,8 +368,17 @@ def run(args: argparse.Namespace, console) -> int:
             t, nbytes = gpu_moe(ops._cuda, q, iters, warmup, rng)
             point.update(bytes=nbytes, gpu_us=t * 1e6, gpu_GBps=nbytes / t / 1e9)
         if use_cpu:
-            t, nbytes = cpu_moe(q, cpu_iters, rng)
-            point.update(bytes=nbytes, cpu_us=t * 1e6, cpu_GBps=nbytes / t / 1e9)
+            before = ops._cpu.isa()
+            try:
+                for isa in isas:
+                    ops._cpu.set_isa(isa)
+                    t, nbytes = cpu_moe(q, cpu_iters, rng)
+                    point.setdefault("cpu", {})[isa] = {"us": t * 1e6, "GBps": nbytes / t / 1e9,
+                                                        "pct": 100 * nbytes / t / 1e9 / host_bw}
+            finally:
+                ops._cpu.set_isa(before)
+            first = point["cpu"][isas[0]]
+            point.update(bytes=nbytes, cpu_us=first["us"], cpu_GBps=first["GBps"], cpu_pct=first["pct"])
         result["moe"].append(point)
     if use_gpu:
         torch.cuda.empty_cache()
@@ -428,14 +439,18 @@ def _print(result: dict, console, use_gpu: bool, use_cpu: bool) -> None:
                               f"{cells[s]['prefill_TFLOPs']:.0f}" if s in cells else "-" for s in shapes])
         console.print(t)
     if result["moe"]:
-        t = Table(title="MoE decode, T=1 K=8 H=2048 F=512: us per call (GB/s of the 8 experts)")
+        t = Table(title="MoE decode, T=1 K=8 H=2048 F=512: us per call (GB/s of the 8 experts; CPU: "
+                        "% of the host's read bandwidth)")
         t.add_column("type")
-        for side, on in (("gpu", use_gpu), ("cpu", use_cpu)):
-            if on:
-                t.add_column(side.upper(), justify="right")
+        if use_gpu:
+            t.add_column("GPU", justify="right")
+        isas = result["host"]["isas"] if use_cpu else []
+        for isa in isas:
+            t.add_column(f"CPU {isa}", justify="right")
         for p in result["moe"]:
-            cells = [f"{p[s + '_us']:.1f} ({_num(p[s + '_GBps'])})" for s, on in
-                     (("gpu", use_gpu), ("cpu", use_cpu)) if on]
+            cells = [f"{p['gpu_us']:.1f} ({_num(p['gpu_GBps'])})"] if use_gpu else []
+            cells += [f"{c['us']:.1f} ({_num(c['GBps'])}, {c['pct']:.0f}%)"
+                      for c in (p["cpu"][i] for i in isas)]
             t.add_row(p["type"], *cells)
         console.print(t)
 
