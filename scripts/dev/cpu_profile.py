@@ -5,7 +5,9 @@
 Wraps native.ops.matmul / matmul_many / moe_ffn (and the model's head call) with wall-clock timers and sorts
 each call into a family by the weight's name: expert FFN (routed), shared expert, router, mixer
 projections (attention + delta-net in/out), head; "other" is the rest of the step (norms,
-attention and delta-net cores, routing, Python). Prints ms per token for decode and prefill.
+attention and delta-net cores, routing, Python). Prints ms per token for decode and prefill, and
+for decode the weight bytes each family reads a token, their rate, and the host's read bandwidth
+(a float32 torch.sum over 1 GiB on the same threads) as the bound.
 """
 from __future__ import annotations
 
@@ -52,24 +54,30 @@ def main() -> None:
         from moe_offload.models import layers
         layers.STEP_KERNELS = False
     spent: dict[str, float] = collections.defaultdict(float)
+    read: dict[str, float] = collections.defaultdict(float)   # weight bytes
     mm, many, moe = ops.matmul, ops.matmul_many, ops.moe_ffn
+    nbytes = lambda w: w.data.numel() * w.data.element_size()
 
     def timed_mm(x, w):
         t = time.perf_counter()
         y = mm(x, w)
         spent[family(w.name)] += time.perf_counter() - t
+        read[family(w.name)] += nbytes(w)
         return y
 
     def timed_many(x, ws):
         t = time.perf_counter()
         y = many(x, ws)
         spent[family("+".join(w.name for w in ws))] += time.perf_counter() - t
+        read[family("+".join(w.name for w in ws))] += sum(nbytes(w) for w in ws)
         return y
 
-    def timed_moe(*a, **k):
+    def timed_moe(x, gate, up, down, ids, *a, **k):
         t = time.perf_counter()
-        y = moe(*a, **k)
+        y = moe(x, gate, up, down, ids, *a, **k)
         spent["expert FFN"] += time.perf_counter() - t
+        n_used = len(torch.unique(ids[ids >= 0]))   # each expert used is read once a call
+        read["expert FFN"] += n_used * sum(nbytes(w) / w.shape[0] for w in (gate, up, down))
         return y
 
     ops.matmul, ops.matmul_many, ops.moe_ffn = timed_mm, timed_many, timed_moe
@@ -94,6 +102,7 @@ def main() -> None:
             logits = model.prefill(toks, st)
             if steps:
                 spent.clear()
+                read.clear()
                 t0 = time.perf_counter()
                 nxt = logits.argmax(-1)
                 for _ in range(steps):
@@ -105,7 +114,17 @@ def main() -> None:
                   f"{ops._cpu.threads()}, torch threads {torch.get_num_threads()}, isa "
                   f"{getattr(ops._cpu, 'isa', lambda: '?')()})")
             for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
-                print(f"  {k:20s} {v / n * 1e3:8.2f} ms/token  {v / total:6.1%}")
+                rate = f"  {read[k] / n / 1e6:7.1f} MB/token {read[k] / v / 1e9:6.1f} GB/s" \
+                    if steps and read.get(k) else ""
+                print(f"  {k:20s} {v / n * 1e3:8.2f} ms/token  {v / total:6.1%}{rate}")
+            if steps:
+                from freetoken_patch.cli.bench_kernels import host_read_gbps
+                torch.set_num_threads(ops._cpu.threads())
+                bw = host_read_gbps()
+                torch.set_num_threads(args.torch_threads)
+                mb = sum(read.values()) / n / 1e6
+                print(f"  weights read: {mb:.0f} MB/token; host read bandwidth {bw:.1f} GB/s -> "
+                      f"at most {bw * 1e3 / mb:.1f} tok/s if every byte came at that rate")
 
 
 if __name__ == "__main__":
