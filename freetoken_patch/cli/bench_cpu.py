@@ -59,7 +59,9 @@ def run_one(args, sizes: list[int], console) -> dict:
     result: dict = {
         "machine": {"gpu": None, "device": "cpu", "cpu": _cpu_name(), "host": platform.node(),
                     "cpu_threads": ops._cpu.threads(), "torch_threads": torch.get_num_threads(),
-                    "cores": os.cpu_count(), "isa": ops._cpu.isa()},
+                    "cores": os.cpu_count(), "isa": ops._cpu.isa(),
+                    "threads_pinned": bool(getattr(ops._cpu, "threads_pinned", lambda: False)()),
+                    "iq3s_grid": getattr(ops._cpu, "iq3s_grid", lambda: None)()},
         "model": {"path": args.model, "name": loaded.metadata.get("general.name"),
                   "synthetic": "ftpatch.synth.preset" in loaded.metadata},
         "device": "cpu", "vram_cap": None, "ctx": args.ctx, "load_s": round(load_s, 2),

@@ -75,6 +75,10 @@
 //   set_threads(n) (n <= 0: all cores), threads() -> int
 //   hold_threads(on)   while held (counted), idle pool threads spin instead of sleeping: a CPU
 //       forward holds them, so its few hundred calls a token start without waking 15 threads
+//   set_pin_threads(on), threads_pinned() -> bool   workers pinned one per allowed CPU (the env
+//       FTPATCH_PIN_THREADS=1 sets it at start); a running pool is rebuilt
+//   iq3s_grid() -> str, set_iq3s_grid(how)   how the avx2 table's IQ3_S reads its grid: "gather"
+//       (default on Intel) or "loads" (elsewhere); env FTPATCH_IQ3S_GRID; the same bits either way
 //   isa() -> str, available_isas() -> [str], set_isa(name)   ("generic" | "avx2" | "avx512"; the env
 //       FTPATCH_CPU_ISA picks the start value, default: the best this CPU runs)
 #include <memory>
@@ -302,6 +306,10 @@ PYBIND11_MODULE(_cpu, m) {
     m.def("set_threads", &cpu::set_num_threads, py::arg("n"));
     m.def("threads", &cpu::num_threads);
     m.def("hold_threads", &cpu::hold_threads, py::arg("on"));
+    m.def("set_pin_threads", &cpu::set_pin_threads, py::arg("on"));
+    m.def("iq3s_grid", &cpu::iq3s_grid);
+    m.def("set_iq3s_grid", &cpu::set_iq3s_grid, py::arg("how"));
+    m.def("threads_pinned", &cpu::threads_pinned);
     m.def("isa", [] { return std::string(cpu::kernels().name); });
     m.def("available_isas", &cpu::available_isas);
     m.def("set_isa", &cpu::set_isa, py::arg("name"));

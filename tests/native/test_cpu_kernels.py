@@ -153,6 +153,34 @@ def test_a_tokens_result_does_not_depend_on_the_batch(cpu_isa, name):
             f"{name} T={n_tok} on {cpu_isa} (seed {SEED})"
 
 
+@pytest.mark.skipif(ops._cpu is None or "avx2" not in ops._cpu.available_isas(), reason="no AVX2")
+def test_iq3s_grid_by_gather_or_by_loads_gives_the_same_bits():
+    """The avx2 table's IQ3_S has two forms (the grid by gathers or by scalar loads, chosen by
+    the CPU's vendor): both the decode and the many-token shapes agree bit for bit, and the
+    default is one of the two."""
+    q = QUANT_TYPES["IQ3_S"]
+    rng = rng_for("iq3s_grid")
+    raw, w64 = random_weight(q, (37, kernel_cols(q, 4)), rng)
+    x = rng.standard_normal((33, kernel_cols(q, 4)), dtype=np.float32)
+    before_isa, before_grid = cpu.isa(), cpu.iq3s_grid()
+    assert before_grid in ("gather", "loads")
+    try:
+        cpu.set_isa("avx2")
+        ys = {}
+        for how in ("gather", "loads"):
+            cpu.set_iq3s_grid(how)
+            assert cpu.iq3s_grid() == how
+            ys[how] = [_matmul(q, raw, x[:n]) for n in (1, 3, 33)]
+        for a, b in zip(ys["gather"], ys["loads"]):
+            assert np.array_equal(a, b), f"IQ3_S T={a.shape[0]} (seed {SEED})"
+        assert_close(ys["loads"][2], *matmul_reference("q8", w64, x.astype(np.float64)), "IQ3_S avx2")
+        with pytest.raises(ValueError, match="gather.*loads"):
+            cpu.set_iq3s_grid("simd")
+    finally:
+        cpu.set_iq3s_grid(before_grid)
+        cpu.set_isa(before_isa)
+
+
 def _matmul(q, raw, x):
     y = poisoned((x.shape[0], raw.shape[0]))
     cpu.matmul(q.type_id, raw.ctypes.data, raw.shape[0], x.shape[1], raw.shape[1], x.ctypes.data,

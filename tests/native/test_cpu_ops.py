@@ -2,6 +2,7 @@
 thread-count independence, and the GIL released during long calls."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -96,6 +97,35 @@ def test_results_do_not_depend_on_the_thread_count():
     finally:
         ops._cpu.set_threads(n)
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), f"seed {SEED}"
+
+
+def test_pinned_workers_run_one_per_cpu_and_give_the_same_results():
+    """set_pin_threads puts each worker on its own allowed CPU (read back from /proc) and changes
+    no result bit; off again, the workers may run anywhere."""
+    n = ops._cpu.threads()
+    cpus = sorted(os.sched_getaffinity(0))
+    rng = rng_for("pin")
+    w = _bank("Q4_K", 1, 256, 512, rng).expert(0)
+    x = _normal(rng, 3, 512)
+    want = ops.matmul(x, w)
+    threads = min(2, len(cpus))
+    try:
+        ops._cpu.set_threads(threads)
+        ops._cpu.set_pin_threads(True)
+        assert ops._cpu.threads_pinned() == (threads > 1)
+        assert torch.equal(ops.matmul(x, w), want)
+        if threads > 1:   # the one worker is on cpus[1] and may run nowhere else
+            masks = []
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    masks += [ln.split(":")[1].strip() for ln in f if ln.startswith("Cpus_allowed_list")]
+            assert str(cpus[1]) in masks, masks
+        ops._cpu.set_pin_threads(False)
+        assert not ops._cpu.threads_pinned()
+        assert torch.equal(ops.matmul(x, w), want)
+    finally:
+        ops._cpu.set_pin_threads(False)
+        ops._cpu.set_threads(n)
 
 
 def test_long_calls_release_the_gil():

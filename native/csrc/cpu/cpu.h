@@ -106,12 +106,19 @@ struct IsaKernels {
 // (generic -> avx2 -> avx512) and overrides what it accelerates.
 void fill_generic(IsaKernels& k);
 void fill_avx2(IsaKernels& k);
+// How the avx2 table reads IQ3_S's grid: "gather" or "loads" (dispatch.cpp: by CPU vendor, env
+// FTPATCH_IQ3S_GRID); set_iq3s_grid switches it (invalid_argument for another name).
+std::string iq3s_grid();
+void set_iq3s_grid(const std::string& how);
 
 }  // namespace ft::cpu
 // The AVX-512 file compiles every shared header in a namespace of its own (so no inline function
 // built with AVX-512 flags can stand in for another file's copy at link time): it is reached by
 // this C name, with the IsaKernels table of the other files.
 extern "C" void ft_cpu_fill_avx512(void* isa_kernels);
+// The avx2 table's IQ3_S entry with its grid read by gathers (kernels_iq3s_gather_avx2.cpp, same
+// namespace arrangement); fills dot_row and gemm of one TypeKernels.
+extern "C" void ft_cpu_fill_avx2_iq3s_gather(void* type_kernels);
 namespace ft::cpu {
 
 // Activations for `isa` (multithreaded for many tokens); buf owns the int16 form.
@@ -140,6 +147,9 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
 // so a parallel_for that comes after a long gap starts without waking threads (the offload
 // worker holds them for a decode step: its calls come every few hundred microseconds).
 void hold_threads(bool on);
+// Pin the pool's workers, one per allowed CPU (see threadpool.cpp); rebuilds a running pool.
+void set_pin_threads(bool on);
+bool threads_pinned();  // whether the current pool's workers are pinned
 
 // ---- ops (one file each) ------------------------------------------------------------------------
 // dst_dtype: ggml id of the output element type: 0 (F32), 1 (F16), 30 (BF16).

@@ -29,15 +29,34 @@ bool cpu_has_avx512() {  // the VNNI int8 kernels: F, BW, VL and VNNI, on top of
 #endif
 }
 
+bool cpu_is_intel() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel");
+#else
+    return false;
+#endif
+}
+
 struct Tables {
     IsaKernels generic, avx2, avx512;
+    TypeKernels iq3s_loads, iq3s_gather;  // the avx2 table's two IQ3_S forms
+    std::string iq3s_grid;
     bool has_avx2 = cpu_has_avx2(), has_avx512 = cpu_has_avx512();
     std::atomic<const IsaKernels*> active{nullptr};
     Tables() {
         fill_generic(generic);
         avx2 = generic;
         avx2.name = "avx2";
-        if (has_avx2) fill_avx2(avx2);
+        if (has_avx2) {
+            fill_avx2(avx2);
+            iq3s_loads = iq3s_gather = avx2.types[int(QType::IQ3_S)];
+            ft_cpu_fill_avx2_iq3s_gather(&iq3s_gather);
+            const char* grid = std::getenv("FTPATCH_IQ3S_GRID");
+            const std::string how = grid && *grid ? grid : cpu_is_intel() ? "gather" : "loads";
+            avx2.types[int(QType::IQ3_S)] = how == "loads" ? iq3s_loads : iq3s_gather;
+            iq3s_grid = how == "loads" ? "loads" : "gather";
+        }
         avx512 = avx2;
         avx512.name = "avx512";
         if (has_avx512) ft_cpu_fill_avx512(&avx512);
@@ -94,6 +113,18 @@ void set_isa(const std::string& name) {
         for (const auto& n : available_isas()) have += (have.empty() ? "" : ", ") + n;
         throw std::invalid_argument("CPU ISA '" + name + "' is not available here; available: " + have);
     }
+}
+
+std::string iq3s_grid() { return tables().iq3s_grid; }
+
+void set_iq3s_grid(const std::string& how) {
+    Tables& t = tables();
+    if (!t.has_avx2) throw std::invalid_argument("set_iq3s_grid: this CPU has no avx2 table");
+    if (how != "gather" && how != "loads")
+        throw std::invalid_argument("IQ3_S grid '" + how + "': give 'gather' or 'loads'");
+    // a call in flight may read the entry while it changes: switch between calls only
+    t.avx2.types[int(QType::IQ3_S)] = how == "loads" ? t.iq3s_loads : t.iq3s_gather;
+    t.iq3s_grid = how;
 }
 
 const TypeKernels& type_kernels(const IsaKernels& isa, int type_id) {

@@ -11,13 +11,6 @@ namespace ft::cpu {
 namespace {
 using namespace avx2;
 
-struct DotAvx2 {  // 32 u8 x s8 products -> 8 int32 (4 per 16 weights); no pair exceeds int16
-    static constexpr bool kBiasedX = false;  // (x + 128) * w pairs would saturate maddubs' int16
-    static __m256i dot_acc(__m256i, __m256i, __m256i) { return _mm256_setzero_si256(); }
-    static __m256i dot(__m256i u, __m256i s) {
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-    }
-};
 
 inline float hsum(__m256 v) { return hsum_ps(v); }
 

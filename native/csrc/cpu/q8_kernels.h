@@ -86,6 +86,15 @@ inline void quantize_q8(const float* x, int64_t ldx, int64_t t0, int64_t t1, int
 // ---- products --------------------------------------------------------------------------------------
 // w: int8 weights as decoded; unsigned (Unit::has_min: every such type's q is >= 0) or signed.
 // Returns 8 int32: lanes 0-3 sum weights 0-15, lanes 4-7 weights 16-31.
+// The AVX2 product: 32 u8 x s8 products -> 8 int32 (4 per 16 weights); no pair exceeds int16
+struct DotAvx2 {
+    static constexpr bool kBiasedX = false;  // (x + 128) * w pairs would saturate maddubs' int16
+    static __m256i dot_acc(__m256i, __m256i, __m256i) { return _mm256_setzero_si256(); }
+    static __m256i dot(__m256i u, __m256i s) {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    }
+};
+
 template <class Dot, bool kUnsigned>
 inline __m256i idot(__m256i w, __m256i x) {
     if constexpr (kUnsigned) return Dot::dot(w, x);

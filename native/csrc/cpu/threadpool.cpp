@@ -2,8 +2,13 @@
 // Workers spin (then yield) briefly after a job (decode calls come back-to-back, 40 layers per
 // token) and then sleep on a condition variable, so an idle pool costs no CPU; hold_threads()
 // keeps them spinning through longer gaps (a condition-variable wake-up of 15 threads costs tens
-// of microseconds, as much as a small expert's whole computation).
+// of microseconds, as much as a small expert's whole computation). Workers may be pinned, one per
+// CPU of the process's affinity set (set_pin_threads, env FTPATCH_PIN_THREADS=0|1); the calling
+// thread never is (it is Python's, which also drives the GPU).
+#include <pthread.h>
 #include <sched.h>
+
+#include <cstdlib>
 
 #include <atomic>
 #include <chrono>
@@ -34,6 +39,33 @@ int cores_available() {
     return n ? int(n) : 1;
 }
 
+bool pin_from_env() {
+    const char* e = std::getenv("FTPATCH_PIN_THREADS");
+    return e && e[0] == '1';
+}
+std::atomic<bool> g_pin{pin_from_env()};
+
+// The CPUs this process may run on, in order (empty if unknown).
+std::vector<int> allowed_cpus() {
+    std::vector<int> cpus;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0)
+        for (int c = 0; c < CPU_SETSIZE; ++c)
+            if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    return cpus;
+}
+
+// Worker i (1..n-1) on CPU cpus[i]: the caller keeps cpus[0] most of the time (the workers spin
+// on the others). Not when the pool has more threads than CPUs: two pinned spinners on one core
+// would take turns.
+void pin_worker(std::thread& t, int i, const std::vector<int>& cpus) {
+    if (i >= int(cpus.size())) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[i], &one);
+    pthread_setaffinity_np(t.native_handle(), sizeof(one), &one);
+}
+
 // Waiting: a short spin (the other threads are usually microseconds away), then yield, so that on
 // a busy machine a preempted pool thread (or the Python thread driving the GPU) gets the core.
 inline void relax(int i) {
@@ -44,8 +76,14 @@ inline void relax(int i) {
 class Pool {
   public:
     explicit Pool(int n_threads) {
-        for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this] { loop(); });
+        const std::vector<int> cpus = allowed_cpus();
+        pinned_ = g_pin.load() && n_threads > 1 && n_threads <= int(cpus.size());
+        for (int i = 1; i < n_threads; ++i) {
+            workers_.emplace_back([this] { loop(); });
+            if (pinned_) pin_worker(workers_.back(), i, cpus);
+        }
     }
+    bool pinned() const { return pinned_; }
     ~Pool() {
         {
             std::lock_guard<std::mutex> lock(mu_);
@@ -113,6 +151,7 @@ class Pool {
     std::atomic<bool> stop_{false};  // set under mu_ with a generation bump
     const Fn* fn_ = nullptr;
     int64_t n_ = 0, grain_ = 1;
+    bool pinned_ = false;
 };
 
 std::mutex g_run_mu;  // one parallel_for (or resize) at a time
@@ -144,6 +183,19 @@ void set_num_threads(int n) {
 }
 
 void hold_threads(bool on) { g_hold.fetch_add(on ? 1 : -1); }
+
+void set_pin_threads(bool on) {
+    std::lock_guard<std::mutex> lock(g_run_mu);
+    if (g_pin.exchange(on) == on || !g_pool) return;
+    const int n = g_pool->size();  // rebuild the pool so its workers take the new placement
+    delete g_pool;
+    g_pool = new Pool(n);
+}
+
+bool threads_pinned() {
+    std::lock_guard<std::mutex> lock(g_run_mu);
+    return pool().pinned();
+}
 
 void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
     if (n <= 0) return;

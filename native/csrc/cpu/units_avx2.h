@@ -454,8 +454,8 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
             _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
         _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));     // d * (1 + 2*sc)
     }
-    // the 8 unsigned grid entries of sub s (scalar loads: an AVX2 gather measured slower on Zen 3;
-    // FT_IQ3S_GATHER: a gather, for the files built for CPUs where it is faster)
+    // the 8 unsigned grid entries of sub s: 8 scalar loads, or with FT_IQ3S_GATHER one gather (the
+    // AVX-512 file, and the AVX2 table's IQ3_S on Intel: kernels_iq3s_gather_avx2.cpp)
     static __m256i grid(const State& st, int s, const Grids& g) {
 #ifdef FT_IQ3S_GATHER
         const __m256i idx = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(st.idx + 8 * s)));
