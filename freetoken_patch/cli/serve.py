@@ -93,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
         import uvicorn
-    except ImportError:
-        raise CLIError("ftpatch serve needs the server packages: pip install 'ftpatch[serve]'") \
-            from None
+    except ImportError as e:   # name the module: a partial install lacks one dependency, not all
+        raise CLIError(f"ftpatch serve needs the server packages ({e}): "
+                       "pip install 'ftpatch[serve]'") from None
     check("--port", args.port, 0 <= args.port <= 65535, "give a port from 0 to 65535")
     check_draft_parallel(args)
     resolve_parallel(args)

@@ -20,8 +20,8 @@ def test_without_the_extra_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "uvicorn", None)      # import uvicorn -> ImportError
     assert main(["serve"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["ftpatch: error: ftpatch serve needs the server packages: pip install "
-                   "'ftpatch[serve]'"]
+    assert err == ["ftpatch: error: ftpatch serve needs the server packages (import of uvicorn "
+                   "halted; None in sys.modules): pip install 'ftpatch[serve]'"]
 
 
 def test_flags_are_checked(capsys):
