@@ -46,6 +46,21 @@ def test_delta_net_matches_the_torch_reference(batch, hk, hv, dk, dv, n_tok):
                                    msg=lambda m: f"{what} T={n_tok} [{batch}, {hk}, {hv}, {dk}, {dv}]: {m} (seed {SEED})")
 
 
+@pytest.mark.parametrize("batch,channels", [(1, 8192), (2, 96), (3, 1000)])
+def test_conv_token_by_token_equals_the_prompt_call_bit_for_bit(batch, channels):
+    """A decode token takes the conv's one-token path (each channel straight from w and its
+    state, over the pool when large); a prompt the transposed many-token path. Same sums in the
+    same order: the outputs and the final state are identical."""
+    rng = rng_for("conv_steps", batch, channels)
+    n_tok = 5
+    x, w, st0 = _t(rng, batch, n_tok, channels), _t(rng, channels, 4, scale=0.5), _t(rng, batch, channels, 3)
+    st_prompt, st_steps = st0.clone(), st0.clone()
+    prompt = ops.cpu_conv_silu(x, st_prompt, w).view(batch, n_tok, channels)
+    steps = torch.stack([ops.cpu_conv_silu(x[:, t:t + 1].contiguous(), st_steps, w)
+                         for t in range(n_tok)], dim=1)
+    assert torch.equal(steps, prompt) and torch.equal(st_steps, st_prompt), f"seed {SEED}"
+
+
 def test_a_state_in_the_denormal_range_is_flushed_not_slow():
     """A state decayed to denormals: the kernel flushes them (FTZ/DAZ) and the output matches the
     reference, which keeps them (their contribution is below float32's resolution)."""
