@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from .errors import OffloadError
+from .readback import TokenReadback
 from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder
 from .state import State
 
@@ -212,9 +213,7 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     taken = 0               # tokens of that step taken so far
     ahead = None            # logits of the step already queued behind the last token
     pipelined = draft is None and dev.type == "cuda"
-    if pipelined:
-        tok_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        read = torch.cuda.Event()
+    readback = TokenReadback(dev) if pipelined else None
     try:
         while True:
             out.append(tok)
@@ -250,11 +249,7 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
                 ahead = None
                 if (pipelined and not params.stop and len(out) + 1 < params.max_tokens
                         and state.n_free >= 1):
-                    tok_host.copy_(tok_dev, non_blocking=True)
-                    read.record()
-                    ahead = model.decode(tok_dev, state)
-                    read.synchronize()
-                    tok = int(tok_host[0])
+                    tok, ahead = readback(tok_dev, lambda: model.decode(tok_dev, state))
                 else:
                     tok = int(tok_dev)
             else:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import OffloadError
+from .readback import TokenReadback
 from .state import State
 
 K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
@@ -230,7 +231,7 @@ class SpeculativeDecoder:
         # pipelining, for k = 0): on a GPU by default; `pipeline` forces it (tests on the CPU)
         self.pipeline = self.device.type == "cuda" if pipeline is None else pipeline
         self._ahead = None                # (logits, hidden) of the plain step queued last
-        self._tok_host = None             # its token, read back through pinned memory
+        self._readback = TokenReadback(self.device)
 
     def _lap(self, name: str | None = None) -> None:
         """Phase timing: synchronise, and book the time since the last lap to `name`."""
@@ -359,17 +360,8 @@ class SpeculativeDecoder:
         """A plain greedy step's token, with the next plain step queued on it before the host
         reads it back (the device never waits for the host's turn)."""
         nxt = logits[-1].argmax(-1, keepdim=True)
-        if self.device.type == "cuda":
-            if self._tok_host is None:
-                self._tok_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            self._tok_host.copy_(nxt, non_blocking=True)
-            read = torch.cuda.Event()
-            read.record()
-            self._ahead = self._verify(nxt[None], state)
-            read.synchronize()
-            return [int(self._tok_host[0])]
-        self._ahead = self._verify(nxt[None], state)
-        return [int(nxt[0])]
+        tok, self._ahead = self._readback(nxt, lambda: self._verify(nxt[None], state))
+        return [tok]
 
     def finish(self, state: State) -> None:
         """The generation ended: a plain step queued on the last token stays in the cache (its
