@@ -34,8 +34,11 @@ def test_own_server_levels_and_followup(tiny_model, capsys, tmp_path):
         assert lv["skipped_time_limit"] == 0
         assert 0 < lv["completion_tokens"] <= 2 * 4
         assert lv["aggregate_decode_tps"] > 0 and lv["wall_s"] > 0
-        assert lv["ttft_s"]["n"] == 2
-        assert all(lv["ttft_s"][k] > 0 for k in ("p50", "p90", "p99"))
+        # a reply of a few sampled tokens of the random model may have no text at all (byte
+        # tokens that complete no character): it is counted apart, without a TTFT
+        assert lv["ttft_s"]["n"] + lv["no_content"] == 2
+        if lv["ttft_s"]["n"]:
+            assert all(lv["ttft_s"][k] > 0 for k in ("p50", "p90", "p99"))
         ps = lv["per_stream_decode_tps"]
         if ps["streams"]:
             assert 0 < ps["min"] <= ps["median"] <= ps["max"]
