@@ -385,6 +385,25 @@ void dot_stream_cols(const uint8_t* const* rows, int64_t nkb, const Act& a, floa
         for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
 }
 
+// gemm_q8's decode shape (rows r and r + nr/2 in pairs, then an odd last row) with the token
+// count dispatched once per call, not per row pair as dot_stream_any does (a 512-wide row is
+// only two blocks, so per-pair overhead shows)
+template <QType T, int NT>
+void gemm_cols(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, float* out, int64_t ldo,
+               const Grids& g) {
+    const int64_t h = nr / 2;
+    for (int64_t r = 0; r < h; ++r) {
+        const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
+        float* o[2] = {out + r, out + r + h};
+        dot_stream_cols<T, 2, NT>(rows, nkb, a, o, ldo, g);
+    }
+    if (nr % 2) {
+        const uint8_t* rows[1] = {w + (nr - 1) * stride};
+        float* o[1] = {out + nr - 1};
+        dot_stream_cols<T, 1, NT>(rows, nkb, a, o, ldo, g);
+    }
+}
+
 // Act::q8x on AVX2 (the decode path of dot_stream_cols): as interleave_q8 below, per block T_j =
 // dword j of each group (an 8 x 8 dword transpose), plus 128
 inline void interleave_q8_avx2(const int8_t* q8, int64_t t0, int64_t t1, int64_t n, uint8_t* q8x) {
@@ -461,9 +480,6 @@ void dot_stream_of(const uint8_t* const* rows, int64_t nkb, const Act& a, float*
 #ifdef __AVX512VNNI__
     if constexpr (HasBlock<Unit<T>>::value) dot_stream_block512<T, R, NT>(rows, nkb, a, out, ldo, g);
 #else
-    if constexpr (HasCols<Unit<T>>::value) {
-        if (a.q8x) return dot_stream_cols<T, R, NT>(rows, nkb, a, out, ldo, g);
-    }
     if constexpr (HasBlock<Unit<T>>::value) dot_stream_block<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
 #endif
     else dot_stream<Dot, T, R, NT>(rows, nkb, a, out, ldo, g);
@@ -851,6 +867,18 @@ template <class Dot, QType T, int RB>
 void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, int64_t nt,
              float* out, int64_t ldo, const Grids& g) {
     if (nt <= 4) {
+#ifndef __AVX512VNNI__
+        if constexpr (HasCols<Unit<T>>::value) {
+            if (a.q8x) {
+                switch (nt) {
+                    case 1: return gemm_cols<T, 1>(w, stride, nr, nkb, a, out, ldo, g);
+                    case 2: return gemm_cols<T, 2>(w, stride, nr, nkb, a, out, ldo, g);
+                    case 3: return gemm_cols<T, 3>(w, stride, nr, nkb, a, out, ldo, g);
+                    default: return gemm_cols<T, 4>(w, stride, nr, nkb, a, out, ldo, g);
+                }
+            }
+        }
+#endif
         const int64_t h = nr / 2;
         for (int64_t r = 0; r < h; ++r) {
             const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
