@@ -99,6 +99,7 @@ struct IsaKernels {
     const char* name = nullptr;
     QuantizeActFn quantize_act = nullptr;  // null: the ISA reads float activations only
     InterleaveActFn interleave_act = nullptr;  // null: the ISA reads no Act::q8x
+    int64_t q8x_min_tokens = 5;                // prepare_act fills q8x from this many tokens on
     TypeKernels types[kMaxTypeId];
 };
 

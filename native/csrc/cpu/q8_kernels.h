@@ -338,6 +338,99 @@ void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, flo
         for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
 }
 
+#ifndef __AVX512VNNI__
+// The block form on AVX2 for Units with a column form (Unit::begin_cols: IQ3_S), over Act::q8x:
+// column j of a block (dword j of every group, lane g = group g) against the activations' T_j
+// puts each group's products in its own lane, so no horizontal sums: maddubs per column, the 8
+// columns added in int16 (each lane: 16 products, |sum| <= 16 * kGridMax * 127 < 2^15), one madd
+// per block. Same group sums, same block_fma: the bits of dot_stream_block.
+template <class U, class = void> struct HasCols : std::false_type {};
+template <class U> struct HasCols<U, std::void_t<decltype((void)&U::begin_cols)>> : std::true_type {};
+
+template <QType T, int R, int NT>
+void dot_stream_cols(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
+                     const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    static_assert(16 * U::kGridMax * 127 < 32768);
+    __m256 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    const int64_t nd = a.n / 32;
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::Cols st[R];
+        for (int r = 0; r < R; ++r) U::begin_cols(rows[r] + b * Tr::kb_bytes, st[r]);
+        __m256i p[R][NT];
+        static_for<8>([&](auto J) {
+            constexpr int j = J;
+            __m256i w[R], sg[R];
+            for (int r = 0; r < R; ++r) w[r] = U::grid_col(st[r], j, g), sg[r] = U::sign_col(st[r], j);
+            for (int t = 0; t < NT; ++t) {
+                const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8x + t * a.n + 256 * b + 32 * j));
+                const __m256i x = _mm256_xor_si256(xb, _mm256_set1_epi8(char(0x80)));  // q8x is q8 + 128
+                for (int r = 0; r < R; ++r) {
+                    const __m256i d = _mm256_maddubs_epi16(w[r], _mm256_sign_epi8(x, sg[r]));
+                    p[r][t] = j ? _mm256_add_epi16(p[r][t], d) : d;
+                }
+            }
+        });
+        for (int r = 0; r < R; ++r) {
+            const __m256 sc = _mm256_load_ps(st[r].s);
+            for (int t = 0; t < NT; ++t)
+                acc[r][t] = block_fma<false>(acc[r][t], _mm256_madd_epi16(p[r][t], _mm256_set1_epi16(1)), sc,
+                                             a.d8 + t * nd + 8 * b, nullptr, nullptr);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
+}
+
+// gemm_q8's decode shape (rows r and r + nr/2 in pairs, then an odd last row) with the token
+// count dispatched once per call, not per row pair as dot_stream_any does (a 512-wide row is
+// only two blocks, so per-pair overhead shows)
+template <QType T, int NT>
+void gemm_cols(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, float* out, int64_t ldo,
+               const Grids& g) {
+    const int64_t h = nr / 2;
+    for (int64_t r = 0; r < h; ++r) {
+        const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
+        float* o[2] = {out + r, out + r + h};
+        dot_stream_cols<T, 2, NT>(rows, nkb, a, o, ldo, g);
+    }
+    if (nr % 2) {
+        const uint8_t* rows[1] = {w + (nr - 1) * stride};
+        float* o[1] = {out + nr - 1};
+        dot_stream_cols<T, 1, NT>(rows, nkb, a, o, ldo, g);
+    }
+}
+
+// Act::q8x on AVX2 (the decode path of dot_stream_cols): as interleave_q8 below, per block T_j =
+// dword j of each group (an 8 x 8 dword transpose), plus 128
+inline void interleave_q8_avx2(const int8_t* q8, int64_t t0, int64_t t1, int64_t n, uint8_t* q8x) {
+    const __m256i bias = _mm256_set1_epi8(char(0x80));
+    for (int64_t i = t0 * n; i < t1 * n; i += 256) {
+        __m256i v[8], u[8];
+        for (int k = 0; k < 8; ++k) v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + i + 32 * k));
+        for (int k = 0; k < 8; k += 2) {  // u[k] / u[k+1]: dwords 0,1 / 2,3 (lane 1: 4,5 / 6,7) of v[k], v[k+1]
+            u[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);
+            u[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);
+        }
+        for (int k = 0; k < 8; k += 4) {  // v[k + d]: dword d (lane 1: d + 4) of groups k..k+3
+            v[k] = _mm256_unpacklo_epi64(u[k], u[k + 2]);
+            v[k + 1] = _mm256_unpackhi_epi64(u[k], u[k + 2]);
+            v[k + 2] = _mm256_unpacklo_epi64(u[k + 1], u[k + 3]);
+            v[k + 3] = _mm256_unpackhi_epi64(u[k + 1], u[k + 3]);
+        }
+        for (int d = 0; d < 4; ++d) {
+            const __m256i lo = _mm256_permute2x128_si256(v[d], v[4 + d], 0x20);  // T_d
+            const __m256i hi = _mm256_permute2x128_si256(v[d], v[4 + d], 0x31);  // T_(d+4)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8x + i + 32 * d), _mm256_xor_si256(lo, bias));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8x + i + 32 * (d + 4)), _mm256_xor_si256(hi, bias));
+        }
+    }
+}
+#endif
+
 // ---- few tokens: stream R rows through the decoder ------------------------------------------------------
 template <class Dot, QType T, int R, int NT>
 void dot_stream(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
@@ -774,6 +867,18 @@ template <class Dot, QType T, int RB>
 void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, int64_t nt,
              float* out, int64_t ldo, const Grids& g) {
     if (nt <= 4) {
+#ifndef __AVX512VNNI__
+        if constexpr (HasCols<Unit<T>>::value) {
+            if (a.q8x) {
+                switch (nt) {
+                    case 1: return gemm_cols<T, 1>(w, stride, nr, nkb, a, out, ldo, g);
+                    case 2: return gemm_cols<T, 2>(w, stride, nr, nkb, a, out, ldo, g);
+                    case 3: return gemm_cols<T, 3>(w, stride, nr, nkb, a, out, ldo, g);
+                    default: return gemm_cols<T, 4>(w, stride, nr, nkb, a, out, ldo, g);
+                }
+            }
+        }
+#endif
         const int64_t h = nr / 2;
         for (int64_t r = 0; r < h; ++r) {
             const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
@@ -818,6 +923,10 @@ void fill_q8(IsaKernels& k) {
     k.quantize_act = quantize_q8;
 #ifdef __AVX512VNNI__
     k.interleave_act = interleave_q8;
+    k.q8x_min_tokens = 5;  // the many-token path only
+#else
+    k.interleave_act = interleave_q8_avx2;
+    k.q8x_min_tokens = 1;  // the decode path (a MoE call's slots reach it one expert at a time)
 #endif
 #define FT_X(NAME, BE, BB)                                                          \
     if constexpr (HasUnit<QType::NAME>::value) {                                    \

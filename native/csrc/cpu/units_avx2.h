@@ -476,6 +476,78 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
         return ld_u32(reinterpret_cast<const BlockIQ3_S*>(blk)->signs + 4 * s);
     }
     static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+
+    // Column form (q8_kernels.h's dot_stream_cols): column j of a block = dword j (weights
+    // 4j..4j+3) of each of its 8 groups, lane g = group g, as Act::q8x holds the activations.
+    static constexpr int kGridMax = 15;  // the largest grid byte (dot_stream_cols' int16 bound)
+    struct Cols {
+        alignas(32) uint16_t idx[64];  // column j's 8 grid indices at idx + col_at(j)
+        alignas(32) float s[8];
+        __m256i sg;  // dword g = the sign bits of group g
+    };
+    static constexpr int col_at(int j) { return 32 * (j / 4) + 16 * (j % 2) + 8 * (j / 2 % 2); }
+    static void begin_cols(const uint8_t* blk, Cols& st) {
+        const BlockIQ3_S& b = *reinterpret_cast<const BlockIQ3_S*>(blk);
+        // qs as 8 rows (groups) of 8 bytes (columns), transposed: rows 0,1 | 4,5 and 2,3 | 6,7
+        // (inserts from memory: no shuffle), each lane's row pair interleaved per column, then
+        // words of the two merged (dword c of lane L = rows 4L..4L+3 of column c) and the lanes
+        // paired (qword c = column c)
+        auto ld = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+        const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(b.qs)), ld(b.qs + 32), 1);
+        const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(b.qs + 16)), ld(b.qs + 48), 1);
+        const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                              0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+        const __m256i pa = _mm256_shuffle_epi8(a, pair), pc = _mm256_shuffle_epi8(c, pair);
+        const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(pa, pc), lanes);  // columns 0-3
+        const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(pa, pc), lanes);  // 4-7
+        // the high index bits: byte g of column c = bit c of qh[g] = bit 8g + c of qh as one word
+        uint64_t qh;
+        std::memcpy(&qh, b.qh, 8);
+        const __m256i q = _mm256_set1_epi64x(int64_t(qh)), one = _mm256_set1_epi8(1);
+        const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 1, 2, 3)), one);
+        const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(4, 5, 6, 7)), one);
+        auto st16 = [&](int at, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + at), v); };
+        st16(0, _mm256_unpacklo_epi8(lo, h0));   // columns 0 | 2
+        st16(16, _mm256_unpackhi_epi8(lo, h0));  // 1 | 3
+        st16(32, _mm256_unpacklo_epi8(hi, h1));  // 4 | 6
+        st16(48, _mm256_unpackhi_epi8(hi, h1));  // 5 | 7
+        const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(b.scales)));
+        const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
+        const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
+            _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
+        _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));     // d * (1 + 2*sc)
+        st.sg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.signs));
+    }
+    // the unsigned grid bytes of column j
+    static __m256i grid_col(const Cols& st, int j, const Grids& g) {
+        const uint16_t* i = st.idx + col_at(j);
+#ifdef FT_IQ3S_GATHER
+        const __m256i idx = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(i)));
+        return _mm256_i32gather_epi32(reinterpret_cast<const int*>(g.iq3s), idx, 4);
+#endif
+        // broadcasts from memory (load ports only) merged by blends (any vector ALU port), not
+        // inserts (a shuffle each)
+        uint64_t w[2];  // the 8 indices in two loads, not eight
+        std::memcpy(w, i, 16);
+        auto e = [&](int k) {
+            const uint32_t ix = uint32_t(w[k / 4] >> (16 * (k % 4))) & 0xFFFF;
+            return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(g.iq3s + ix)));
+        };
+        const __m256i a = _mm256_blend_epi32(_mm256_blend_epi32(e(0), e(1), 0x02), _mm256_blend_epi32(e(2), e(3), 0x08), 0x0C);
+        const __m256i c = _mm256_blend_epi32(_mm256_blend_epi32(e(4), e(5), 0x20), _mm256_blend_epi32(e(6), e(7), 0x80), 0xC0);
+        return _mm256_blend_epi32(a, c, 0xF0);
+    }
+    // column j's signs for _mm256_sign_epi8: byte < 0 where the weight is negative, else > 0
+    // (the sign bit isolated, plus 0x7F: 0 -> 0x7F, any set bit -> 0x80..0xFF)
+    static __m256i sign_col(const Cols& st, int j) {
+        const char p = char(j / 2), q = char(4 + j / 2), r = char(8 + j / 2), t = char(12 + j / 2);
+        const __m256i rep = _mm256_setr_epi8(p, p, p, p, q, q, q, q, r, r, r, r, t, t, t, t,
+                                             p, p, p, p, q, q, q, q, r, r, r, r, t, t, t, t);
+        const __m256i bit = j % 2 ? _mm256_set1_epi32(int(0x80402010u)) : _mm256_set1_epi32(0x08040201);
+        const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(st.sg, rep), bit);
+        return _mm256_add_epi8(v, _mm256_set1_epi8(0x7F));
+    }
 #ifdef __AVX512F__
     // magnitudes of subs 2k and 2k+1 (one 16-index gather) and their 64 sign bits
     static __m512i magnitude2(const uint8_t*, int k, const Grids& g, const State& st) {
