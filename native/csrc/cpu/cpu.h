@@ -85,6 +85,7 @@ struct TypeKernels {
     const char* accumulation = "f32";
     DotRow2Fn dot_row2 = nullptr;  // null: no gain over two dot_row calls (callers use dot_pair)
     GemmFn gemm = nullptr;         // null: callers loop over dot_row / dot_pair
+    bool reads_q8x = false;        // gemm reads Act::q8x (from isa.q8x_min_tokens tokens on)
 };
 
 // Two rows of type k against the same activations: dot_row2 where the type has one.
@@ -122,9 +123,10 @@ extern "C" void ft_cpu_fill_avx512(void* isa_kernels);
 extern "C" void ft_cpu_fill_avx2_iq3s_gather(void* type_kernels);
 namespace ft::cpu {
 
-// Activations for `isa` (multithreaded for many tokens); buf owns the int16 form.
+// Activations for `isa` (multithreaded for many tokens); buf owns the int16 form. q8x: whether a
+// weight of the call reads Act::q8x (TypeKernels::reads_q8x); only then is it built.
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
-                ActBuf& buf);
+                ActBuf& buf, bool q8x);
 
 // ---- dispatch and tables (dispatch.cpp) -----------------------------------------------------------
 const IsaKernels& kernels();                // the active ISA's table (ops read it once per call)

@@ -169,7 +169,7 @@ void set_table(const std::string& name, const void* data, size_t nbytes) {
 }
 
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
-                ActBuf& buf) {
+                ActBuf& buf, bool want_q8x) {
     Act a;
     a.x = x;
     a.ldx = ldx;
@@ -182,9 +182,9 @@ Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, 
     a.d8 = buf.d8.get();
     a.m16 = buf.m16.get();
     // q8x serves the many-token path (nt > 4) of the 256-weight block types on AVX-512, and
-    // IQ3_S's decode path on AVX2 (isa.q8x_min_tokens)
+    // IQ3_S's decode path on AVX2 (isa.q8x_min_tokens): only for calls whose weights read it
     uint8_t* q8x = nullptr;
-    if (isa.interleave_act && nt >= isa.q8x_min_tokens && n % 256 == 0) {
+    if (want_q8x && isa.interleave_act && nt >= isa.q8x_min_tokens && n % 256 == 0) {
         buf.q8x.reset(new uint8_t[nt * n + 63]);
         q8x = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.q8x.get()) + 63) & ~uintptr_t(63));
         a.q8x = q8x;

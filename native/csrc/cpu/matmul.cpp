@@ -3,6 +3,8 @@
 // and the shared expert's gate and up) in one call: x is rounded to int8 once, and one
 // parallel_for splits the rows of all of them, so small weights (32-row gates) cost no hand-off
 // of their own and every thread has work even when each weight alone is too small to split.
+#include <algorithm>
+
 #include "cpu.h"
 
 namespace ft::cpu {
@@ -31,7 +33,8 @@ void matmul_multi(const MatW* ws, int n_w, int64_t n_in, const float* x, int64_t
     if (n_tok <= 0 || total_rows == 0) return;
     const Grids& g = grids();
     ActBuf buf;
-    const Act a = prepare_act(isa, x, n_in, n_tok, n_in, buf);
+    const Act a = prepare_act(isa, x, n_in, n_tok, n_in, buf,
+                              std::any_of(v.begin(), v.end(), [](const W& m) { return m.k->reads_q8x; }));
     // Enough rows per chunk to amortize the pool's hand-off, few enough that every core gets
     // several chunks (balance) even for one 512-row expert matrix.
     const int nth = num_threads();

@@ -385,23 +385,34 @@ void dot_stream_cols(const uint8_t* const* rows, int64_t nkb, const Act& a, floa
         for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
 }
 
-// gemm_q8's decode shape (rows r and r + nr/2 in pairs, then an odd last row) with the token
-// count dispatched once per call, not per row pair as dot_stream_any does (a 512-wide row is
-// only two blocks, so per-pair overhead shows)
-template <QType T, int NT>
-void gemm_cols(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, float* out, int64_t ldo,
-               const Grids& g) {
+#endif
+
+// gemm_q8's decode shape: rows r and r + nr/2 as two sequential streams, then an odd last row
+// alone; f(rows, outs, R) with R = std::integral_constant<int, 2 or 1>
+template <class F>
+void for_row_pairs(const uint8_t* w, int64_t stride, int64_t nr, float* out, F&& f) {
     const int64_t h = nr / 2;
     for (int64_t r = 0; r < h; ++r) {
         const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
         float* o[2] = {out + r, out + r + h};
-        dot_stream_cols<T, 2, NT>(rows, nkb, a, o, ldo, g);
+        f(rows, o, std::integral_constant<int, 2>{});
     }
     if (nr % 2) {
         const uint8_t* rows[1] = {w + (nr - 1) * stride};
         float* o[1] = {out + nr - 1};
-        dot_stream_cols<T, 1, NT>(rows, nkb, a, o, ldo, g);
+        f(rows, o, std::integral_constant<int, 1>{});
     }
+}
+
+#ifndef __AVX512VNNI__
+// The decode shape of the column form with the token count dispatched once per call, not per row
+// pair as dot_stream_any does (a 512-wide row is only two blocks, so per-pair overhead shows)
+template <QType T, int NT>
+void gemm_cols(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, float* out, int64_t ldo,
+               const Grids& g) {
+    for_row_pairs(w, stride, nr, out, [&](const uint8_t* const* rows, float* const* o, auto R) {
+        dot_stream_cols<T, decltype(R)::value, NT>(rows, nkb, a, o, ldo, g);
+    });
 }
 
 // Act::q8x on AVX2 (the decode path of dot_stream_cols): as interleave_q8 below, per block T_j =
@@ -879,17 +890,9 @@ void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Ac
             }
         }
 #endif
-        const int64_t h = nr / 2;
-        for (int64_t r = 0; r < h; ++r) {
-            const uint8_t* rows[2] = {w + r * stride, w + (r + h) * stride};
-            float* o[2] = {out + r, out + r + h};
-            dot_stream_any<Dot, T, 2>(rows, nkb, a, nt, o, ldo, g);
-        }
-        if (nr % 2) {
-            const uint8_t* rows[1] = {w + (nr - 1) * stride};
-            float* o[1] = {out + nr - 1};
-            dot_stream_any<Dot, T, 1>(rows, nkb, a, nt, o, ldo, g);
-        }
+        for_row_pairs(w, stride, nr, out, [&](const uint8_t* const* rows, float* const* o, auto R) {
+            dot_stream_any<Dot, T, decltype(R)::value>(rows, nkb, a, nt, o, ldo, g);
+        });
         return;
     }
 #ifdef __AVX512VNNI__
@@ -917,6 +920,15 @@ void dot_row_q8(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* ou
     gemm_q8<Dot, T, RB>(row, 0, 1, nkb, a, nt, out, ldo, g);
 }
 
+// Whether gemm_q8 of a Unit reads Act::q8x: the AVX-512 many-token path of the block types,
+// the AVX2 decode path of the column-form Units (prepare_act builds q8x only for those)
+template <class U> constexpr bool kReadsQ8x =
+#ifdef __AVX512VNNI__
+    HasBlock<U>::value;
+#else
+    HasCols<U>::value;
+#endif
+
 // The q8 kernels of every type with a Unit; the rest keep what `k` holds.
 template <class Dot, int RB>
 void fill_q8(IsaKernels& k) {
@@ -934,6 +946,7 @@ void fill_q8(IsaKernels& k) {
         t.dot_row = dot_row_q8<Dot, QType::NAME, RB>;                               \
         t.dot_row2 = nullptr;                                                       \
         t.gemm = gemm_q8<Dot, QType::NAME, RB>;                                     \
+        t.reads_q8x = kReadsQ8x<Unit<QType::NAME>>;                                 \
         t.accumulation = "q8";                                                      \
     }
     FT_QUANT_TYPES(FT_X)
