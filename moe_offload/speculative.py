@@ -205,6 +205,13 @@ class DraftPolicy:
             self.a += self.ema * ((1.0 if i < accepted else 0.0) - self.a)
 
 
+def _owe(state: State, hidden: torch.Tensor) -> None:
+    """The trunk's final hidden states of positions now in the cache [n, H]: owed to the MTP head
+    (written by its next call) after those already owed."""
+    owed = state.mtp_hidden
+    state.mtp_hidden = hidden if owed is None else torch.cat((owed, hidden))
+
+
 class SpeculativeDecoder:
     """Drafts with an MTP head and verifies with the trunk (module docstring). One sequence.
 
@@ -334,9 +341,7 @@ class SpeculativeDecoder:
             new, accepted = self._accept(logits[0], drafts, q, sampler, recent, greedy)
         self._lap("accept")
         state.rewind(k - accepted)
-        owed = state.mtp_hidden
-        state.mtp_hidden = hidden[0, :accepted + 1] if owed is None else \
-            torch.cat((owed, hidden[0, :accepted + 1]))
+        _owe(state, hidden[0, :accepted + 1])
         self.ids[n + 1:] = new
         if state.mtp_hidden.shape[0] > MTP_BACKLOG:   # plain steps: keep the MTP head in step
             self._catch_up(state)
@@ -370,8 +375,7 @@ class SpeculativeDecoder:
             return
         hidden = self._ahead[1]
         self._ahead = None
-        owed = state.mtp_hidden
-        state.mtp_hidden = hidden[0, :1] if owed is None else torch.cat((owed, hidden[0, :1]))
+        _owe(state, hidden[0, :1])
 
     def truncate(self, state: State, used: int) -> None:
         """Only the first `used` tokens of the last step's return were taken (a stop condition,

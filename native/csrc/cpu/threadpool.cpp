@@ -56,10 +56,8 @@ std::vector<int> allowed_cpus() {
 }
 
 // Worker i (1..n-1) on CPU cpus[i]: the caller keeps cpus[0] most of the time (the workers spin
-// on the others). Not when the pool has more threads than CPUs: two pinned spinners on one core
-// would take turns.
+// on the others).
 void pin_worker(std::thread& t, int i, const std::vector<int>& cpus) {
-    if (i >= int(cpus.size())) return;
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(cpus[i], &one);
@@ -77,6 +75,7 @@ class Pool {
   public:
     explicit Pool(int n_threads) {
         const std::vector<int> cpus = allowed_cpus();
+        // not with more threads than CPUs: two pinned spinners on one core would take turns
         pinned_ = g_pin.load() && n_threads > 1 && n_threads <= int(cpus.size());
         for (int i = 1; i < n_threads; ++i) {
             workers_.emplace_back([this] { loop(); });
@@ -159,11 +158,15 @@ Pool* g_pool = nullptr;  // never destroyed at exit: joining threads during inte
 
 std::atomic<int> g_size{0};  // pool size, readable without waiting for a running job
 
+// A new pool of n threads in place of the current one (under g_run_mu)
+void rebuild(int n) {
+    delete g_pool;
+    g_pool = new Pool(n);
+    g_size = g_pool->size();
+}
+
 Pool& pool() {
-    if (!g_pool) {
-        g_pool = new Pool(cores_available());
-        g_size = g_pool->size();
-    }
+    if (!g_pool) rebuild(cores_available());
     return *g_pool;
 }
 
@@ -177,9 +180,7 @@ int num_threads() {
 
 void set_num_threads(int n) {
     std::lock_guard<std::mutex> lock(g_run_mu);
-    delete g_pool;
-    g_pool = new Pool(n > 0 ? n : cores_available());
-    g_size = g_pool->size();
+    rebuild(n > 0 ? n : cores_available());
 }
 
 void hold_threads(bool on) { g_hold.fetch_add(on ? 1 : -1); }
@@ -187,9 +188,7 @@ void hold_threads(bool on) { g_hold.fetch_add(on ? 1 : -1); }
 void set_pin_threads(bool on) {
     std::lock_guard<std::mutex> lock(g_run_mu);
     if (g_pin.exchange(on) == on || !g_pool) return;
-    const int n = g_pool->size();  // rebuild the pool so its workers take the new placement
-    delete g_pool;
-    g_pool = new Pool(n);
+    rebuild(g_pool->size());  // so that its workers take the new placement
 }
 
 bool threads_pinned() {
