@@ -3,6 +3,7 @@ accounting per purpose (`VramLedger`), the CUDA allocator capped to match, and t
 two ways (the allocator's own high-water mark, and nvidia-smi's view of the whole process)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import threading
@@ -93,11 +94,73 @@ def cap_allocator(cap: int, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
 
 
-class SmiPeak:
-    """Polls nvidia-smi for this process's GPU memory (context + allocator + everything)."""
+class _NvmlProcessInfo(ctypes.Structure):
+    # nvmlProcessInfo_v2_t, what nvmlDeviceGetComputeRunningProcesses_v3 fills
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
 
-    def __init__(self, interval: float = 0.1):
+
+class Nvml:
+    """This process's GPU memory as nvidia-smi reports it, read from NVML (the library nvidia-smi
+    itself calls) in-process: a few microseconds, where starting nvidia-smi costs tens of
+    milliseconds of a core -- time the CPU worker's threads need while a step runs."""
+    NOT_AVAILABLE = (1 << 64) - 1
+
+    def __init__(self):
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit failed")
+        count = ctypes.c_uint(0)
+        if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            raise OSError("nvmlDeviceGetCount failed")
+        self.handles = []
+        for i in range(count.value):
+            h = ctypes.c_void_p()
+            if lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) == 0:
+                self.handles.append(h)
+        self.lib, self.pid = lib, os.getpid()
+        self._rows = (_NvmlProcessInfo * 64)()
+
+    def used(self) -> int | None:
+        """Bytes this process holds on the GPUs, or None if NVML does not list it."""
+        total, seen = 0, False
+        for h in self.handles:
+            n = ctypes.c_uint(len(self._rows))
+            if self.lib.nvmlDeviceGetComputeRunningProcesses_v3(h, ctypes.byref(n), self._rows) != 0:
+                return None
+            for row in self._rows[:n.value]:
+                if row.pid == self.pid and row.usedGpuMemory != self.NOT_AVAILABLE:
+                    total, seen = total + row.usedGpuMemory, True
+        return total if seen else None
+
+
+def _smi_used() -> int | None:
+    """The same figure from the nvidia-smi program (where NVML cannot be loaded)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    pid = os.getpid()
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) == pid:
+            return int(float(parts[1])) << 20
+    return None
+
+
+class SmiPeak:
+    """Polls this process's GPU memory (context + allocator + everything) as nvidia-smi reports
+    it: through NVML every `interval` seconds, or by starting nvidia-smi every `slow_interval`
+    where NVML is missing (each start costs a core tens of milliseconds)."""
+
+    def __init__(self, interval: float = 0.1, slow_interval: float = 1.0):
         self.peak_bytes: int | None = None
+        try:
+            self._read, self.source = Nvml().used, "nvml"
+        except (OSError, AttributeError):
+            self._read, self.source, interval = _smi_used, "nvidia-smi", slow_interval
         self._stop = threading.Event()
         self._interval = interval
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -105,20 +168,10 @@ class SmiPeak:
             self._thread.start()
 
     def sample(self) -> int | None:
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=5).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        pid = os.getpid()
-        for line in out.splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) == pid:
-                val = int(float(parts[1])) << 20
-                self.peak_bytes = max(self.peak_bytes or 0, val)
-                return val
-        return None
+        val = self._read()
+        if val is not None:
+            self.peak_bytes = max(self.peak_bytes or 0, val)
+        return val
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

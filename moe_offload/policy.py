@@ -20,6 +20,9 @@ class OffloadPolicy:
     # -- where a layer's misses go (scheduler.py) ---------------------------------------------------
     fetch_fraction: float | None = None  # share of misses fetched over PCIe; None: q = p/(p+c) from rates
     cpu_rate_ema: float = 0.2            # weight of each new measurement of the CPU's expert rate
+    cpu_spare_cores: int = 2             # cores the CPU pool leaves to the thread that launches GPU
+                                         # work and to the driver: a pool on every core stalls each
+                                         # call on a preempted thread (its rate fell 3-5x)
     observe_every: int = 16              # decode steps between folds of the worker's timings
     observe_min_experts: int = 8         # CPU experts a window needs before its rate is trusted
     # -- decode: guesses and copies (offload_experts.py) -------------------------------------------
@@ -77,6 +80,10 @@ class OffloadPolicy:
         """What torch needs free to sample `rows` rows of logits at once; at least two of the
         allocator's 20 MiB segments (it serves every 1-10 MB request from one)."""
         return max(rows * vocab * self.sample_bytes_per_logit, 40 * MiB)
+
+    def cpu_threads(self, cores: int) -> int:
+        """The CPU pool's size under the offload runtime on a machine of `cores` cores."""
+        return max(1, cores - self.cpu_spare_cores)
 
     def guesses(self, top_k: int) -> int:
         """Experts guessed a token one layer ahead."""

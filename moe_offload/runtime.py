@@ -17,6 +17,7 @@ per-layer host work. The model class comes from the architecture registry (model
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,7 @@ class RuntimeOptions:
     kv_dtype: torch.dtype = torch.float16
     profile: str | None = None             # routing profile (JSON) for a warm start
     use_graphs: bool = True                # decode steps as captured CUDA graphs
-    cpu_threads: int | None = None
+    cpu_threads: int | None = None         # the CPU pool's size; None: the policy's cpu_threads
     cache_slots: int | None = None         # per layer; None: as many as the budget allows
     host_embedding: bool = True            # token embedding in pinned host RAM (a step reads 1 row)
     host_head: bool = False                # output head in pinned host RAM, read over PCIe each token
@@ -141,10 +142,9 @@ class OffloadRuntime:
         plan.reserve("CUDA context + libraries", outside,
                      "the GPU runtime alone needs this much before any weight")
         base = torch.cuda.memory_allocated(dev)
-        if opts.cpu_threads:
-            from native.ops import _cpu
-            if _cpu is not None:
-                _cpu.set_threads(opts.cpu_threads)
+        from native.ops import _cpu
+        if _cpu is not None:
+            _cpu.set_threads(opts.cpu_threads or pol.cpu_threads(len(os.sched_getaffinity(0))))
 
         # 1. dense weights, quantized, on the GPU (experts stay in the file's memory map); the
         # embedding (and on request the head) in pinned host RAM, read by the GPU over PCIe

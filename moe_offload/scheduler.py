@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from native.offload_native import MAX_SELECTIONS
@@ -82,6 +83,7 @@ def measure_rates(cache, bank, config, clock=None) -> Rates:
     layer: per-call costs included), with this model's experts; 0 / 1 where there is nothing to
     measure."""
     from native import offload_native as on
+    from native.ops import cpu_threads_held
     lay, host = bank.layouts[0], bank.banks[0]
     pool, eb = cache.pools[0], lay.expert_bytes
     link = 0.0
@@ -115,9 +117,15 @@ def measure_rates(cache, bank, config, clock=None) -> Rates:
 
         def run():
             on.host_moe_ffn(x, ids, w, banks, config.n_expert, y, ff=config.n_ff_exp)
-        run()
-        t = time.perf_counter()
-        for _ in range(5):
+        # The worker holds the pool's threads awake through a step: time the calls so too. The
+        # median call: one whose thread was preempted takes a scheduler tick, and a rate that
+        # low would keep the CPU out of every plan, so never measured again online.
+        with cpu_threads_held(torch.device("cpu")):
             run()
-        cpu = 5 * n_cpu * eb / (time.perf_counter() - t)
+            times = []
+            for _ in range(15):
+                t = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t)
+        cpu = n_cpu * eb / float(np.median(times))
     return Rates(link, cpu)

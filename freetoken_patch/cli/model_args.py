@@ -227,7 +227,8 @@ def add_placement_args(s: argparse.ArgumentParser) -> None:
                         "as long as that link would need")
     s.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads for the native kernels (the experts the CPU computes; "
-                        "default: every core)")
+                        "default: every core, or every core but two under --vram: the GPU's "
+                        "launching thread and the driver keep theirs)")
 
 
 def add_draft_arg(s: argparse.ArgumentParser, note: str = "") -> None:

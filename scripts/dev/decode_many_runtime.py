@@ -38,6 +38,24 @@ def _time_parts(rt) -> dict:
     return spent
 
 
+def _memory_poll(old, kind: str):
+    """Stop the runtime's GPU-memory poller `old`; start the one named `kind` (see --memory-polls)."""
+    import threading
+
+    from moe_offload import budget
+    old.stop()
+    new = budget.SmiPeak()
+    if kind == "runtime":
+        return new
+    new.stop()
+    if kind == "nvidia-smi":   # the program started every 100 ms, as the runtime once did
+        new._read, new.source, new._interval = budget._smi_used, "nvidia-smi", 0.1
+        new._stop = threading.Event()
+        new._thread = threading.Thread(target=new._run, daemon=True)
+        new._thread.start()
+    return new
+
+
 def main() -> None:
     from moe_offload import OffloadPolicy, open_runtime
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -47,11 +65,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses")
+    p.add_argument("--fractions", default="auto",
+                   help="comma list of shares of misses sent over PCIe to run each batch at "
+                        "(auto: the scheduler's q = p/(p+c); a number forces it)")
+    p.add_argument("--threads", default="",
+                   help="comma list of CPU pool sizes to run each batch at (default: the runtime's); "
+                        "the CPU's rate is measured again at each")
+    p.add_argument("--least", default="",
+                   help="comma list of the scheduler's min_fetch (misses of a layer sent over PCIe "
+                        "before the CPU gets any) to run each auto row at; default: its own")
+    p.add_argument("--memory-polls", default="runtime",
+                   help="comma list of what polls the process's GPU memory during the rows, each a "
+                        "pass over them: runtime (the runtime's own poller), nvidia-smi (the program "
+                        "started every 100 ms), off")
+    p.add_argument("--compositions", action="store_true",
+                   help="also time the first step of new batch compositions (a capture each)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
+    fractions = [None if f == "auto" else float(f) for f in args.fractions.split(",")]
+    leasts = [int(x) for x in args.least.split(",") if x] or [None]
+    fractions = [(f, None) for f in fractions if f is not None] + \
+        [(None, m) for f in fractions if f is None for m in leasts]
     rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=max(batches),
                       policy=OffloadPolicy(prefetch=not args.no_prefetch))
+    from moe_offload.scheduler import measure_rates
+    from native.ops import _cpu
+    threads = [int(t) for t in args.threads.split(",") if t] or [_cpu.threads()]
     dev, c = rt.device, rt.config
     rng = np.random.default_rng(0)
     states = [rt.new_state(1) for _ in range(max(batches))]
@@ -67,7 +107,23 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         return logits.argmax(-1), time.perf_counter() - t
 
-    for b in batches:
+    polls = args.memory_polls.split(",")
+    current = (None, None)
+    for poll, n_thr, b, frac in [(m, n, b, f) for m in polls for n in threads for b in batches
+                                 for f in fractions]:
+        if (poll, n_thr) != current:   # a new setting: the CPU's rate measured again under it
+            if poll != current[0]:
+                rt.smi = _memory_poll(rt.smi, poll)
+            _cpu.set_threads(n_thr)
+            rt.scheduler.rates = measure_rates(rt.cache, rt.bank, c, rt.engine.link)
+            current = (poll, n_thr)
+        frac, least = frac
+        rt.scheduler.forced = frac
+        if least is not None:    # kept through the online updates of the CPU's rate
+            rt.scheduler.min_fetch = lambda least=least: least
+        else:
+            rt.scheduler.__dict__.pop("min_fetch", None)
+        rt.scheduler.apply()
         sts = states[:b]
         toks = torch.randint(0, c.n_vocab, (b,), device=dev)
         spent.clear()
@@ -82,7 +138,12 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         dt = (time.perf_counter() - t) / args.steps
         s = rt.stats().as_dict()
-        row = {"B": b, "first_step_ms": round(first * 1e3, 1), "step_ms": round(dt * 1e3, 2),
+        row = {"poll": f"{poll} ({rt.smi.source})" if poll == "runtime" else poll, "threads": n_thr, "B": b, "fraction": "auto" if frac is None else frac,
+               "min_fetch": int(rt.scheduler.fetch_fraction[1]), "q": round(s["fetch_fraction"], 3),
+               "rates_GBps": {k: round(v, 1) for k, v in s["rates"].items()},
+               "cpu_GBps_here": round(s["cpu_experts"] * rt.bank.layouts[0].expert_bytes
+                                      / max(s["cpu_expert_s"], 1e-9) / 1e9, 1),
+               "prefetch_precision": round(s["prefetch_precision"], 3), "first_step_ms": round(first * 1e3, 1), "step_ms": round(dt * 1e3, 2),
                "tok_s": round(b / dt, 1), "hit_rate": round(s["hit_rate"], 4),
                "fetched_per_step": round(s["fetched"] / args.steps, 1),
                "cpu_experts_per_step": round(s["cpu"] / args.steps, 1),
@@ -93,7 +154,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     # new compositions: each is a new graph key
     b = max(batches)
-    if b >= 3:
+    if b >= 3 and args.compositions:
         for order in ([1, 0, 2, 3][:b], [0, 2][:b], [3, 1][: b] if b >= 4 else [2, 1]):
             sts = [states[i] for i in order]
             toks = torch.randint(0, c.n_vocab, (len(sts),), device=dev)
@@ -105,6 +166,12 @@ def main() -> None:
             spent.clear()
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
+    from moe_offload import budget
+    try:
+        nvml = budget.Nvml().used()
+    except OSError as e:
+        nvml = repr(e)
+    print(json.dumps({"process_gpu_bytes": {"nvml": nvml, "nvidia-smi": budget._smi_used()}}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
