@@ -18,6 +18,7 @@ from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
+from . import decode_loop
 from .layers import gated_attention, gated_delta_net, residual_rms_norm, route_topk, swiglu
 from .weights import Experts
 
@@ -87,6 +88,12 @@ class Qwen35Moe:
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
+        loop = decode_loop.loop_for(self, state) if T == 1 and not hidden else None
+        if loop is not None:   # the whole token in one native call, the same bits
+            logits = loop(tokens, state)
+            state.advance(1)
+            state.steps_taken = 0
+            return logits
         keep = bool(state.steps) and 1 < T <= next(iter(state.steps.values()))[0].shape[0] + 1
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)
