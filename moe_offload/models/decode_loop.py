@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import operator
 import os
-import weakref
 
 import torch
 
@@ -51,7 +50,7 @@ def loop_for(model, state) -> DecodeLoop | None:
     if not (ENABLED and layers.STEP_KERNELS and ops._cpu is not None and hasattr(ops._cpu, "DecodePlan")
             and model.device.type == "cpu" and state.batch == 1 and not state.steps):
         return None
-    loops = model.__dict__.setdefault("_decode_loops", weakref.WeakKeyDictionary())
+    loops = model._decode_loops
     key = (ops._cpu, *model.experts)   # a plan holds this extension's and these experts' pointers
     hit = loops.get(state)
     if hit is None or len(hit[0]) != len(key) or not all(map(operator.is_, hit[0], key)):

@@ -9,6 +9,7 @@ Hq/Hkv attention heads, d head dim, Hk/Hv delta-net key/value heads, dk/dv their
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -68,6 +69,7 @@ class Qwen35Moe:
                     for p in (f"blk.{i}." for i in range(c.n_layer))]
         self.device = self.out_norm.device
         self._side: torch.cuda.Stream | None = None   # for experts that ask for overlap_shared
+        self._decode_loops = weakref.WeakKeyDictionary()   # State -> its CPU decode loop (decode_loop)
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None,
                   kv_dtype: torch.dtype = torch.float32, attn_bucket: int = 1) -> State:
