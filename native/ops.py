@@ -634,6 +634,15 @@ def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Ten
 _INV_FREQ: dict[tuple[int, float], torch.Tensor] = {}
 
 
+def rope_inv_freq(n_rot: int, base: float) -> torch.Tensor:
+    """RoPE's n_rot/2 frequencies on the host as layers.rope_neox computes them (the same float32
+    arithmetic), kept per (n_rot, base): what the CPU attention kernels are handed."""
+    key = (n_rot, float(base))
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot)
+    return _INV_FREQ[key]
+
+
 def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                         k_norm: torch.Tensor, eps: float, pos0: int, n_rot: int, base: float,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int,
@@ -651,14 +660,11 @@ def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     ld_kv = _ld(k, "gated_attention k")
     if _ld(v, "gated_attention v") != ld_kv:
         raise NativeError("gated_attention: k and v need the same row stride")
-    key = (n_rot, float(base))
-    if key not in _INV_FREQ:   # layers.rope_neox's frequencies, the same float32 arithmetic
-        _INV_FREQ[key] = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot)
     work = torch.empty(t, n_head * d, dtype=torch.float32)
     out = torch.empty(t, n_head * d, dtype=torch.float32)
     _cpu.gated_attention(qg.data_ptr(), _ld(qg, "gated_attention qg"), k.data_ptr(), v.data_ptr(), ld_kv,
                          q_norm.data_ptr(), k_norm.data_ptr(), eps, pos0, t, n_head, hkv, d, n_rot,
-                         _INV_FREQ[key].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_attn,
+                         rope_inv_freq(n_rot, base).data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_attn,
                          work.data_ptr(), out.data_ptr(), 0)
     return out
 

@@ -9,6 +9,7 @@ Hq/Hkv attention heads, d head dim, Hk/Hv delta-net key/value heads, dk/dv their
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -18,6 +19,7 @@ from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
+from . import decode_loop
 from .layers import gated_attention, gated_delta_net, residual_rms_norm, route_topk, swiglu
 from .weights import Experts
 
@@ -67,6 +69,7 @@ class Qwen35Moe:
                     for p in (f"blk.{i}." for i in range(c.n_layer))]
         self.device = self.out_norm.device
         self._side: torch.cuda.Stream | None = None   # for experts that ask for overlap_shared
+        self._decode_loops = weakref.WeakKeyDictionary()   # State -> its CPU decode loop (decode_loop)
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None,
                   kv_dtype: torch.dtype = torch.float32, attn_bucket: int = 1) -> State:
@@ -87,6 +90,12 @@ class Qwen35Moe:
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
+        loop = decode_loop.loop_for(self, state) if T == 1 and not hidden else None
+        if loop is not None:   # the whole token in one native call, the same bits
+            logits = loop(tokens, state)
+            state.advance(1)
+            state.steps_taken = 0
+            return logits
         keep = bool(state.steps) and 1 < T <= next(iter(state.steps.values()))[0].shape[0] + 1
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)

@@ -87,6 +87,7 @@
 #include <pybind11/stl.h>
 
 #include "cpu/cpu.h"
+#include "cpu/decode_loop.h"
 #include "cpu/offload_worker.h"
 #include "offload_bindings.h"
 #include "py_errors.h"
@@ -322,6 +323,73 @@ PYBIND11_MODULE(_cpu, m) {
     //                              the first worker error since the last wait
     //   .in_flight()               steps armed and not yet done
     //   .busy_ns(), .experts()     per-layer cumulative compute time and experts computed
+    // ---- a whole CPU decode token in one call (csrc/cpu/decode_loop.h) ------------------------
+    //   DecodePlan(model: dict, layers: [dict])   pointers as ints; projections as
+    //       (type_id, w, n_out, row_stride), expert banks as (type_id, base, expert_stride); the
+    //       caller keeps every buffer alive while the plan lives (moe_offload/models/decode_loop.py)
+    //   .run(token, pos, n_attn, logits)   one token (GIL released): logits f32 [n_vocab]
+    py::class_<cpu::DecodePlan>(m, "DecodePlan")
+        .def(py::init([](const py::dict& model, const py::list& layers) {
+                 auto mat = [](const py::handle& h) {
+                     auto t = h.cast<std::tuple<int, uintptr_t, int64_t, int64_t>>();
+                     return cpu::MatW{std::get<0>(t), ptr<const uint8_t>(std::get<1>(t)), std::get<2>(t),
+                                      std::get<3>(t)};
+                 };
+                 auto mats = [&](const py::handle& h) {
+                     std::vector<cpu::MatW> out;
+                     for (auto w : h) out.push_back(mat(w));
+                     return out;
+                 };
+                 auto f32 = [](const py::dict& d, const char* k) {
+                     return d.contains(k) ? ptr<float>(d[k].cast<uintptr_t>()) : nullptr;
+                 };
+                 auto i64 = [](const py::dict& d, const char* k) { return d[k].cast<int64_t>(); };
+                 cpu::DecodeModel md;
+                 md.n_embd = i64(model, "n_embd"), md.n_vocab = i64(model, "n_vocab");
+                 md.eps = model["eps"].cast<float>(), md.expert_floor = model["expert_floor"].cast<float>();
+                 md.n_expert = i64(model, "n_expert"), md.top_k = i64(model, "top_k");
+                 md.ssm_hk = i64(model, "ssm_hk"), md.ssm_hv = i64(model, "ssm_hv");
+                 md.ssm_dk = i64(model, "ssm_dk"), md.ssm_dv = i64(model, "ssm_dv");
+                 md.n_head = i64(model, "n_head"), md.n_head_kv = i64(model, "n_head_kv");
+                 md.head_dim = i64(model, "head_dim"), md.n_rot = i64(model, "n_rot"), md.n_ctx = i64(model, "n_ctx");
+                 md.inv_freq = f32(model, "inv_freq");
+                 auto embd = model["embd"].cast<std::tuple<int, uintptr_t, int64_t>>();
+                 md.embd_type = std::get<0>(embd), md.embd = ptr<const uint8_t>(std::get<1>(embd));
+                 md.embd_row_bytes = std::get<2>(embd);
+                 md.out_norm = f32(model, "out_norm");
+                 md.head = mat(model["head"]);
+                 std::vector<cpu::DecodeLayer> ls;
+                 for (auto item : layers) {
+                     const py::dict d = py::reinterpret_borrow<py::dict>(item);
+                     cpu::DecodeLayer L;
+                     L.recurrent = d["recurrent"].cast<bool>();
+                     L.attn_norm = f32(d, "attn_norm"), L.post_norm = f32(d, "post_norm");
+                     L.mixer_in = mats(d["mixer_in"]), L.mixer_out = mat(d["mixer_out"]);
+                     L.conv_state = f32(d, "conv_state"), L.conv_w = f32(d, "conv_w");
+                     L.conv_kc = d.contains("conv_kc") ? i64(d, "conv_kc") : 0;
+                     L.ssm_state = f32(d, "ssm_state"), L.ssm_a = f32(d, "ssm_a");
+                     L.dt_bias = f32(d, "dt_bias"), L.ssm_norm = f32(d, "ssm_norm");
+                     L.q_norm = f32(d, "q_norm"), L.k_norm = f32(d, "k_norm");
+                     L.k_cache = f32(d, "k_cache"), L.v_cache = f32(d, "v_cache");
+                     L.ffn_in = mats(d["ffn_in"]);
+                     if (d.contains("shared_down")) L.shared_down = mat(d["shared_down"]);
+                     auto bank = [&](const char* k) {
+                         auto t = d[k].cast<std::tuple<int, uintptr_t, int64_t>>();
+                         return cpu::Bank{std::get<0>(t), ptr<const uint8_t>(std::get<1>(t)), std::get<2>(t)};
+                     };
+                     L.gate = bank("gate"), L.up = bank("up"), L.down = bank("down");
+                     L.n_ff = i64(d, "n_ff"), L.n_bank_experts = i64(d, "n_bank_experts");
+                     ls.push_back(std::move(L));
+                 }
+                 return std::make_unique<cpu::DecodePlan>(md, std::move(ls));
+             }),
+             py::arg("model"), py::arg("layers"))
+        .def("run",
+             [](cpu::DecodePlan& p, int64_t token, int64_t pos, int64_t n_attn, uintptr_t logits) {
+                 p.run(token, pos, n_attn, ptr<float>(logits));
+             },
+             py::arg("token"), py::arg("pos"), py::arg("n_attn"), py::arg("logits"), release);
+
     py::class_<cpu::OffloadWorker>(m, "OffloadWorker")
         .def(py::init([](const py::dict& exchange, const py::list& layers, int64_t timeout_ms) {
                  std::vector<cpu::WorkerLayer> ls;

@@ -1,0 +1,131 @@
+"""A CPU decode token in one native call (native/csrc/cpu/decode_loop.cpp).
+
+Qwen35Moe.forward on the CPU makes about ten kernel calls a layer from Python, with tensors
+allocated between them. For one token of one sequence (B = 1, T = 1) `native._cpu.DecodePlan`
+runs the whole token -- every layer, the final norm and the head -- in one call with the GIL
+released, calling the same kernels in the same order with the same arguments, so its logits are
+the per-op path's bits. A plan is built once per (model, State) from the raw pointers of the
+weights and of the State's conv/ssm/KV tensors, and kept while the State lives.
+
+`loop_for` returns None wherever the per-op path must run: another device, a batch, kept
+delta-net steps (speculative decoding), step kernels off (`layers.STEP_KERNELS`), native kernels
+off, experts other than the plain host-resident `ResidentExperts`, a weight or state the CPU
+kernels do not take as they stand (then the per-op path would not call them either).
+`ENABLED = False` (env FTPATCH_DECODE_LOOP=0) forces the per-op path: tests and A/B timings.
+"""
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+
+from native import ops
+from native.ops import QTensor
+
+from . import layers
+from .weights import ResidentExperts
+
+ENABLED = os.environ.get("FTPATCH_DECODE_LOOP", "1") != "0"
+
+
+class _PerOp(Exception):
+    """Something the plan does not mirror: the per-op path runs."""
+
+
+class DecodeLoop:
+    """One (model, State)'s native plan; call it with tokens [1, 1] -> logits [1, 1, V]."""
+
+    def __init__(self, plan, keep: list, n_vocab: int):
+        self.plan, self._keep, self.n_vocab = plan, keep, n_vocab   # _keep: what plan points to
+
+    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
+        logits = torch.empty(1, 1, self.n_vocab, dtype=torch.float32)
+        self.plan.run(int(tokens), state.n_past, state.attn_len(1), logits.data_ptr())
+        return logits
+
+
+def loop_for(model, state) -> DecodeLoop | None:
+    """The decode loop of (model, state), built on first use; None: use the per-op path."""
+    if not (ENABLED and layers.STEP_KERNELS and ops._cpu is not None and hasattr(ops._cpu, "DecodePlan")
+            and model.device.type == "cpu" and state.batch == 1 and not state.steps):
+        return None
+    loops = model._decode_loops
+    key = (ops._cpu, *model.experts)   # a plan holds this extension's and these experts' pointers
+    hit = loops.get(state)
+    if hit is None or len(hit[0]) != len(key) or not all(map(operator.is_, hit[0], key)):
+        try:
+            loop = _build(model, state)
+        except (_PerOp, KeyError):   # KeyError: a tensor the per-op path would miss as well
+            loop = None
+        hit = loops[state] = (key, loop)
+    return hit[1]
+
+
+def _build(model, state) -> DecodeLoop:
+    from .qwen35moe import ATTN_IN, ROUTER, SHEXP_IN, SSM_IN
+    c, keep = model.config, []
+    H, d = c.n_embd, c.head_dim
+
+    def mat(w, n_in: int) -> tuple:   # what ops.matmul / matmul_many pass for w, or _PerOp
+        arg = ops._cpu_weight(w) if isinstance(w, QTensor) else None
+        if arg is None or arg[4] != n_in:
+            raise _PerOp
+        keep.append(w)
+        return arg[:4]
+
+    def f32(t: torch.Tensor, numel: int | None = None) -> int:   # a host float32 buffer's address
+        if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+                and t.is_contiguous() and (numel is None or t.numel() == numel)):
+            raise _PerOp
+        keep.append(t)
+        return t.data_ptr()
+
+    if any("+" in k for L in model.blk for k in L):   # fused projections (a GPU upload)
+        raise _PerOp
+    layer_args = []
+    for i, L in enumerate(model.blk):
+        a = dict(recurrent=bool(c.recurrent[i]), attn_norm=f32(L["attn_norm.weight"], H),
+                 post_norm=f32(L["post_attention_norm.weight"], H))
+        if c.recurrent[i]:
+            hv_dv = c.ssm_n_v_heads * c.ssm_head_v_dim
+            conv_w = L["ssm_conv1d.weight"]
+            a.update(mixer_in=[mat(L[n], H) for n in SSM_IN], mixer_out=mat(L["ssm_out.weight"], hv_dv),
+                     conv_state=f32(state.conv[i]), conv_w=f32(conv_w), conv_kc=int(conv_w.shape[1]),
+                     ssm_state=f32(state.ssm[i]), ssm_a=f32(L["ssm_a"]), dt_bias=f32(L["ssm_dt.bias"]),
+                     ssm_norm=f32(L["ssm_norm.weight"]))
+        else:
+            if d % 16:   # gated_attention runs torch then
+                raise _PerOp
+            names = ("attn_qkv.weight",) if "attn_qkv.weight" in L else ATTN_IN
+            a.update(mixer_in=[mat(L[n], H) for n in names],
+                     mixer_out=mat(L["attn_output.weight"], c.n_head * d),
+                     q_norm=f32(L["attn_q_norm.weight"], d), k_norm=f32(L["attn_k_norm.weight"], d),
+                     k_cache=f32(state.k[i]), v_cache=f32(state.v[i]))
+        ex = model.experts[i]
+        banks = ops._cpu_banks(ex.gate, ex.up, ex.down) if type(ex) is ResidentExperts else None
+        if banks is None or banks[2] != H:
+            raise _PerOp
+        keep.append(ex)
+        e, f, _, bank = banks
+        a.update(gate=tuple(bank[0:3]), up=tuple(bank[3:6]), down=tuple(bank[6:9]), n_ff=f, n_bank_experts=e)
+        if SHEXP_IN[0] in L:   # Qwen35Moe._moe's CPU branch: router, shared gate, gate, up in one call
+            a.update(ffn_in=[mat(L[n], H) for n in ROUTER + SHEXP_IN])
+            a.update(shared_down=mat(L["ffn_down_shexp.weight"], a["ffn_in"][2][2]))
+        else:
+            a.update(ffn_in=[mat(L[ROUTER[0]], H)])
+        layer_args.append(a)
+    embd = model.embd
+    if not (embd.device.type == "cpu" and embd.data.dim() == 2
+            and ops._ext_supports(ops._cpu, embd.qtype, "dequantize", H)):
+        raise _PerOp
+    keep.append(embd)
+    inv_freq = ops.rope_inv_freq(c.n_rot, c.rope_base)
+    model_args = dict(
+        n_embd=H, n_vocab=int(model.head.shape[0]), eps=c.rms_eps, n_expert=c.n_expert,
+        top_k=c.n_expert_used, expert_floor=layers.EXPERT_WEIGHT_FLOOR, ssm_hk=c.ssm_n_k_heads,
+        ssm_hv=c.ssm_n_v_heads, ssm_dk=c.ssm_d_state, ssm_dv=c.ssm_head_v_dim, n_head=c.n_head,
+        n_head_kv=c.n_head_kv, head_dim=d, n_rot=c.n_rot, n_ctx=state.n_ctx, inv_freq=f32(inv_freq),
+        embd=(embd.qtype.type_id, embd.data.data_ptr(), embd.row_bytes), out_norm=f32(model.out_norm, H),
+        head=mat(model.head, H))
+    return DecodeLoop(ops._cpu.DecodePlan(model_args, layer_args), keep, model_args["n_vocab"])
