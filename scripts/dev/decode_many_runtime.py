@@ -3,10 +3,13 @@
   python scripts/dev/decode_many_runtime.py MODEL --vram 8GiB [--batches 1,2,4] [--steps 64]
 
 Opens the offload runtime holding max(batches) sequences, prefills each with its own random
-prompt, then per B: the first decode_many step (it captures the step's graph: timed apart) and
---steps more (ms a step, tokens a second), with the runtime's statistics of those steps (hit
-rate, experts fetched and CPU-computed a step). Then the cost of a new batch composition: the
-states taken in a different order or subset, each one's first step timed (a capture each).
+prompt, then one row per setting (memory poller x CPU pool size x B x split): the first
+decode_many step (it may capture the step's graph: timed apart) and --steps more (ms a step,
+tokens a second), with the runtime's statistics of those steps (hit rate, experts fetched and
+CPU-computed a step, the CPU's rate in the step). A row whose steps cross a multiple of
+OffloadPolicy.graph_bucket positions captures a graph inside its timed steps: mind the
+positions. With --compositions, the cost of a new batch composition: the states taken in a
+different order or subset, each one's first step timed (a capture each).
 """
 from __future__ import annotations
 
