@@ -29,11 +29,12 @@ from .generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, Timi
                        continue_ids, generate)
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
 from .policy import OffloadPolicy
+from .readback import TokenReadback
 from .report import LoadReport, RoutingRecorder, RuntimeStats
 from .runtime import OffloadRuntime, RuntimeOptions, open_runtime
 from .state import Snapshot, State
 
 __all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",
-           "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
+           "TokenReadback", "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
            "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
            "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings", "continue_ids"]

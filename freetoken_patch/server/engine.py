@@ -9,7 +9,9 @@ by /health and the startup line):
                 prompt goes in by chunks of `prefill_chunk` tokens, one chunk between two decode
                 steps, so a long prompt does not stall the running streams. Each sequence
                 samples from its own row with its own TokenStream (sequence.py): seed,
-                penalties and stops as alone.
+                penalties and stops as alone. A step's States go in one fixed order (one
+                captured graph per set of States), and on a GPU the next step is queued on the
+                drawn ids before the host reads them (run_ahead, as generate() does).
   interleaved   a custom generate_fn, or --no-batch: the active sequences take turns, one
                 generate() step each (round robin), a newcomer's prompt prefilled whole when it
                 is admitted.
@@ -40,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from moe_offload import DoneEvent, OffloadError, SamplingParams, TokenEvent, generate
+from moe_offload import DoneEvent, OffloadError, SamplingParams, TokenEvent, TokenReadback, generate
 
 from .prefix_cache import Cached, PrefixCache
 from .sequence import TokenStream
@@ -133,7 +135,7 @@ class Engine:
     def __init__(self, model, tokenizer, n_ctx: int, *, parallel: int = 4, queue_size: int = 64,
                  prefix_cache: int = 4, prefill_chunk: int = PREFILL_CHUNK,
                  generate_fn: Callable = generate, batch: bool | None = None, metrics=None,
-                 draft=None):
+                 draft=None, run_ahead: bool | None = None):
         self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
         self.generate_fn, self.metrics, self.draft = generate_fn, metrics, draft
         self.draft_stats: dict = {}    # the decoder's SpecStats as last published
@@ -160,11 +162,17 @@ class Engine:
         self.mode = ("speculative" if draft is not None else
                      "batched" if self.batched else "interleaved")
         self.batch_size = 0            # sequences in the last decode step
+        # batched: queue the next step on the drawn ids before reading them (None: on a GPU)
+        dev = torch.device(getattr(model, "device", "cpu"))
+        self.run_ahead = dev.type == "cuda" if run_ahead is None else bool(run_ahead)
+        self._ahead: dict = {}         # sequence -> its logits [1, V] from the step queued ahead
+        self._readback = TokenReadback(dev).many
         self.cache = PrefixCache(min(prefix_cache, 1) if self.single_state else prefix_cache)
         self._max_states = 1 if self.single_state else min(
             self.parallel + self.cache.size, getattr(model, "max_sequences", 1 << 30))
         self._free = [first]
         self._n_states = 1
+        self._state_order: dict[int, int] = {}
         self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -249,6 +257,7 @@ class Engine:
         """A step failed outside the guards of its parts: every sequence it held gets the error
         and leaves (its state emptied for the next request); the engine takes the next ones."""
         traceback.print_exc(file=sys.stderr)
+        self._ahead.clear()
         while ring:
             seq = ring.popleft()
             if not seq.done:
@@ -269,28 +278,95 @@ class Engine:
 
     def _batch_step(self, ring: deque) -> None:
         """Batched: one prompt chunk of the first sequence still prefilling, then one decode
-        step of every sequence with a token to feed; finished and cancelled ones leave."""
+        step of every sequence with a token to feed; finished and cancelled ones leave.
+
+        The step's sequences go in one fixed order (their States': a batch's graph is keyed by
+        its States in order, so the same batch is the same graph however its requests arrived).
+        With run_ahead, the step after this one is queued on the ids drawn here before the host
+        reads them, as generate() does for one sequence, whenever only an end-of-generation id
+        could end a sequence there; its logits wait in _ahead, and a sequence that did end
+        leaves with that id in its State (cached_tokens counts it)."""
         pre = next((s for s in ring if not s.job.cancelled and s.fed < len(s.feed)), None)
         if pre is not None:
             alone = not any(s is not pre and not s.done and not s.job.cancelled
                             and s.stream.pending is not None for s in ring)
             self._prefill_chunk(pre, alone)
-        live = [s for s in ring if not s.done and not s.job.cancelled
-                and s.stream.pending is not None]
+        live = sorted((s for s in ring if not s.done and not s.job.cancelled
+                       and s.stream.pending is not None), key=lambda s: self._order(s.state))
         if live:
-            self.batch_size = len(live)
-            try:
-                ids = torch.tensor([s.stream.pending for s in live], device=self.model.device)
-                logits = self.model.decode_many(ids, [s.state for s in live])    # [B, V]
-            except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
-                for s in live:
-                    self._fail(s, e)
-            else:
-                for s, row in zip(live, logits):
-                    self._push(s, row[None])
+            rows = self._logits(live)
+            if rows is not None:
+                self._sample(live, rows)
         for s in [s for s in ring if s.done or s.job.cancelled]:
+            self._ahead.pop(s, None)
             ring.remove(s)
             self._retire(s)
+
+    def _order(self, state) -> int:
+        """A State's place in every batch: the order it was first seen in."""
+        return self._state_order.setdefault(id(state), len(self._state_order))
+
+    def _logits(self, live: list) -> list | None:
+        """Each sequence's logits [1, V] for its pending id: from the step queued ahead where
+        there is one, else from one decode_many step of the others; None if that step failed."""
+        rows = {s: self._ahead.pop(s) for s in live if s in self._ahead}
+        feed = [s for s in live if s not in rows]
+        if feed:
+            self.batch_size = len(feed)
+            try:
+                ids = torch.tensor([s.stream.pending for s in feed], device=self.model.device)
+                logits = self.model.decode_many(ids, [s.state for s in feed])    # [B, V]
+            except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
+                for s in feed:
+                    self._fail(s, e)
+                return None
+            rows.update((s, logits[i:i + 1]) for i, s in enumerate(feed))
+        return [rows[s] for s in live]
+
+    def _sample(self, live: list, rows: list) -> None:
+        """Draw every sequence's next id on the device; queue the next step on them if all may
+        run ahead; then read the ids (one wait for all) and pass on what follows."""
+        drawn = []
+        for s, row in zip(live, rows):
+            try:
+                drawn.append(s.stream.draw(row))
+            except Exception as e:   # noqa: BLE001 -- this request fails, the others go on
+                self._fail(s, e)
+                s.done = True
+                drawn.append(None)
+        keep = [(s, t) for s, t in zip(live, drawn) if t is not None]
+        if not keep:
+            return
+        n_free = [s.state.n_free for s, _ in keep]   # before a step queued ahead takes a row
+        ids = torch.stack([t.reshape(1) for _, t in keep]).reshape(-1)
+        ahead = None
+        if self.run_ahead and all(s.stream.may_run_ahead(n) for (s, _), n in zip(keep, n_free)):
+            def queue_next():
+                try:
+                    self.batch_size = len(keep)
+                    return self.model.decode_many(ids, [s.state for s, _ in keep])
+                except Exception as e:   # noqa: BLE001 -- reported after this step's ids go out
+                    return e
+            host, ahead = self._readback(ids, queue_next)
+        else:
+            host = ids.tolist()
+        for (s, _), tok, n in zip(keep, host, n_free):
+            try:
+                events = s.stream.take(int(tok), n)
+            except Exception as e:   # noqa: BLE001
+                self._fail(s, e)
+                s.done = True
+                continue
+            self._emit(s, events)
+        if isinstance(ahead, Exception):
+            for s, _ in keep:
+                if not s.done:
+                    self._fail(s, ahead)
+                    s.done = True
+        elif ahead is not None:
+            for i, (s, _) in enumerate(keep):
+                if not s.done:
+                    self._ahead[s] = ahead[i:i + 1]
 
     def _prefill_chunk(self, seq: _Seq, alone: bool = False) -> None:
         """Feed the next chunk of a newcomer's prompt (ending at its first-turn cut if that
@@ -333,7 +409,8 @@ class Engine:
                 seq.sampled.append(ev.token)
             else:
                 seq.done = True
-                self._finished(seq, ev)
+                seq.sampled = list(ev.tokens)   # with an end-of-generation id, which the State
+                self._finished(seq, ev)        # holds if a step ran ahead on it
             seq.job.put(ev)
 
     def _fail(self, seq: _Seq, e: BaseException) -> None:
@@ -432,7 +509,8 @@ class Engine:
             return True
         seq.done = True
         if isinstance(ev, DoneEvent):
-            self._finished(seq, ev)
+            seq.sampled = list(ev.tokens)   # with an end-of-generation id: on a GPU generate()
+            self._finished(seq, ev)         # queued a step on it, and the State holds it
         seq.job.put(ev)
         return False
 

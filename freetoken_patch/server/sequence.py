@@ -18,7 +18,8 @@ from moe_offload.generate import _recent, _stream_decoder, _StopScanner
 class TokenStream:
     """prefilled(n, s) after each chunk of the prompt; push(logits [1, V], n_free) after the
     prompt and after each step that fed `pending` -> the events to send (TokenEvent, and a
-    DoneEvent once it ends). `pending` is the id to feed next, None before the first sample
+    DoneEvent once it ends); or draw(logits) on the device, then take(id, n_free) once the id
+    is on the host (the engine queues the next step in between). `pending` is the id to feed next, None before the first sample
     and once done."""
 
     def __init__(self, params: SamplingParams, device, tokenizer, context: list[int],
@@ -47,8 +48,21 @@ class TokenStream:
 
     def push(self, logits: torch.Tensor, n_free: int) -> list:
         """Sample from this sequence's logits [1, V]; n_free = context positions left."""
+        return self.take(int(self.draw(logits)), n_free)
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next id sampled from logits [1, V], left on their device (take() it after)."""
+        return self.sample(logits, _recent(self.context, self.p, self.device))
+
+    def may_run_ahead(self, n_free: int) -> bool:
+        """Whether the step after the id just drawn can be queued before the host reads that id
+        (generate()'s rule): only an end-of-generation id could end this sequence there -- no
+        stop strings, and max_tokens and the context leave room for one more."""
+        return not self.p.stop and len(self.out) + 2 <= self.p.max_tokens and n_free >= 1
+
+    def take(self, tok: int, n_free: int) -> list:
+        """The id drawn, read on the host -> the events to send; n_free = context positions left."""
         p = self.p
-        tok = int(self.sample(logits, _recent(self.context, p, self.device)))
         now = time.perf_counter()
         if not self.out:
             self.t_first = now

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for batched decode under the cap (issue: ftpatch serve's 4 streams):
-#   1. decode_many_runtime.py: B = 1 and 4 at each share of misses sent over PCIe ($FRACTIONS),
+#   1. decode_many_runtime.py: B = 1 and 4 at each share of misses sent over PCIe ($FRACTIONS;
+#      $MANY=0 skips it),
 #   2. `ftpatch bench` at each of $BENCHES (cap:regime),
 #   3. the server: its packages' import, then `bench serve` at $CLIENTS clients ($SERVE=0 skips).
 # Setup (wheels, extensions) is scripts/gpu_session.sh's; logs and JSON go to $OUT.
@@ -14,7 +15,7 @@ t0=$SECONDS
 [[ -f /tmp/35b.gguf ]] || $PY -m freetoken_patch.cli synth --preset 35b-a3b --type IQ3_S -o /tmp/35b.gguf > "$OUT/synth.log" 2>&1
 echo ">>> synth $((SECONDS - t0)) s"
 t0=$SECONDS
-timeout ${MANY_LIMIT:-300} $PY scripts/dev/decode_many_runtime.py /tmp/35b.gguf --vram 8GiB --batches ${BATCHES:-1,4} \
+[[ ${MANY:-1} == 1 ]] && timeout ${MANY_LIMIT:-300} $PY scripts/dev/decode_many_runtime.py /tmp/35b.gguf --vram 8GiB --batches ${BATCHES:-1,4} \
   --fractions ${FRACTIONS:-auto,1.0,0.8,0.6} --steps ${STEPS:-48} ${MANY_ARGS:-} --json "$OUT/many.json" > "$OUT/many.log" 2>&1
 echo ">>> decode_many rc=$? $((SECONDS - t0)) s"; grep '^{"B"' "$OUT/many.log" | cut -c1-400
 # the single-stream bench at each cap and regime of $BENCHES (cap:regime, e.g. 8GiB:model
