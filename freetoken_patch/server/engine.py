@@ -317,8 +317,7 @@ class Engine:
                 ids = torch.tensor([s.stream.pending for s in feed], device=self.model.device)
                 logits = self.model.decode_many(ids, [s.state for s in feed])    # [B, V]
             except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
-                for s in feed:
-                    self._fail(s, e)
+                self._fail_step(feed, e)
                 return None
             rows.update((s, logits[i:i + 1]) for i, s in enumerate(feed))
         return [rows[s] for s in live]
@@ -359,10 +358,7 @@ class Engine:
                 continue
             self._emit(s, events)
         if isinstance(ahead, Exception):
-            for s, _ in keep:
-                if not s.done:
-                    self._fail(s, ahead)
-                    s.done = True
+            self._fail_step([s for s, _ in keep if not s.done], ahead)
         elif ahead is not None:
             for i, (s, _) in enumerate(keep):
                 if not s.done:
@@ -415,6 +411,14 @@ class Engine:
 
     def _fail(self, seq: _Seq, e: BaseException) -> None:
         seq.job.put(Failure(_message(e)))
+
+    def _fail_step(self, seqs: list, e: BaseException) -> None:
+        """A decode step of `seqs` failed: each gets the error and leaves, its State (perhaps
+        half-written) emptied rather than cached."""
+        for s in seqs:
+            self._fail(s, e)
+            s.done = True
+            s.state = self._broken(s.state)
         seq.done, seq.state = True, self._broken(seq.state)
 
     def _finished(self, seq: _Seq, ev: DoneEvent) -> None:

@@ -123,3 +123,30 @@ def test_a_batch_of_the_same_states_keeps_one_order(tiny_parts):
     pairs = [o for o in logged.log if o[0] != "prefill" and len(o) == 2]
     assert len(pairs) >= 3 and len({frozenset(o) for o in pairs}) == 1
     assert len(set(pairs)) == 1
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_a_failed_decode_step_fails_its_requests_and_caches_none_of_their_states(tiny_parts,
+                                                                                   run_ahead):
+    from .test_batching import _collect
+    model, tok, _ = tiny_parts
+
+    class FailsOnce(Logged):
+        def decode_many(self, tokens, states):
+            if not getattr(self, "failed", False) and len(states) == 2:
+                self.failed = True
+                raise RuntimeError("step boom")
+            return self.model.decode_many(tokens, states)
+
+    eng = _engine(FailsOnce(model), tok, parallel=2, run_ahead=run_ahead)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eog=True)
+    a, b = _prompts(tok)[:2]
+    first = _collect(eng, [(a, greedy), (b, greedy)])
+    assert all(getattr(ev, "status", None) == 500 and "step boom" in ev.message for ev in first)
+    assert eng.cache.entries == []        # half-written States are emptied, not kept for reuse
+    eng2 = _engine(FailsOnce(model), tok, parallel=2, run_ahead=run_ahead)
+    eng2._free, eng2._n_states = eng._free, eng._n_states   # the same States, emptied
+    eng2.model.failed = True
+    again = _collect(eng2, [(a, greedy), (b, greedy)])
+    for p, ev in zip((a, b), again):
+        assert isinstance(ev, DoneEvent) and ev.tokens == _alone(tiny_parts, p, greedy)[1].tokens
