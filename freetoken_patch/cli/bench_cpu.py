@@ -93,9 +93,13 @@ def run_one(args, sizes: list[int], console) -> dict:
                 nxt = model.decode(nxt, st).argmax(-1)
             if r:
                 tg.append(args.gen / (time.perf_counter() - t))
+        # which decode ran: one native call a token, or the per-op path (FTPATCH_DECODE_LOOP=0,
+        # or a model the loop does not mirror)
+        result["decode_path"] = model.decode_path(st)
     result[f"tg{args.gen}"] = _spread(tg)
     result["ttft_s"] = _spread(ttft[1:])
     console.print(f"tg{args.gen}: {statistics.median(tg):.2f} tok/s (min {min(tg):.2f}, max "
                   f"{max(tg):.2f}, {args.reps} reps); TTFT {statistics.median(ttft[1:]) * 1e3:.0f} ms; "
-                  f"CPU {result['machine']['cpu_threads']} threads ({result['machine']['isa']})")
+                  f"CPU {result['machine']['cpu_threads']} threads ({result['machine']['isa']}, "
+                  f"{result['decode_path']} decode)")
     return result

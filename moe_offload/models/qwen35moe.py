@@ -129,6 +129,11 @@ class Qwen35Moe:
             return logits, torch.cat([o[1] for o in outs], dim=1)
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, 0]
 
+    def decode_path(self, state: State) -> str:
+        """How a decode token of `state` runs: "native loop" (one native call, decode_loop.py)
+        or "per-op" (a kernel call at a time from Python)."""
+        return "native loop" if decode_loop.loop_for(self, state) is not None else "per-op"
+
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """One token per sequence: tokens [B] -> logits [B, V]. No host syncs."""
         return self.forward(tokens[:, None], state)[:, 0]

@@ -28,6 +28,16 @@ def test_bench_cpu_writes_the_gpu_bench_json_shape(tiny_model, tmp_path):
     assert r["device"] == "cpu" and r["machine"]["cpu_threads"] == 1 and r["machine"]["isa"]
     assert r["method"]["gen"] == 4 and r["method"]["prompt_sizes"] == [8, 12]
     assert r["ttft_s"]["reps"] == 2 and "run" in r
+    assert r["decode_path"] == "native loop"
+
+
+def test_bench_cpu_says_when_decode_took_the_per_op_path(tiny_model, tmp_path, monkeypatch):
+    from moe_offload.models import decode_loop
+    monkeypatch.setattr(decode_loop, "ENABLED", False)
+    out = tmp_path / "cpu.json"
+    assert main(["bench", str(tiny_model), "--device", "cpu", "-p", "8", "-n", "2", "--reps", "1",
+                 "--ctx", "64", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["decode_path"] == "per-op"
 
 
 def test_bench_cpu_refuses_a_cap_list(tiny_model):
