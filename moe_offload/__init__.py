@@ -35,6 +35,6 @@ from .runtime import OffloadRuntime, RuntimeOptions, open_runtime
 from .state import Snapshot, State
 
 __all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",
-           "TokenReadback", "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
-           "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
+           "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
+           "TokenReadback", "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
            "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings", "continue_ids"]

@@ -118,7 +118,9 @@ class Nvml:
             h = ctypes.c_void_p()
             if lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) == 0:
                 self.handles.append(h)
-        self.lib, self.pid = lib, os.getpid()
+        # resolved here: a driver too old for _v3 falls back to nvidia-smi at start, not later
+        self._processes = lib.nvmlDeviceGetComputeRunningProcesses_v3
+        self.pid = os.getpid()
         self._rows = (_NvmlProcessInfo * 64)()
 
     def used(self) -> int | None:
@@ -126,7 +128,7 @@ class Nvml:
         total, seen = 0, False
         for h in self.handles:
             n = ctypes.c_uint(len(self._rows))
-            if self.lib.nvmlDeviceGetComputeRunningProcesses_v3(h, ctypes.byref(n), self._rows) != 0:
+            if self._processes(h, ctypes.byref(n), self._rows) != 0:
                 return None
             for row in self._rows[:n.value]:
                 if row.pid == self.pid and row.usedGpuMemory != self.NOT_AVAILABLE:

@@ -42,7 +42,8 @@ from typing import Callable
 
 import torch
 
-from moe_offload import DoneEvent, OffloadError, SamplingParams, TokenEvent, TokenReadback, generate
+from moe_offload import (DoneEvent, OffloadError, SamplingParams, TokenEvent, TokenReadback,
+                         generate)
 
 from .prefix_cache import Cached, PrefixCache
 from .sequence import TokenStream
@@ -317,7 +318,8 @@ class Engine:
                 ids = torch.tensor([s.stream.pending for s in feed], device=self.model.device)
                 logits = self.model.decode_many(ids, [s.state for s in feed])    # [B, V]
             except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
-                self._fail_step(feed, e)
+                for s in feed:
+                    self._fail(s, e)
                 return None
             rows.update((s, logits[i:i + 1]) for i, s in enumerate(feed))
         return [rows[s] for s in live]
@@ -331,7 +333,6 @@ class Engine:
                 drawn.append(s.stream.draw(row))
             except Exception as e:   # noqa: BLE001 -- this request fails, the others go on
                 self._fail(s, e)
-                s.done = True
                 drawn.append(None)
         keep = [(s, t) for s, t in zip(live, drawn) if t is not None]
         if not keep:
@@ -354,11 +355,12 @@ class Engine:
                 events = s.stream.take(int(tok), n)
             except Exception as e:   # noqa: BLE001
                 self._fail(s, e)
-                s.done = True
                 continue
             self._emit(s, events)
-        if isinstance(ahead, Exception):
-            self._fail_step([s for s, _ in keep if not s.done], ahead)
+        if isinstance(ahead, Exception):   # every state of that step may be half-written
+            for s, _ in keep:
+                if not s.done:
+                    self._fail(s, ahead)
         elif ahead is not None:
             for i, (s, _) in enumerate(keep):
                 if not s.done:
@@ -411,14 +413,6 @@ class Engine:
 
     def _fail(self, seq: _Seq, e: BaseException) -> None:
         seq.job.put(Failure(_message(e)))
-
-    def _fail_step(self, seqs: list, e: BaseException) -> None:
-        """A decode step of `seqs` failed: each gets the error and leaves, its State (perhaps
-        half-written) emptied rather than cached."""
-        for s in seqs:
-            self._fail(s, e)
-            s.done = True
-            s.state = self._broken(s.state)
         seq.done, seq.state = True, self._broken(seq.state)
 
     def _finished(self, seq: _Seq, ev: DoneEvent) -> None:

@@ -19,8 +19,8 @@ class TokenStream:
     """prefilled(n, s) after each chunk of the prompt; push(logits [1, V], n_free) after the
     prompt and after each step that fed `pending` -> the events to send (TokenEvent, and a
     DoneEvent once it ends); or draw(logits) on the device, then take(id, n_free) once the id
-    is on the host (the engine queues the next step in between). `pending` is the id to feed next, None before the first sample
-    and once done."""
+    is on the host (the engine queues the next step in between). `pending` is the id to feed
+    next, None before the first sample and once done."""
 
     def __init__(self, params: SamplingParams, device, tokenizer, context: list[int],
                  n_prompt: int):

@@ -39,3 +39,16 @@ def test_nvml_reads_what_nvidia_smi_reads():
         assert abs(ours - program) <= 4 << 20   # nvidia-smi prints MiB
     finally:
         poll.stop()
+
+
+def test_a_driver_without_the_v3_query_falls_back_at_start(monkeypatch):
+    class OldNvml:   # nvmlInit and the device calls succeed; no ..._v3 process query
+        def nvmlInit_v2(self):
+            return 0
+
+        def nvmlDeviceGetCount_v2(self, count):
+            return 0
+
+    monkeypatch.setattr(budget.ctypes, "CDLL", lambda name: OldNvml())
+    monkeypatch.setattr(budget, "_smi_used", lambda: None)
+    assert budget.SmiPeak().source == "nvidia-smi"

@@ -150,3 +150,26 @@ def test_a_failed_decode_step_fails_its_requests_and_caches_none_of_their_states
     again = _collect(eng2, [(a, greedy), (b, greedy)])
     for p, ev in zip((a, b), again):
         assert isinstance(ev, DoneEvent) and ev.tokens == _alone(tiny_parts, p, greedy)[1].tokens
+
+
+def test_a_failed_prompt_chunk_fails_its_request_once_and_the_batch_goes_on(tiny_parts):
+    from .test_batching import _collect
+    model, tok, _ = tiny_parts
+
+    class PrefillFailsOnce(Logged):
+        def prefill(self, tokens, state, **kw):
+            self.log.append(("prefill", tokens.shape[1]))
+            if not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("prefill boom")
+            return self.model.prefill(tokens, state, **kw)
+
+    logged = PrefillFailsOnce(model)
+    eng = _engine(logged, tok, parallel=2)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eog=True)
+    a, b = _prompts(tok)[:2]
+    first, second = _collect(eng, [(a, greedy)], [(b, greedy)])
+    assert getattr(first, "status", None) == 500 and "prefill boom" in first.message
+    assert isinstance(second, DoneEvent) and second.tokens == _alone(tiny_parts, b, greedy)[1].tokens
+    # the failed request left: its prompt was not fed again, nor decoded
+    assert [e for e in logged.log if e[0] == "prefill"] == [("prefill", len(a)), ("prefill", len(b))]
