@@ -255,6 +255,7 @@ class OffloadRuntime:
         self._graphs: dict[tuple, tuple] = {}
         self._captured_sizes: set[int] = set()   # tokens a step of the graphs captured so far
         self.captures = 0   # graphs captured so far (a capture costs many steps: DraftPolicy)
+        self.capture_s = 0.0   # host wall time those captures took
         self._graph_pool = torch.cuda.graph_pool_handle()
         self._since_observe, self._obs_busy, self._obs_experts = 0, 0, 0
         self._recorder: RoutingRecorder | None = None
@@ -572,6 +573,7 @@ class OffloadRuntime:
         # that size (other states, other lengths) needs no eager warm-up and no new measure of
         # the memory outside torch, a large part of what a capture costs
         first = n_tok not in self._captured_sizes
+        t0 = time.perf_counter()
         self.vram.before_capture()
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
@@ -582,6 +584,7 @@ class OffloadRuntime:
         self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev),
                                 remeasure=first)
         self._captured_sizes.add(n_tok)
+        self.capture_s += time.perf_counter() - t0
         return g
 
     def _capture(self, tokens: torch.Tensor, states: list[State], n_tok: int, run,

@@ -45,7 +45,9 @@ METHOD = (
     "content or reasoning_content. Per-stream decode tok/s = (usage.completion_tokens - 1) / "
     "(finish chunk - first content chunk), streams of 2+ tokens only. Aggregate decode tok/s = "
     "sum of completion_tokens / wall time of the level (first request sent -> last stream "
-    "ended). Percentiles: linear interpolation between order statistics. Follow-up: turn 1 is "
+    "ended). Engine: the server's own counters (GET /metrics) read before and after the level: "
+    "its engine thread's seconds in prompt chunks and in decode steps, and its graph captures "
+    "(absent when /metrics does not answer). Percentiles: linear interpolation between order statistics. Follow-up: turn 1 is "
     "a system message and a user message of filler words sized to about `prompt_tokens` "
     "tokens (the server's tokens per word measured first by two max_tokens=1 requests of 0 "
     "and 64 words); each later turn adds "
@@ -362,6 +364,50 @@ async def _level(url: str, headers: dict, concurrency: int, n_req: int, max_toke
     }
 
 
+ENGINE_PREFIX = "ftpatch_"
+
+
+def engine_counters(url: str, headers: dict) -> dict | None:
+    """{counter name, or name:phase -> value} of the server's engine counters, None when
+    /metrics does not answer (another server, or one without them)."""
+    import httpx
+    try:
+        r = httpx.get(url + "/metrics", headers=headers, timeout=10)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = {}
+    for line in r.text.splitlines():
+        for name in ("engine_busy_seconds_total", "graph_captures_total",
+                     "graph_capture_seconds_total"):
+            head = ENGINE_PREFIX + name
+            if not line.startswith(head):
+                continue
+            key, _, val = line.rpartition(" ")
+            label = key[len(head):]
+            if label.startswith('{phase="'):
+                name += ":" + label[len('{phase="'):-2]
+            elif label:
+                continue
+            out[name] = float(val)
+    return out
+
+
+def engine_delta(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """What the engine did during a level: seconds by phase, captures, and the rest of the
+    wall (the engine thread waiting for requests, or between them)."""
+    if not before or not after:
+        return None
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    phases = {k.split(":", 1)[1]: round(v, 3) for k, v in d.items()
+              if k.startswith("engine_busy_seconds_total:")}
+    return {"busy_s": phases,
+            "idle_s": round(wall - sum(phases.values()), 3),
+            "graph_captures": int(d.get("graph_captures_total", 0)),
+            "graph_capture_s": round(d.get("graph_capture_seconds_total", 0.0), 3)}
+
+
 # ---- follow-up turns ---------------------------------------------------------------------------
 
 async def _followup(url: str, headers: dict, turns: int, prompt_tokens: int, max_tokens: int,
@@ -508,8 +554,10 @@ def run(args: argparse.Namespace) -> int:
             if time.monotonic() >= deadline:
                 result["levels"].append({"concurrency": c, "skipped": "time limit"})
                 continue
+            before = engine_counters(url, headers)
             lv = asyncio.run(_level(url, headers, c, args.requests, args.max_tokens, deadline,
                                     run_id))
+            lv["engine"] = engine_delta(before, engine_counters(url, headers), lv["wall_s"])
             result["levels"].append(lv)
         if args.turns >= 2 and time.monotonic() < deadline:
             result["followup"] = asyncio.run(_followup(url, headers, args.turns,
@@ -546,6 +594,11 @@ def _table(result: dict) -> None:
           f"{_fmt(lv['aggregate_decode_tps']):>10} {_fmt(ps['median']):>10} "
           f"{_fmt(ps['min']):>7} {_fmt(ps['max']):>7} {_fmt(t['p50'], '.3f', 's'):>9} "
           f"{_fmt(t['p90'], '.3f', 's'):>8} {_fmt(t['p99'], '.3f', 's'):>8}")
+        e = lv.get("engine")
+        if e:
+            p("     engine: " + ", ".join(f"{k} {v:.2f}s" for k, v in e["busy_s"].items() if v)
+              + f", idle {e['idle_s']:.2f}s; {e['graph_captures']} graph captures "
+              f"({e['graph_capture_s']:.2f}s)")
     fu = result.get("followup")
     if fu:
         for f in fu["followups"]:

@@ -32,6 +32,7 @@ sequence hands out one State, so the engine then runs one sequence at a time and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -181,9 +182,13 @@ class Engine:
         self.n_active = 0
         self.prefilled_tokens = 0      # prompt tokens fed to the model
         self.reused_tokens = 0         # prompt tokens a cached prefix saved
+        # the engine thread's wall time by what it ran: prompt chunks, decode steps (their
+        # sampling and readback, a graph capture included), generate() turns (interleaved mode)
+        self.busy_s = {"prefill": 0.0, "decode": 0.0, "generate": 0.0}
         self.stats_fn = getattr(model, "stats", None)
         if metrics is not None:
             metrics.gauges = self.gauges
+            metrics.counters = self.counters
         self._publish_draft()     # the series exist (at 0) before the first request
 
     # -- the request side (any thread) -----------------------------------------------------------
@@ -222,6 +227,23 @@ class Engine:
                 "parallel": (self.parallel, "Sequences that can be active at once."),
                 "decode_batch_size": (self.batch_size, "Sequences advanced by the last decode "
                                                        "step (1 when interleaved).")}
+
+    def counters(self) -> dict:
+        out = {"engine_busy_seconds_total": (dict(self.busy_s), "Engine thread wall time by "
+                                             "phase (decode includes graph captures).")}
+        if hasattr(self.model, "captures"):   # the offload runtime's CUDA graphs
+            out["graph_captures_total"] = (self.model.captures, "Decode graphs captured.")
+            out["graph_capture_seconds_total"] = (getattr(self.model, "capture_s", 0.0),
+                                                  "Time spent capturing decode graphs.")
+        return out
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s[phase] += time.perf_counter() - t0
 
     def draft_summary(self) -> dict | None:
         """--draft's setting and what it did (as last published), for /health; None when off."""
@@ -271,7 +293,9 @@ class Engine:
     def _turn(self, ring: deque) -> None:
         """Interleaved: the sequence at the front takes one generate() step, then goes last."""
         seq = ring.popleft()
-        if seq.job.cancelled or not self._step(seq):
+        with self._timed("generate"):
+            going = not seq.job.cancelled and self._step(seq)
+        if not going:
             self._retire(seq)
         else:
             ring.append(seq)
@@ -295,9 +319,10 @@ class Engine:
         live = sorted((s for s in ring if not s.done and not s.job.cancelled
                        and s.stream.pending is not None), key=lambda s: self._order(s.state))
         if live:
-            rows = self._logits(live)
-            if rows is not None:
-                self._sample(live, rows)
+            with self._timed("decode"):
+                rows = self._logits(live)
+                if rows is not None:
+                    self._sample(live, rows)
         for s in [s for s in ring if s.done or s.job.cancelled]:
             self._ahead.pop(s, None)
             ring.remove(s)
@@ -377,9 +402,10 @@ class Engine:
             end = seq.cut
         t0 = time.perf_counter()
         try:
-            ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
-            kw = {} if alone else {"chunk": self.prefill_chunk}
-            logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
+            with self._timed("prefill"):
+                ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
+                kw = {} if alone else {"chunk": self.prefill_chunk}
+                logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
             self._fail(seq, e)
             return
@@ -460,6 +486,7 @@ class Engine:
                 else:
                     self.model.prefill(head_t, state)
                 job.head_s = time.perf_counter() - t0
+                self.busy_s["prefill"] += job.head_s
                 self.prefilled_tokens += len(head)
                 snaps = (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
                 history = job.prompt[:cut]

@@ -53,6 +53,8 @@ class Metrics:
         self.runtime: dict = {}
         self.draft: dict | None = None     # SpecStats.as_dict() (None: --draft is off)
         self.gauges = lambda: {}
+        # {name: (value, or {label value: value}, help)}: counters the engine keeps itself
+        self.counters = lambda: {}
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -106,6 +108,12 @@ class Metrics:
         for name, (val, what) in {**self.gauges(), **runtime}.items():
             lines += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} gauge",
                       f"{p}{name} {_number(val)}"]
+        for name, (val, what) in self.counters().items():
+            lines += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} counter"]
+            if isinstance(val, dict):   # one label, `phase`
+                lines += [f'{p}{name}{{phase="{k}"}} {_number(v)}' for k, v in val.items()]
+            else:
+                lines.append(f"{p}{name} {_number(val)}")
         return "\n".join(lines) + "\n"
 
 

@@ -171,7 +171,10 @@ def test_mode_is_chosen_and_shown(tiny_parts, kit):
     with kit.live(served) as url:
         h = httpx.get(url + "/health").json()
         assert h["mode"] == "batched" and h["prefill_chunk"] == 256
-        assert "ftpatch_decode_batch_size" in httpx.get(url + "/metrics").text
+        text = httpx.get(url + "/metrics").text
+        assert "ftpatch_decode_batch_size" in text
+        assert 'ftpatch_engine_busy_seconds_total{phase="decode"}' in text
+        assert "# TYPE ftpatch_engine_busy_seconds_total counter" in text
 
 
 class NanRowOnce(Logged):

@@ -42,6 +42,12 @@ def test_own_server_levels_and_followup(tiny_model, capsys, tmp_path):
         ps = lv["per_stream_decode_tps"]
         if ps["streams"]:
             assert 0 < ps["min"] <= ps["median"] <= ps["max"]
+        # the server's own account of the level: its engine thread prefilled and decoded
+        e = lv["engine"]
+        assert e["busy_s"]["prefill"] > 0 and e["busy_s"]["decode"] > 0
+        assert e["busy_s"]["generate"] == 0            # batched mode: no generate() turns
+        assert sum(e["busy_s"].values()) + e["idle_s"] == pytest.approx(lv["wall_s"], abs=2e-3)
+        assert e["graph_captures"] == 0                # the plain model captures no graphs
     fu = r["followup"]
     assert fu["turns"] == 2 and fu["first"]["error"] is None
     [turn] = fu["followups"]

@@ -1,0 +1,86 @@
+"""What a short prompt costs under a VRAM cap, and the decode step after it (dev measurement on
+a GPU): the time to first token of a chat turn or a server request.
+
+    python scripts/dev/prompt_cost.py MODEL [--vram 8GiB] [--tokens 8,16,42,64,128,512] [--reps 3]
+
+Each row is a new conversation after a decoded one (so the cache holds a decode working set, as
+in a server): the prompt's prefill (synced), the first decode step after it, then the mean of
+the next 8 steps; experts streamed by the prefill and the cache's slots a layer before and
+after. Sizes are interleaved across repetitions; medians are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from freetoken_patch.cli.model_args import size_arg
+from loaders import open_model
+from moe_offload import open_runtime
+
+ap = argparse.ArgumentParser()
+ap.add_argument("model")
+ap.add_argument("--vram", type=size_arg, default="8GiB")
+ap.add_argument("--tokens", default="8,16,42,64,128,512")
+ap.add_argument("--reps", type=int, default=3)
+ap.add_argument("--decode-first", type=int, default=48)
+args = ap.parse_args()
+
+loaded = open_model(args.model)
+c = loaded.config
+rt = open_runtime(loaded, args.vram)
+sizes = [int(x) for x in args.tokens.split(",")]
+
+
+def synced(f):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = f()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def converse() -> None:
+    st = rt.new_state(1)
+    tok = rt.prefill(torch.randint(0, c.n_vocab, (1, 16)).cuda(), st).argmax(-1)
+    for _ in range(args.decode_first):
+        tok = rt.decode(tok, st).argmax(-1)
+
+
+def once(n: int) -> dict:
+    converse()
+    st = rt.new_state(1)
+    slots0 = rt.cache.slots[0]
+    streamed0 = int(rt.engine.prefill_streamed.sum())
+    caps0 = rt.captures
+    toks = torch.randint(0, c.n_vocab, (1, n)).cuda()
+    logits, t_pre = synced(lambda: rt.prefill(toks, st))
+    slots1 = rt.cache.slots[0]
+    tok = logits.argmax(-1)
+    tok, t_first = synced(lambda: rt.decode(tok, st).argmax(-1))
+    t = time.perf_counter()
+    for _ in range(8):
+        tok = rt.decode(tok, st).argmax(-1)
+    torch.cuda.synchronize()
+    return {"prefill_ms": t_pre * 1e3, "first_step_ms": t_first * 1e3,
+            "step_ms": (time.perf_counter() - t) / 8 * 1e3,
+            "streamed": int(rt.engine.prefill_streamed.sum()) - streamed0,
+            "slots": f"{slots0}->{slots1}->{rt.cache.slots[0]}", "captures": rt.captures - caps0}
+
+
+once(16)   # kernels loaded, graphs of the first buckets captured
+rows: dict[int, list] = {n: [] for n in sizes}
+for _ in range(args.reps):
+    for n in sizes:
+        rows[n].append(once(n))
+print(f"cap {args.vram / 2**30:.0f} GiB, decode-first {args.decode_first}; medians of {args.reps}")
+print(f"{'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'1st step':>9} {'step':>6} "
+      f"{'streamed':>8}  slots (before->after prompt->after 9 steps), captures")
+for n, rs in rows.items():
+    med = lambda k: statistics.median(r[k] for r in rs)   # noqa: E731
+    print(f"{n:>6} {med('prefill_ms'):>10.1f} {n / med('prefill_ms') * 1e3:>7.0f} "
+          f"{med('first_step_ms'):>9.1f} {med('step_ms'):>6.2f} {med('streamed'):>8.0f}  "
+          f"{[r['slots'] for r in rs]} {[r['captures'] for r in rs]}")
+rt.close()
