@@ -48,6 +48,11 @@ class OffloadPolicy:
     max_graphs: int = 64                 # captured steps kept before all are dropped (batches of
                                          # several sequences make a key per lengths' combination)
     prefill_chunk: int = 2048            # tokens per prefill chunk
+    short_prompt: int = 64               # prompts of at most this many tokens run as decode steps of
+                                         # decode_tokens each (experts fetched into the cache by the
+                                         # plan kernel, no host sync) instead of the prefill path, whose
+                                         # fixed host cost (a sync and a copy call per run of experts a
+                                         # layer) dominates a short prompt; 0 turns it off
     staging_experts: int = 32            # experts per prefill staging buffer (two are kept)
     context_margin: int = 192 * MiB      # above the measured CUDA context, for kernels loaded later
     late_load_margin: int = 48 * MiB     # ... once a capture has loaded decode's kernels (measured again)

@@ -380,11 +380,36 @@ class OffloadRuntime:
         every position's final-normed hidden state [B, T, H] (the MTP head's input)."""
         chunk = chunk or self.policy.prefill_chunk
         n, past = tokens.shape[1], state.n_past
+        if n <= self.policy.short_prompt:
+            return self._prefill_in_steps(tokens, state, all_logits, hidden)
         self._make_room(state, n, chunk, all_logits)
         with self._measured("prefill", n, past, chunk, all_logits):
             out = self.model.prefill(tokens, state, chunk, all_logits, hidden)
         self._lend_staging()
         return out
+
+    def _prefill_in_steps(self, tokens: torch.Tensor, state: State, all_logits: bool,
+                          hidden: bool):
+        """A short prompt as eager decode steps of up to engine.max_tok tokens: each layer's
+        misses planned and fetched into the cache (or computed on the CPU) on the device, so
+        the host launches the steps back to back and waits once, at the end; the cache lends
+        nothing to a workspace, so decode after it starts on a full cache."""
+        state.check_room(tokens.shape[1])
+        eng, step = self.engine, self.engine.max_tok
+        self.vram.regrow()   # the last prompt (or KV) borrowed from the cache: take it back
+        eng.position = state.pos
+        outs = []
+        for s in range(0, tokens.shape[1], step):
+            t = tokens[:, s:s + step]
+            self.vram.room_for_kv(state, state.attn_len(t.shape[1]))
+            eng.arm(t.shape[1])
+            with eng.decode_step():
+                outs.append(self.model.forward(t, state, last_only=not all_logits, hidden=hidden))
+            self._observe()
+        eng.settle()
+        logits = [o[0] for o in outs] if hidden else outs
+        logits = torch.cat(logits, dim=1) if all_logits else logits[-1][:, 0]
+        return (logits, torch.cat([o[1] for o in outs], dim=1)) if hidden else logits
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         n, past = tokens.shape[1], state.n_past

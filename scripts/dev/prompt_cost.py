@@ -2,11 +2,13 @@
 a GPU): the time to first token of a chat turn or a server request.
 
     python scripts/dev/prompt_cost.py MODEL [--vram 8GiB] [--tokens 8,16,42,64,128,512] [--reps 3]
+        [--short-prompt 0,64]
 
 Each row is a new conversation after a decoded one (so the cache holds a decode working set, as
 in a server): the prompt's prefill (synced), the first decode step after it, then the mean of
 the next 8 steps; experts streamed by the prefill and the cache's slots a layer before and
-after. Sizes are interleaved across repetitions; medians are printed.
+after. Sizes (and each --short-prompt setting: OffloadPolicy.short_prompt, prompts up to that
+many tokens as decode steps) are interleaved across repetitions; medians are printed.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ ap.add_argument("--vram", type=size_arg, default="8GiB")
 ap.add_argument("--tokens", default="8,16,42,64,128,512")
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--decode-first", type=int, default=48)
+ap.add_argument("--short-prompt", default=None, help="comma list of policy.short_prompt to A/B")
 args = ap.parse_args()
 
 loaded = open_model(args.model)
@@ -70,17 +73,22 @@ def once(n: int) -> dict:
             "slots": f"{slots0}->{slots1}->{rt.cache.slots[0]}", "captures": rt.captures - caps0}
 
 
+settings = ([int(x) for x in args.short_prompt.split(",")] if args.short_prompt
+            else [rt.policy.short_prompt])
+base = rt.policy
 once(16)   # kernels loaded, graphs of the first buckets captured
-rows: dict[int, list] = {n: [] for n in sizes}
+rows: dict[tuple, list] = {(sp, n): [] for sp in settings for n in sizes}
 for _ in range(args.reps):
-    for n in sizes:
-        rows[n].append(once(n))
+    for sp in settings:
+        rt.policy = base.with_(short_prompt=sp)
+        for n in sizes:
+            rows[sp, n].append(once(n))
 print(f"cap {args.vram / 2**30:.0f} GiB, decode-first {args.decode_first}; medians of {args.reps}")
-print(f"{'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'1st step':>9} {'step':>6} "
+print(f"{'short':>5} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'1st step':>9} {'step':>6} "
       f"{'streamed':>8}  slots (before->after prompt->after 9 steps), captures")
-for n, rs in rows.items():
+for (sp, n), rs in rows.items():
     med = lambda k: statistics.median(r[k] for r in rs)   # noqa: E731
-    print(f"{n:>6} {med('prefill_ms'):>10.1f} {n / med('prefill_ms') * 1e3:>7.0f} "
+    print(f"{sp:>5} {n:>6} {med('prefill_ms'):>10.1f} {n / med('prefill_ms') * 1e3:>7.0f} "
           f"{med('first_step_ms'):>9.1f} {med('step_ms'):>6.2f} {med('streamed'):>8.0f}  "
           f"{[r['slots'] for r in rs]} {[r['captures'] for r in rs]}")
 rt.close()

@@ -51,6 +51,9 @@ def _runtime(loaded, **kw):
     """open_runtime at 2 GiB, 6 slots a layer, 256 positions; OffloadPolicy fields go to the policy."""
     from moe_offload import OffloadPolicy, open_runtime
     policy = {k: kw.pop(k) for k in list(kw) if k in OffloadPolicy.__dataclass_fields__}
+    # the tests here check the prefill path (what it streams, what it borrows) with prompts
+    # short enough to go through decode steps by default: test_short_prompt_* checks those
+    policy.setdefault("short_prompt", 0)
     kw.setdefault("cache_slots", 6)
     return open_runtime(loaded, 2 << 30, policy=OffloadPolicy(**policy), ctx=kw.pop("n_ctx", 256),
                         **kw)
@@ -85,6 +88,44 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
         assert s["prefill_streamed"] > 0  # the prompt's other experts were streamed, not cached
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
+    """A prompt of at most policy.short_prompt tokens goes through decode steps of up to
+    max_tok tokens: nothing streamed through the staging, the prompt's experts counted as
+    decode selections (planned, fetched into the cache), nothing lent by the cache; logits
+    those of the all-on-GPU model and within rounding of the prefill path's, and the
+    same with all logits and the hidden states (the MTP head's input)."""
+    prompt, toks, ref = reference
+    c = loaded.config
+    rt = _runtime(loaded, short_prompt=64, use_graphs=graphs)
+    try:
+        assert PROMPT % rt.engine.max_tok   # a shorter last step is covered
+        out = _follow(rt, prompt, toks)
+        for i, (a, b) in enumerate(zip(out, ref)):
+            _close(a, b, f"step {i} (short prompt in decode steps)")
+        s = rt.stats().as_dict()
+        assert s["prefill_streamed"] == 0
+        assert s["selections"] == (PROMPT + STEPS) * c.n_layer * c.n_expert_used
+        assert rt.cache.slots == [6] * c.n_layer
+        st = rt.new_state(1, 256)
+        logits, hidden = rt.prefill(prompt, st, all_logits=True, hidden=True)
+        assert logits.shape == (1, PROMPT, c.n_vocab) and hidden.shape == (1, PROMPT, c.n_embd)
+        assert st.n_past == PROMPT
+        _close(logits[:, -1], ref[0], "the last of all logits")
+    finally:
+        rt.close()
+    rt = _runtime(loaded, short_prompt=0, use_graphs=graphs)   # the prefill path
+    try:
+        st = rt.new_state(1, 256)
+        plain, plain_hidden = rt.prefill(prompt, st, all_logits=True, hidden=True)
+        assert rt.stats().prefill_streamed > 0
+    finally:
+        rt.close()
+    for t in range(PROMPT):
+        _close(logits[:, t], plain[:, t], f"prompt position {t}: decode steps vs prefill path")
+    _close(hidden, plain_hidden, "hidden states: decode steps vs prefill path")
 
 
 def test_prefetch_changes_placement_not_results(loaded, reference):
