@@ -107,7 +107,10 @@ def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
             _close(a, b, f"step {i} (short prompt in decode steps)")
         s = rt.stats().as_dict()
         assert s["prefill_streamed"] == 0
-        assert s["selections"] == (PROMPT + STEPS) * c.n_layer * c.n_expert_used
+        # the prompt's selections are the decode path's (an expert two tokens of a step chose
+        # counts once)
+        assert STEPS * c.n_layer * c.n_expert_used < s["selections"] \
+            <= (PROMPT + STEPS) * c.n_layer * c.n_expert_used
         assert rt.cache.slots == [6] * c.n_layer
         st = rt.new_state(1, 256)
         logits, hidden = rt.prefill(prompt, st, all_logits=True, hidden=True)
