@@ -390,26 +390,27 @@ class OffloadRuntime:
 
     def _prefill_in_steps(self, tokens: torch.Tensor, state: State, all_logits: bool,
                           hidden: bool):
-        """A short prompt as eager decode steps of up to engine.max_tok tokens: each layer's
-        misses planned and fetched into the cache (or computed on the CPU) on the device, so
-        the host launches the steps back to back and waits once, at the end; the cache lends
-        nothing to a workspace, so decode after it starts on a full cache."""
+        """A short prompt as decode steps: engine.max_tok tokens at a time as verify steps (a
+        graph per attended length, like decode's), the last few tokens as decode steps (decode's
+        own graphs; verify steps where the hidden states are wanted). Each layer's misses are
+        planned and fetched into the cache (or computed on the CPU) on the device, with no host
+        sync, and the cache lends nothing to a workspace."""
         state.check_room(tokens.shape[1])
-        eng, step = self.engine, self.engine.max_tok
-        self.vram.regrow()   # the last prompt (or KV) borrowed from the cache: take it back
-        eng.position = state.pos
-        outs = []
-        for s in range(0, tokens.shape[1], step):
+        step, n = self.engine.max_tok, tokens.shape[1]
+        logits, states = [], []
+        for s in range(0, n, step):
             t = tokens[:, s:s + step]
-            self.vram.room_for_kv(state, state.attn_len(t.shape[1]))
-            eng.arm(t.shape[1])
-            with eng.decode_step():
-                outs.append(self.model.forward(t, state, last_only=not all_logits, hidden=hidden))
-            self._observe()
-        eng.settle()
-        logits = [o[0] for o in outs] if hidden else outs
-        logits = torch.cat(logits, dim=1) if all_logits else logits[-1][:, 0]
-        return (logits, torch.cat([o[1] for o in outs], dim=1)) if hidden else logits
+            if t.shape[1] == step or hidden:
+                lg, h = self.verify(t, state)
+                logits.append(lg if all_logits else lg[:, -1:])
+                states.append(h)
+            else:
+                for j in range(t.shape[1]):
+                    lg = self.decode(t[:, j], state)[:, None]
+                    if all_logits or j == t.shape[1] - 1:
+                        logits.append(lg)
+        out = torch.cat(logits, dim=1) if all_logits else logits[-1][:, 0]
+        return (out, torch.cat(states, dim=1)) if hidden else out
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         n, past = tokens.shape[1], state.n_past

@@ -192,13 +192,16 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
     B, T, _ = mix.shape
     hv, dk, dv = ssm_state.shape[1:]
     hk = n_k_heads
-    if steps is not None and T > 1:
+    # a few tokens on CUDA (a verify or prompt step of the offload runtime) go one at a time
+    # through decode's step kernels: the chunked form pads them to a whole chunk and runs a
+    # triangular solve of its size, several times slower for a decode step of 2-8 tokens
+    if T > 1 and (steps is not None or (T <= ops.DECODE_MAX_TOKENS and _kernel_for(mix))):
         outs = []
         for t in range(T):
             one = (u[:, t:t + 1].contiguous() for u in (mix, z, beta_raw, alpha_raw))
             outs.append(gated_delta_net(*one, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
                                         norm_w, n_k_heads, eps))
-            if t < T - 1:
+            if steps is not None and t < T - 1:
                 steps[0][t].copy_(conv_state)
                 steps[1][t].copy_(ssm_state)
         return torch.cat(outs, dim=1)

@@ -92,11 +92,11 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
-    """A prompt of at most policy.short_prompt tokens goes through decode steps of up to
-    max_tok tokens: nothing streamed through the staging, the prompt's experts counted as
-    decode selections (planned, fetched into the cache), nothing lent by the cache; logits
-    those of the all-on-GPU model and within rounding of the prefill path's, and the
-    same with all logits and the hidden states (the MTP head's input)."""
+    """A prompt of at most policy.short_prompt tokens goes through decode steps (max_tok tokens
+    a verify step, the rest one at a time): nothing streamed through the staging, the prompt's
+    experts planned as decode selections, nothing lent by the cache. Its logits are those of
+    the all-on-GPU model, and at every position those of decoding the prompt a token at a
+    time; with all logits and the hidden states (the MTP head's input) too."""
     prompt, toks, ref = reference
     c = loaded.config
     rt = _runtime(loaded, short_prompt=64, use_graphs=graphs)
@@ -112,23 +112,20 @@ def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
         assert STEPS * c.n_layer * c.n_expert_used < s["selections"] \
             <= (PROMPT + STEPS) * c.n_layer * c.n_expert_used
         assert rt.cache.slots == [6] * c.n_layer
+        for hidden in (False, True):
+            st = rt.new_state(1, 256)
+            got = rt.prefill(prompt, st, all_logits=True, hidden=hidden)
+            logits = got[0] if hidden else got
+            assert logits.shape == (1, PROMPT, c.n_vocab) and st.n_past == PROMPT
+            if hidden:
+                assert got[1].shape == (1, PROMPT, c.n_embd)
+            _close(logits[:, -1], ref[0], "the last of all logits")
         st = rt.new_state(1, 256)
-        logits, hidden = rt.prefill(prompt, st, all_logits=True, hidden=True)
-        assert logits.shape == (1, PROMPT, c.n_vocab) and hidden.shape == (1, PROMPT, c.n_embd)
-        assert st.n_past == PROMPT
-        _close(logits[:, -1], ref[0], "the last of all logits")
+        one = [rt.decode(prompt[:, i], st) for i in range(PROMPT)]
+        for i in range(PROMPT):
+            _close(logits[:, i], one[i], f"prompt position {i}: steps vs a token at a time")
     finally:
         rt.close()
-    rt = _runtime(loaded, short_prompt=0, use_graphs=graphs)   # the prefill path
-    try:
-        st = rt.new_state(1, 256)
-        plain, plain_hidden = rt.prefill(prompt, st, all_logits=True, hidden=True)
-        assert rt.stats().prefill_streamed > 0
-    finally:
-        rt.close()
-    for t in range(PROMPT):
-        _close(logits[:, t], plain[:, t], f"prompt position {t}: decode steps vs prefill path")
-    _close(hidden, plain_hidden, "hidden states: decode steps vs prefill path")
 
 
 def test_prefetch_changes_placement_not_results(loaded, reference):
