@@ -380,37 +380,37 @@ class OffloadRuntime:
         every position's final-normed hidden state [B, T, H] (the MTP head's input)."""
         chunk = chunk or self.policy.prefill_chunk
         n, past = tokens.shape[1], state.n_past
-        if n <= self.policy.short_prompt:
-            return self._prefill_in_steps(tokens, state, all_logits, hidden)
+        if n <= self.policy.short_prompt and not all_logits:
+            return self._prefill_in_steps(tokens, state, hidden)
         self._make_room(state, n, chunk, all_logits)
         with self._measured("prefill", n, past, chunk, all_logits):
             out = self.model.prefill(tokens, state, chunk, all_logits, hidden)
         self._lend_staging()
         return out
 
-    def _prefill_in_steps(self, tokens: torch.Tensor, state: State, all_logits: bool,
-                          hidden: bool):
+    def _prefill_in_steps(self, tokens: torch.Tensor, state: State, hidden: bool):
         """A short prompt as decode steps: engine.max_tok tokens at a time as verify steps (a
         graph per attended length, like decode's), the last few tokens as decode steps (decode's
         own graphs; verify steps where the hidden states are wanted). Each layer's misses are
         planned and fetched into the cache (or computed on the CPU) on the device, with no host
-        sync, and the cache lends nothing to a workspace."""
+        sync, and the cache lends nothing to a workspace. Only the last step's logits are kept:
+        decode's headroom under the cap holds one step's, not a prompt's."""
         state.check_room(tokens.shape[1])
         step, n = self.engine.max_tok, tokens.shape[1]
-        logits, states = [], []
+        states = []
         for s in range(0, n, step):
             t = tokens[:, s:s + step]
+            last = None   # the previous step's logits go before this step allocates its own
             if t.shape[1] == step or hidden:
                 lg, h = self.verify(t, state)
-                logits.append(lg if all_logits else lg[:, -1:])
+                last = lg[:, -1].clone()   # not a view that keeps all T rows
                 states.append(h)
+                del lg
             else:
                 for j in range(t.shape[1]):
-                    lg = self.decode(t[:, j], state)[:, None]
-                    if all_logits or j == t.shape[1] - 1:
-                        logits.append(lg)
-        out = torch.cat(logits, dim=1) if all_logits else logits[-1][:, 0]
-        return (out, torch.cat(states, dim=1)) if hidden else out
+                    last = None
+                    last = self.decode(t[:, j], state)
+        return (last, torch.cat(states, dim=1)) if hidden else last
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         n, past = tokens.shape[1], state.n_past

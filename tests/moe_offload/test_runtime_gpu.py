@@ -95,8 +95,8 @@ def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
     """A prompt of at most policy.short_prompt tokens goes through decode steps (max_tok tokens
     a verify step, the rest one at a time): nothing streamed through the staging, the prompt's
     experts planned as decode selections, nothing lent by the cache. Its logits are those of
-    the all-on-GPU model, and at every position those of decoding the prompt a token at a
-    time; with all logits and the hidden states (the MTP head's input) too."""
+    the all-on-GPU model, and at every length those of decoding the prompt a token at a
+    time; with the hidden states (the MTP head's input) too. All logits take the prefill path."""
     prompt, toks, ref = reference
     c = loaded.config
     rt = _runtime(loaded, short_prompt=64, use_graphs=graphs)
@@ -112,18 +112,21 @@ def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
         assert STEPS * c.n_layer * c.n_expert_used < s["selections"] \
             <= (PROMPT + STEPS) * c.n_layer * c.n_expert_used
         assert rt.cache.slots == [6] * c.n_layer
-        for hidden in (False, True):
-            st = rt.new_state(1, 256)
-            got = rt.prefill(prompt, st, all_logits=True, hidden=hidden)
-            logits = got[0] if hidden else got
-            assert logits.shape == (1, PROMPT, c.n_vocab) and st.n_past == PROMPT
-            if hidden:
-                assert got[1].shape == (1, PROMPT, c.n_embd)
-            _close(logits[:, -1], ref[0], "the last of all logits")
+        st = rt.new_state(1, 256)   # with the hidden states (the MTP head's input)
+        logits, hidden = rt.prefill(prompt, st, hidden=True)
+        assert logits.shape == (1, c.n_vocab) and hidden.shape == (1, PROMPT, c.n_embd)
+        assert st.n_past == PROMPT and rt.stats().prefill_streamed == 0
+        _close(logits, ref[0], "the last logits, with the hidden states")
+        # every position against the prompt decoded a token at a time (same kernels but the
+        # pool kernel's token count)
         st = rt.new_state(1, 256)
-        one = [rt.decode(prompt[:, i], st) for i in range(PROMPT)]
-        for i in range(PROMPT):
-            _close(logits[:, i], one[i], f"prompt position {i}: steps vs a token at a time")
+        one = torch.stack([rt.decode(prompt[:, i], st)[0] for i in range(PROMPT)])
+        for n in (1, 7, 8, 9, 16, PROMPT):
+            st = rt.new_state(1, 256)
+            _close(rt.prefill(prompt[:, :n], st)[0], one[n - 1], f"a prompt of {n} tokens")
+        st = rt.new_state(1, 256)   # all logits: the prefill path (decode's headroom holds a step's)
+        assert rt.prefill(prompt, st, all_logits=True).shape == (1, PROMPT, c.n_vocab)
+        assert rt.stats().prefill_streamed > 0
     finally:
         rt.close()
 
