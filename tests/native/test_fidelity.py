@@ -18,6 +18,7 @@ from native import ops
 from native.numerics import emulate, gemm16_round, q8_round
 
 QUANTIZED = [n for n, q in QUANT_TYPES.items() if q.family != "float"]
+DRAWS = 8   # (W, x) pairs a fidelity comparison sums its errors over
 
 
 def test_rows_to_f16_reference_scales_only_rows_that_would_overflow():
@@ -54,17 +55,24 @@ def _rms_rel(err: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_prefill_operands_no_less_faithful_than_ggml_q8(name, kind):
     """y = x W^T with the prefill GEMM's 16-bit operands vs ggml's q8 activations, both against
-    the exact product of the same weights: the 16-bit error must not exceed the q8 error."""
+    the exact product of the same weights: over DRAWS independent draws of (W, x), the 16-bit
+    error must not exceed the q8 error. One draw alone can lose: W rounded to f16 keeps only
+    absolute precision below f16's smallest normal (6e-5), and a rare outlier activation
+    (~1.5e5 in "range") multiplies that into one row's error (Q4_K: about 1 draw in 2,000)."""
     q = quant_type(name)
     rng = rng_for("prefill-vs-q8", name, kind)
     o, h, t = 96, 8 * max(32, q.block_elems), 12
-    w = torch.from_numpy(dequantize_reference(random_tensor(q, (o, h), rng), q, (o, h)).astype(np.float64))
-    x = torch.from_numpy(_activations(rng, t, h, kind))
-    ref = x.double() @ w.T
-    err_q8 = _rms_rel(q8_round(x) @ w.T - ref, ref)
-    y16 = gemm16_round(x, ops.PREFILL_DTYPE) @ w.to(ops.PREFILL_DTYPE).double().T
-    assert torch.isfinite(y16).all(), f"{name} {kind}: the 16-bit GEMM overflowed (seed {SEED})"
-    err16 = _rms_rel(y16 - ref, ref)
+    err_q8, err16, norm = 0.0, 0.0, 0.0
+    for _ in range(DRAWS):
+        w = torch.from_numpy(dequantize_reference(random_tensor(q, (o, h), rng), q, (o, h)).astype(np.float64))
+        x = torch.from_numpy(_activations(rng, t, h, kind))
+        ref = x.double() @ w.T
+        y16 = gemm16_round(x, ops.PREFILL_DTYPE) @ w.to(ops.PREFILL_DTYPE).double().T
+        assert torch.isfinite(y16).all(), f"{name} {kind}: the 16-bit GEMM overflowed (seed {SEED})"
+        err_q8 += float((q8_round(x) @ w.T - ref).pow(2).sum())
+        err16 += float((y16 - ref).pow(2).sum())
+        norm += float(ref.pow(2).sum())
+    err_q8, err16 = (err_q8 / norm) ** 0.5, (err16 / norm) ** 0.5
     assert err16 <= err_q8, f"{name} {kind}: 16-bit error {err16:.3g} > q8 error {err_q8:.3g} (seed {SEED})"
 
 
