@@ -235,6 +235,8 @@ class Qwen35Moe:
         return logits
 
     def _decode_many_per_op(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
+        """decode_many a kernel call at a time (what DecodePlan.run_many mirrors) -> logits [B, V];
+        the caller advances the states."""
         c = self.config
         B, H, eps = tokens.shape[0], c.n_embd, c.rms_eps
         one = torch.arange(1, device=self.device)
