@@ -6,6 +6,8 @@ runs the whole token -- every layer, the final norm and the head -- in one call 
 released, calling the same kernels in the same order with the same arguments, so its logits are
 the per-op path's bits. A plan is built once per (model, State) from the raw pointers of the
 weights and of the State's conv/ssm/KV tensors, and kept while the State lives.
+Qwen35Moe.decode_many (a token for each of B single-sequence States) runs in one call as well:
+`DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`).
 
 `loop_for` returns None wherever the per-op path must run: another device, a batch, kept
 delta-net steps (speculative decoding), step kernels off (`layers.STEP_KERNELS`), native kernels
@@ -43,6 +45,30 @@ class DecodeLoop:
         logits = torch.empty(1, 1, self.n_vocab, dtype=torch.float32)
         self.plan.run(int(tokens), state.n_past, state.attn_len(1), logits.data_ptr())
         return logits
+
+
+class ManyLoop:
+    """decode_many's native call over its States' plans: tokens [B] -> logits [B, V]."""
+
+    def __init__(self, loops: list[DecodeLoop]):
+        self.loops = loops
+
+    def __call__(self, tokens: torch.Tensor, states) -> torch.Tensor:
+        logits = torch.empty(len(states), self.loops[0].n_vocab, dtype=torch.float32)
+        ops._cpu.DecodePlan.run_many([loop.plan for loop in self.loops], tokens.tolist(),
+                                     [st.n_past for st in states], [st.attn_len(1) for st in states],
+                                     logits.data_ptr())
+        return logits
+
+
+def loop_many_for(model, states) -> ManyLoop | None:
+    """decode_many's loop over `states` (one plan each, see loop_for); None: use the per-op path
+    (also where any state's token would take it, or for more states than a call takes)."""
+    plan = getattr(ops._cpu, "DecodePlan", None)
+    if not (hasattr(plan, "run_many") and len(states) <= plan.MAX_SEQUENCES):
+        return None
+    loops = [loop_for(model, st) for st in states]
+    return None if any(loop is None for loop in loops) else ManyLoop(loops)
 
 
 def loop_for(model, state) -> DecodeLoop | None:

@@ -131,7 +131,8 @@ class Qwen35Moe:
 
     def decode_path(self, state: State) -> str:
         """How a decode token of `state` runs: "native loop" (one native call, decode_loop.py)
-        or "per-op" (a kernel call at a time from Python)."""
+        or "per-op" (a kernel call at a time from Python). decode_many takes the native loop
+        when every one of its states does."""
         return "native loop" if decode_loop.loop_for(self, state) is not None else "per-op"
 
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
@@ -225,6 +226,19 @@ class Qwen35Moe:
                                f"{B} tokens and {len(states)} states")
         for st in states:
             st.check_room(1)
+        loop = decode_loop.loop_many_for(self, states)
+        # on the CPU the whole step in one native call, the same bits
+        logits = loop(tokens, states) if loop is not None else self._decode_many_per_op(tokens, states)
+        for st in states:
+            st.advance(1)
+            st.steps_taken = 0   # no per-token states kept: nothing to rewind into
+        return logits
+
+    def _decode_many_per_op(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
+        """decode_many a kernel call at a time (what DecodePlan.run_many mirrors) -> logits [B, V];
+        the caller advances the states."""
+        c = self.config
+        B, H, eps = tokens.shape[0], c.n_embd, c.rms_eps
         one = torch.arange(1, device=self.device)
         pos = [st.pos + one for st in states]                                   # B x [1]
         n_attn = [st.attn_len(1) for st in states]
@@ -249,9 +263,6 @@ class Qwen35Moe:
             f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B, H))
             moe_out = self._moe(L, self.experts[i], f)
         h = residual_rms_norm(x, self.out_norm, eps, *moe_out)                  # [B, H]
-        for st in states:
-            st.advance(1)
-            st.steps_taken = 0   # no per-token states kept: nothing to rewind into
         return _mm(h, self.head)
 
     def _attention_in(self, L, a) -> list[torch.Tensor]:

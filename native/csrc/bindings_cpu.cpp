@@ -328,6 +328,9 @@ PYBIND11_MODULE(_cpu, m) {
     //       (type_id, w, n_out, row_stride), expert banks as (type_id, base, expert_stride); the
     //       caller keeps every buffer alive while the plan lives (moe_offload/models/decode_loop.py)
     //   .run(token, pos, n_attn, logits)   one token (GIL released): logits f32 [n_vocab]
+    //   DecodePlan.run_many(plans, tokens, pos, n_attn, logits)   a token for each of B sequences,
+    //       plan b holding sequence b's State, all of one model (GIL released): logits [B, n_vocab]
+    //   DecodePlan.MAX_SEQUENCES   run_many's largest B
     py::class_<cpu::DecodePlan>(m, "DecodePlan")
         .def(py::init([](const py::dict& model, const py::list& layers) {
                  auto mat = [](const py::handle& h) {
@@ -388,7 +391,17 @@ PYBIND11_MODULE(_cpu, m) {
              [](cpu::DecodePlan& p, int64_t token, int64_t pos, int64_t n_attn, uintptr_t logits) {
                  p.run(token, pos, n_attn, ptr<float>(logits));
              },
-             py::arg("token"), py::arg("pos"), py::arg("n_attn"), py::arg("logits"), release);
+             py::arg("token"), py::arg("pos"), py::arg("n_attn"), py::arg("logits"), release)
+        .def_static(
+            "run_many",
+            [](const std::vector<cpu::DecodePlan*>& plans, const std::vector<int64_t>& tokens,
+               const std::vector<int64_t>& pos, const std::vector<int64_t>& n_attn, uintptr_t logits) {
+                if (tokens.size() != plans.size() || pos.size() != plans.size() || n_attn.size() != plans.size())
+                    throw std::invalid_argument("DecodePlan.run_many: one token, pos and n_attn per plan");
+                cpu::DecodePlan::run_many(plans, tokens.data(), pos.data(), n_attn.data(), ptr<float>(logits));
+            },
+            py::arg("plans"), py::arg("tokens"), py::arg("pos"), py::arg("n_attn"), py::arg("logits"), release)
+        .def_readonly_static("MAX_SEQUENCES", &cpu::DecodePlan::kMaxSequences);
 
     py::class_<cpu::OffloadWorker>(m, "OffloadWorker")
         .def(py::init([](const py::dict& exchange, const py::list& layers, int64_t timeout_ms) {

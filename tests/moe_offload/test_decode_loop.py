@@ -1,7 +1,7 @@
 """The CPU decode loop (models/decode_loop.py, native/csrc/cpu/decode_loop.cpp): a B = 1, T = 1
-token in one native call gives the per-op path's logits bit for bit (torch.equal) and leaves
-the same state, on every weight type mix and every ISA this CPU runs; where the plan does not
-mirror the per-op path, the per-op path runs."""
+token, or a decode_many step of B sequences, in one native call gives the per-op path's logits
+bit for bit (torch.equal) and leaves the same state, on every weight type mix and every ISA this
+CPU runs; where the plan does not mirror the per-op path, the per-op path runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +52,30 @@ def loop_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def many_calls(monkeypatch):
+    """How many decode_many steps the native loop ran."""
+    calls = []
+    run = decode_loop.ManyLoop.__call__
+    monkeypatch.setattr(decode_loop.ManyLoop, "__call__",
+                        lambda self, *a: (calls.append(1), run(self, *a))[1])
+    return calls
+
+
+def _per_op(fn, *args):
+    decode_loop.ENABLED = False
+    try:
+        return fn(*args)
+    finally:
+        decode_loop.ENABLED = True
+
+
+def _assert_same_states(on, off):
+    for name in ("conv", "ssm", "k", "v"):
+        for i, t in getattr(on, name).items():
+            assert torch.equal(t, getattr(off, name)[i]), (name, i)
+
+
 def _lockstep(model, steps=16, prompt=PROMPT):
     """Two states fed the same tokens, one through the loop and one through the per-op path:
     every step's logits equal, then the states."""
@@ -60,17 +84,32 @@ def _lockstep(model, steps=16, prompt=PROMPT):
     tok = model.prefill(torch.tensor([prompt]), on).argmax(-1)
     for _ in range(steps):
         a = model.decode(tok, on)
-        decode_loop.ENABLED = False
-        try:
-            b = model.decode(tok, off)
-        finally:
-            decode_loop.ENABLED = True
+        b = _per_op(model.decode, tok, off)
         assert torch.equal(a, b)
         tok = a.argmax(-1)
     assert on.n_past == off.n_past == len(prompt) + steps and int(on.pos) == on.n_past
-    for name in ("conv", "ssm", "k", "v"):
-        for i, t in getattr(on, name).items():
-            assert torch.equal(t, getattr(off, name)[i]), (name, i)
+    _assert_same_states(on, off)
+
+
+MANY_PROMPTS = [PROMPT, [9, 4], list(range(30, 43)), [77]]   # each sequence at its own position
+
+
+def _lockstep_many(model, prompts, steps=12):
+    """decode_many over len(prompts) states through the loop and over a copy through the
+    per-op path: every step's logits equal, then every state."""
+    on, off = ([model.new_state(1, 64) for _ in prompts] for _ in range(2))
+    for p, a, b in zip(prompts, on, off):
+        model.prefill(torch.tensor([p]), b)
+        model.prefill(torch.tensor([p]), a)
+    tok = torch.tensor([p[0] for p in prompts])
+    for _ in range(steps):
+        a = model.decode_many(tok, on)
+        b = _per_op(model.decode_many, tok, off)
+        assert torch.equal(a, b)
+        tok = a.argmax(-1)
+    for p, a, b in zip(prompts, on, off):
+        assert a.n_past == b.n_past == len(p) + steps and int(a.pos) == a.n_past
+        _assert_same_states(a, b)
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
@@ -148,3 +187,41 @@ def test_a_plan_follows_the_experts_it_was_built_for(models, loop_calls):
         assert decode_loop.loop_for(model, st) is None
     finally:
         model.experts[0] = old
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("n_seq", [2, 4])
+@pytest.mark.parametrize("types", ["Q4_K", "IQ3_S", "mixed"])
+def test_decode_many_loop_is_the_per_op_path_bit_for_bit(models, types, n_seq, isa_name, isa, many_calls):
+    isa(isa_name)
+    _lockstep_many(models[types], MANY_PROMPTS[:n_seq])
+    assert len(many_calls) == 12
+
+
+def test_decode_many_without_shared_expert_and_tied_head(synth_model, many_calls):
+    loaded = open_model(synth_model(seed=1, **TYPES["mixed"]))
+    _lockstep_many(_variant(loaded, lambda k: k.endswith("_shexp.weight")), MANY_PROMPTS[:3], steps=4)
+    _lockstep_many(_variant(loaded, lambda k: k == "output.weight"), MANY_PROMPTS[:3], steps=4)
+    assert len(many_calls) == 8
+
+
+def test_decode_many_takes_the_per_op_path_unless_every_state_takes_the_loop(models, many_calls):
+    model = models["Q4_K"]
+    tok = torch.tensor([3, 4])
+    kept = model.new_state(1, 64)
+    kept.keep_steps(2)                                        # speculative decoding
+    model.decode_many(tok, [model.new_state(1, 64), kept])
+    model.decode_many(tok, [model.new_state(1, 64, kv_dtype=torch.float16), model.new_state(1, 64)])
+    _per_op(model.decode_many, tok, [model.new_state(1, 64), model.new_state(1, 64)])
+    assert many_calls == []
+    model.decode_many(tok, [model.new_state(1, 64), model.new_state(1, 64)])
+    assert many_calls == [1]
+
+
+def test_run_many_takes_one_models_plans(models):
+    a, b = models["Q4_K"], models["Q8_0"]
+    sa, sb = a.new_state(1, 64), b.new_state(1, 64)
+    plans = [decode_loop.loop_for(a, sa).plan, decode_loop.loop_for(b, sb).plan]
+    logits = torch.empty(2, a.head.shape[0])
+    with pytest.raises(ValueError, match="not of one model's weights"):
+        ops._cpu.DecodePlan.run_many(plans, [3, 4], [0, 0], [1, 1], logits.data_ptr())

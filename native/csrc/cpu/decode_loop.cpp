@@ -1,17 +1,44 @@
-// One CPU decode token in one call (decode_loop.h): the layer loop of Qwen35Moe.forward for
-// B = 1, T = 1 without Python between the ops. Each step below names the Python it mirrors; the
-// arguments (row strides included) are those the ops.py wrappers pass, so that every kernel
-// sees the same call and the logits are the same bits. The pool's threads are held awake for
-// the whole token, as ops.cpu_threads_held does around a Python forward.
+// CPU decode tokens in one call (decode_loop.h): the layer loop of Qwen35Moe.forward for B = 1,
+// T = 1, and of Qwen35Moe.decode_many for B sequences, without Python between the ops. One code
+// path serves both: forward's token is decode_many's with one row. Each step below names the
+// Python it mirrors; the arguments (row strides included) are those the ops.py wrappers pass,
+// so that every kernel sees the same call and the logits are the same bits. The pool's threads
+// are held awake for the whole token, as ops.cpu_threads_held does around a Python forward.
 #include "decode_loop.h"
 
 #include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <stdexcept>
+#include <string>
+#include <tuple>
 
 namespace ft::cpu {
+
+// what run_many's plans must share: the weights (the States' pointers and n_ctx may differ)
+static bool operator==(const MatW& a, const MatW& b) {
+    return std::tie(a.type_id, a.w, a.n_out, a.row_stride) == std::tie(b.type_id, b.w, b.n_out, b.row_stride);
+}
+static bool operator==(const Bank& a, const Bank& b) {
+    return std::tie(a.type_id, a.base, a.expert_stride) == std::tie(b.type_id, b.base, b.expert_stride);
+}
+
 namespace {
+
+auto weights_of(const DecodeModel& m) {
+    return std::tie(m.n_embd, m.n_vocab, m.eps, m.n_expert, m.top_k, m.expert_floor, m.ssm_hk, m.ssm_hv, m.ssm_dk,
+                    m.ssm_dv, m.n_head, m.n_head_kv, m.head_dim, m.n_rot, m.inv_freq, m.embd_type, m.embd,
+                    m.embd_row_bytes, m.out_norm, m.head);
+}
+
+auto weights_of(const DecodeLayer& L) {
+    return std::tie(L.recurrent, L.attn_norm, L.post_norm, L.mixer_in, L.mixer_out, L.conv_w, L.conv_kc, L.ssm_a,
+                    L.dt_bias, L.ssm_norm, L.q_norm, L.k_norm, L.ffn_in, L.shared_down, L.gate, L.up, L.down, L.n_ff,
+                    L.n_bank_experts);
+}
+
+// ops._ld: the row stride a wrapper passes for `rows` rows of n floats, ld apart (one row: n)
+int64_t ld_of(int64_t rows, int64_t n, int64_t ld) { return rows > 1 ? ld : n; }
 
 int64_t total_out(const std::vector<MatW>& ws) {
     return std::accumulate(ws.begin(), ws.end(), int64_t(0), [](int64_t s, const MatW& w) { return s + w.n_out; });
@@ -34,7 +61,7 @@ DecodePlan::DecodePlan(const DecodeModel& model, std::vector<DecodeLayer> layers
     const int64_t H = m.n_embd, hqd = m.n_head * m.head_dim, hvdv = m.ssm_hv * m.ssm_dv;
     if (H <= 0 || layers_.empty() || m.top_k <= 0 || m.head.n_out != m.n_vocab || !m.embd || !m.out_norm)
         throw std::invalid_argument("DecodePlan: needs layers, n_embd > 0, top_k > 0 and a head of n_vocab rows");
-    int64_t proj = 0, conv = 0, ffn = 0, shared_ff = 0;
+    Widths& w = widths_;
     for (const DecodeLayer& L : layers_) {
         const int64_t in = total_out(L.mixer_in);
         const bool ok_mixer = L.recurrent
@@ -47,98 +74,154 @@ DecodePlan::DecodePlan(const DecodeModel& model, std::vector<DecodeLayer> layers
             L.ffn_in[0].n_out < m.n_expert || (shared && (L.ffn_in[1].n_out != 1 || L.shared_down.n_out != H ||
                                                           L.ffn_in[2].n_out != L.ffn_in[3].n_out)))
             throw std::invalid_argument("DecodePlan: a layer's projections do not fit the model's shapes");
-        proj = std::max(proj, in);
-        if (L.recurrent) conv = std::max(conv, L.mixer_in[0].n_out);
-        ffn = std::max(ffn, total_out(L.ffn_in));
-        if (shared) shared_ff = std::max(shared_ff, L.ffn_in[2].n_out);
+        w.proj = std::max(w.proj, in);
+        if (L.recurrent) w.conv = std::max(w.conv, L.mixer_in[0].n_out);
+        w.ffn = std::max(w.ffn, total_out(L.ffn_in));
+        if (shared) w.shared_ff = std::max(w.shared_ff, L.ffn_in[2].n_out);
     }
-    const size_t sizes[] = {size_t(H), size_t(H), size_t(proj), size_t(conv), size_t(std::max(hqd, hvdv)),
-                            size_t(H), size_t(ffn), size_t(H), size_t(shared_ff), size_t(H), size_t(m.top_k),
-                            size_t(hqd), size_t(m.top_k), size_t((m.embd_row_bytes + 3) / 4)};
-    for (size_t n : sizes) arena_size_ += aligned(n);
-    arena_.reset(new float[arena_size_ + kAlign]);
-    size_t i = 0;
-    for (float** p : {&x_, &norm_, &proj_, &conv_y_, &mix_, &mix_out_, &ffn_, &experts_out_, &swiglu_,
-                      &shared_out_, &expert_w_, &q_work_})
-        *p = scratch(sizes[i++]);
-    expert_ids_ = reinterpret_cast<int32_t*>(scratch(sizes[i++]));
-    embd_row_ = reinterpret_cast<uint8_t*>(scratch(sizes[i++]));
+    scratch_ = std::make_unique<Scratch>(m, widths_, 1);
 }
 
-float* DecodePlan::scratch(size_t n) {
-    const uintptr_t base = reinterpret_cast<uintptr_t>(arena_.get());
-    float* aligned_base = reinterpret_cast<float*>((base + 63) / 64 * 64);
-    float* p = aligned_base + arena_used_;
-    arena_used_ += aligned(n);
-    return p;
+DecodePlan::Scratch::Scratch(const DecodeModel& m, const Widths& w, int64_t rows) : rows(rows) {
+    const size_t B = size_t(rows), H = size_t(m.n_embd), K = size_t(m.top_k);
+    const size_t mixer = size_t(std::max(m.n_head * m.head_dim, m.ssm_hv * m.ssm_dv));
+    const size_t sizes[] = {B * H, B * H, B * size_t(w.proj), B * mixer, B * H, B * size_t(w.ffn), B * H,
+                            B * size_t(w.shared_ff), B * H, B * K, size_t(w.conv), size_t(m.n_head * m.head_dim),
+                            mixer, B * K, (B * size_t(m.embd_row_bytes) + 3) / 4};
+    size_t total = 0;
+    for (size_t n : sizes) total += aligned(n);
+    arena.reset(new float[total + kAlign]);
+    float* next = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(arena.get()) + 63) / 64 * 64);
+    size_t i = 0;
+    auto piece = [&] {
+        float* p = next;
+        next += aligned(sizes[i++]);
+        return p;
+    };
+    for (float** p : {&x, &norm, &proj, &mix, &mix_out, &ffn, &experts_out, &swiglu, &shared_out, &expert_w,
+                      &conv_y, &q_work, &mix_one})
+        *p = piece();
+    expert_ids = reinterpret_cast<int32_t*>(piece());
+    embd_rows = reinterpret_cast<uint8_t*>(piece());
+}
+
+bool DecodePlan::shares_weights(const DecodePlan& other) const {
+    return weights_of(m_) == weights_of(other.m_) &&
+           std::equal(layers_.begin(), layers_.end(), other.layers_.begin(), other.layers_.end(),
+                      [](const DecodeLayer& a, const DecodeLayer& b) { return weights_of(a) == weights_of(b); });
+}
+
+void DecodePlan::check_token(int64_t token, int64_t pos, int64_t n_attn) const {
+    if (token < 0 || token >= m_.n_vocab) throw std::invalid_argument("DecodePlan: token id out of range");
+    if (pos < 0 || pos + 1 > std::min(n_attn, m_.n_ctx))
+        throw std::invalid_argument("DecodePlan: no cache row for the token (pos >= n_attn or n_ctx)");
 }
 
 void DecodePlan::run(int64_t token, int64_t pos, int64_t n_attn, float* logits) {
-    const DecodeModel& m = m_;
-    const int64_t H = m.n_embd;
-    if (token < 0 || token >= m.n_vocab) throw std::invalid_argument("DecodePlan.run: token id out of range");
-    if (pos < 0 || pos + 1 > std::min(n_attn, m.n_ctx))
-        throw std::invalid_argument("DecodePlan.run: no cache row for the token (pos >= n_attn or n_ctx)");
-    HeldThreads held;
-    // x = ops.dequantize(embd.data[token], ...): the row copied out first, as the gather does
-    std::memcpy(embd_row_, m.embd + token * m.embd_row_bytes, size_t(m.embd_row_bytes));
-    dequantize(m.embd_type, embd_row_, 1, H, m.embd_row_bytes, x_, 0);
-    Residual add;  // the previous layer's (routed, shared, shared gate): none before layer 0
-    for (const DecodeLayer& L : layers_) {
-        residual_rms_norm(x_, 1, H, add.a, add.lda, add.b, add.ldb, add.s, add.lds, L.attn_norm, m.eps, norm_);
-        if (L.recurrent)
-            delta_net(L);
-        else
-            attention(L, pos, n_attn);
-        residual_rms_norm(x_, 1, H, mix_out_, H, nullptr, 0, nullptr, 0, L.post_norm, m.eps, norm_);
-        add = feed_forward(L);
+    check_token(token, pos, n_attn);
+    forward({this}, &token, &pos, &n_attn, logits);
+}
+
+void DecodePlan::run_many(const std::vector<DecodePlan*>& plans, const int64_t* tokens, const int64_t* pos,
+                          const int64_t* n_attn, float* logits) {
+    if (plans.empty() || int64_t(plans.size()) > kMaxSequences)
+        throw std::invalid_argument("DecodePlan.run_many: 1 to " + std::to_string(kMaxSequences) + " sequences");
+    for (size_t b = 0; b < plans.size(); ++b) {
+        if (!plans[b] || !plans[0]->shares_weights(*plans[b]))
+            throw std::invalid_argument("DecodePlan.run_many: the plans are not of one model's weights");
+        plans[b]->check_token(tokens[b], pos[b], n_attn[b]);
     }
-    residual_rms_norm(x_, 1, H, add.a, add.lda, add.b, add.ldb, add.s, add.lds, m.out_norm, m.eps, norm_);
-    matmul_multi(&m.head, 1, H, norm_, 1, logits, m.n_vocab);  // _mm(h, self.head)
+    plans[0]->forward(plans, tokens, pos, n_attn, logits);
 }
 
-// Qwen35Moe._delta_net -> layers.gated_delta_net -> ops.cpu_conv_silu, ops.cpu_delta_rule
-void DecodePlan::delta_net(const DecodeLayer& L) {
+// Qwen35Moe.decode_many (forward for one sequence): the weights are this plan's, sequence b's
+// states plans[b]'s
+void DecodePlan::forward(const std::vector<DecodePlan*>& plans, const int64_t* tokens, const int64_t* pos,
+                         const int64_t* n_attn, float* logits) {
     const DecodeModel& m = m_;
-    const int64_t total = total_out(L.mixer_in), C = L.mixer_in[0].n_out, Z = L.mixer_in[1].n_out;
-    const int64_t G = L.mixer_in[2].n_out;
-    matmul_multi(L.mixer_in.data(), 4, m.n_embd, norm_, 1, proj_, total);  // mix | z | beta | alpha
-    const float *z = proj_ + C, *beta = z + Z, *alpha = beta + G;
-    conv_silu_seq(proj_, C, L.conv_state, L.conv_w, 1, 1, C, L.conv_kc, conv_y_);
-    delta_rule_seq(conv_y_, C, z, Z, beta, alpha, G, L.ssm_a, L.dt_bias, L.ssm_state, L.ssm_norm, 1, 1,
-                   m.ssm_hk, m.ssm_hv, m.ssm_dk, m.ssm_dv, m.eps, mix_);
-    matmul_multi(&L.mixer_out, 1, m.ssm_hv * m.ssm_dv, mix_, 1, mix_out_, m.n_embd);
+    const int64_t H = m.n_embd, B = int64_t(plans.size());
+    if (scratch_->rows < B) scratch_ = std::make_unique<Scratch>(m, widths_, B);
+    Scratch& s = *scratch_;
+    HeldThreads held;
+    // x = ops.dequantize(embd.data[tokens], ...): the rows gathered first, as the indexing does
+    for (int64_t b = 0; b < B; ++b)
+        std::memcpy(s.embd_rows + b * m.embd_row_bytes, m.embd + tokens[b] * m.embd_row_bytes,
+                    size_t(m.embd_row_bytes));
+    dequantize(m.embd_type, s.embd_rows, B, H, m.embd_row_bytes, s.x, 0);
+    Residual add;  // the previous layer's (routed, shared, shared gate): none before layer 0
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        const DecodeLayer& L = layers_[i];
+        residual_rms_norm(s.x, B, H, add.a, add.lda, add.b, add.ldb, add.s, add.lds, L.attn_norm, m.eps, s.norm);
+        if (L.recurrent)
+            delta_net(i, plans, s);
+        else
+            attention(i, plans, pos, n_attn, s);
+        residual_rms_norm(s.x, B, H, s.mix_out, H, nullptr, 0, nullptr, 0, L.post_norm, m.eps, s.norm);
+        add = feed_forward(L, B, s);
+    }
+    residual_rms_norm(s.x, B, H, add.a, add.lda, add.b, add.ldb, add.s, add.lds, m.out_norm, m.eps, s.norm);
+    matmul_multi(&m.head, 1, H, s.norm, B, logits, m.n_vocab);  // _mm(h, self.head)
 }
 
-// Qwen35Moe._attention -> layers.gated_attention -> ops.cpu_gated_attention
-void DecodePlan::attention(const DecodeLayer& L, int64_t pos, int64_t n_attn) {
+// the B rows' projections, then per sequence layers.gated_delta_net -> ops.cpu_conv_silu,
+// ops.cpu_delta_rule on its row (a one-row view of the projections), into a fresh buffer that
+// torch.cat copies into the batch's rows; then the output projection
+void DecodePlan::delta_net(size_t layer, const std::vector<DecodePlan*>& plans, Scratch& s) {
     const DecodeModel& m = m_;
+    const DecodeLayer& L = layers_[layer];
+    const int64_t B = int64_t(plans.size()), total = total_out(L.mixer_in), C = L.mixer_in[0].n_out;
+    const int64_t Z = L.mixer_in[1].n_out, G = L.mixer_in[2].n_out, hvdv = m.ssm_hv * m.ssm_dv;
+    matmul_multi(L.mixer_in.data(), 4, m.n_embd, s.norm, B, s.proj, total);  // mix | z | beta | alpha
+    for (int64_t b = 0; b < B; ++b) {
+        const DecodeLayer& state = plans[b]->layers_[layer];
+        const float *mix = s.proj + b * total, *z = mix + C, *beta = z + Z, *alpha = beta + G;
+        conv_silu_seq(mix, C, state.conv_state, L.conv_w, 1, 1, C, L.conv_kc, s.conv_y);
+        delta_rule_seq(s.conv_y, C, z, Z, beta, alpha, G, L.ssm_a, L.dt_bias, state.ssm_state, L.ssm_norm, 1, 1,
+                       m.ssm_hk, m.ssm_hv, m.ssm_dk, m.ssm_dv, m.eps, s.mix_one);
+        std::memcpy(s.mix + b * hvdv, s.mix_one, size_t(hvdv) * sizeof(float));
+    }
+    matmul_multi(&L.mixer_out, 1, hvdv, s.mix, B, s.mix_out, m.n_embd);
+}
+
+// Qwen35Moe._attention_in on the B rows, then per sequence layers.gated_attention ->
+// ops.cpu_gated_attention on its row (torch.cat as in delta_net); then the output projection
+void DecodePlan::attention(size_t layer, const std::vector<DecodePlan*>& plans, const int64_t* pos,
+                           const int64_t* n_attn, Scratch& s) {
+    const DecodeModel& m = m_;
+    const DecodeLayer& L = layers_[layer];
+    const int64_t B = int64_t(plans.size()), total = total_out(L.mixer_in);
     const int64_t hqd = m.n_head * m.head_dim, kvd = m.n_head_kv * m.head_dim;
-    matmul_multi(L.mixer_in.data(), int(L.mixer_in.size()), m.n_embd, norm_, 1, proj_, total_out(L.mixer_in));
-    const float *k = proj_ + 2 * hqd, *v = k + kvd;  // qg | k | v
-    gated_attention(proj_, 2 * hqd, k, v, kvd, L.q_norm, L.k_norm, m.eps, pos, 1, m.n_head, m.n_head_kv,
-                    m.head_dim, m.n_rot, m.inv_freq, L.k_cache, L.v_cache, n_attn, q_work_, mix_);
-    matmul_multi(&L.mixer_out, 1, hqd, mix_, 1, mix_out_, m.n_embd);
+    matmul_multi(L.mixer_in.data(), int(L.mixer_in.size()), m.n_embd, s.norm, B, s.proj, total);
+    for (int64_t b = 0; b < B; ++b) {
+        const DecodeLayer& state = plans[b]->layers_[layer];
+        const float *qg = s.proj + b * total, *k = qg + 2 * hqd, *v = k + kvd;  // qg | k | v
+        gated_attention(qg, 2 * hqd, k, v, kvd, L.q_norm, L.k_norm, m.eps, pos[b], 1, m.n_head, m.n_head_kv,
+                        m.head_dim, m.n_rot, m.inv_freq, state.k_cache, state.v_cache, n_attn[b], s.q_work,
+                        s.mix_one);
+        std::memcpy(s.mix + b * hqd, s.mix_one, size_t(hqd) * sizeof(float));
+    }
+    matmul_multi(&L.mixer_out, 1, hqd, s.mix, B, s.mix_out, m.n_embd);
 }
 
 // Qwen35Moe._moe: the router (with the shared expert's gate logit, gate and up: one call),
-// top-k, the routed experts, then the shared expert's swiglu and down projection
-DecodePlan::Residual DecodePlan::feed_forward(const DecodeLayer& L) {
+// top-k, the routed experts, then the shared expert's swiglu and down projection; the router's
+// logits, gate and up are column views of the one output, rows `total` apart
+DecodePlan::Residual DecodePlan::feed_forward(const DecodeLayer& L, int64_t rows, Scratch& s) {
     const DecodeModel& m = m_;
-    const int64_t H = m.n_embd, E = m.n_expert;
-    matmul_multi(L.ffn_in.data(), int(L.ffn_in.size()), H, norm_, 1, ffn_, total_out(L.ffn_in));
-    route_topk(ffn_, 1, E, E, m.top_k, m.expert_floor, expert_ids_, expert_w_);
-    moe_ffn(norm_, 1, H, L.n_ff, L.n_bank_experts, expert_ids_, expert_w_, m.top_k, L.gate, L.up, L.down,
-            experts_out_);
+    const int64_t H = m.n_embd, E = m.n_expert, total = total_out(L.ffn_in);
+    matmul_multi(L.ffn_in.data(), int(L.ffn_in.size()), H, s.norm, rows, s.ffn, total);
+    route_topk(s.ffn, rows, ld_of(rows, E, total), E, m.top_k, m.expert_floor, s.expert_ids, s.expert_w);
+    moe_ffn(s.norm, rows, H, L.n_ff, L.n_bank_experts, s.expert_ids, s.expert_w, m.top_k, L.gate, L.up, L.down,
+            s.experts_out);
     Residual r;
-    r.a = experts_out_, r.lda = H;
+    r.a = s.experts_out, r.lda = H;
     if (L.shared_down.n_out == 0) return r;
     const int64_t R = L.ffn_in[0].n_out, F = L.ffn_in[2].n_out;
-    const float* gate = ffn_ + R + 1;
-    swiglu(gate, gate + F, F, 1, F, swiglu_);
-    matmul_multi(&L.shared_down, 1, F, swiglu_, 1, shared_out_, H);
-    r.b = shared_out_, r.ldb = H;
-    r.s = ffn_ + R, r.lds = 1;
+    const float* gate = s.ffn + R + 1;
+    swiglu(gate, gate + F, ld_of(rows, F, total), rows, F, s.swiglu);
+    matmul_multi(&L.shared_down, 1, F, s.swiglu, rows, s.shared_out, H);
+    r.b = s.shared_out, r.ldb = H;
+    r.s = s.ffn + R, r.lds = ld_of(rows, 1, total);
     return r;
 }
 

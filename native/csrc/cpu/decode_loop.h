@@ -1,8 +1,9 @@
-// A CPU decode token of a qwen35moe model in one native call (decode_loop.cpp): every layer, the
-// final norm and the head, calling the same ops in the same order with the same arguments as
-// the per-op path of moe_offload/models/qwen35moe.py (B = 1, T = 1), so the logits are the same
-// bits. The plan is built once per (model, State) from raw pointers; Python keeps every buffer
-// it points to alive (weights, norms, the State's conv/ssm/KV tensors, the RoPE frequencies).
+// CPU decode tokens in one native call (decode_loop.cpp): every layer, the final norm and the
+// head, calling the same ops in the same order with the same arguments as the per-op path of
+// moe_offload/models/qwen35moe.py (forward with B = 1, T = 1; decode_many for B sequences), so
+// the logits are the same bits. A plan is built once per (model, State) from raw pointers;
+// Python keeps every buffer it points to alive (weights, norms, the State's conv/ssm/KV tensors,
+// the RoPE frequencies).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -58,29 +59,51 @@ struct DecodeModel {
 
 class DecodePlan {
   public:
+    static constexpr int64_t kMaxSequences = 64;  // run_many's batch: its arena grows with it
+
     DecodePlan(const DecodeModel& model, std::vector<DecodeLayer> layers);
     // One token at position pos (< n_attn <= n_ctx), the first n_attn cache rows attended:
     // updates the conv/ssm states and KV rows in place, logits f32 [n_vocab].
     void run(int64_t token, int64_t pos, int64_t n_attn, float* logits);
+    // Qwen35Moe.decode_many: token b of sequence b at pos[b], the first n_attn[b] rows of its
+    // cache attended, b < B = plans.size(); plan b holds sequence b's State, every plan the
+    // same weights. Norms, projections, router and experts take the B rows in one call, the
+    // mixer's core runs per sequence on its own state. logits f32 [B, n_vocab].
+    static void run_many(const std::vector<DecodePlan*>& plans, const int64_t* tokens, const int64_t* pos,
+                         const int64_t* n_attn, float* logits);
 
   private:
     struct Residual {  // what the next residual_rms_norm adds to x (the rows' strides as Python's)
         const float *a = nullptr, *b = nullptr, *s = nullptr;
         int64_t lda = 0, ldb = 0, lds = 0;
     };
-    void delta_net(const DecodeLayer& L);
-    void attention(const DecodeLayer& L, int64_t pos, int64_t n_attn);
-    Residual feed_forward(const DecodeLayer& L);
-    float* scratch(size_t n);  // a 64-byte aligned piece of the arena (sized in the constructor)
+    struct Widths {  // the widest projection outputs over the layers: the arena's row sizes
+        int64_t proj = 0, conv = 0, ffn = 0, shared_ff = 0;
+    };
+    struct Scratch {  // the working buffers of a call of `rows` sequences, 64-byte aligned pieces
+        Scratch(const DecodeModel& m, const Widths& w, int64_t rows);
+        int64_t rows;
+        std::unique_ptr<float[]> arena;
+        // per row: x, norm, proj, mix, mix_out, ffn, experts_out, swiglu, shared_out, expert_w,
+        // expert_ids, embd_rows; one sequence's: conv_y, q_work, mix_one (its mixer's output)
+        float *x, *norm, *proj, *mix, *mix_out, *ffn, *experts_out, *swiglu, *shared_out, *expert_w, *conv_y,
+            *q_work, *mix_one;
+        int32_t* expert_ids;
+        uint8_t* embd_rows;
+    };
+    bool shares_weights(const DecodePlan& other) const;
+    void check_token(int64_t token, int64_t pos, int64_t n_attn) const;
+    void forward(const std::vector<DecodePlan*>& plans, const int64_t* tokens, const int64_t* pos,
+                 const int64_t* n_attn, float* logits);
+    void delta_net(size_t layer, const std::vector<DecodePlan*>& plans, Scratch& s);
+    void attention(size_t layer, const std::vector<DecodePlan*>& plans, const int64_t* pos, const int64_t* n_attn,
+                   Scratch& s);
+    Residual feed_forward(const DecodeLayer& L, int64_t rows, Scratch& s);
 
     DecodeModel m_;
     std::vector<DecodeLayer> layers_;
-    std::unique_ptr<float[]> arena_;
-    size_t arena_size_ = 0, arena_used_ = 0;
-    float *x_, *norm_, *proj_, *conv_y_, *mix_, *mix_out_, *ffn_, *experts_out_, *swiglu_, *shared_out_,
-        *expert_w_, *q_work_;
-    int32_t* expert_ids_;
-    uint8_t* embd_row_;
+    Widths widths_;
+    std::unique_ptr<Scratch> scratch_;  // sized for the most sequences a call has had
 };
 
 }  // namespace ft::cpu
