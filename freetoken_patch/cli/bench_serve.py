@@ -25,6 +25,7 @@ import time
 from urllib.parse import urlsplit
 
 from ..errors import CLIError
+from ..server.metrics import PREFIX as METRICS_PREFIX
 from .inputs import check
 from .model_args import add_model_args, add_template_arg, add_vram_arg, resolve_parallel
 
@@ -364,7 +365,8 @@ async def _level(url: str, headers: dict, concurrency: int, n_req: int, max_toke
     }
 
 
-ENGINE_PREFIX = "ftpatch_"
+ENGINE_COUNTERS = ("engine_busy_seconds_total", "graph_captures_total",
+                   "graph_capture_seconds_total")
 
 
 def engine_counters(url: str, headers: dict) -> dict | None:
@@ -379,18 +381,15 @@ def engine_counters(url: str, headers: dict) -> dict | None:
         return None
     out = {}
     for line in r.text.splitlines():
-        for name in ("engine_busy_seconds_total", "graph_captures_total",
-                     "graph_capture_seconds_total"):
-            head = ENGINE_PREFIX + name
-            if not line.startswith(head):
-                continue
-            key, _, val = line.rpartition(" ")
-            label = key[len(head):]
-            if label.startswith('{phase="'):
-                name += ":" + label[len('{phase="'):-2]
-            elif label:
-                continue
-            out[name] = float(val)
+        if not line.startswith(METRICS_PREFIX):
+            continue
+        key, _, val = line.rpartition(" ")
+        name, _, label = key[len(METRICS_PREFIX):].partition("{")
+        if name not in ENGINE_COUNTERS:
+            continue
+        if label:   # phase="..."}
+            name += ":" + label[len('phase="'):-2]
+        out[name] = float(val)
     return out
 
 

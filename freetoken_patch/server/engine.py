@@ -402,14 +402,16 @@ class Engine:
             end = seq.cut
         t0 = time.perf_counter()
         try:
-            with self._timed("prefill"):
-                ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
-                kw = {} if alone else {"chunk": self.prefill_chunk}
-                logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
+            ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
+            kw = {} if alone else {"chunk": self.prefill_chunk}
+            logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
             self._fail(seq, e)
             return
-        seq.stream.prefilled(end - start, time.perf_counter() - t0)
+        finally:
+            took = time.perf_counter() - t0
+            self.busy_s["prefill"] += took
+        seq.stream.prefilled(end - start, took)
         seq.fed = end
         self.prefilled_tokens += end - start
         if end == seq.cut or end == len(seq.feed):   # a rewind point: the first turn, the prompt

@@ -42,24 +42,24 @@ def isa(request):
     ops._cpu.set_isa(before)
 
 
+def _counted(monkeypatch, cls) -> list:
+    """A list that grows by one at each call of a cls instance."""
+    calls = []
+    run = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a: (calls.append(1), run(self, *a))[1])
+    return calls
+
+
 @pytest.fixture
 def loop_calls(monkeypatch):
     """How many tokens the native loop ran."""
-    calls = []
-    run = decode_loop.DecodeLoop.__call__
-    monkeypatch.setattr(decode_loop.DecodeLoop, "__call__",
-                        lambda self, *a: (calls.append(1), run(self, *a))[1])
-    return calls
+    return _counted(monkeypatch, decode_loop.DecodeLoop)
 
 
 @pytest.fixture
 def many_calls(monkeypatch):
     """How many decode_many steps the native loop ran."""
-    calls = []
-    run = decode_loop.ManyLoop.__call__
-    monkeypatch.setattr(decode_loop.ManyLoop, "__call__",
-                        lambda self, *a: (calls.append(1), run(self, *a))[1])
-    return calls
+    return _counted(monkeypatch, decode_loop.ManyLoop)
 
 
 def _per_op(fn, *args):
