@@ -191,9 +191,12 @@ class OffloadEngine:
         elif self.trace_by_position and self.position is not None:
             rows = (self.position + self._tok_offsets) % self.trace.shape[0]
             self._trace_rows = self.trace.index_select(0, rows)
-        else:   # one row a step, every token of the step routed by it
-            self._trace_rows = self.trace.index_select(0, self._step_row(self.trace)).expand(
-                self.max_tok, -1, -1)
+        else:   # one row a step; token t of a step reads its own segment of the trace, rows
+            # t * N / max_tok further on, so B sequences stepped together route as B independent
+            # conversations would: each with its own recent experts, sharing only the popular ones
+            N = self.trace.shape[0]
+            rows = (self._step_row(self.trace) + self._tok_offsets * (N // self.max_tok)) % N
+            self._trace_rows = self.trace.index_select(0, rows)
         self._record_row = None if self.record is None else self._step_row(self.record)
         self._record_forked = False   # whether this step has work on the record's stream
 
@@ -417,8 +420,12 @@ class ResidentPool:
         self.scratch = torch.empty(on.moe_scratch_bytes(max_tok, top_k, ff), dtype=torch.uint8,
                                    device=g.device if g.device.type == "cuda" else "cuda")
 
+    def capturable(self, n_tok: int) -> bool:
+        """Whether a call on n_tok tokens runs on the device alone (a CUDA graph may hold it)."""
+        return n_tok <= self.max_tok and self.experts.gate.device.type == "cuda"
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_tok or self.experts.gate.device.type != "cuda":
+        if not self.capturable(x.shape[0]):
             return self.experts(x, ids, w)
         x = x.float().contiguous()
         y = torch.empty_like(x)

@@ -590,6 +590,75 @@ class OffloadRuntime:
         self._observe()
         return logits.clone(), hidden.clone()
 
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, state: State, k: int) -> torch.Tensor:
+        """k greedy draft ids [k] on the device from the MTP head: first on the trunk's hidden
+        states it is owed, hidden [1, T, H], with the tokens that follow them [1, T], then k - 1
+        times on its own last state and draft. state.mtp_past moves by T (the drafts' KV rows are
+        provisional). Captured as one graph per (state, T, k, attended length) where graphs are
+        on and the head's experts are in VRAM: a draft is some 30 small kernels, which launched
+        one by one from Python cost several times their GPU time."""
+        mtp, T, p = self.mtp, tokens.shape[1], state.mtp_past
+        if mtp is None:
+            raise OffloadError("this runtime has no MTP head: open it with RuntimeOptions(mtp=True)")
+        if p + T + k - 1 > state.n_ctx:
+            raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; "
+                               f"{p + T + k - 1} needed")
+        bucket = state.attn_bucket
+        n_attn = min(state.n_ctx, -(-(p + T + k - 1) // bucket) * bucket)
+
+        def run(toks, h, at):
+            lg, g = mtp.forward(h, toks, state, logits="last", at=at, n_attn=n_attn)
+            out = [lg[0, -1].argmax(-1, keepdim=True)]
+            for i in range(1, k):   # the chained calls: positions p + T, p + T + 1, ...
+                lg, g = mtp.forward(g[:, -1:], out[-1][None], state, logits="last",
+                                    at=None if at is None else at + (T + i - 1), n_attn=n_attn)
+                out.append(lg[0, -1].argmax(-1, keepdim=True))
+            return torch.cat(out)
+
+        capturable = getattr(mtp.experts, "capturable", lambda n: False)(T)
+        if not (self.opts.use_graphs and capturable):
+            try:
+                return run(tokens, hidden, None)
+            finally:
+                state.mtp_past = p + T
+        key = ("draft", id(state), T, k, n_attn)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, p)
+        graph, (tok_in, h_in, at_in), out = g
+        tok_in.copy_(tokens)
+        h_in.copy_(hidden)
+        at_in.fill_(p)
+        graph.replay()
+        state.mtp_past = p + T
+        return out.clone()
+
+    def _capture_draft(self, run, tokens: torch.Tensor, hidden: torch.Tensor, state: State, p: int):
+        """run(tokens, hidden, at) as a graph over copies of its inputs, after one eager run (lazy
+        inits; it writes the same KV rows the graph will), with the capture's memory measured as
+        a decode step's is. -> (graph, inputs, outputs)."""
+        dev = self.device
+        t0 = time.perf_counter()
+        self.vram.before_capture()
+        self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+        inputs = (tokens.clone(), hidden.clone(), torch.full((), p, dtype=torch.long, device=dev))
+        try:
+            run(*inputs)
+            state.mtp_past = p
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._graph_pool):
+                out = run(*inputs)
+        finally:
+            state.mtp_past = p   # the host count moved while capturing; the caller moves it
+        self.captures += 1
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev),
+                                remeasure=False)
+        self.capture_s += time.perf_counter() - t0
+        return g, inputs, out
+
     def _measured_capture(self, tokens: torch.Tensor, states: list[State], n_tok: int, run):
         """Capture a decode step, measuring what it costs, so that decode keeps only that much
         free beside the cache (the first capture's figure stands for the later ones; a later
@@ -656,7 +725,9 @@ class OffloadRuntime:
 
     def replay(self, trace, by_position: bool = False) -> None:
         """Route decode steps by a trace [N, L, K] of expert ids (numpy or torch; step s uses
-        row (s - 1) mod N) instead of the model's router; None: the model's routing again.
+        row (s - 1) mod N, and token t of a step of several tokens row (s - 1 + t * N / max_tok)
+        mod N: sequences stepped together by decode_many follow their own stretches of the trace)
+        instead of the model's router; None: the model's routing again.
         by_position: a token at position p uses row p mod N instead (decode and verify steps
         of one sequence; a verify step's T tokens their T rows), so speculative and plain
         decoding route every position alike. Guesses are off while replaying (the router

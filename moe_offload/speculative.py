@@ -406,7 +406,15 @@ class SpeculativeDecoder:
         return lg, g, state.mtp_past
 
     def _draft_device(self, state: State, k: int) -> torch.Tensor:
-        """k greedy draft ids [k] on the device (no host sync: each argmax feeds the next call)."""
+        """k greedy draft ids [k] on the device (no host sync: each argmax feeds the next call;
+        the runtime runs them as one captured graph)."""
+        draft = getattr(self.model, "draft", None)
+        if draft is not None:
+            owed, p = state.mtp_hidden, state.mtp_past
+            toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
+            out = draft(owed[None], toks, state, k)
+            state.mtp_hidden = None
+            return out
         lg, g, base = self._first_draft(state)
         drafts = [lg[0, -1].argmax(-1, keepdim=True)]
         for _ in range(1, k):

@@ -59,11 +59,14 @@ class MtpHead:
         return None if up is None else cls(model, *up)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, state: State,
-                logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor]:
+                logits: str = "all", *, at: torch.Tensor | None = None,
+                n_attn: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """hidden [B, T, H] (the trunk's final-normed states of positions p..p+T-1, p =
         state.mtp_past), tokens [B, T] (the tokens at p+1..p+T) -> (draft logits for p+2..p+T+1:
         [B, T, V] with logits="all", [B, 1, V] with "last", None with "none"; the head's normed
-        states g [B, T, H]). Writes T MTP KV rows."""
+        states g [B, T, H]). Writes T MTP KV rows. For a captured graph: `at` (a device scalar)
+        gives p on the device instead of the host's count, and `n_attn` (>= p + T) the KV rows
+        attended, rows past each token's position masked."""
         c, L = self.config, self.L
         B, T = tokens.shape
         H, eps = c.n_embd, c.rms_eps
@@ -71,13 +74,13 @@ class MtpHead:
         p = state.mtp_past
         if p + T > state.n_ctx:
             raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; {p + T} needed")
-        pos = torch.arange(p, p + T, device=self.device)
+        pos = torch.arange(T, device=self.device) + (p if at is None else at)
         e = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype, (B * T, H))
         z = torch.cat((rms_norm(e.float(), L["nextn.enorm.weight"], eps),
                        rms_norm(hidden.reshape(B * T, H).float(), L["nextn.hnorm.weight"], eps)), -1)
         x = _mm(z, L["nextn.eh_proj.weight"]).contiguous()          # the residual stream [N, H]
         a = residual_rms_norm(x, L["attn_norm.weight"], eps).view(B, T, H)
-        m = self.model._attention(L, a, state.mtp_k, state.mtp_v, pos, p + T)
+        m = self.model._attention(L, a, state.mtp_k, state.mtp_v, pos, n_attn or p + T)
         f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.reshape(B * T, H))
         moe_out = self.model._moe(L, self.experts, f)
         g = residual_rms_norm(x, self.norm, eps, *moe_out).view(B, T, H)

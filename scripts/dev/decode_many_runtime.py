@@ -83,6 +83,10 @@ def main() -> None:
                         "started every 100 ms), off")
     p.add_argument("--compositions", action="store_true",
                    help="also time the first step of new batch compositions (a capture each)")
+    p.add_argument("--trace", action="store_true",
+                   help="route by a replayed trace of realistic locality (TraceParams()) instead of "
+                        "the model's router: each sequence of a step follows its own stretch of it, "
+                        "so the batch shares only the popular experts (guesses off, as in bench)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
@@ -100,7 +104,16 @@ def main() -> None:
     states = [rt.new_state(1) for _ in range(max(batches))]
     for st in states:
         rt.prefill(torch.from_numpy(rng.integers(0, c.n_vocab, (1, args.prompt))).to(dev), st)
-    out = {"model": args.model, "vram": args.vram, "steps": args.steps, "rows": []}
+    out = {"model": args.model, "vram": args.vram, "steps": args.steps, "rows": [],
+           "regime": "model"}
+    if args.trace:
+        from moe_offload.trace import TraceParams, make_trace, trace_stats
+        tr = make_trace(512 * rt.engine.max_tok, c.n_layer, c.n_expert, c.n_expert_used,
+                        TraceParams())
+        rt.replay(tr)
+        out["regime"] = TraceParams().label()
+        out["trace_stats"] = trace_stats(tr[:512], c.n_expert).as_dict()
+        print(json.dumps({"regime": out["regime"], "trace_stats": out["trace_stats"]}), flush=True)
     spent = _time_parts(rt)
 
     def timed_step(sts, toks):

@@ -165,3 +165,36 @@ def test_speculative_equals_plain_under_a_trace_by_position(loaded):
         assert {"draft_k2", "verify_T3", "accept", "rewind"} <= set(ph), ph
     finally:
         rt.close()
+
+
+def test_captured_draft_equals_the_eager_head(loaded):
+    """rt.draft as one captured graph gives the drafts the head gives call by call (eager, host
+    positions), replayed at other positions than the one it was captured at, and leaves the MTP
+    count at p + T (the drafts' rows provisional)."""
+    rt = _runtime(loaded, True)
+    try:
+        mtp, H = rt.mtp, loaded.config.n_embd
+        st = rt.new_state(1, 256)
+        rt.keep_steps(st, 3)
+        g = torch.Generator().manual_seed(3)
+        seen = set()
+        for p, T, k in ((0, 2, 3), (2, 2, 3), (4, 2, 3), (6, 1, 2), (7, 1, 2), (8, 3, 1)):
+            hidden = torch.randn(1, T, H, generator=g).cuda()
+            toks = torch.randint(0, loaded.config.n_vocab, (1, T), generator=g).cuda()
+            st.mtp_past = p
+            before = rt.captures
+            got = rt.draft(hidden, toks, st, k)
+            seen.add((T, k, rt.captures > before))
+            assert st.mtp_past == p + T
+            st.mtp_past = p   # the same drafts, eagerly, one call at a time (same rows attended)
+            n_attn = min(st.n_ctx, -(-(p + T + k - 1) // st.attn_bucket) * st.attn_bucket)
+            lg, h = mtp.forward(hidden, toks, st, logits="last", n_attn=n_attn)
+            want = [lg[0, -1].argmax(-1, keepdim=True)]
+            for _ in range(1, k):
+                lg, h = mtp.forward(h[:, -1:], want[-1][None], st, logits="last", n_attn=n_attn)
+                want.append(lg[0, -1].argmax(-1, keepdim=True))
+            assert got.tolist() == torch.cat(want).tolist(), (p, T, k)
+        # each (T, k) captured once, then replayed at the later positions
+        assert (2, 3, True) in seen and (2, 3, False) in seen and (1, 2, False) in seen
+    finally:
+        rt.close()
