@@ -406,30 +406,34 @@ def test_trace_replayed_and_record_written_once_a_step(loaded, reference, graphs
 def test_trace_gives_each_token_of_a_step_its_own_segment(loaded):
     """Replaying a trace, token t of a decode step routes by row (step - 1 + t * N / max_tok) mod
     N: B sequences stepped together follow B separate stretches of the trace, as B conversations
-    would, not one row shared by all (which would make a batch's experts coincide)."""
+    would, not one row shared by all (which would make a batch's experts coincide). Eager, so
+    each step's rows can be read as it begins."""
     c = loaded.config
-    rt = _runtime(loaded, fetch_fraction=1.0, max_sequences=3)
+    rt = _runtime(loaded, fetch_fraction=1.0, max_sequences=3, use_graphs=False)
     try:
         e = rt.engine
         N = 5 * e.max_tok + 3   # not a multiple: the stride rounds down
         g = torch.Generator().manual_seed(2)
         trace = torch.stack([torch.stack([torch.randperm(c.n_expert, generator=g)[:c.n_expert_used]
                                           for _ in range(c.n_layer)]) for _ in range(N)]).cuda()
-        rt.replay(trace)
-        stride = N // e.max_tok
-        for _ in range(3):
-            e.begin_device_step()
-            step = int(e.step.item())
-            want = torch.stack([trace[(step - 1 + t * stride) % N] for t in range(e.max_tok)])
-            assert torch.equal(e._trace_rows, want), f"step {step}"
-            e.end_device_step()
-        # and a batched step runs under it, captured
         states = [rt.new_state(1) for _ in range(3)]
         for st in states:
             rt.prefill(torch.randint(0, c.n_vocab, (1, 4), generator=g).cuda(), st)
+        rt.replay(trace)
+        seen, begin = [], e.begin_device_step
+
+        def spy():
+            begin()
+            seen.append((int(e.step.item()), e._trace_rows.clone()))
+        e.begin_device_step = spy
         toks = torch.randint(0, c.n_vocab, (3,), generator=g).cuda()
-        for _ in range(3):
+        for _ in range(4):
             toks = rt.decode_many(toks, states).argmax(-1)
+        assert len(seen) == 4
+        stride = N // e.max_tok
+        for step, rows in seen:
+            want = torch.stack([trace[(step - 1 + t * stride) % N] for t in range(e.max_tok)])
+            assert torch.equal(rows, want), f"step {step}"
         assert rt.stats().selections > 0
     finally:
         rt.close()
