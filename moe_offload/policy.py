@@ -29,11 +29,12 @@ class OffloadPolicy:
     prefetch: bool = True                # guess layer L+1's experts during layer L
     prefetch_k: int | None = None        # experts guessed a token; None: prefetch_share of the top-k
     prefetch_share: float = 6 / 8        # default guesses a token, as a share of the top-k
-    prefetch_min_fetch_share: float = 0.6  # guess only if the link takes >= this share of misses:
+    prefetch_min_fetch_share: float = 0.5  # guess only if the link takes >= this share of misses:
                                          # guesses put bytes on the link that the CPU could have
-                                         # taken, which pays while the link has room (q ~0.9 on a
-                                         # PCIe gen5 host), not when it is the bottleneck (q ~0.4
-                                         # at a laptop's 11.8 GB/s)
+                                         # taken, which pays while the link has room (q 0.6-0.9 on
+                                         # a PCIe gen5 host, by how fast the CPU measures at
+                                         # start-up), not when it is the bottleneck (q ~0.37 at a
+                                         # laptop's 11.8 GB/s); decided once, at start-up
     overlap_misses: bool = True          # resident experts compute while the misses cross PCIe
     fetch_blocks: int = 16               # grid of a PCIe copy: each block takes SM room from compute
     steps_in_flight: int = 2             # decode steps launched before the host waits for the oldest
