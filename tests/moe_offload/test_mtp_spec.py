@@ -446,3 +446,39 @@ def test_plain_step_queued_ahead_stays_in_the_cache_when_the_caller_leaves(tiny)
     cold = _tokens(model, SamplingParams(temperature=0.0, max_tokens=5),
                    prompt=PROMPT + ref[:6] + more)
     assert list(evs[-1].tokens) == cold
+
+
+def test_a_draft_after_plain_steps_writes_the_owed_rows_before_its_clock(tiny):
+    """Plain steps leave the MTP head rows to write (up to MTP_BACKLOG). A drafted step after them
+    writes those first, before its time is taken, and then drafts from one owed row: the policy's
+    cost of k drafts is the steady cost, not the backlog's (which plain steps already pay)."""
+    _, model, head = tiny
+    events = []
+
+    class Spy(DraftPolicy):   # plain for 6 steps, then one step with 1 draft
+        def __init__(self):
+            super().__init__(None)
+            self.n = 0
+
+        def choose(self):
+            self.n += 1
+            return 0 if self.n <= 6 else 1
+
+        def observe(self, k, accepted, seconds):
+            events.append(("observe", k))
+
+    class Head:
+        def __init__(self, h):
+            self.h = h
+
+        def forward(self, hidden, tokens, state, logits="all", **kw):
+            events.append(("forward", logits, tokens.shape[1]))
+            return self.h.forward(hidden, tokens, state, logits, **kw)
+
+    draft = SpeculativeDecoder(model, Head(head), policy=Spy(), pipeline=False)
+    _tokens(model, SamplingParams(temperature=0.0, max_tokens=8), draft)
+    last_plain = max(i for i, e in enumerate(events) if e == ("observe", 0))
+    drafted = events[last_plain + 1:events.index(("observe", 1))]
+    # the owed rows but the last in one call with no logits, then the draft on one row
+    assert drafted[0][:2] == ("forward", "none") and drafted[0][2] >= 5, drafted
+    assert drafted[1] == ("forward", "last", 1), drafted
