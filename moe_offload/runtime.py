@@ -637,50 +637,49 @@ class OffloadRuntime:
         """run(tokens, hidden, at) as a graph over copies of its inputs, after one eager run (lazy
         inits; it writes the same KV rows the graph will), with the capture's memory measured as
         a decode step's is. -> (graph, inputs, outputs)."""
-        dev = self.device
-        t0 = time.perf_counter()
-        self.vram.before_capture()
-        self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
-        torch.cuda.reset_peak_memory_stats(dev)
-        inputs = (tokens.clone(), hidden.clone(), torch.full((), p, dtype=torch.long, device=dev))
-        try:
-            run(*inputs)
-            state.mtp_past = p
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._graph_pool):
-                out = run(*inputs)
-        finally:
-            state.mtp_past = p   # the host count moved while capturing; the caller moves it
-        self.captures += 1
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev),
-                                remeasure=False)
-        self.capture_s += time.perf_counter() - t0
+        inputs = (tokens.clone(), hidden.clone(),
+                  torch.full((), p, dtype=torch.long, device=self.device))
+        with self._accounted_capture(remeasure=False):
+            try:
+                run(*inputs)
+                state.mtp_past = p
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._graph_pool):
+                    out = run(*inputs)
+            finally:
+                state.mtp_past = p   # the host count moved while capturing; the caller moves it
         return g, inputs, out
 
     def _measured_capture(self, tokens: torch.Tensor, states: list[State], n_tok: int, run):
         """Capture a decode step, measuring what it costs, so that decode keeps only that much
         free beside the cache (the first capture's figure stands for the later ones; a later
         capture that finds less room under the cap shrinks the cache first)."""
-        dev = self.device
         # a step size captured before has loaded its kernels and lazy state: a new batch of
         # that size (other states, other lengths) needs no eager warm-up and no new measure of
         # the memory outside torch, a large part of what a capture costs
         first = n_tok not in self._captured_sizes
+        with self._accounted_capture(remeasure=first):
+            g = self._capture(tokens, states, n_tok, run, warm_up=first)
+        self._captured_sizes.add(n_tok)
+        return g
+
+    @contextlib.contextmanager
+    def _accounted_capture(self, remeasure: bool):
+        """Around a graph capture: room under the cap first; after it, the memory it took (the
+        most any capture took stays free beside the cache; `remeasure`: new kernels were loaded,
+        measure the memory outside torch again), its count and its wall time."""
+        dev = self.device
         t0 = time.perf_counter()
         self.vram.before_capture()
         self._torch_peak = max(self._torch_peak, torch.cuda.max_memory_reserved(dev))
         torch.cuda.reset_peak_memory_stats(dev)
-        g = self._capture(tokens, states, n_tok, run, warm_up=first)
+        yield
         self.captures += 1
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         self.vram.after_capture(torch.cuda.max_memory_reserved(dev) - torch.cuda.memory_reserved(dev),
-                                remeasure=first)
-        self._captured_sizes.add(n_tok)
+                                remeasure=remeasure)
         self.capture_s += time.perf_counter() - t0
-        return g
 
     def _capture(self, tokens: torch.Tensor, states: list[State], n_tok: int, run,
                  warm_up: bool = True):
