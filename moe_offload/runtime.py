@@ -615,7 +615,7 @@ class OffloadRuntime:
                 out.append(lg[0, -1].argmax(-1, keepdim=True))
             return torch.cat(out)
 
-        capturable = getattr(mtp.experts, "capturable", lambda n: False)(T)
+        capturable = isinstance(mtp.experts, ResidentPool) and mtp.experts.capturable(T)
         if not (self.opts.use_graphs and capturable):
             try:
                 return run(tokens, hidden, None)
