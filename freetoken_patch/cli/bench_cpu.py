@@ -102,4 +102,27 @@ def run_one(args, sizes: list[int], console) -> dict:
                   f"{max(tg):.2f}, {args.reps} reps); TTFT {statistics.median(ttft[1:]) * 1e3:.0f} ms; "
                   f"CPU {result['machine']['cpu_threads']} threads ({result['machine']['isa']}, "
                   f"{result['decode_path']} decode)")
+    drafts = [d for d in getattr(args, "draft", []) if d != 0]   # 0: the plain run beside anyway
+    if drafts:
+        result.update(_speculative(args, loaded, model, drafts, console))
     return result
+
+
+def _speculative(args, loaded, model, drafts: list, console) -> dict:
+    """--draft on the CPU: plain against speculative greedy decoding with the file's MTP head,
+    as the GPU bench reports it (bench_spec.speculative_tg)."""
+    from moe_offload.models.mtp import MtpHead
+    from .bench_spec import speculative_tg, summary
+    head = MtpHead.load(loaded, model)
+    if head is None:
+        raise CLIError("--draft needs an MTP block and this model has none (nextn_predict_layers "
+                       "= 0); `ftpatch synth --mtp` makes test models with one")
+    runs = []
+    with torch.inference_mode():
+        for draft in drafts:
+            runs.append(speculative_tg(model, head, draft, gen=args.gen, reps=args.reps,
+                                       n_vocab=loaded.config.n_vocab,
+                                       new_state=lambda: model.new_state(1, args.ctx),
+                                       phases=getattr(args, "phase_times", False)))
+            console.print(summary(runs[-1]))
+    return {"speculative": runs[0] if len(runs) == 1 else runs}

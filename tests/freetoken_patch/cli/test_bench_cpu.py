@@ -42,3 +42,21 @@ def test_bench_cpu_says_when_decode_took_the_per_op_path(tiny_model, tmp_path, m
 
 def test_bench_cpu_refuses_a_cap_list(tiny_model):
     assert main(["bench", str(tiny_model), "--device", "cpu", "--vram", "4GiB,8GiB"]) == 1
+
+
+def test_bench_cpu_drafts_with_the_mtp_head(synth_model, tmp_path):
+    """--draft on the CPU: plain and speculative runs side by side, greedy tokens equal."""
+    out = tmp_path / "spec.json"
+    model = synth_model(mtp_agree=0.9, type="Q4_K", seed=1)
+    assert main(["bench", str(model), "--device", "cpu", "-p", "8", "-n", "8", "--reps", "1",
+                 "--ctx", "64", "--draft", "1,auto", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["speculative"]
+    assert [r["draft"] for r in runs] == [1, "auto"]
+    assert runs[0]["by_k"] == {"1": runs[0]["steps"]} and runs[0]["drafted"] > 0
+    assert all(r["same_tokens"] and r["speculative_tps"]["median"] > 0 for r in runs)
+
+
+def test_bench_cpu_draft_needs_an_mtp_head(tiny_model, capsys):
+    assert main(["bench", str(tiny_model), "--device", "cpu", "-p", "8", "-n", "2", "--reps", "1",
+                 "--ctx", "64", "--draft", "1"]) == 1
+    assert "MTP block" in capsys.readouterr().err
