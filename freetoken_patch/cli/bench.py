@@ -165,6 +165,18 @@ def run(args: argparse.Namespace) -> int:
         if args.compare_llama_bench or len(args.vram) > 1:
             raise CLIError("--device cpu measures one configuration: no --vram list or "
                            "--compare-llama-bench (run llama-bench -ngl 0 beside it)")
+        offload_only = [flag for flag, given in (
+            ("--trace", args.trace or args.trace_repeat is not None or args.trace_skew is not None),
+            ("--fetch-fraction", args.fetch_fraction is not None), ("--no-graphs", args.no_graphs),
+            ("--no-prefetch", args.no_prefetch), ("--prefetch-k", args.prefetch_k is not None),
+            ("--no-elastic", args.no_elastic), ("--no-overlap", args.no_overlap),
+            ("--host-head", args.host_head), ("--gpu-embedding", args.gpu_embedding),
+            ("--link-gbps", args.link_gbps is not None), ("--profile", args.profile),
+            ("--save-profile", args.save_profile), ("--mtp-experts", args.mtp_experts != "gpu"))
+            if given]
+        if offload_only:
+            raise CLIError(f"{', '.join(offload_only)}: the offload runtime's (under --vram, on a "
+                           "GPU); --device cpu keeps every weight in host RAM: drop them")
         return bench_compare.run_cli(args, sizes, console, bench_cpu.run_one)
     return bench_compare.run_cli(args, sizes, console, _run_one)
 

@@ -60,3 +60,10 @@ def test_bench_cpu_draft_needs_an_mtp_head(tiny_model, capsys):
     assert main(["bench", str(tiny_model), "--device", "cpu", "-p", "8", "-n", "2", "--reps", "1",
                  "--ctx", "64", "--draft", "1"]) == 1
     assert "MTP block" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--trace"], ["--link-gbps", "11.8"], ["--no-prefetch", "--host-head"]])
+def test_bench_cpu_refuses_the_offload_runtimes_flags(tiny_model, flags, capsys):
+    assert main(["bench", str(tiny_model), "--device", "cpu", *flags]) == 1
+    err = capsys.readouterr().err
+    assert flags[0] in err and "--device cpu" in err and len(err.strip().splitlines()) == 1
