@@ -1,18 +1,25 @@
-"""A CPU decode token in one native call (native/csrc/cpu/decode_loop.cpp).
+"""CPU decode tokens in one native call (native/csrc/cpu/decode_loop.cpp).
 
 Qwen35Moe.forward on the CPU makes about ten kernel calls a layer from Python, with tensors
-allocated between them. For one token of one sequence (B = 1, T = 1) `native._cpu.DecodePlan`
-runs the whole token -- every layer, the final norm and the head -- in one call with the GIL
-released, calling the same kernels in the same order with the same arguments, so its logits are
-the per-op path's bits. A plan is built once per (model, State) from the raw pointers of the
-weights and of the State's conv/ssm/KV tensors, and kept while the State lives.
+allocated between them. For a few tokens of one sequence (B = 1, T <= MAX_TOKENS: a decode
+token, a speculative verify step of T = k+1, a short prompt) `native._cpu.DecodePlan` runs the
+whole forward -- every layer, the final norm and the head -- in one call with the GIL released,
+calling the same kernels in the same order with the same arguments, so its logits (and, with
+hidden=True, the final-normed hidden states) are the per-op path's bits. The T rows go through
+the norms, projections, router and experts together; the mixers take them as the per-op path
+does: attention all T in one call, the delta-net all T in one call, or with kept steps
+(State.keep_steps, 2 <= T <= depth+1) one token at a time, the conv/ssm states after each of the
+first T-1 written to State.steps. A plan is built once per (model, State) from the raw pointers
+of the weights and of the State's conv/ssm/KV tensors, and kept while the State lives; the kept
+steps' pointers follow State.steps (set_steps when it is another dict).
 Qwen35Moe.decode_many (a token for each of B single-sequence States) runs in one call as well:
 `DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`).
 
-`loop_for` returns None wherever the per-op path must run: another device, a batch, kept
-delta-net steps (speculative decoding), step kernels off (`layers.STEP_KERNELS`), native kernels
-off, experts other than the plain host-resident `ResidentExperts`, a weight or state the CPU
-kernels do not take as they stand (then the per-op path would not call them either).
+`loop_for` returns None wherever the per-op path must run: another device, a batch, step
+kernels off (`layers.STEP_KERNELS`), native kernels off, experts other than the plain
+host-resident `ResidentExperts`, a weight or state the CPU kernels do not take as they stand
+(then the per-op path would not call them either); Qwen35Moe.forward takes the per-op path for
+T > MAX_TOKENS as well.
 `ENABLED = False` (env FTPATCH_DECODE_LOOP=0) forces the per-op path: tests and A/B timings.
 """
 from __future__ import annotations
@@ -31,20 +38,54 @@ from .weights import ResidentExperts
 ENABLED = os.environ.get("FTPATCH_DECODE_LOOP", "1") != "0"
 
 
+def max_tokens() -> int:
+    """The most tokens of one sequence a native call takes (0: an extension without run_tokens)."""
+    return getattr(getattr(ops._cpu, "DecodePlan", None), "MAX_TOKENS", 0)
+
+
 class _PerOp(Exception):
     """Something the plan does not mirror: the per-op path runs."""
 
 
 class DecodeLoop:
-    """One (model, State)'s native plan; call it with tokens [1, 1] -> logits [1, 1, V]."""
+    """One (model, State)'s native plan; call it with tokens [1, T] (T <= MAX_TOKENS) -> (logits
+    [1, T or, last_only, 1, V], the final-normed hidden states [1, T, H] or None)."""
 
-    def __init__(self, plan, keep: list, n_vocab: int):
-        self.plan, self._keep, self.n_vocab = plan, keep, n_vocab   # _keep: what plan points to
+    def __init__(self, plan, keep: list, n_vocab: int, n_embd: int, step_shapes: dict):
+        self.plan, self._keep, self.n_vocab, self.n_embd = plan, keep, n_vocab, n_embd  # _keep: what plan points to
+        self._step_shapes = step_shapes   # layer -> the shapes of one kept (conv, ssm) state
+        self._steps = None                # the State.steps the plan points to (kept alive here)
 
-    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
-        logits = torch.empty(1, 1, self.n_vocab, dtype=torch.float32)
-        self.plan.run(int(tokens), state.n_past, state.attn_len(1), logits.data_ptr())
-        return logits
+    def follow_steps(self, steps: dict) -> bool:
+        """Point the plan at State.steps (another dict than last time: keep_steps reallocated or
+        dropped them); False if they are not what the plan can write (the per-op path runs)."""
+        if steps is self._steps:
+            return True
+        depth = next(iter(steps.values()))[0].shape[0] if steps else 0
+        ptrs = []
+        for i in range(len(self._step_shapes)):
+            shapes = self._step_shapes[i]
+            if shapes is None or not depth:
+                ptrs.append((0, 0))
+                continue
+            pair = steps.get(i)
+            if pair is None or not all(
+                    t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                    and tuple(t.shape) == (depth, *shape) for t, shape in zip(pair, shapes)):
+                return False
+            ptrs.append((pair[0].data_ptr(), pair[1].data_ptr()))
+        self.plan.set_steps(ptrs, depth)
+        self._steps = steps
+        return True
+
+    def __call__(self, tokens: torch.Tensor, state, keep: bool = False, last_only: bool = False,
+                 hidden: bool = False):
+        T = tokens.shape[-1]
+        logits = torch.empty(1, 1 if last_only else T, self.n_vocab, dtype=torch.float32)
+        h = torch.empty(1, T, self.n_embd, dtype=torch.float32) if hidden else None
+        self.plan.run_tokens(tokens.reshape(-1).tolist(), state.n_past, state.attn_len(T), keep, last_only,
+                             logits.data_ptr(), 0 if h is None else h.data_ptr())
+        return logits, h
 
 
 class ManyLoop:
@@ -73,8 +114,8 @@ def loop_many_for(model, states) -> ManyLoop | None:
 
 def loop_for(model, state) -> DecodeLoop | None:
     """The decode loop of (model, state), built on first use; None: use the per-op path."""
-    if not (ENABLED and layers.STEP_KERNELS and ops._cpu is not None and hasattr(ops._cpu, "DecodePlan")
-            and model.device.type == "cpu" and state.batch == 1 and not state.steps):
+    if not (ENABLED and layers.STEP_KERNELS and max_tokens() and model.device.type == "cpu"
+            and state.batch == 1):
         return None
     loops = model._decode_loops
     key = (ops._cpu, *model.experts)   # a plan holds this extension's and these experts' pointers
@@ -85,7 +126,8 @@ def loop_for(model, state) -> DecodeLoop | None:
         except (_PerOp, KeyError):   # KeyError: a tensor the per-op path would miss as well
             loop = None
         hit = loops[state] = (key, loop)
-    return hit[1]
+    loop = hit[1]
+    return loop if loop is not None and loop.follow_steps(state.steps) else None
 
 
 def _build(model, state) -> DecodeLoop:
@@ -109,8 +151,10 @@ def _build(model, state) -> DecodeLoop:
 
     if any("+" in k for L in model.blk for k in L):   # fused projections (a GPU upload)
         raise _PerOp
-    layer_args = []
+    layer_args, step_shapes = [], {}
     for i, L in enumerate(model.blk):
+        step_shapes[i] = ((1, *state.conv[i].shape[1:]), (1, *state.ssm[i].shape[1:])) \
+            if c.recurrent[i] else None
         a = dict(recurrent=bool(c.recurrent[i]), attn_norm=f32(L["attn_norm.weight"], H),
                  post_norm=f32(L["post_attention_norm.weight"], H))
         if c.recurrent[i]:
@@ -154,4 +198,4 @@ def _build(model, state) -> DecodeLoop:
         n_head_kv=c.n_head_kv, head_dim=d, n_rot=c.n_rot, n_ctx=state.n_ctx, inv_freq=f32(inv_freq),
         embd=(embd.qtype.type_id, embd.data.data_ptr(), embd.row_bytes), out_norm=f32(model.out_norm, H),
         head=mat(model.head, H))
-    return DecodeLoop(ops._cpu.DecodePlan(model_args, layer_args), keep, model_args["n_vocab"])
+    return DecodeLoop(ops._cpu.DecodePlan(model_args, layer_args), keep, model_args["n_vocab"], H, step_shapes)
