@@ -13,7 +13,10 @@ first T-1 written to State.steps. A plan is built once per (model, State) from t
 of the weights and of the State's conv/ssm/KV tensors, and kept while the State lives; the kept
 steps' pointers follow State.steps (set_steps when it is another dict).
 Qwen35Moe.decode_many (a token for each of B single-sequence States) runs in one call as well:
-`DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`).
+`DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`). So does
+the MTP draft head's block after its input projection (`mtp_loop_for`: a one-layer plan of the
+MTP block over the State's MTP KV, `DecodePlan.run_hidden` from the residual stream MtpHead
+computes; its norms and eh_proj stay torch's).
 
 `loop_for` returns None wherever the per-op path must run: another device, a batch, step
 kernels off (`layers.STEP_KERNELS`), native kernels off, experts other than the plain
@@ -88,6 +91,42 @@ class DecodeLoop:
         return logits, h
 
 
+class MtpLoop:
+    """An MtpHead's plan for one State: call it with its residual stream x [T, H] (after eh_proj)
+    -> (logits [1, T or 1, V] or None, the head's normed states g [1, T, H])."""
+
+    def __init__(self, plan, keep: list, n_vocab: int, n_embd: int):
+        self.plan, self._keep, self.n_vocab, self.n_embd = plan, keep, n_vocab, n_embd
+
+    def __call__(self, x: torch.Tensor, pos: int, n_attn: int, logits: str):
+        T = x.shape[0]
+        lg = None if logits == "none" else \
+            torch.empty(1, T if logits == "all" else 1, self.n_vocab, dtype=torch.float32)
+        g = torch.empty(1, T, self.n_embd, dtype=torch.float32)
+        self.plan.run_hidden(x.data_ptr(), T, pos, n_attn, logits != "all",
+                             0 if lg is None else lg.data_ptr(), g.data_ptr())
+        return lg, g
+
+
+def mtp_loop_for(head, state) -> MtpLoop | None:
+    """The plan of MtpHead `head`'s block on `state`'s MTP KV (state.add_mtp_kv first), built on
+    first use; None: use the per-op path."""
+    model = head.model
+    if not (ENABLED and layers.STEP_KERNELS and max_tokens() and hasattr(ops._cpu.DecodePlan, "run_hidden")
+            and model.device.type == "cpu" and state.batch == 1 and state.mtp_k is not None):
+        return None
+    loops = head._loops
+    key = (ops._cpu, head.experts, state.mtp_k, state.mtp_v)
+    hit = loops.get(state)
+    if hit is None or not all(map(operator.is_, hit[0], key)):
+        try:
+            loop = _build(model, state, head)
+        except (_PerOp, KeyError):
+            loop = None
+        hit = loops[state] = (key, loop)
+    return hit[1]
+
+
 class ManyLoop:
     """decode_many's native call over its States' plans: tokens [B] -> logits [B, V]."""
 
@@ -130,10 +169,19 @@ def loop_for(model, state) -> DecodeLoop | None:
     return loop if loop is not None and loop.follow_steps(state.steps) else None
 
 
-def _build(model, state) -> DecodeLoop:
+def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:
+    """The trunk's plan on `state`, or with `mtp` (an MtpHead) its block's on the State's MTP KV."""
     from .qwen35moe import ATTN_IN, ROUTER, SHEXP_IN, SSM_IN
     c, keep = model.config, []
     H, d = c.n_embd, c.head_dim
+    if mtp is None:
+        blocks, experts, recurrent = model.blk, model.experts, c.recurrent
+        k_caches, v_caches = state.k, state.v
+        embd, out_norm, head = model.embd, model.out_norm, model.head
+    else:
+        blocks, experts, recurrent = [mtp.L], [mtp.experts], [False]
+        k_caches, v_caches = {0: state.mtp_k}, {0: state.mtp_v}
+        embd, out_norm, head = mtp.embd, mtp.norm, mtp.head
 
     def mat(w, n_in: int) -> tuple:   # what ops.matmul / matmul_many pass for w, or _PerOp
         arg = ops._cpu_weight(w) if isinstance(w, QTensor) else None
@@ -149,15 +197,15 @@ def _build(model, state) -> DecodeLoop:
         keep.append(t)
         return t.data_ptr()
 
-    if any("+" in k for L in model.blk for k in L):   # fused projections (a GPU upload)
+    if any("+" in k for L in blocks for k in L):   # fused projections (a GPU upload)
         raise _PerOp
     layer_args, step_shapes = [], {}
-    for i, L in enumerate(model.blk):
+    for i, L in enumerate(blocks):
         step_shapes[i] = ((1, *state.conv[i].shape[1:]), (1, *state.ssm[i].shape[1:])) \
-            if c.recurrent[i] else None
-        a = dict(recurrent=bool(c.recurrent[i]), attn_norm=f32(L["attn_norm.weight"], H),
+            if recurrent[i] else None
+        a = dict(recurrent=bool(recurrent[i]), attn_norm=f32(L["attn_norm.weight"], H),
                  post_norm=f32(L["post_attention_norm.weight"], H))
-        if c.recurrent[i]:
+        if recurrent[i]:
             hv_dv = c.ssm_n_v_heads * c.ssm_head_v_dim
             conv_w = L["ssm_conv1d.weight"]
             a.update(mixer_in=[mat(L[n], H) for n in SSM_IN], mixer_out=mat(L["ssm_out.weight"], hv_dv),
@@ -171,8 +219,8 @@ def _build(model, state) -> DecodeLoop:
             a.update(mixer_in=[mat(L[n], H) for n in names],
                      mixer_out=mat(L["attn_output.weight"], c.n_head * d),
                      q_norm=f32(L["attn_q_norm.weight"], d), k_norm=f32(L["attn_k_norm.weight"], d),
-                     k_cache=f32(state.k[i]), v_cache=f32(state.v[i]))
-        ex = model.experts[i]
+                     k_cache=f32(k_caches[i]), v_cache=f32(v_caches[i]))
+        ex = experts[i]
         banks = ops._cpu_banks(ex.gate, ex.up, ex.down) if type(ex) is ResidentExperts else None
         if banks is None or banks[2] != H:
             raise _PerOp
@@ -185,17 +233,19 @@ def _build(model, state) -> DecodeLoop:
         else:
             a.update(ffn_in=[mat(L[ROUTER[0]], H)])
         layer_args.append(a)
-    embd = model.embd
     if not (embd.device.type == "cpu" and embd.data.dim() == 2
             and ops._ext_supports(ops._cpu, embd.qtype, "dequantize", H)):
         raise _PerOp
     keep.append(embd)
     inv_freq = ops.rope_inv_freq(c.n_rot, c.rope_base)
     model_args = dict(
-        n_embd=H, n_vocab=int(model.head.shape[0]), eps=c.rms_eps, n_expert=c.n_expert,
+        n_embd=H, n_vocab=int(head.shape[0]), eps=c.rms_eps, n_expert=c.n_expert,
         top_k=c.n_expert_used, expert_floor=layers.EXPERT_WEIGHT_FLOOR, ssm_hk=c.ssm_n_k_heads,
         ssm_hv=c.ssm_n_v_heads, ssm_dk=c.ssm_d_state, ssm_dv=c.ssm_head_v_dim, n_head=c.n_head,
         n_head_kv=c.n_head_kv, head_dim=d, n_rot=c.n_rot, n_ctx=state.n_ctx, inv_freq=f32(inv_freq),
-        embd=(embd.qtype.type_id, embd.data.data_ptr(), embd.row_bytes), out_norm=f32(model.out_norm, H),
-        head=mat(model.head, H))
-    return DecodeLoop(ops._cpu.DecodePlan(model_args, layer_args), keep, model_args["n_vocab"], H, step_shapes)
+        embd=(embd.qtype.type_id, embd.data.data_ptr(), embd.row_bytes), out_norm=f32(out_norm, H),
+        head=mat(head, H))
+    plan = ops._cpu.DecodePlan(model_args, layer_args)
+    if mtp is not None:
+        return MtpLoop(plan, keep, model_args["n_vocab"], H)
+    return DecodeLoop(plan, keep, model_args["n_vocab"], H, step_shapes)

@@ -331,6 +331,8 @@ PYBIND11_MODULE(_cpu, m) {
     //   .run_tokens(tokens, pos, n_attn, keep, last_only, logits, hidden)   T <= MAX_TOKENS tokens
     //       of the one sequence (a verify step; keep: the delta-net states after each kept, see
     //       set_steps): logits f32 [T or 1, n_vocab], hidden (0: none) f32 [T, n_embd]
+    //   .run_hidden(x, n_tok, pos, n_attn, last_only, logits, hidden)   run_tokens from the residual
+    //       stream x f32 [T, n_embd] (the MTP block after its eh_proj); logits 0: no head
     //   .set_steps(steps, depth)   the State's kept steps: per layer (conv, ssm) addresses (0, 0
     //       for attention layers), depth states each; depth 0 drops them
     //   DecodePlan.run_many(plans, tokens, pos, n_attn, logits)   a token for each of B sequences,
@@ -404,6 +406,14 @@ PYBIND11_MODULE(_cpu, m) {
                               ptr<float>(hidden));
              },
              py::arg("tokens"), py::arg("pos"), py::arg("n_attn"), py::arg("keep"), py::arg("last_only"),
+             py::arg("logits"), py::arg("hidden"), release)
+        .def("run_hidden",
+             [](cpu::DecodePlan& p, uintptr_t x, int64_t n_tok, int64_t pos, int64_t n_attn, bool last_only,
+                uintptr_t logits, uintptr_t hidden) {
+                 p.run_hidden(ptr<const float>(x), n_tok, pos, n_attn, last_only, ptr<float>(logits),
+                              ptr<float>(hidden));
+             },
+             py::arg("x"), py::arg("n_tok"), py::arg("pos"), py::arg("n_attn"), py::arg("last_only"),
              py::arg("logits"), py::arg("hidden"), release)
         .def("set_steps",
              [](cpu::DecodePlan& p, const std::vector<std::pair<uintptr_t, uintptr_t>>& steps, int64_t depth) {

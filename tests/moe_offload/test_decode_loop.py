@@ -367,3 +367,43 @@ def test_speculative_decoding_takes_the_loop(synth_model, tokens_calls):
             decode_loop.ENABLED = True
         assert got == want
         _assert_same_states(st, st_off)
+        assert st.mtp_past == st_off.mtp_past and torch.equal(st.mtp_k, st_off.mtp_k)
+
+
+@pytest.fixture(scope="module")
+def mtp_models(synth_model):
+    from moe_offload.models.mtp import MtpHead
+    out = {}
+    for name in ("Q4_K", "IQ3_S"):
+        loaded = open_model(synth_model(mtp=True, seed=2, **TYPES[name]))
+        model = build_model(loaded, "cpu")
+        out[name] = (model, MtpHead.load(loaded, model))
+    return out
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("types", ["Q4_K", "IQ3_S"])
+def test_mtp_head_is_the_per_op_path_bit_for_bit(mtp_models, types, isa_name, isa, monkeypatch):
+    """The MTP block after its eh_proj in one native call (decode_loop.mtp_loop_for): its
+    logits (all, last, none), normed states g and MTP KV rows equal the per-op path's."""
+    isa(isa_name)
+    calls = _counted(monkeypatch, decode_loop.MtpLoop)
+    model, head = mtp_models[types]
+    on, off = model.new_state(1, 64), model.new_state(1, 64)
+    gen = torch.Generator().manual_seed(0)
+    n = 0
+    for j, (T, mode) in enumerate([(5, "none"), (1, "last"), (2, "all"), (3, "last"), (4, "all"), (1, "none"),
+                                   (1, "all"), (2, "last")]):
+        hidden = torch.randn(1, T, model.config.n_embd, generator=gen)
+        toks = torch.tensor([[(11 * j + 5 * t) % model.head.shape[0] for t in range(T)]])
+        la, ga = head.forward(hidden, toks, on, mode)
+        lb, gb = _per_op(head.forward, hidden, toks, off, mode)
+        assert torch.equal(ga, gb), (j, T, mode)
+        assert (la is None) == (lb is None) == (mode == "none")
+        if la is not None:
+            assert la.shape == lb.shape == (1, T if mode == "all" else 1, model.head.shape[0])
+            assert torch.equal(la, lb), (j, T, mode)
+        n += T
+        assert on.mtp_past == off.mtp_past == n
+        assert torch.equal(on.mtp_k, off.mtp_k) and torch.equal(on.mtp_v, off.mtp_v)
+    assert len(calls) == 8

@@ -132,7 +132,18 @@ void DecodePlan::run_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, i
         throw std::invalid_argument("DecodePlan.run_tokens: keeping steps needs 2 <= T <= depth + 1");
     check_tokens(tokens, n_tok, pos, n_attn);
     const std::vector<DecodePlan*> plans{this};
-    forward(Rows{plans, n_tok, &pos, &n_attn, keep}, tokens, last_only, logits, hidden);
+    forward(Rows{plans, n_tok, &pos, &n_attn, keep}, tokens, nullptr, last_only, logits, hidden);
+}
+
+void DecodePlan::run_hidden(const float* x, int64_t n_tok, int64_t pos, int64_t n_attn, bool last_only,
+                            float* logits, float* hidden) {
+    if (n_tok < 1 || n_tok > kMaxTokens)
+        throw std::invalid_argument("DecodePlan.run_hidden: 1 to " + std::to_string(kMaxTokens) + " tokens");
+    if (!x) throw std::invalid_argument("DecodePlan.run_hidden: no input rows");
+    if (pos < 0 || pos + n_tok > std::min(n_attn, m_.n_ctx))
+        throw std::invalid_argument("DecodePlan: no cache row for a token (pos + T > n_attn or n_ctx)");
+    const std::vector<DecodePlan*> plans{this};
+    forward(Rows{plans, n_tok, &pos, &n_attn, false}, nullptr, x, last_only, logits, hidden);
 }
 
 void DecodePlan::set_steps(const std::vector<std::pair<float*, float*>>& steps, int64_t depth) {
@@ -158,22 +169,26 @@ void DecodePlan::run_many(const std::vector<DecodePlan*>& plans, const int64_t* 
             throw std::invalid_argument("DecodePlan.run_many: the plans are not of one model's weights");
         plans[b]->check_tokens(tokens + b, 1, pos[b], n_attn[b]);
     }
-    plans[0]->forward(Rows{plans, 1, pos, n_attn, false}, tokens, false, logits, nullptr);
+    plans[0]->forward(Rows{plans, 1, pos, n_attn, false}, tokens, nullptr, false, logits, nullptr);
 }
 
 // Qwen35Moe.decode_many (forward for one sequence): the weights are this plan's, sequence b's
 // states plans[b]'s; B rows below are all the call's rows (sequences times tokens)
-void DecodePlan::forward(const Rows& rows, const int64_t* tokens, bool last_only, float* logits, float* hidden) {
+void DecodePlan::forward(const Rows& rows, const int64_t* tokens, const float* x_in, bool last_only, float* logits,
+                         float* hidden) {
     const DecodeModel& m = m_;
     const int64_t H = m.n_embd, B = rows.count();
     if (scratch_->rows < B) scratch_ = std::make_unique<Scratch>(m, widths_, B);
     Scratch& s = *scratch_;
     HeldThreads held;
-    // x = ops.dequantize(embd.data[tokens.reshape(-1)], ...): the rows gathered first, as the indexing does
-    for (int64_t b = 0; b < B; ++b)
-        std::memcpy(s.embd_rows + b * m.embd_row_bytes, m.embd + tokens[b] * m.embd_row_bytes,
-                    size_t(m.embd_row_bytes));
-    dequantize(m.embd_type, s.embd_rows, B, H, m.embd_row_bytes, s.x, 0);
+    if (x_in) {  // MtpHead.forward's x = _mm(z, eh_proj).contiguous()
+        std::memcpy(s.x, x_in, size_t(B * H) * sizeof(float));
+    } else {  // x = ops.dequantize(embd.data[tokens.reshape(-1)], ...): the rows gathered first, as the indexing does
+        for (int64_t b = 0; b < B; ++b)
+            std::memcpy(s.embd_rows + b * m.embd_row_bytes, m.embd + tokens[b] * m.embd_row_bytes,
+                        size_t(m.embd_row_bytes));
+        dequantize(m.embd_type, s.embd_rows, B, H, m.embd_row_bytes, s.x, 0);
+    }
     Residual add;  // the previous layer's (routed, shared, shared gate): none before layer 0
     for (size_t i = 0; i < layers_.size(); ++i) {
         const DecodeLayer& L = layers_[i];
@@ -188,6 +203,7 @@ void DecodePlan::forward(const Rows& rows, const int64_t* tokens, bool last_only
     // h = residual_rms_norm(x, self.out_norm, ...), a fresh tensor: the hidden states returned
     float* h = hidden ? hidden : s.norm;
     residual_rms_norm(s.x, B, H, add.a, add.lda, add.b, add.ldb, add.s, add.lds, m.out_norm, m.eps, h);
+    if (!logits) return;
     if (last_only)  // _mm(h[:, -1:], self.head)
         matmul_multi(&m.head, 1, H, h + (B - 1) * H, 1, logits, m.n_vocab);
     else  // _mm(h, self.head)

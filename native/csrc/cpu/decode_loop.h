@@ -79,6 +79,11 @@ class DecodePlan {
     // not null) the final-normed hidden states f32 [n_tok, n_embd].
     void run_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn, bool keep, bool last_only,
                     float* logits, float* hidden);
+    // run_tokens from the residual stream x f32 [n_tok, n_embd] (copied) instead of the tokens'
+    // embeddings, no kept steps: the MTP head's block after its eh_proj (models/mtp.py); logits
+    // null: no head (logits="none").
+    void run_hidden(const float* x, int64_t n_tok, int64_t pos, int64_t n_attn, bool last_only, float* logits,
+                    float* hidden);
     // The State's kept steps: per layer (conv, ssm) base pointers (null for attention layers or
     // none), `depth` states each; depth 0 drops them.
     void set_steps(const std::vector<std::pair<float*, float*>>& steps, int64_t depth);
@@ -117,7 +122,9 @@ class DecodePlan {
     };
     bool shares_weights(const DecodePlan& other) const;
     void check_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn) const;
-    void forward(const Rows& rows, const int64_t* tokens, bool last_only, float* logits, float* hidden);
+    // the rows' residual stream starts as the tokens' embeddings, or a copy of x_in (tokens null)
+    void forward(const Rows& rows, const int64_t* tokens, const float* x_in, bool last_only, float* logits,
+                 float* hidden);
     void delta_net(size_t layer, const Rows& rows, Scratch& s);
     void attention(size_t layer, const Rows& rows, Scratch& s);
     Residual feed_forward(const DecodeLayer& L, int64_t rows, Scratch& s);
