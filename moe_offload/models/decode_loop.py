@@ -1,18 +1,28 @@
-"""A CPU decode token in one native call (native/csrc/cpu/decode_loop.cpp).
+"""CPU decode tokens in one native call (native/csrc/cpu/decode_loop.cpp).
 
 Qwen35Moe.forward on the CPU makes about ten kernel calls a layer from Python, with tensors
-allocated between them. For one token of one sequence (B = 1, T = 1) `native._cpu.DecodePlan`
-runs the whole token -- every layer, the final norm and the head -- in one call with the GIL
-released, calling the same kernels in the same order with the same arguments, so its logits are
-the per-op path's bits. A plan is built once per (model, State) from the raw pointers of the
-weights and of the State's conv/ssm/KV tensors, and kept while the State lives.
+allocated between them. For a few tokens of one sequence (B = 1, T <= MAX_TOKENS: a decode
+token, a speculative verify step of T = k+1, a short prompt) `native._cpu.DecodePlan` runs the
+whole forward -- every layer, the final norm and the head -- in one call with the GIL released,
+calling the same kernels in the same order with the same arguments, so its logits (and, with
+hidden=True, the final-normed hidden states) are the per-op path's bits. The T rows go through
+the norms, projections, router and experts together; the mixers take them as the per-op path
+does: attention all T in one call, the delta-net all T in one call, or with kept steps
+(State.keep_steps, 2 <= T <= depth+1) one token at a time, the conv/ssm states after each of the
+first T-1 written to State.steps. A plan is built once per (model, State) from the raw pointers
+of the weights and of the State's conv/ssm/KV tensors, and kept while the State lives; the kept
+steps' pointers follow State.steps (set_steps when it is another dict).
 Qwen35Moe.decode_many (a token for each of B single-sequence States) runs in one call as well:
-`DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`).
+`DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`). So does
+the MTP draft head's block after its input projection (`mtp_loop_for`: a one-layer plan of the
+MTP block over the State's MTP KV, `DecodePlan.run_hidden` from the residual stream MtpHead
+computes; its norms and eh_proj stay torch's).
 
-`loop_for` returns None wherever the per-op path must run: another device, a batch, kept
-delta-net steps (speculative decoding), step kernels off (`layers.STEP_KERNELS`), native kernels
-off, experts other than the plain host-resident `ResidentExperts`, a weight or state the CPU
-kernels do not take as they stand (then the per-op path would not call them either).
+`loop_for` returns None wherever the per-op path must run: another device, a batch, step
+kernels off (`layers.STEP_KERNELS`), native kernels off, experts other than the plain
+host-resident `ResidentExperts`, a weight or state the CPU kernels do not take as they stand
+(then the per-op path would not call them either); Qwen35Moe.forward takes the per-op path for
+T > MAX_TOKENS as well.
 `ENABLED = False` (env FTPATCH_DECODE_LOOP=0) forces the per-op path: tests and A/B timings.
 """
 from __future__ import annotations
@@ -31,20 +41,90 @@ from .weights import ResidentExperts
 ENABLED = os.environ.get("FTPATCH_DECODE_LOOP", "1") != "0"
 
 
+def max_tokens() -> int:
+    """The most tokens of one sequence a native call takes (0: an extension without run_tokens)."""
+    return getattr(getattr(ops._cpu, "DecodePlan", None), "MAX_TOKENS", 0)
+
+
 class _PerOp(Exception):
     """Something the plan does not mirror: the per-op path runs."""
 
 
 class DecodeLoop:
-    """One (model, State)'s native plan; call it with tokens [1, 1] -> logits [1, 1, V]."""
+    """One (model, State)'s native plan; call it with tokens [1, T] (T <= MAX_TOKENS) -> (logits
+    [1, T or, last_only, 1, V], the final-normed hidden states [1, T, H] or None)."""
 
-    def __init__(self, plan, keep: list, n_vocab: int):
-        self.plan, self._keep, self.n_vocab = plan, keep, n_vocab   # _keep: what plan points to
+    def __init__(self, plan, keep: list, n_vocab: int, n_embd: int, step_shapes: dict):
+        self.plan, self._keep, self.n_vocab, self.n_embd = plan, keep, n_vocab, n_embd  # _keep: what plan points to
+        self._step_shapes = step_shapes   # layer -> the shapes of one kept (conv, ssm) state
+        self._steps = None                # the State.steps the plan points to (kept alive here)
 
-    def __call__(self, tokens: torch.Tensor, state) -> torch.Tensor:
-        logits = torch.empty(1, 1, self.n_vocab, dtype=torch.float32)
-        self.plan.run(int(tokens), state.n_past, state.attn_len(1), logits.data_ptr())
-        return logits
+    def follow_steps(self, steps: dict) -> bool:
+        """Point the plan at State.steps (another dict than last time: keep_steps reallocated or
+        dropped them); False if they are not what the plan can write (the per-op path runs)."""
+        if steps is self._steps:
+            return True
+        depth = next(iter(steps.values()))[0].shape[0] if steps else 0
+        ptrs = []
+        for i in range(len(self._step_shapes)):
+            shapes = self._step_shapes[i]
+            if shapes is None or not depth:
+                ptrs.append((0, 0))
+                continue
+            pair = steps.get(i)
+            if pair is None or not all(
+                    t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                    and tuple(t.shape) == (depth, *shape) for t, shape in zip(pair, shapes)):
+                return False
+            ptrs.append((pair[0].data_ptr(), pair[1].data_ptr()))
+        self.plan.set_steps(ptrs, depth)
+        self._steps = steps
+        return True
+
+    def __call__(self, tokens: torch.Tensor, state, keep: bool = False, last_only: bool = False,
+                 hidden: bool = False):
+        T = tokens.shape[-1]
+        logits = torch.empty(1, 1 if last_only else T, self.n_vocab, dtype=torch.float32)
+        h = torch.empty(1, T, self.n_embd, dtype=torch.float32) if hidden else None
+        self.plan.run_tokens(tokens.reshape(-1).tolist(), state.n_past, state.attn_len(T), keep, last_only,
+                             logits.data_ptr(), 0 if h is None else h.data_ptr())
+        return logits, h
+
+
+class MtpLoop:
+    """An MtpHead's plan for one State: call it with its residual stream x [T, H] (after eh_proj)
+    -> (logits [1, T or 1, V] or None, the head's normed states g [1, T, H])."""
+
+    def __init__(self, plan, keep: list, n_vocab: int, n_embd: int):
+        self.plan, self._keep, self.n_vocab, self.n_embd = plan, keep, n_vocab, n_embd
+
+    def __call__(self, x: torch.Tensor, pos: int, n_attn: int, logits: str):
+        T = x.shape[0]
+        lg = None if logits == "none" else \
+            torch.empty(1, T if logits == "all" else 1, self.n_vocab, dtype=torch.float32)
+        g = torch.empty(1, T, self.n_embd, dtype=torch.float32)
+        self.plan.run_hidden(x.data_ptr(), T, pos, n_attn, logits != "all",
+                             0 if lg is None else lg.data_ptr(), g.data_ptr())
+        return lg, g
+
+
+def mtp_loop_for(head, state) -> MtpLoop | None:
+    """The plan of MtpHead `head`'s block on `state`'s MTP KV (state.add_mtp_kv first), built on
+    first use; None: use the per-op path."""
+    model = head.model
+    if not (ENABLED and layers.STEP_KERNELS and max_tokens() and hasattr(ops._cpu.DecodePlan, "run_hidden")
+            and model.device.type == "cpu" and state.batch == 1 and state.mtp_k is not None):
+        return None
+    loops = head._loops
+    key = (ops._cpu, head.experts, state.mtp_k, state.mtp_v)
+    hit = loops.get(state)
+    if hit is None or not all(map(operator.is_, hit[0], key)):
+        try:
+            loop = _build(model, state, head)
+        except (_PerOp, KeyError):
+            loop = None
+        hit = loops[state] = (key, loop)
+    return hit[1]
 
 
 class ManyLoop:
@@ -73,8 +153,8 @@ def loop_many_for(model, states) -> ManyLoop | None:
 
 def loop_for(model, state) -> DecodeLoop | None:
     """The decode loop of (model, state), built on first use; None: use the per-op path."""
-    if not (ENABLED and layers.STEP_KERNELS and ops._cpu is not None and hasattr(ops._cpu, "DecodePlan")
-            and model.device.type == "cpu" and state.batch == 1 and not state.steps):
+    if not (ENABLED and layers.STEP_KERNELS and max_tokens() and model.device.type == "cpu"
+            and state.batch == 1):
         return None
     loops = model._decode_loops
     key = (ops._cpu, *model.experts)   # a plan holds this extension's and these experts' pointers
@@ -85,13 +165,23 @@ def loop_for(model, state) -> DecodeLoop | None:
         except (_PerOp, KeyError):   # KeyError: a tensor the per-op path would miss as well
             loop = None
         hit = loops[state] = (key, loop)
-    return hit[1]
+    loop = hit[1]
+    return loop if loop is not None and loop.follow_steps(state.steps) else None
 
 
-def _build(model, state) -> DecodeLoop:
+def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:
+    """The trunk's plan on `state`, or with `mtp` (an MtpHead) its block's on the State's MTP KV."""
     from .qwen35moe import ATTN_IN, ROUTER, SHEXP_IN, SSM_IN
     c, keep = model.config, []
     H, d = c.n_embd, c.head_dim
+    if mtp is None:
+        blocks, experts, recurrent = model.blk, model.experts, c.recurrent
+        k_caches, v_caches = state.k, state.v
+        embd, out_norm, head = model.embd, model.out_norm, model.head
+    else:
+        blocks, experts, recurrent = [mtp.L], [mtp.experts], [False]
+        k_caches, v_caches = {0: state.mtp_k}, {0: state.mtp_v}
+        embd, out_norm, head = mtp.embd, mtp.norm, mtp.head
 
     def mat(w, n_in: int) -> tuple:   # what ops.matmul / matmul_many pass for w, or _PerOp
         arg = ops._cpu_weight(w) if isinstance(w, QTensor) else None
@@ -107,13 +197,15 @@ def _build(model, state) -> DecodeLoop:
         keep.append(t)
         return t.data_ptr()
 
-    if any("+" in k for L in model.blk for k in L):   # fused projections (a GPU upload)
+    if any("+" in k for L in blocks for k in L):   # fused projections (a GPU upload)
         raise _PerOp
-    layer_args = []
-    for i, L in enumerate(model.blk):
-        a = dict(recurrent=bool(c.recurrent[i]), attn_norm=f32(L["attn_norm.weight"], H),
+    layer_args, step_shapes = [], {}
+    for i, L in enumerate(blocks):
+        step_shapes[i] = ((1, *state.conv[i].shape[1:]), (1, *state.ssm[i].shape[1:])) \
+            if recurrent[i] else None
+        a = dict(recurrent=bool(recurrent[i]), attn_norm=f32(L["attn_norm.weight"], H),
                  post_norm=f32(L["post_attention_norm.weight"], H))
-        if c.recurrent[i]:
+        if recurrent[i]:
             hv_dv = c.ssm_n_v_heads * c.ssm_head_v_dim
             conv_w = L["ssm_conv1d.weight"]
             a.update(mixer_in=[mat(L[n], H) for n in SSM_IN], mixer_out=mat(L["ssm_out.weight"], hv_dv),
@@ -127,8 +219,8 @@ def _build(model, state) -> DecodeLoop:
             a.update(mixer_in=[mat(L[n], H) for n in names],
                      mixer_out=mat(L["attn_output.weight"], c.n_head * d),
                      q_norm=f32(L["attn_q_norm.weight"], d), k_norm=f32(L["attn_k_norm.weight"], d),
-                     k_cache=f32(state.k[i]), v_cache=f32(state.v[i]))
-        ex = model.experts[i]
+                     k_cache=f32(k_caches[i]), v_cache=f32(v_caches[i]))
+        ex = experts[i]
         banks = ops._cpu_banks(ex.gate, ex.up, ex.down) if type(ex) is ResidentExperts else None
         if banks is None or banks[2] != H:
             raise _PerOp
@@ -141,17 +233,19 @@ def _build(model, state) -> DecodeLoop:
         else:
             a.update(ffn_in=[mat(L[ROUTER[0]], H)])
         layer_args.append(a)
-    embd = model.embd
     if not (embd.device.type == "cpu" and embd.data.dim() == 2
             and ops._ext_supports(ops._cpu, embd.qtype, "dequantize", H)):
         raise _PerOp
     keep.append(embd)
     inv_freq = ops.rope_inv_freq(c.n_rot, c.rope_base)
     model_args = dict(
-        n_embd=H, n_vocab=int(model.head.shape[0]), eps=c.rms_eps, n_expert=c.n_expert,
+        n_embd=H, n_vocab=int(head.shape[0]), eps=c.rms_eps, n_expert=c.n_expert,
         top_k=c.n_expert_used, expert_floor=layers.EXPERT_WEIGHT_FLOOR, ssm_hk=c.ssm_n_k_heads,
         ssm_hv=c.ssm_n_v_heads, ssm_dk=c.ssm_d_state, ssm_dv=c.ssm_head_v_dim, n_head=c.n_head,
         n_head_kv=c.n_head_kv, head_dim=d, n_rot=c.n_rot, n_ctx=state.n_ctx, inv_freq=f32(inv_freq),
-        embd=(embd.qtype.type_id, embd.data.data_ptr(), embd.row_bytes), out_norm=f32(model.out_norm, H),
-        head=mat(model.head, H))
-    return DecodeLoop(ops._cpu.DecodePlan(model_args, layer_args), keep, model_args["n_vocab"])
+        embd=(embd.qtype.type_id, embd.data.data_ptr(), embd.row_bytes), out_norm=f32(out_norm, H),
+        head=mat(head, H))
+    plan = ops._cpu.DecodePlan(model_args, layer_args)
+    if mtp is not None:
+        return MtpLoop(plan, keep, model_args["n_vocab"], H)
+    return DecodeLoop(plan, keep, model_args["n_vocab"], H, step_shapes)

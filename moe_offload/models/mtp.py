@@ -19,6 +19,8 @@ it likes.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from native import ops
@@ -26,6 +28,7 @@ from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
+from . import decode_loop
 from .layers import residual_rms_norm, rms_norm
 from .weights import Experts, upload_mtp
 
@@ -49,6 +52,7 @@ class MtpHead:
         self.head: QTensor = tensors.get("nextn.shared_head_head.weight", model.head)
         self.norm: torch.Tensor = tensors.get("nextn.shared_head_norm.weight", model.out_norm)
         self.device = model.device
+        self._loops = weakref.WeakKeyDictionary()   # State -> its CPU plan (decode_loop.mtp_loop_for)
 
     @classmethod
     def load(cls, loaded, model, experts_device: torch.device | str | None = None
@@ -79,6 +83,12 @@ class MtpHead:
         z = torch.cat((rms_norm(e.float(), L["nextn.enorm.weight"], eps),
                        rms_norm(hidden.reshape(B * T, H).float(), L["nextn.hnorm.weight"], eps)), -1)
         x = _mm(z, L["nextn.eh_proj.weight"]).contiguous()          # the residual stream [N, H]
+        loop = decode_loop.mtp_loop_for(self, state) \
+            if B == 1 and at is None and 1 <= T <= decode_loop.max_tokens() else None
+        if loop is not None:   # the rest in one native call on the CPU, the same bits
+            lg, g = loop(x, p, n_attn or p + T, logits)
+            state.mtp_past = p + T
+            return lg, g
         a = residual_rms_norm(x, L["attn_norm.weight"], eps).view(B, T, H)
         m = self.model._attention(L, a, state.mtp_k, state.mtp_v, pos, n_attn or p + T)
         f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.reshape(B * T, H))

@@ -90,13 +90,13 @@ class Qwen35Moe:
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
-        loop = decode_loop.loop_for(self, state) if T == 1 and not hidden else None
-        if loop is not None:   # the whole token in one native call, the same bits
-            logits = loop(tokens, state)
-            state.advance(1)
-            state.steps_taken = 0
-            return logits
         keep = bool(state.steps) and 1 < T <= next(iter(state.steps.values()))[0].shape[0] + 1
+        loop = decode_loop.loop_for(self, state) if 1 <= T <= decode_loop.max_tokens() else None
+        if loop is not None:   # the whole forward in one native call, the same bits
+            logits, h = loop(tokens, state, keep, last_only, hidden)
+            state.advance(T)
+            state.steps_taken = T if keep else 0
+            return (logits, h) if hidden else logits
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)
         # the residual stream [B*T, H], a fresh tensor updated in place

@@ -328,6 +328,13 @@ PYBIND11_MODULE(_cpu, m) {
     //       (type_id, w, n_out, row_stride), expert banks as (type_id, base, expert_stride); the
     //       caller keeps every buffer alive while the plan lives (moe_offload/models/decode_loop.py)
     //   .run(token, pos, n_attn, logits)   one token (GIL released): logits f32 [n_vocab]
+    //   .run_tokens(tokens, pos, n_attn, keep, last_only, logits, hidden)   T <= MAX_TOKENS tokens
+    //       of the one sequence (a verify step; keep: the delta-net states after each kept, see
+    //       set_steps): logits f32 [T or 1, n_vocab], hidden (0: none) f32 [T, n_embd]
+    //   .run_hidden(x, n_tok, pos, n_attn, last_only, logits, hidden)   run_tokens from the residual
+    //       stream x f32 [T, n_embd] (the MTP block after its eh_proj); logits 0: no head
+    //   .set_steps(steps, depth)   the State's kept steps: per layer (conv, ssm) addresses (0, 0
+    //       for attention layers), depth states each; depth 0 drops them
     //   DecodePlan.run_many(plans, tokens, pos, n_attn, logits)   a token for each of B sequences,
     //       plan b holding sequence b's State, all of one model (GIL released): logits [B, n_vocab]
     //   DecodePlan.MAX_SEQUENCES   run_many's largest B
@@ -392,6 +399,29 @@ PYBIND11_MODULE(_cpu, m) {
                  p.run(token, pos, n_attn, ptr<float>(logits));
              },
              py::arg("token"), py::arg("pos"), py::arg("n_attn"), py::arg("logits"), release)
+        .def("run_tokens",
+             [](cpu::DecodePlan& p, const std::vector<int64_t>& tokens, int64_t pos, int64_t n_attn, bool keep,
+                bool last_only, uintptr_t logits, uintptr_t hidden) {
+                 p.run_tokens(tokens.data(), int64_t(tokens.size()), pos, n_attn, keep, last_only, ptr<float>(logits),
+                              ptr<float>(hidden));
+             },
+             py::arg("tokens"), py::arg("pos"), py::arg("n_attn"), py::arg("keep"), py::arg("last_only"),
+             py::arg("logits"), py::arg("hidden"), release)
+        .def("run_hidden",
+             [](cpu::DecodePlan& p, uintptr_t x, int64_t n_tok, int64_t pos, int64_t n_attn, bool last_only,
+                uintptr_t logits, uintptr_t hidden) {
+                 p.run_hidden(ptr<const float>(x), n_tok, pos, n_attn, last_only, ptr<float>(logits),
+                              ptr<float>(hidden));
+             },
+             py::arg("x"), py::arg("n_tok"), py::arg("pos"), py::arg("n_attn"), py::arg("last_only"),
+             py::arg("logits"), py::arg("hidden"), release)
+        .def("set_steps",
+             [](cpu::DecodePlan& p, const std::vector<std::pair<uintptr_t, uintptr_t>>& steps, int64_t depth) {
+                 std::vector<std::pair<float*, float*>> ptrs;
+                 for (const auto& [c, s] : steps) ptrs.emplace_back(ptr<float>(c), ptr<float>(s));
+                 p.set_steps(ptrs, depth);
+             },
+             py::arg("steps"), py::arg("depth"))
         .def_static(
             "run_many",
             [](const std::vector<cpu::DecodePlan*>& plans, const std::vector<int64_t>& tokens,
@@ -401,7 +431,8 @@ PYBIND11_MODULE(_cpu, m) {
                 cpu::DecodePlan::run_many(plans, tokens.data(), pos.data(), n_attn.data(), ptr<float>(logits));
             },
             py::arg("plans"), py::arg("tokens"), py::arg("pos"), py::arg("n_attn"), py::arg("logits"), release)
-        .def_readonly_static("MAX_SEQUENCES", &cpu::DecodePlan::kMaxSequences);
+        .def_readonly_static("MAX_SEQUENCES", &cpu::DecodePlan::kMaxSequences)
+        .def_readonly_static("MAX_TOKENS", &cpu::DecodePlan::kMaxTokens);
 
     py::class_<cpu::OffloadWorker>(m, "OffloadWorker")
         .def(py::init([](const py::dict& exchange, const py::list& layers, int64_t timeout_ms) {

@@ -1,12 +1,14 @@
 // CPU decode tokens in one native call (decode_loop.cpp): every layer, the final norm and the
 // head, calling the same ops in the same order with the same arguments as the per-op path of
-// moe_offload/models/qwen35moe.py (forward with B = 1, T = 1; decode_many for B sequences), so
-// the logits are the same bits. A plan is built once per (model, State) from raw pointers;
+// moe_offload/models/qwen35moe.py (forward with B = 1 and a few tokens, T <= kMaxTokens: a
+// decode token or a speculative verify step; decode_many for B sequences), so the logits (and
+// the final-normed hidden states) are the same bits. A plan is built once per (model, State) from raw pointers;
 // Python keeps every buffer it points to alive (weights, norms, the State's conv/ssm/KV tensors,
 // the RoPE frequencies).
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cpu.h"
@@ -26,6 +28,9 @@ struct DecodeLayer {
     const float* conv_w = nullptr;
     int64_t conv_kc = 0;
     float* ssm_state = nullptr;
+    // the kept states (State.steps): conv [depth, C, kc-1], ssm [depth, hv, dk, dv]; null: none
+    float* conv_steps = nullptr;
+    float* ssm_steps = nullptr;
     const float* ssm_a = nullptr;
     const float* dt_bias = nullptr;
     const float* ssm_norm = nullptr;
@@ -60,11 +65,28 @@ struct DecodeModel {
 class DecodePlan {
   public:
     static constexpr int64_t kMaxSequences = 64;  // run_many's batch: its arena grows with it
+    static constexpr int64_t kMaxTokens = 8;      // run_tokens' T (ops.DECODE_MAX_TOKENS)
 
     DecodePlan(const DecodeModel& model, std::vector<DecodeLayer> layers);
     // One token at position pos (< n_attn <= n_ctx), the first n_attn cache rows attended:
     // updates the conv/ssm states and KV rows in place, logits f32 [n_vocab].
     void run(int64_t token, int64_t pos, int64_t n_attn, float* logits);
+    // Qwen35Moe.forward of n_tok tokens of the one sequence (B = 1) at positions pos.., the first
+    // n_attn cache rows attended: the norms, projections, router and experts take the n_tok rows
+    // in one call; attention takes them in one call, the delta-net too, or with `keep` token by
+    // token, the conv/ssm states after each of the first n_tok-1 written to the kept steps
+    // (set_steps; depth >= n_tok-1). logits f32 [n_tok or, last_only, 1, n_vocab]; hidden (if
+    // not null) the final-normed hidden states f32 [n_tok, n_embd].
+    void run_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn, bool keep, bool last_only,
+                    float* logits, float* hidden);
+    // run_tokens from the residual stream x f32 [n_tok, n_embd] (copied) instead of the tokens'
+    // embeddings, no kept steps: the MTP head's block after its eh_proj (models/mtp.py); logits
+    // null: no head (logits="none").
+    void run_hidden(const float* x, int64_t n_tok, int64_t pos, int64_t n_attn, bool last_only, float* logits,
+                    float* hidden);
+    // The State's kept steps: per layer (conv, ssm) base pointers (null for attention layers or
+    // none), `depth` states each; depth 0 drops them.
+    void set_steps(const std::vector<std::pair<float*, float*>>& steps, int64_t depth);
     // Qwen35Moe.decode_many: token b of sequence b at pos[b], the first n_attn[b] rows of its
     // cache attended, b < B = plans.size(); plan b holds sequence b's State, every plan the
     // same weights. Norms, projections, router and experts take the B rows in one call, the
@@ -80,30 +102,38 @@ class DecodePlan {
     struct Widths {  // the widest projection outputs over the layers: the arena's row sizes
         int64_t proj = 0, conv = 0, ffn = 0, shared_ff = 0;
     };
+    struct Rows {  // what a call computes: n_tok tokens of each of the plans' sequences
+        const std::vector<DecodePlan*>& plans;
+        int64_t n_tok;      // tokens a sequence (rows b*n_tok + t)
+        const int64_t *pos, *n_attn;  // per sequence
+        bool keep;          // the delta-net token by token, its states kept (one sequence)
+        int64_t count() const { return int64_t(plans.size()) * n_tok; }
+    };
     struct Scratch {  // the working buffers of a call of `rows` sequences, 64-byte aligned pieces
         Scratch(const DecodeModel& m, const Widths& w, int64_t rows);
         int64_t rows;
         std::unique_ptr<float[]> arena;
         // per row: x, norm, proj, mix, mix_out, ffn, experts_out, swiglu, shared_out, expert_w,
-        // expert_ids, embd_rows; one sequence's: conv_y, q_work, mix_one (its mixer's output)
+        // expert_ids, embd_rows; one sequence's rows: conv_y, q_work, mix_one (its mixer's output)
         float *x, *norm, *proj, *mix, *mix_out, *ffn, *experts_out, *swiglu, *shared_out, *expert_w, *conv_y,
             *q_work, *mix_one;
         int32_t* expert_ids;
         uint8_t* embd_rows;
     };
     bool shares_weights(const DecodePlan& other) const;
-    void check_token(int64_t token, int64_t pos, int64_t n_attn) const;
-    void forward(const std::vector<DecodePlan*>& plans, const int64_t* tokens, const int64_t* pos,
-                 const int64_t* n_attn, float* logits);
-    void delta_net(size_t layer, const std::vector<DecodePlan*>& plans, Scratch& s);
-    void attention(size_t layer, const std::vector<DecodePlan*>& plans, const int64_t* pos, const int64_t* n_attn,
-                   Scratch& s);
+    void check_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn) const;
+    // the rows' residual stream starts as the tokens' embeddings, or a copy of x_in (tokens null)
+    void forward(const Rows& rows, const int64_t* tokens, const float* x_in, bool last_only, float* logits,
+                 float* hidden);
+    void delta_net(size_t layer, const Rows& rows, Scratch& s);
+    void attention(size_t layer, const Rows& rows, Scratch& s);
     Residual feed_forward(const DecodeLayer& L, int64_t rows, Scratch& s);
 
     DecodeModel m_;
     std::vector<DecodeLayer> layers_;
     Widths widths_;
-    std::unique_ptr<Scratch> scratch_;  // sized for the most sequences a call has had
+    std::unique_ptr<Scratch> scratch_;  // sized for the most rows a call has had
+    int64_t step_depth_ = 0;            // kept states a layer (set_steps)
 };
 
 }  // namespace ft::cpu
