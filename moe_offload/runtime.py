@@ -603,24 +603,15 @@ class OffloadRuntime:
         if p + T + k - 1 > state.n_ctx:
             raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; "
                                f"{p + T + k - 1} needed")
-        bucket = state.attn_bucket
-        n_attn = min(state.n_ctx, -(-(p + T + k - 1) // bucket) * bucket)
+        from .models.mtp import greedy_drafts
+        n_attn = state.rows_attended(p + T + k - 1)
 
         def run(toks, h, at):
-            lg, g = mtp.forward(h, toks, state, logits="last", at=at, n_attn=n_attn)
-            out = [lg[0, -1].argmax(-1, keepdim=True)]
-            for i in range(1, k):   # the chained calls: positions p + T, p + T + 1, ...
-                lg, g = mtp.forward(g[:, -1:], out[-1][None], state, logits="last",
-                                    at=None if at is None else at + (T + i - 1), n_attn=n_attn)
-                out.append(lg[0, -1].argmax(-1, keepdim=True))
-            return torch.cat(out)
+            return greedy_drafts(mtp, h, toks, state, k, at=at, n_attn=n_attn)
 
         capturable = isinstance(mtp.experts, ResidentPool) and mtp.experts.capturable(T)
         if not (self.opts.use_graphs and capturable):
-            try:
-                return run(tokens, hidden, None)
-            finally:
-                state.mtp_past = p + T
+            return run(tokens, hidden, None)
         key = ("draft", id(state), T, k, n_attn)
         g = self._graphs.get(key)
         if g is None:

@@ -50,6 +50,7 @@ import torch
 
 from .errors import OffloadError
 from .readback import TokenReadback
+from .models.mtp import greedy_drafts
 from .state import State
 
 K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
@@ -405,33 +406,27 @@ class SpeculativeDecoder:
             return verify(inp, state)
         return self.model.forward(inp, state, hidden=True)
 
+    def _take_owed(self, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trunk's hidden states the MTP head is owed [1, T, H] and the tokens that follow
+        them [1, T]; the State owes nothing after (the caller writes them)."""
+        owed, p = state.mtp_hidden, state.mtp_past
+        state.mtp_hidden = None
+        return owed[None], torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
+
     def _first_draft(self, state: State):
         """The MTP head on the trunk's hidden states it is owed -> (its last logits, its normed
         states, the MTP KV length: rows past it are the drafts' provisional ones)."""
-        owed = state.mtp_hidden
-        p = state.mtp_past
-        toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
-        lg, g = self.mtp.forward(owed[None], toks, state, logits="last")
-        state.mtp_hidden = None
+        lg, g = self.mtp.forward(*self._take_owed(state), state, logits="last")
         return lg, g, state.mtp_past
 
     def _draft_device(self, state: State, k: int) -> torch.Tensor:
         """k greedy draft ids [k] on the device (no host sync: each argmax feeds the next call;
         the runtime runs them as one captured graph)."""
+        hidden, toks = self._take_owed(state)
         draft = getattr(self.model, "draft", None)
         if draft is not None:
-            owed, p = state.mtp_hidden, state.mtp_past
-            toks = torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
-            out = draft(owed[None], toks, state, k)
-            state.mtp_hidden = None
-            return out
-        lg, g, base = self._first_draft(state)
-        drafts = [lg[0, -1].argmax(-1, keepdim=True)]
-        for _ in range(1, k):
-            lg, g = self.mtp.forward(g[:, -1:], drafts[-1][None], state, logits="last")
-            drafts.append(lg[0, -1].argmax(-1, keepdim=True))
-        state.mtp_past = base
-        return torch.cat(drafts)
+            return draft(hidden, toks, state, k)
+        return greedy_drafts(self.mtp, hidden, toks, state, k)
 
     def _accept_greedy(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[list[int], int]:
         """logits [k+1, V], drafts [k] on the device -> (new tokens, drafts accepted), the

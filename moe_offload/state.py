@@ -211,7 +211,11 @@ class State:
     def attn_len(self, n_new: int) -> int:
         """How many cache rows the next step attends to (n_past + n_new, rounded up to the
         bucket so a captured graph sees a fixed shape; extra rows are masked)."""
-        n = self.n_past + n_new
+        return self.rows_attended(self.n_past + n_new)
+
+    def rows_attended(self, n: int) -> int:
+        """n cache rows rounded up to the attention bucket (at most n_ctx): what a captured step
+        attends to when its last token sits at row n - 1."""
         return min(self.n_ctx, -(-n // self.attn_bucket) * self.attn_bucket)
 
     def advance(self, n: int) -> None:

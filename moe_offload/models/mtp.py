@@ -78,7 +78,6 @@ class MtpHead:
         p = state.mtp_past
         if p + T > state.n_ctx:
             raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; {p + T} needed")
-        pos = torch.arange(T, device=self.device) + (p if at is None else at)
         e = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype, (B * T, H))
         z = torch.cat((rms_norm(e.float(), L["nextn.enorm.weight"], eps),
                        rms_norm(hidden.reshape(B * T, H).float(), L["nextn.hnorm.weight"], eps)), -1)
@@ -89,6 +88,7 @@ class MtpHead:
             lg, g = loop(x, p, n_attn or p + T, logits)
             state.mtp_past = p + T
             return lg, g
+        pos = torch.arange(T, device=self.device) + (p if at is None else at)
         a = residual_rms_norm(x, L["attn_norm.weight"], eps).view(B, T, H)
         m = self.model._attention(L, a, state.mtp_k, state.mtp_v, pos, n_attn or p + T)
         f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.reshape(B * T, H))
@@ -98,3 +98,28 @@ class MtpHead:
         if logits == "none":
             return None, g
         return _mm(g if logits == "all" else g[:, -1:], self.head), g
+
+
+def greedy_drafts(head, hidden: torch.Tensor, tokens: torch.Tensor, state: State, k: int, *,
+                  at: torch.Tensor | None = None, n_attn: int | None = None) -> torch.Tensor:
+    """k greedy draft ids [k] on the device, no host sync: head.forward on the trunk's hidden
+    states it is owed (hidden [1, T, H], the tokens after them [1, T]), then k - 1 times on its
+    own last state and draft (each argmax feeds the next call). state.mtp_past ends at p + T:
+    the drafts' KV rows are provisional. `at`, `n_attn`: as MtpHead.forward's (a captured graph
+    reads p on the device; the chained calls sit at p + T, p + T + 1, ...)."""
+    T = tokens.shape[1]
+
+    def step(h, toks, offset):   # `at` and `n_attn` only when given: any head with forward() will do
+        kw = {} if n_attn is None else {"n_attn": n_attn}
+        if at is not None:
+            kw["at"] = at + offset if offset else at
+        return head.forward(h, toks, state, logits="last", **kw)
+
+    lg, g = step(hidden, tokens, 0)
+    base = state.mtp_past
+    out = [lg[0, -1].argmax(-1, keepdim=True)]
+    for i in range(1, k):
+        lg, g = step(g[:, -1:], out[-1][None], T + i - 1)
+        out.append(lg[0, -1].argmax(-1, keepdim=True))
+    state.mtp_past = base
+    return torch.cat(out)

@@ -187,7 +187,7 @@ def test_captured_draft_equals_the_eager_head(loaded):
             seen.add((T, k, rt.captures > before))
             assert st.mtp_past == p + T
             st.mtp_past = p   # the same drafts, eagerly, one call at a time (same rows attended)
-            n_attn = min(st.n_ctx, -(-(p + T + k - 1) // st.attn_bucket) * st.attn_bucket)
+            n_attn = st.rows_attended(p + T + k - 1)
             lg, h = mtp.forward(hidden, toks, st, logits="last", n_attn=n_attn)
             want = [lg[0, -1].argmax(-1, keepdim=True)]
             for _ in range(1, k):
