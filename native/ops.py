@@ -754,6 +754,66 @@ def cuda_delta_rule_step(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tenso
     return out
 
 
+def _state_ptrs(states, per: int, what: str) -> list[int]:
+    """data_ptr of each sequence's state: float32, contiguous, `per` values each."""
+    for st in states:
+        if st.dtype != torch.float32 or not st.is_contiguous() or st.numel() != per:
+            raise NativeError(f"{what}: each state must be contiguous float32 of {per} values, got "
+                              f"{st.dtype} {list(st.shape)}")
+    return [st.data_ptr() for st in states]
+
+
+def _keep_ptr(keep: torch.Tensor | None, n: int, what: str) -> int:
+    if keep is None:
+        return 0
+    if keep.dtype != torch.float32 or not keep.is_contiguous() or keep.numel() < n:
+        raise NativeError(f"{what}: keep must be contiguous float32 of at least {n} values")
+    return keep.data_ptr()
+
+
+def cuda_conv_silu_steps(x: torch.Tensor, states: list[torch.Tensor], w: torch.Tensor, n_tok: int,
+                         keep: torch.Tensor | None = None) -> torch.Tensor:
+    """cuda_conv_silu_step over n_tok tokens of each of len(states) sequences in one launch:
+    x [S*n_tok, C] (rows s*n_tok + t); states[s] that sequence's [.., C, Kc-1] (separate
+    tensors, shifted in place); keep [n_tok-1, S, C, Kc-1] or None: the state after each token
+    but the last -> [S*n_tok, C]."""
+    rows, ch = x.shape
+    kc = w.shape[1]
+    ptrs = _state_ptrs(states, ch * (kc - 1), "conv_silu_steps")
+    if rows != len(states) * n_tok:
+        raise NativeError(f"conv_silu_steps: {rows} rows for {len(states)} sequences of {n_tok}")
+    y = torch.empty(rows, ch, dtype=torch.float32, device=x.device)
+    kp = _keep_ptr(keep, (n_tok - 1) * len(states) * ch * (kc - 1), "conv_silu_steps")
+    _cuda.conv_silu_steps(x.data_ptr(), _ld(x, "conv_silu_steps x"), ptrs, w.data_ptr(), ch, kc,
+                          n_tok, y.data_ptr(), kp, _stream(x.device))
+    return y
+
+
+def cuda_delta_rule_steps(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
+                          alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
+                          states: list[torch.Tensor], norm_w: torch.Tensor, n_k_heads: int,
+                          eps: float, n_tok: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """cuda_delta_rule_step over n_tok tokens of each of len(states) sequences in one launch,
+    with one token's arithmetic: rows s*n_tok + t of y, z, beta_raw, alpha_raw; states[s] that
+    sequence's [.., Hv, dk, dv] (separate tensors, updated in place); keep [n_tok-1, S, Hv, dk,
+    dv] or None: the state after each token but the last -> [S*n_tok, Hv*dv]."""
+    hv, dk, dv = states[0].shape[-3:]
+    ptrs = _state_ptrs(states, hv * dk * dv, "delta_rule_steps")
+    rows = y.shape[0]
+    if rows != len(states) * n_tok:
+        raise NativeError(f"delta_rule_steps: {rows} rows for {len(states)} sequences of {n_tok}")
+    ldg = _ld(beta_raw, "delta_rule_steps beta")
+    if _ld(alpha_raw, "delta_rule_steps alpha") != ldg:
+        raise NativeError("delta_rule_steps: beta and alpha need the same row stride")
+    out = torch.empty(rows, hv * dv, dtype=torch.float32, device=y.device)
+    kp = _keep_ptr(keep, (n_tok - 1) * len(states) * hv * dk * dv, "delta_rule_steps")
+    _cuda.delta_rule_steps(y.data_ptr(), _ld(y, "delta_rule_steps y"), z.data_ptr(),
+                           _ld(z, "delta_rule_steps z"), beta_raw.data_ptr(), alpha_raw.data_ptr(),
+                           ldg, ssm_a.data_ptr(), dt_bias.data_ptr(), ptrs, norm_w.data_ptr(), n_tok,
+                           n_k_heads, hv, dk, dv, eps, out.data_ptr(), kp, _stream(y.device))
+    return out
+
+
 def step_route_topk(logits: torch.Tensor, k: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] -> ids [N, k] int32, weights [N, k]: softmax, top-k, renormalised (floor).
     On the logits' device: the CUDA step kernel, or the CPU's."""

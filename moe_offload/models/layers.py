@@ -192,24 +192,22 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
     B, T, _ = mix.shape
     hv, dk, dv = ssm_state.shape[1:]
     hk = n_k_heads
-    # a few tokens on CUDA (a verify or prompt step of the offload runtime) go one at a time
-    # through decode's step kernels: the chunked form pads them to a whole chunk and runs a
-    # triangular solve of its size, several times slower for a decode step of 2-8 tokens
-    if T > 1 and (steps is not None or (T <= ops.DECODE_MAX_TOKENS and _kernel_for(mix))):
+    if _kernel_for(mix) and (T <= ops.DECODE_MAX_TOKENS or steps is not None):
+        # decode, a verify or a short prompt step on CUDA: decode's step kernels, one launch each
+        # for all T tokens (the chunked form pads them to a whole chunk and runs a triangular
+        # solve of its size, several times slower for 2-8 tokens)
+        return _delta_net_steps(mix, z, beta_raw, alpha_raw, list(conv_state), list(ssm_state),
+                                conv_w, ssm_a, dt_bias, norm_w, hk, eps, steps)
+    if T > 1 and steps is not None:   # the CPU, keeping the state after each token: one at a time
         outs = []
         for t in range(T):
             one = (u[:, t:t + 1].contiguous() for u in (mix, z, beta_raw, alpha_raw))
             outs.append(gated_delta_net(*one, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
                                         norm_w, n_k_heads, eps))
-            if steps is not None and t < T - 1:
+            if t < T - 1:
                 steps[0][t].copy_(conv_state)
                 steps[1][t].copy_(ssm_state)
         return torch.cat(outs, dim=1)
-    if T == 1 and _kernel_for(mix):
-        y = ops.cuda_conv_silu_step(mix[:, 0], conv_state, conv_w)
-        o = ops.cuda_delta_rule_step(y, z[:, 0], beta_raw[:, 0], alpha_raw[:, 0], ssm_a, dt_bias,
-                                     ssm_state, norm_w, hk, eps)
-        return o.view(B, 1, hv * dv)
     if _cpu_kernel_for(mix) and ssm_state.is_contiguous():
         # on the CPU (csrc/cpu/step.cpp): the recurrence token by token, each head's state in cache
         y = ops.cpu_conv_silu(mix, conv_state, conv_w)                        # [B*T, C]
@@ -229,6 +227,38 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
         o = delta_rule_chunked(q, k, v.reshape(B, T, hv, dv), g, beta, ssm_state, chunk)
     o = gated_rms_norm(o, z.reshape(B, T, hv, dv), norm_w, eps)             # [B, T, Hv, dv]
     return o.reshape(B, T, hv * dv)
+
+
+def gated_delta_net_many(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
+                         alpha_raw: torch.Tensor, conv_states: list[torch.Tensor],
+                         ssm_states: list[torch.Tensor], conv_w: torch.Tensor, ssm_a: torch.Tensor,
+                         dt_bias: torch.Tensor, norm_w: torch.Tensor, n_k_heads: int,
+                         eps: float) -> torch.Tensor:
+    """gated_delta_net for one token of each of B sequences whose states are tensors of their
+    own (a batched decode step): mix etc. [B, 1, ..], conv_states / ssm_states B tensors [1, ..]
+    -> [B, 1, Hv*dv]. On CUDA one launch each for the B sequences."""
+    if _kernel_for(mix):
+        return _delta_net_steps(mix, z, beta_raw, alpha_raw, conv_states, ssm_states, conv_w,
+                                ssm_a, dt_bias, norm_w, n_k_heads, eps)
+    return torch.cat([gated_delta_net(mix[b:b + 1], z[b:b + 1], beta_raw[b:b + 1],
+                                      alpha_raw[b:b + 1], cs, ss, conv_w, ssm_a, dt_bias, norm_w,
+                                      n_k_heads, eps)
+                      for b, (cs, ss) in enumerate(zip(conv_states, ssm_states))])
+
+
+def _delta_net_steps(mix, z, beta_raw, alpha_raw, conv_states, ssm_states, conv_w, ssm_a, dt_bias,
+                     norm_w, n_k_heads, eps, steps=None) -> torch.Tensor:
+    """The CUDA step kernels over T tokens of each of S sequences (mix etc. [S, T, ..]; a state
+    tensor each) -> [S, T, Hv*dv]; steps (conv, ssm) [D, S, ..] receive the states after each
+    token but the last."""
+    S, T, _ = mix.shape
+    flat = lambda u: u.reshape(S * T, u.shape[-1])   # noqa: E731  (a view: rows s*T + t)
+    y = ops.cuda_conv_silu_steps(flat(mix), conv_states, conv_w, T,
+                                 steps[0] if steps is not None and T > 1 else None)
+    o = ops.cuda_delta_rule_steps(y, flat(z), flat(beta_raw), flat(alpha_raw), ssm_a, dt_bias,
+                                  ssm_states, norm_w, n_k_heads, eps, T,
+                                  steps[1] if steps is not None and T > 1 else None)
+    return o.view(S, T, -1)
 
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -20,7 +20,8 @@ from native.ops import QTensor
 from ..errors import OffloadError
 from ..state import State
 from . import decode_loop
-from .layers import gated_attention, gated_delta_net, residual_rms_norm, route_topk, swiglu
+from .layers import (gated_attention, gated_delta_net, gated_delta_net_many, residual_rms_norm,
+                     route_topk, swiglu)
 from .weights import Experts
 
 # Tokens a chunk of the delta rule in prefill: the loop over chunks is sequential, so fewer,
@@ -248,10 +249,10 @@ class Qwen35Moe:
             a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, 1, H)
             if c.recurrent[i]:
                 mix, z, beta, alpha = self._proj(L, SSM_IN, a)                # [B, 1, ...]
-                o = torch.cat([gated_delta_net(
-                    mix[b:b + 1], z[b:b + 1], beta[b:b + 1], alpha[b:b + 1], st.conv[i],
-                    st.ssm[i], L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
-                    L["ssm_norm.weight"], c.ssm_n_k_heads, eps) for b, st in enumerate(states)])
+                o = gated_delta_net_many(
+                    mix, z, beta, alpha, [st.conv[i] for st in states], [st.ssm[i] for st in states],
+                    L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"], L["ssm_norm.weight"],
+                    c.ssm_n_k_heads, eps)
                 m = _mm(o, L["ssm_out.weight"])
             else:
                 qg, k, v = self._attention_in(L, a)                             # [B, 1, ...]

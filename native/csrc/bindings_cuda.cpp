@@ -41,7 +41,7 @@
 //       gate/up, [H, F] for down). T <= 8, top_k <= 16. scratch: >= moe_scratch_bytes(T, K, F)
 //       bytes, 16-byte aligned, caller-owned, not read before it is written.
 //   moe_scratch_bytes(n_tok, top_k, ff) -> int
-//   residual_rms_norm, conv_silu_step, delta_rule_step, route_topk, attention_step, swiglu: the decode-step
+//   residual_rms_norm, conv_silu_step(s), delta_rule_step(s), route_topk, attention_step, swiglu: the decode-step
 //       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0).
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
@@ -191,6 +191,37 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"), py::arg("S"),
           py::arg("norm_w"), py::arg("batch"), py::arg("hk"), py::arg("hv"), py::arg("dk"),
           py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("conv_silu_steps",
+          [](uintptr_t x, int64_t ldx, const std::vector<uintptr_t>& states, uintptr_t w,
+             int64_t channels, int64_t kc, int64_t n_tok, uintptr_t y, uintptr_t keep, uintptr_t stream) {
+              std::vector<float*> st;
+              for (uintptr_t a : states) st.push_back(ptr<float>(a));
+              cuda::conv_silu_steps(ptr<const float>(x), ldx, st.data(), int64_t(st.size()),
+                                    ptr<const float>(w), channels, kc, n_tok, ptr<float>(y),
+                                    ptr<float>(keep), stream);
+          },
+          py::arg("x"), py::arg("ldx"), py::arg("states"), py::arg("w"), py::arg("channels"),
+          py::arg("kc"), py::arg("n_tok"), py::arg("y"), py::arg("keep") = 0, py::arg("stream") = 0,
+          release);
+    m.def("delta_rule_steps",
+          [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
+             uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias,
+             const std::vector<uintptr_t>& states, uintptr_t norm_w, int64_t n_tok, int64_t hk,
+             int64_t hv, int64_t dk, int64_t dv, float eps, uintptr_t out, uintptr_t keep,
+             uintptr_t stream) {
+              std::vector<float*> st;
+              for (uintptr_t a : states) st.push_back(ptr<float>(a));
+              cuda::delta_rule_steps(ptr<const float>(y), ldy, ptr<const float>(z), ldz,
+                                     ptr<const float>(beta_raw), ptr<const float>(alpha_raw), ldg,
+                                     ptr<const float>(ssm_a), ptr<const float>(dt_bias), st.data(),
+                                     int64_t(st.size()), ptr<const float>(norm_w), n_tok, hk, hv, dk,
+                                     dv, eps, ptr<float>(out), ptr<float>(keep), stream);
+          },
+          py::arg("y"), py::arg("ldy"), py::arg("z"), py::arg("ldz"), py::arg("beta_raw"),
+          py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"),
+          py::arg("states"), py::arg("norm_w"), py::arg("n_tok"), py::arg("hk"), py::arg("hv"),
+          py::arg("dk"), py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("keep") = 0,
+          py::arg("stream") = 0, release);
     m.def("route_topk",
           [](uintptr_t logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
              float floor, uintptr_t ids, uintptr_t weights, uintptr_t stream) {

@@ -101,6 +101,60 @@ def test_gated_delta_net_steps_accumulate_like_the_reference():
     _close(ssm_k, ssm_r, 1e-4)
 
 
+def _delta_inputs(g, n, T, hk=2, hv=4, dk=32, dv=64, kc=4):
+    """n sequences' projections [n, T, ..] (views of one fused output), weights, and states."""
+    C = 2 * hk * dk + hv * dv
+    proj = _rand(n, T, C + hv * dv + 2 * hv, g=g)
+    mix, z, br, ar = proj.split([C, hv * dv, hv, hv], dim=-1)
+    conv_w, ssm_a = _rand(C, kc, g=g, scale=0.5), -torch.rand(hv, generator=g, device=DEV)
+    weights = (conv_w, ssm_a, _rand(hv, g=g), _rand(dv, g=g) * 0.1 + 1, hk, 1e-6)
+    conv = _rand(n, C, kc - 1, g=g)
+    ssm = _rand(n, hv, dk, dv, g=g, scale=0.1)
+    return (mix, z, br, ar), weights, conv, ssm
+
+
+@pytest.mark.parametrize("T", [2, 3, 8])
+def test_delta_net_tokens_in_one_launch_equal_one_at_a_time(T):
+    """A verify step's T tokens go through one launch each of the conv and the delta rule; outputs,
+    final states and the states kept after each token equal T one-token steps bit for bit (a
+    verify step must compute what decode computes)."""
+    g = torch.Generator(DEV).manual_seed(T)
+    proj, w, conv, ssm = _delta_inputs(g, 1, T)
+    conv_1, ssm_1 = conv.clone(), ssm.clone()
+    outs, kept = [], []
+    for t in range(T):
+        outs.append(layers.gated_delta_net(*(u[:, t:t + 1] for u in proj), conv_1, ssm_1, *w))
+        kept.append((conv_1.clone(), ssm_1.clone()))
+    steps = (torch.full((T - 1, *conv.shape), float("nan"), device=DEV),
+             torch.full((T - 1, *ssm.shape), float("nan"), device=DEV))
+    out = layers.gated_delta_net(*proj, conv, ssm, *w, steps=steps)
+    assert torch.equal(out, torch.cat(outs, dim=1))
+    assert torch.equal(conv, conv_1) and torch.equal(ssm, ssm_1)
+    for t in range(T - 1):
+        assert torch.equal(steps[0][t], kept[t][0]) and torch.equal(steps[1][t], kept[t][1])
+
+
+@pytest.mark.parametrize("n", [3, 10])   # 10: two launches of at most 8 sequences
+def test_delta_net_many_sequences_equal_each_alone(n):
+    """decode_many's delta-net: one token of n sequences whose states are separate tensors, in one
+    launch each, equals each sequence stepped alone bit for bit, and against the torch reference."""
+    g = torch.Generator(DEV).manual_seed(n)
+    proj, w, conv, ssm = _delta_inputs(g, n, 1)
+    convs = [conv[b:b + 1].clone() for b in range(n)]
+    ssms = [ssm[b:b + 1].clone() for b in range(n)]
+    alone_c, alone_s = [c.clone() for c in convs], [s.clone() for s in ssms]
+    ref_c, ref_s = [c.clone() for c in convs], [s.clone() for s in ssms]
+    out = layers.gated_delta_net_many(*proj, convs, ssms, *w)
+    for b in range(n):
+        one = tuple(u[b:b + 1] for u in proj)
+        alone = layers.gated_delta_net(*one, alone_c[b], alone_s[b], *w)
+        assert torch.equal(out[b:b + 1], alone)
+        assert torch.equal(convs[b], alone_c[b]) and torch.equal(ssms[b], alone_s[b])
+        ref = _reference(layers.gated_delta_net, *one, ref_c[b], ref_s[b], *w)
+        _close(out[b:b + 1], ref, 1e-4)
+        _close(ssms[b], ref_s[b])
+
+
 @pytest.mark.parametrize("rows,E,k", [(1, 256, 8), (4, 256, 8), (3, 64, 4), (2, 2048, 16)])
 def test_route_topk(rows, E, k):
     g = torch.Generator(DEV).manual_seed(E + k)

@@ -84,10 +84,17 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
                        const float* b, int64_t ldb, const float* s, int64_t lds, const float* w,
                        float eps, float* out, uintptr_t stream);
 
-// One token of a depthwise causal conv + SiLU: y [batch, channels] = silu(sum_j xs[j] * w[c, j]),
+// Depthwise causal conv + SiLU: y [batch, channels] = silu(sum_j xs[j] * w[c, j]),
 // xs = (conv_state[b, c, 0 .. kc-2], x[b, c]); conv_state [batch, channels, kc-1] shifts by one.
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y, uintptr_t stream);
+// The same over n_tok tokens of each of n_seq sequences, in order: x rows s*n_tok + t (stride
+// ldx), y [n_seq*n_tok, channels]; states[s] -> that sequence's [channels, kc-1] (separate
+// tensors); keep (or null) [n_tok-1, n_seq, channels, kc-1] gets the state after each token but
+// the last (a speculative verify step rewinds to one of them).
+void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t n_seq, const float* w,
+                     int64_t channels, int64_t kc, int64_t n_tok, float* y, float* keep,
+                     uintptr_t stream);
 
 // One token of the gated delta rule + gated RMS norm (qwen35moe's delta-net after the conv):
 // y [batch, ldy] holds q (hk*dk) | k (hk*dk) | v (hv*dv) after conv + SiLU; value head j reads key
@@ -99,6 +106,15 @@ void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, c
                      const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                      float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv,
                      int64_t dk, int64_t dv, float eps, float* out, uintptr_t stream);
+// The same over n_tok tokens of each of n_seq sequences, in order, with the arithmetic of one
+// token: rows s*n_tok + t of y, z, beta_raw, alpha_raw and out; S[s] -> that sequence's
+// [hv, dk, dv] (separate tensors); keep (or null) [n_tok-1, n_seq, hv, dk, dv] as in
+// conv_silu_steps. dk / (threads per value column) must be <= 64.
+void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                      const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                      float* const* S, int64_t n_seq, const float* norm_w, int64_t n_tok, int64_t hk,
+                      int64_t hv, int64_t dk, int64_t dv, float eps, float* out, float* keep,
+                      uintptr_t stream);
 
 // Router: p = softmax(logits[r, 0:E]) (rows at logits + r*ld), the top_k largest (ties: lower id
 // first, in descending order) -> ids [rows, top_k] int32, weights = p / max(sum of the k, floor).

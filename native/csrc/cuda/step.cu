@@ -9,6 +9,7 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cuda/api.h"
 #include "cuda/common.cuh"
@@ -19,6 +20,12 @@ namespace {
 constexpr int kNormThreads = 256;
 constexpr int kRouteThreads = 256;
 constexpr int kRouteValues = 8;  // experts per thread: E <= 2048
+constexpr int kMaxSeqs = 8;      // sequences a delta-net launch (their states by value below)
+
+// The state of each sequence of a launch: separate tensors (one per server request) in one launch.
+struct SeqPtrs {
+    float* p[kMaxSeqs];
+};
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
@@ -76,90 +83,123 @@ residual_norm_kernel(float* x, int n, const float* a, int64_t lda, const float* 
     }
 }
 
-// ---- depthwise causal conv of one token + SiLU, shifting the conv state --------------------------
-__global__ void conv_silu_kernel(const float* x, int64_t ldx, float* state, const float* w,
-                                 int batch, int channels, int kc, float* y) {
+// ---- depthwise causal conv + SiLU over n_tok tokens of each sequence, shifting its state --------
+// Thread per (sequence, channel); tokens in order. x and y rows are s * n_tok + t; `keep` (or null)
+// receives the state after each token but the last, at keep + t * keep_t + s * channels * (kc-1).
+__global__ void conv_silu_kernel(const float* x, int64_t ldx, SeqPtrs states, int n_seq, const float* w,
+                                 int channels, int kc, int n_tok, float* y, float* keep, int64_t keep_t) {
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (i >= int64_t(batch) * channels) return;
-    const int64_t bi = i / channels, c = i - bi * channels;
-    float* st = state + i * (kc - 1);
-    const float* wc = w + c * kc;
-    const float cur = x[bi * ldx + c];
-    float acc = 0.f;
-    for (int j = 0; j < kc - 1; ++j) acc += st[j] * wc[j];
-    acc += cur * wc[kc - 1];
-    for (int j = 0; j + 1 < kc - 1; ++j) st[j] = st[j + 1];
-    if (kc > 1) st[kc - 2] = cur;
-    y[bi * channels + c] = silu(acc);
+    if (i >= int64_t(n_seq) * channels) return;
+    const int si = int(i / channels), c = int(i - int64_t(si) * channels);
+    float* st = states.p[si] + int64_t(c) * (kc - 1);
+    const float* wc = w + int64_t(c) * kc;
+    for (int t = 0; t < n_tok; ++t) {
+        const int64_t row = int64_t(si) * n_tok + t;
+        const float cur = x[row * ldx + c];
+        float acc = 0.f;
+        for (int j = 0; j < kc - 1; ++j) acc += st[j] * wc[j];
+        acc += cur * wc[kc - 1];
+        for (int j = 0; j + 1 < kc - 1; ++j) st[j] = st[j + 1];
+        if (kc > 1) st[kc - 2] = cur;
+        y[row * channels + c] = silu(acc);
+        if (keep && t + 1 < n_tok) {
+            float* kp = keep + t * keep_t + (int64_t(si) * channels + c) * (kc - 1);
+            for (int j = 0; j < kc - 1; ++j) kp[j] = st[j];
+        }
+    }
 }
 
-// ---- gated delta rule for one token, then the gated RMS norm -------------------------------------
-// Block (vh, b): dv x R threads; thread (c, r) owns value column c of S for key rows
-// [r*dk/R, (r+1)*dk/R), so the 64 KiB of a head's state is read by R times more warps.
-__global__ void delta_step_kernel(const float* y, int64_t ldy, const float* z, int64_t ldz,
+// ---- gated delta rule over n_tok tokens of each sequence, each followed by the gated RMS norm ------
+// Block (vh, sequence): dv x R threads; thread (c, r) owns value column c of S for key rows
+// [r*rows, (r+1)*rows), rows = dk/R <= CAP, and holds them in registers from the first token to
+// the last: S is read once and written once a launch however many tokens it runs (a verify step's
+// 2-4 tokens, or a decode step's one). Rows of y, z, beta, alpha and out are s * n_tok + t; `keep`
+// as in conv_silu_kernel, a state of hv * dk * dv per sequence.
+template <int CAP>
+__global__ void __launch_bounds__(512) delta_step_kernel(const float* y, int64_t ldy, const float* z, int64_t ldz,
                                   const float* beta_raw, const float* alpha_raw, int64_t ldg,
-                                  const float* ssm_a, const float* dt_bias, float* S,
+                                  const float* ssm_a, const float* dt_bias, SeqPtrs S,
                                   const float* norm_w, int hk, int hv, int dk, int dv, float eps,
-                                  float* out) {
+                                  int n_tok, float* out, float* keep, int64_t keep_t) {
     extern __shared__ float sm[];
     float* qs = sm;               // [dk]
     float* ks = qs + dk;          // [dk]
     float* part = ks + dk;        // [R, dv]
     __shared__ float red[32];
-    const int vh = blockIdx.x, b = blockIdx.y, kh = vh % hk;
+    const int vh = blockIdx.x, si = blockIdx.y, kh = vh % hk;
     const int c = threadIdx.x, r = threadIdx.y, R = blockDim.y;
     const int tid = c + r * dv, nthreads = dv * R;
-    const float* yb = y + int64_t(b) * ldy;
-
-    float sq = 0.f, sk = 0.f;
-    for (int i = tid; i < dk; i += nthreads) {
-        const float qv = yb[kh * dk + i], kv = yb[hk * dk + kh * dk + i];
-        qs[i] = qv;
-        ks[i] = kv;
-        sq += qv * qv;
-        sk += kv * kv;
-    }
-    const float nq = rsqrtf(block_sum(sq, red) + eps), nk = rsqrtf(block_sum(sk, red) + eps);
-    const float qscale = rsqrtf(float(dk));
-    for (int i = tid; i < dk; i += nthreads) {
-        qs[i] = qs[i] * nq * qscale;
-        ks[i] = ks[i] * nk;
-    }
-    __syncthreads();
-
-    const float graw = alpha_raw[int64_t(b) * ldg + vh] + dt_bias[vh];
-    const float decay = expf(ssm_a[vh] * (graw > 20.f ? graw : log1pf(expf(graw))));
-    const float beta = sigmoid(beta_raw[int64_t(b) * ldg + vh]);
-    float* Sh = S + (int64_t(b) * hv + vh) * dk * dv + c;
     const int rows = dk / R, i0 = r * rows;
+    const int64_t head = int64_t(vh) * dk * dv;
+    float* Sh = S.p[si] + head + c;
+    float s[CAP];
+#pragma unroll
+    for (int j = 0; j < CAP; ++j)
+        if (j < rows) s[j] = Sh[int64_t(i0 + j) * dv];
 
-    float kvp = 0.f;  // (S^T k)[c] over this thread's rows, S already decayed
-#pragma unroll 8
-    for (int i = i0; i < i0 + rows; ++i) kvp += ks[i] * (Sh[int64_t(i) * dv] * decay);
-    part[r * dv + c] = kvp;
-    __syncthreads();
-    float kv = 0.f;
-    for (int j = 0; j < R; ++j) kv += part[j * dv + c];
-    const float u = beta * (yb[2 * hk * dk + vh * dv + c] - kv);
-    __syncthreads();  // every thread has read `part`
+    for (int t = 0; t < n_tok; ++t) {
+        const int64_t row = int64_t(si) * n_tok + t;
+        const float* yb = y + row * ldy;
+        float sq = 0.f, sk = 0.f;
+        for (int i = tid; i < dk; i += nthreads) {
+            const float qv = yb[kh * dk + i], kv = yb[hk * dk + kh * dk + i];
+            qs[i] = qv;
+            ks[i] = kv;
+            sq += qv * qv;
+            sk += kv * kv;
+        }
+        const float nq = rsqrtf(block_sum(sq, red) + eps), nk = rsqrtf(block_sum(sk, red) + eps);
+        const float qscale = rsqrtf(float(dk));
+        for (int i = tid; i < dk; i += nthreads) {
+            qs[i] = qs[i] * nq * qscale;
+            ks[i] = ks[i] * nk;
+        }
+        __syncthreads();
 
-    float op = 0.f;
-#pragma unroll 8
-    for (int i = i0; i < i0 + rows; ++i) {
-        const float sv = Sh[int64_t(i) * dv] * decay + ks[i] * u;
-        Sh[int64_t(i) * dv] = sv;
-        op += qs[i] * sv;
+        const float graw = alpha_raw[row * ldg + vh] + dt_bias[vh];
+        const float decay = expf(ssm_a[vh] * (graw > 20.f ? graw : log1pf(expf(graw))));
+        const float beta = sigmoid(beta_raw[row * ldg + vh]);
+
+        float kvp = 0.f;  // (S^T k)[c] over this thread's rows, S already decayed
+#pragma unroll
+        for (int j = 0; j < CAP; ++j)
+            if (j < rows) kvp += ks[i0 + j] * (s[j] * decay);
+        part[r * dv + c] = kvp;
+        __syncthreads();
+        float kv = 0.f;
+        for (int j = 0; j < R; ++j) kv += part[j * dv + c];
+        const float u = beta * (yb[2 * hk * dk + vh * dv + c] - kv);
+        __syncthreads();  // every thread has read `part`
+
+        float op = 0.f;
+#pragma unroll
+        for (int j = 0; j < CAP; ++j) {
+            if (j < rows) {
+                const float sv = s[j] * decay + ks[i0 + j] * u;
+                s[j] = sv;
+                op += qs[i0 + j] * sv;
+            }
+        }
+        part[r * dv + c] = op;
+        __syncthreads();
+        float o = 0.f;
+        for (int j = 0; j < R; ++j) o += part[j * dv + c];
+
+        const float ss = block_sum(r == 0 ? o * o : 0.f, red);  // its barriers also end this
+        if (r == 0) {                                            // token's reads of qs, ks, part
+            const float zv = z[row * ldz + vh * dv + c];
+            out[(row * hv + vh) * dv + c] = o * rsqrtf(ss / float(dv) + eps) * norm_w[c] * silu(zv);
+        }
+        if (keep && t + 1 < n_tok) {
+            float* kp = keep + t * keep_t + int64_t(si) * hv * dk * dv + head + c;
+#pragma unroll
+            for (int j = 0; j < CAP; ++j)
+                if (j < rows) kp[int64_t(i0 + j) * dv] = s[j];
+        }
     }
-    part[r * dv + c] = op;
-    __syncthreads();
-    float o = 0.f;
-    for (int j = 0; j < R; ++j) o += part[j * dv + c];
-
-    const float ss = block_sum(r == 0 ? o * o : 0.f, red);
-    if (r == 0) {
-        const float zv = z[int64_t(b) * ldz + vh * dv + c];
-        out[(int64_t(b) * hv + vh) * dv + c] = o * rsqrtf(ss / float(dv) + eps) * norm_w[c] * silu(zv);
-    }
+#pragma unroll
+    for (int j = 0; j < CAP; ++j)
+        if (j < rows) Sh[int64_t(i0 + j) * dv] = s[j];
 }
 
 // ---- router: softmax over E, top-k, renormalised weights -----------------------------------------
@@ -557,32 +597,77 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
     FT_CUDA_CHECK(cudaGetLastError());
 }
 
+void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t n_seq, const float* w,
+                     int64_t channels, int64_t kc, int64_t n_tok, float* y, float* keep,
+                     uintptr_t stream) {
+    require(kc >= 1 && kc <= 16, "conv_silu_steps: kernel width must be 1..16");
+    require(n_tok >= 0 && n_tok < (int64_t(1) << 20), "conv_silu_steps: bad token count");
+    if (n_seq <= 0 || n_tok <= 0 || channels <= 0) return;
+    const int64_t keep_t = n_seq * channels * (kc - 1);
+    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs) {  // kMaxSeqs sequences a launch
+        const int ns = int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs);
+        SeqPtrs p{};
+        for (int i = 0; i < ns; ++i) p.p[i] = states[s0 + i];
+        conv_silu_kernel<<<blocks_for(int64_t(ns) * channels, 256), 256, 0, to_stream(stream)>>>(
+            x + s0 * n_tok * ldx, ldx, p, ns, w, int(channels), int(kc), int(n_tok),
+            y + s0 * n_tok * channels, keep ? keep + s0 * channels * (kc - 1) : nullptr, keep_t);
+        FT_CUDA_CHECK(cudaGetLastError());
+    }
+}
+
 void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
                     int64_t channels, int64_t kc, float* y, uintptr_t stream) {
-    require(kc >= 1 && kc <= 16, "conv_silu_step: kernel width must be 1..16");
-    const int64_t n = batch * channels;
-    if (n <= 0) return;
-    conv_silu_kernel<<<blocks_for(n, 256), 256, 0, to_stream(stream)>>>(
-        x, ldx, conv_state, w, int(batch), int(channels), int(kc), y);
-    FT_CUDA_CHECK(cudaGetLastError());
+    std::vector<float*> states(size_t(batch > 0 ? batch : 0));
+    for (int64_t b = 0; b < batch; ++b) states[size_t(b)] = conv_state + b * channels * (kc - 1);
+    conv_silu_steps(x, ldx, states.data(), batch, w, channels, kc, 1, y, nullptr, stream);
+}
+
+void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
+                      const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
+                      float* const* S, int64_t n_seq, const float* norm_w, int64_t n_tok, int64_t hk,
+                      int64_t hv, int64_t dk, int64_t dv, float eps, float* out, float* keep,
+                      uintptr_t stream) {
+    require(hk > 0 && hv % hk == 0, "delta_rule_steps: value heads must be a multiple of key heads");
+    require(dv >= 32 && dv <= 512 && dv % 32 == 0 && dk >= 1,
+            "delta_rule_steps: head dims must be dv = 32..512 (multiple of 32), dk >= 1");
+    require(n_tok >= 0 && n_tok < (int64_t(1) << 20), "delta_rule_steps: bad token count");
+    int R = 1;
+    while (R < 8 && dv * R * 2 <= 512 && dk % (R * 2) == 0) R *= 2;
+    const int64_t rows = (dk + R - 1) / R;
+    require(dk % R == 0 && rows <= 64,
+            "delta_rule_steps: key head dim " + std::to_string(dk) + " needs more than 64 state rows a "
+            "thread (at most 64 * " + std::to_string(R) + ")");
+    if (n_seq <= 0 || n_tok <= 0) return;
+    const size_t smem = size_t(2 * dk + R * dv) * sizeof(float);
+    require(smem <= 48 * 1024, "delta_rule_steps: head dims too large for shared memory");
+    const int64_t state = hv * dk * dv, keep_t = n_seq * state;
+    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs) {
+        const int ns = int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs);
+        SeqPtrs p{};
+        for (int i = 0; i < ns; ++i) p.p[i] = S[s0 + i];
+        const int64_t r0 = s0 * n_tok;  // first row of this group
+        auto go = [&](auto cap) {
+            delta_step_kernel<decltype(cap)::value>
+                <<<dim3(unsigned(hv), unsigned(ns)), dim3(unsigned(dv), unsigned(R)), smem, to_stream(stream)>>>(
+                    y + r0 * ldy, ldy, z + r0 * ldz, ldz, beta_raw + r0 * ldg, alpha_raw + r0 * ldg, ldg,
+                    ssm_a, dt_bias, p, norm_w, int(hk), int(hv), int(dk), int(dv), eps, int(n_tok),
+                    out + r0 * hv * dv, keep ? keep + s0 * state : nullptr, keep_t);
+        };
+        if (rows <= 8) go(std::integral_constant<int, 8>{});
+        else if (rows <= 32) go(std::integral_constant<int, 32>{});
+        else go(std::integral_constant<int, 64>{});
+        FT_CUDA_CHECK(cudaGetLastError());
+    }
 }
 
 void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
                      const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                      float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv,
                      int64_t dk, int64_t dv, float eps, float* out, uintptr_t stream) {
-    require(hk > 0 && hv % hk == 0, "delta_rule_step: value heads must be a multiple of key heads");
-    require(dv >= 32 && dv <= 1024 && dv % 32 == 0 && dk >= 1 && dk <= 4096,
-            "delta_rule_step: head dims must be dv = 32..1024 (multiple of 32), dk <= 4096");
-    int R = 1;
-    while (R < 8 && dv * R * 2 <= 512 && dk % (R * 2) == 0) R *= 2;
-    if (batch <= 0) return;
-    const size_t smem = size_t(2 * dk + R * dv) * sizeof(float);
-    require(smem <= 48 * 1024, "delta_rule_step: head dims too large for shared memory");
-    delta_step_kernel<<<dim3(unsigned(hv), unsigned(batch)), dim3(unsigned(dv), unsigned(R)), smem,
-                        to_stream(stream)>>>(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias,
-                                             S, norm_w, int(hk), int(hv), int(dk), int(dv), eps, out);
-    FT_CUDA_CHECK(cudaGetLastError());
+    std::vector<float*> states(size_t(batch > 0 ? batch : 0));
+    for (int64_t b = 0; b < batch; ++b) states[size_t(b)] = S + b * hv * dk * dv;
+    delta_rule_steps(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, states.data(), batch,
+                     norm_w, 1, hk, hv, dk, dv, eps, out, nullptr, stream);
 }
 
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
