@@ -851,6 +851,38 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     return out
 
 
+def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                        k_norm: torch.Tensor, eps: float, pos: list[torch.Tensor], n_rot: int,
+                        base: float, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                        n_head: int, n_attn: int) -> torch.Tensor:
+    """cuda_attention_step for one token of each of S sequences with caches and positions of their
+    own, in one launch: rows s of qg [S, Hq*2d], k, v [S, Hkv*d]; k_caches[s], v_caches[s]
+    [.., n_ctx, Hkv, d] (contiguous, one dtype); pos[s] int64 device scalars; n_attn the most
+    rows any of them attends -> [S, Hq*d]."""
+    hkv, d = k_caches[0].shape[-2:]
+    dt = k_caches[0].dtype
+    if dt not in (torch.float32, torch.float16) or any(
+            c.dtype != dt or not c.is_contiguous() for c in (*k_caches, *v_caches)) \
+            or any(p.dtype != torch.int64 for p in pos):
+        raise NativeError("attention_steps: caches must be contiguous F32 or F16 of one dtype, "
+                          "positions int64")
+    if not len(pos) == len(k_caches) == len(v_caches) == qg.shape[0]:
+        raise NativeError("attention_steps: one row, position and pair of caches a sequence")
+    ldkv = _ld(k, "attention_steps k")
+    if _ld(v, "attention_steps v") != ldkv:
+        raise NativeError("attention_steps: k and v need the same row stride")
+    n = len(pos)
+    out = torch.empty(n, n_head * d, dtype=torch.float32, device=qg.device)
+    work = torch.empty(n * n_head * _cuda.attention_splits(n_attn) * (d + 2), dtype=torch.float32,
+                       device=qg.device)
+    _cuda.attention_steps(qg.data_ptr(), _ld(qg, "attention_steps qg"), k.data_ptr(), v.data_ptr(),
+                          ldkv, q_norm.data_ptr(), k_norm.data_ptr(), eps,
+                          [p.data_ptr() for p in pos], n_rot, base, [c.data_ptr() for c in k_caches],
+                          [c.data_ptr() for c in v_caches], _GGML_DTYPE[dt], n_attn, n_head, hkv, d,
+                          work.data_ptr(), out.data_ptr(), _stream(qg.device))
+    return out
+
+
 def step_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [N, F] views with the same row stride, on their device: the CUDA step
     kernel, or the CPU's (rows over the pool)."""

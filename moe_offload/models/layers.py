@@ -159,6 +159,28 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     return o.reshape(B, T, hq * d) * torch.sigmoid(gate.reshape(B, T, hq * d))
 
 
+def gated_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                         k_norm: torch.Tensor, eps: float, pos: list[torch.Tensor], n_rot: int,
+                         base: float, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                         n_attn: list[int]) -> torch.Tensor:
+    """gated_attention for one token of each of B sequences with caches and positions of their
+    own (a batched decode step): qg, k, v [B, 1, ..]; caches [1, n_ctx, Hkv, d] each; pos [1]
+    and n_attn per sequence -> [B, 1, Hq*d]. On CUDA one launch for the B sequences, with the
+    arithmetic of each one's own decode step (a sequence attending fewer rows than the longest
+    leaves its last splits empty)."""
+    B = qg.shape[0]
+    d = k_caches[0].shape[-1]
+    hq = qg.shape[-1] // (2 * d)
+    if _kernel_for(qg) and k_caches[0].dtype in (torch.float16, torch.float32) and \
+            d in (64, 128, 256, 512) and all(c.is_contiguous() for c in (*k_caches, *v_caches)):
+        o = ops.cuda_attention_many(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
+                                    base, k_caches, v_caches, hq, max(n_attn))
+        return o.view(B, 1, hq * d)
+    return torch.cat([gated_attention(qg[b:b + 1], k[b:b + 1], v[b:b + 1], q_norm, k_norm, eps,
+                                      pos[b], n_rot, base, k_caches[b], v_caches[b], n_attn[b])
+                      for b in range(B)])
+
+
 # ---- gated delta-net pieces --------------------------------------------------------------------------
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

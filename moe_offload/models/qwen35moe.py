@@ -20,8 +20,8 @@ from native.ops import QTensor
 from ..errors import OffloadError
 from ..state import State
 from . import decode_loop
-from .layers import (gated_attention, gated_delta_net, gated_delta_net_many, residual_rms_norm,
-                     route_topk, swiglu)
+from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
+                     residual_rms_norm, route_topk, swiglu)
 from .weights import Experts
 
 # Tokens a chunk of the delta rule in prefill: the loop over chunks is sequential, so fewer,
@@ -256,10 +256,9 @@ class Qwen35Moe:
                 m = _mm(o, L["ssm_out.weight"])
             else:
                 qg, k, v = self._attention_in(L, a)                             # [B, 1, ...]
-                o = torch.cat([gated_attention(
-                    qg[b:b + 1], k[b:b + 1], v[b:b + 1], L["attn_q_norm.weight"],
-                    L["attn_k_norm.weight"], eps, pos[b], c.n_rot, c.rope_base, st.k[i],
-                    st.v[i], n_attn[b]) for b, st in enumerate(states)])
+                o = gated_attention_many(
+                    qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"], eps, pos, c.n_rot,
+                    c.rope_base, [st.k[i] for st in states], [st.v[i] for st in states], n_attn)
                 m = _mm(o, L["attn_output.weight"])
             f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B, H))
             moe_out = self._moe(L, self.experts[i], f)

@@ -247,6 +247,32 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("base"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"),
           py::arg("n_ctx"), py::arg("n_attn"), py::arg("batch"), py::arg("hq"), py::arg("hkv"),
           py::arg("d"), py::arg("workspace"), py::arg("out"), py::arg("stream") = 0, release);
+    m.def("attention_steps",
+          [](uintptr_t qg, int64_t ldq, uintptr_t k, uintptr_t v, int64_t ldkv, uintptr_t q_norm,
+             uintptr_t k_norm, float eps, const std::vector<uintptr_t>& pos, int64_t n_rot, float base,
+             const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
+             int cache_dtype, int64_t n_attn, int64_t hq, int64_t hkv, int64_t d, uintptr_t workspace,
+             uintptr_t out, uintptr_t stream) {
+              if (pos.size() != k_caches.size() || pos.size() != v_caches.size())
+                  throw std::invalid_argument("attention_steps: one position and one pair of caches a sequence");
+              std::vector<const int64_t*> ps;
+              std::vector<void*> kc, vc;
+              for (size_t i = 0; i < pos.size(); ++i) {
+                  ps.push_back(ptr<const int64_t>(pos[i]));
+                  kc.push_back(ptr<void>(k_caches[i]));
+                  vc.push_back(ptr<void>(v_caches[i]));
+              }
+              cuda::attention_steps(ptr<const float>(qg), ldq, ptr<const float>(k), ptr<const float>(v),
+                                    ldkv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps,
+                                    ps.data(), n_rot, base, kc.data(), vc.data(), cache_dtype, n_attn,
+                                    int64_t(ps.size()), hq, hkv, d, ptr<float>(workspace),
+                                    ptr<float>(out), stream);
+          },
+          py::arg("qg"), py::arg("ldq"), py::arg("k"), py::arg("v"), py::arg("ldkv"),
+          py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("pos"), py::arg("n_rot"),
+          py::arg("base"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cache_dtype"),
+          py::arg("n_attn"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("workspace"),
+          py::arg("out"), py::arg("stream") = 0, release);
     m.def("attention_splits", [](int64_t n_attn) { return cuda::attention_splits(n_attn); },
           py::arg("n_attn"));  // a call, not an address: the CPU emulator resolves it lazily
     m.def("swiglu",

@@ -155,6 +155,29 @@ def test_delta_net_many_sequences_equal_each_alone(n):
         _close(ssms[b], ref_s[b])
 
 
+@pytest.mark.parametrize("positions", [[5, 300, 1100], [0, 7, 129, 255, 256, 600, 901, 1500, 3, 64]])
+def test_attention_many_sequences_equal_each_alone(positions):
+    """decode_many's attention: one token of each sequence, its own cache and position, in one
+    launch (10: two launches of at most 8), equals each sequence's own decode step bit for bit,
+    also where one attends fewer splits of rows than the longest."""
+    n, (hq, hkv, d, n_rot), n_ctx = len(positions), (8, 2, 128, 64), 2048
+    g = torch.Generator(DEV).manual_seed(n)
+    proj = _rand(n, 1, hq * 2 * d + 2 * hkv * d, g=g)
+    qg, k, v = proj.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    q_norm, k_norm = _rand(d, g=g) * 0.1 + 1, _rand(d, g=g) * 0.1 + 1
+    kc = [_rand(1, n_ctx, hkv, d, g=g).half() for _ in range(n)]
+    vc = [_rand(1, n_ctx, hkv, d, g=g).half() for _ in range(n)]
+    kc1, vc1 = [c.clone() for c in kc], [c.clone() for c in vc]
+    pos = [torch.tensor([p], device=DEV) for p in positions]
+    n_attn = [min(n_ctx, (p // 256 + 1) * 256) for p in positions]
+    out = layers.gated_attention_many(qg, k, v, q_norm, k_norm, 1e-6, pos, n_rot, 1e7, kc, vc, n_attn)
+    for b in range(n):
+        alone = layers.gated_attention(qg[b:b + 1], k[b:b + 1], v[b:b + 1], q_norm, k_norm, 1e-6,
+                                       pos[b], n_rot, 1e7, kc1[b], vc1[b], n_attn[b])
+        assert torch.equal(out[b:b + 1], alone), f"sequence {b} at {positions[b]}"
+        assert torch.equal(kc[b], kc1[b]) and torch.equal(vc[b], vc1[b])
+
+
 @pytest.mark.parametrize("rows,E,k", [(1, 256, 8), (4, 256, 8), (3, 64, 4), (2, 2048, 16)])
 def test_route_topk(rows, E, k):
     g = torch.Generator(DEV).manual_seed(E + k)

@@ -133,6 +133,14 @@ void attention_step(const float* qg, int64_t ldq, const float* k, const float* v
                     int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
                     int64_t n_ctx, int64_t n_attn, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                     float* workspace, float* out, uintptr_t stream);
+// attention_step for one token of each of n_seq sequences with caches and positions of their
+// own (k_caches[s], v_caches[s]: [n_ctx, Hkv, d]; pos[s]: int64 on the device, < n_attn):
+// rows s of qg, k, v and out. workspace >= n_seq * hq * attention_splits(n_attn) * (d + 2).
+void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
+                     const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
+                     int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
+                     int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
+                     float* workspace, float* out, uintptr_t stream);
 int64_t attention_splits(int64_t n_attn);
 
 // out [rows, n] = silu(gate) * up (gate, up: [rows, ld]).

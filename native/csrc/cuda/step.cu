@@ -27,6 +27,13 @@ struct SeqPtrs {
     float* p[kMaxSeqs];
 };
 
+// Each sequence's KV cache ([n_ctx, Hkv, d], F32 or F16) and position (int64 on the device).
+struct SeqKV {
+    void* k[kMaxSeqs];
+    void* v[kMaxSeqs];
+    const int64_t* pos[kMaxSeqs];
+};
+
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
@@ -411,15 +418,16 @@ __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos,
 template <class C, int PER>
 __global__ void __launch_bounds__(32 * kAttnWarps)
 attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
-                      const float* q_norm, const float* k_norm, float eps, const int64_t* pos_p,
-                      int n_rot, float base, C* k_cache, C* v_cache, int64_t n_ctx, int hq, int hkv,
-                      float* part) {
+                      const float* q_norm, const float* k_norm, float eps, SeqKV kv, int n_rot,
+                      float base, int hq, int hkv, float* part) {
     constexpr int d = 32 * PER;
     __shared__ float qs[d], ks[d], vs[d], accs[kAttnWarps][d];
     __shared__ float red[32], wm[kAttnWarps], wl[kAttnWarps];
     const int h = blockIdx.x, b = blockIdx.y, group = hq / hkv, kh = h / group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int64_t pos = *pos_p;
+    const int64_t pos = *kv.pos[b];
+    C* const k_cache = static_cast<C*>(kv.k[b]);  // this sequence's [n_ctx, Hkv, d]
+    C* const v_cache = static_cast<C*>(kv.v[b]);
     const float* qb = qg + int64_t(b) * ldq + int64_t(h) * 2 * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         qs[i] = qb[i];
@@ -429,14 +437,14 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     __syncthreads();
     norm_rope(qs, q_norm, d, eps, float(pos), n_rot, base, red);
     norm_rope(ks, k_norm, d, eps, float(pos), n_rot, base, red);
-    const int64_t row_stride = int64_t(hkv) * d;              // cache [B, n_ctx, Hkv, d]
-    const C* kbase = k_cache + (int64_t(b) * n_ctx * hkv + kh) * d + lane * PER;
-    const C* vbase = v_cache + (int64_t(b) * n_ctx * hkv + kh) * d + lane * PER;
+    const int64_t row_stride = int64_t(hkv) * d;
+    const C* kbase = k_cache + int64_t(kh) * d + lane * PER;
+    const C* vbase = v_cache + int64_t(kh) * d + lane * PER;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const C kc = store_c<C>(ks[i]), vc = store_c<C>(vs[i]);
         if (h % group == 0 && blockIdx.z == 0) {
-            k_cache[((int64_t(b) * n_ctx + pos) * hkv + kh) * d + i] = kc;
-            v_cache[((int64_t(b) * n_ctx + pos) * hkv + kh) * d + i] = vc;
+            k_cache[(pos * hkv + kh) * d + i] = kc;
+            v_cache[(pos * hkv + kh) * d + i] = vc;
         }
         ks[i] = to_f(kc);
         vs[i] = to_f(vc);
@@ -558,12 +566,10 @@ __global__ void attention_merge_kernel(const float* part, int splits, int d, con
 template <class C>
 void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, int64_t ldq,
                       const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
-                      float eps, const int64_t* pos, int n_rot, float base, void* kc, void* vc,
-                      int64_t n_ctx, int hq, int hkv, float* part) {
+                      float eps, const SeqKV& kv, int n_rot, float base, int hq, int hkv, float* part) {
     auto go = [&](auto per) {
         attention_part_kernel<C, decltype(per)::value><<<grid, 32 * kAttnWarps, 0, st>>>(
-            qg, ldq, k, v, ldkv, qn, kn, eps, pos, n_rot, base, static_cast<C*>(kc),
-            static_cast<C*>(vc), n_ctx, hq, hkv, part);
+            qg, ldq, k, v, ldkv, qn, kn, eps, kv, n_rot, base, hq, hkv, part);
     };
     switch (d) {
         case 64: go(std::integral_constant<int, 2>{}); break;
@@ -688,30 +694,60 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 
 int64_t attention_splits(int64_t n_attn) { return n_attn < 1 ? 1 : (n_attn + kAttnChunk - 1) / kAttnChunk; }
 
+void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
+                     const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
+                     int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
+                     int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
+                     float* workspace, float* out, uintptr_t stream) {
+    require(hkv > 0 && hq % hkv == 0, "attention_step: query heads must be a multiple of kv heads");
+    require(d == 64 || d == 128 || d == 256 || d == 512, "attention_step: head dim must be 64, 128, 256 or 512");
+    require(n_rot % 2 == 0 && n_rot <= d, "attention_step: n_rot must be even and <= head dim");
+    require(cache_dtype == 0 || cache_dtype == 1, "attention_step: cache must be F32 (0) or F16 (1)");
+    require(n_attn >= 1, "attention_step: n_attn must be >= 1");
+    if (n_seq <= 0) return;
+    // a sequence attending fewer rows than n_attn leaves its last splits empty: the merge skips them
+    const int64_t splits = attention_splits(n_attn);
+    const cudaStream_t st = to_stream(stream);
+    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs) {
+        const int ns = int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs);
+        SeqKV kv{};
+        for (int i = 0; i < ns; ++i) {
+            kv.k[i] = k_caches[s0 + i];
+            kv.v[i] = v_caches[s0 + i];
+            kv.pos[i] = pos[s0 + i];
+        }
+        const dim3 grid{unsigned(hq), unsigned(ns), unsigned(splits)};
+        float* part = workspace + s0 * hq * splits * (d + 2);
+        const float* q0 = qg + s0 * ldq;
+        if (cache_dtype == 0)
+            launch_attention<float>(grid, st, d, q0, ldq, k + s0 * ldkv, v + s0 * ldkv, ldkv, q_norm,
+                                    k_norm, eps, kv, int(n_rot), base, int(hq), int(hkv), part);
+        else
+            launch_attention<__half>(grid, st, d, q0, ldq, k + s0 * ldkv, v + s0 * ldkv, ldkv, q_norm,
+                                     k_norm, eps, kv, int(n_rot), base, int(hq), int(hkv), part);
+        FT_CUDA_CHECK(cudaGetLastError());
+        attention_merge_kernel<<<dim3{unsigned(hq), unsigned(ns)}, 256, 0, st>>>(
+            part, int(splits), int(d), q0, ldq, int(hq), out + s0 * hq * d);
+        FT_CUDA_CHECK(cudaGetLastError());
+    }
+}
+
 void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                     const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
                     int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
                     int64_t n_ctx, int64_t n_attn, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                     float* workspace, float* out, uintptr_t stream) {
-    require(hkv > 0 && hq % hkv == 0, "attention_step: query heads must be a multiple of kv heads");
-    require(d == 64 || d == 128 || d == 256 || d == 512, "attention_step: head dim must be 64, 128, 256 or 512");
-    require(n_rot % 2 == 0 && n_rot <= d, "attention_step: n_rot must be even and <= head dim");
-    require(cache_dtype == 0 || cache_dtype == 1, "attention_step: cache must be F32 (0) or F16 (1)");
     require(n_attn >= 1 && n_attn <= n_ctx, "attention_step: n_attn must be in [1, n_ctx]");
-    if (batch <= 0) return;
-    const int64_t splits = attention_splits(n_attn);
-    const dim3 grid{unsigned(hq), unsigned(batch), unsigned(splits)};
-    const cudaStream_t st = to_stream(stream);
-    if (cache_dtype == 0)
-        launch_attention<float>(grid, st, d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps, pos, int(n_rot),
-                                base, k_cache, v_cache, n_ctx, int(hq), int(hkv), workspace);
-    else
-        launch_attention<__half>(grid, st, d, qg, ldq, k, v, ldkv, q_norm, k_norm, eps, pos, int(n_rot),
-                                 base, k_cache, v_cache, n_ctx, int(hq), int(hkv), workspace);
-    FT_CUDA_CHECK(cudaGetLastError());
-    attention_merge_kernel<<<dim3{unsigned(hq), unsigned(batch)}, 256, 0, st>>>(
-        workspace, int(splits), int(d), qg, ldq, int(hq), out);
-    FT_CUDA_CHECK(cudaGetLastError());
+    const int64_t seq_bytes = n_ctx * hkv * d * (cache_dtype == 0 ? 4 : 2);
+    const size_t n = size_t(batch > 0 ? batch : 0);
+    std::vector<void*> kc(n), vc(n);
+    std::vector<const int64_t*> ps(n, pos);
+    for (size_t b = 0; b < n; ++b) {
+        kc[b] = static_cast<uint8_t*>(k_cache) + int64_t(b) * seq_bytes;
+        vc[b] = static_cast<uint8_t*>(v_cache) + int64_t(b) * seq_bytes;
+    }
+    attention_steps(qg, ldq, k, v, ldkv, q_norm, k_norm, eps, ps.data(), n_rot, base, kc.data(),
+                    vc.data(), cache_dtype, n_attn, batch, hq, hkv, d, workspace, out, stream);
 }
 
 void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out,
