@@ -590,7 +590,7 @@ def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                    alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
                    S: torch.Tensor, norm_w: torch.Tensor, n_k_heads: int,
                    eps: float) -> torch.Tensor:
-    """cuda_delta_rule_step on host tensors for T tokens of each of B sequences: y [B*T, q|k|v]
+    """cuda_delta_rule_steps on host tensors for T tokens of each of B sequences: y [B*T, q|k|v]
     after the conv, z [B*T, Hv*dv], beta_raw / alpha_raw [B*T, Hv] (rows b*T + t), S [B, Hv, dk,
     dv] contiguous, updated in place -> [B*T, Hv*dv]."""
     bsz, hv, dk, dv = S.shape
@@ -693,7 +693,7 @@ class cpu_threads_held:
 # views (a slice of a fused projection's output) as long as each row is contiguous.
 
 def step_kernels_available(t: torch.Tensor) -> bool:
-    return t.is_cuda and _cuda is not None and hasattr(_cuda, "delta_rule_step")
+    return t.is_cuda and _cuda is not None and hasattr(_cuda, "delta_rule_steps")
 
 
 def _ld(t: torch.Tensor, what: str) -> int:
@@ -727,33 +727,6 @@ def step_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     return out
 
 
-def cuda_conv_silu_step(x: torch.Tensor, conv_state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One token: x [B, C] -> silu(causal conv) [B, C]; conv_state [B, C, Kc-1] shifts in place."""
-    bsz, ch = x.shape
-    y = torch.empty(bsz, ch, dtype=torch.float32, device=x.device)
-    _cuda.conv_silu_step(x.data_ptr(), _ld(x, "conv_silu_step x"), conv_state.data_ptr(),
-                         w.data_ptr(), bsz, ch, w.shape[1], y.data_ptr(), _stream(x.device))
-    return y
-
-
-def cuda_delta_rule_step(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
-                         alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
-                         S: torch.Tensor, norm_w: torch.Tensor, n_k_heads: int,
-                         eps: float) -> torch.Tensor:
-    """One token of the gated delta rule + gated norm (api.h): y [B, q|k|v] after the conv,
-    z [B, Hv*dv], beta_raw / alpha_raw [B, Hv], S [B, Hv, dk, dv] updated -> [B, Hv*dv]."""
-    bsz, hv, dk, dv = S.shape
-    ldg = _ld(beta_raw, "delta_rule_step beta")
-    if _ld(alpha_raw, "delta_rule_step alpha") != ldg:
-        raise NativeError("delta_rule_step: beta and alpha need the same row stride")
-    out = torch.empty(bsz, hv * dv, dtype=torch.float32, device=y.device)
-    _cuda.delta_rule_step(y.data_ptr(), _ld(y, "delta_rule_step y"), z.data_ptr(),
-                          _ld(z, "delta_rule_step z"), beta_raw.data_ptr(), alpha_raw.data_ptr(), ldg,
-                          ssm_a.data_ptr(), dt_bias.data_ptr(), S.data_ptr(), norm_w.data_ptr(), bsz,
-                          n_k_heads, hv, dk, dv, eps, out.data_ptr(), _stream(y.device))
-    return out
-
-
 def _state_ptrs(states, per: int, what: str) -> list[int]:
     """data_ptr of each sequence's state: float32, contiguous, `per` values each."""
     for st in states:
@@ -773,10 +746,10 @@ def _keep_ptr(keep: torch.Tensor | None, n: int, what: str) -> int:
 
 def cuda_conv_silu_steps(x: torch.Tensor, states: list[torch.Tensor], w: torch.Tensor, n_tok: int,
                          keep: torch.Tensor | None = None) -> torch.Tensor:
-    """cuda_conv_silu_step over n_tok tokens of each of len(states) sequences in one launch:
-    x [S*n_tok, C] (rows s*n_tok + t); states[s] that sequence's [.., C, Kc-1] (separate
-    tensors, shifted in place); keep [n_tok-1, S, C, Kc-1] or None: the state after each token
-    but the last -> [S*n_tok, C]."""
+    """Depthwise causal conv + SiLU (api.h) over n_tok tokens of each of len(states) sequences in
+    one launch: x [S*n_tok, C] (rows s*n_tok + t); states[s] that sequence's [.., C, Kc-1]
+    (separate tensors, shifted in place); keep [n_tok-1, S, C, Kc-1] or None: the state after
+    each token but the last -> [S*n_tok, C]."""
     rows, ch = x.shape
     kc = w.shape[1]
     ptrs = _state_ptrs(states, ch * (kc - 1), "conv_silu_steps")
@@ -793,8 +766,9 @@ def cuda_delta_rule_steps(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tens
                           alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
                           states: list[torch.Tensor], norm_w: torch.Tensor, n_k_heads: int,
                           eps: float, n_tok: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """cuda_delta_rule_step over n_tok tokens of each of len(states) sequences in one launch,
-    with one token's arithmetic: rows s*n_tok + t of y, z, beta_raw, alpha_raw; states[s] that
+    """The gated delta rule + gated norm (api.h) over n_tok tokens of each of len(states)
+    sequences in one launch, with one token's arithmetic: y [S*n_tok, q|k|v] after the conv,
+    z [.., Hv*dv], beta_raw / alpha_raw [.., Hv], rows s*n_tok + t; states[s] that
     sequence's [.., Hv, dk, dv] (separate tensors, updated in place); keep [n_tok-1, S, Hv, dk,
     dv] or None: the state after each token but the last -> [S*n_tok, Hv*dv]."""
     hv, dk, dv = states[0].shape[-3:]
@@ -830,33 +804,23 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
                         k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int,
                         n_attn: int) -> torch.Tensor:
-    """One token of gated attention (api.h): qg [B, Hq*2d] (q | gate per head), k, v [B, Hkv*d];
-    caches [B, n_ctx, Hkv, d] (F32 or F16; d 64, 128, 256 or 512) written at pos (int64 device
-    scalar, < n_attn) -> [B, Hq*d]."""
-    bsz, n_ctx, hkv, d = k_cache.shape
-    dtypes = {t: _GGML_DTYPE[t] for t in (torch.float32, torch.float16)}
-    if k_cache.dtype not in dtypes or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() \
-            or not v_cache.is_contiguous() or pos.dtype != torch.int64:
+    """One token of gated attention (api.h) for each of B rows at one position: qg [B, Hq*2d]
+    (q | gate per head), k, v [B, Hkv*d]; caches [B, n_ctx, Hkv, d] (contiguous F32 or F16; d 64,
+    128, 256 or 512) written at pos (int64 device scalar, < n_attn <= n_ctx) -> [B, Hq*d]."""
+    if not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise NativeError("attention_step: caches must be contiguous F32 or F16, pos int64")
-    ldkv = _ld(k, "attention_step k")
-    if _ld(v, "attention_step v") != ldkv:
-        raise NativeError("attention_step: k and v need the same row stride")
-    out = torch.empty(bsz, n_head * d, dtype=torch.float32, device=qg.device)
-    work = torch.empty(bsz * n_head * _cuda.attention_splits(n_attn) * (d + 2), dtype=torch.float32,
-                       device=qg.device)
-    _cuda.attention_step(qg.data_ptr(), _ld(qg, "attention_step qg"), k.data_ptr(), v.data_ptr(), ldkv,
-                         q_norm.data_ptr(), k_norm.data_ptr(), eps, pos.data_ptr(), n_rot, base,
-                         k_cache.data_ptr(), v_cache.data_ptr(), dtypes[k_cache.dtype], n_ctx, n_attn,
-                         bsz, n_head, hkv, d, work.data_ptr(), out.data_ptr(), _stream(qg.device))
-    return out
+    if not 1 <= n_attn <= k_cache.shape[1]:
+        raise NativeError(f"attention_step: n_attn must be in [1, n_ctx], got {n_attn}")
+    return cuda_attention_many(qg, k, v, q_norm, k_norm, eps, [pos] * k_cache.shape[0], n_rot,
+                               base, list(k_cache), list(v_cache), n_head, n_attn)
 
 
 def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                         k_norm: torch.Tensor, eps: float, pos: list[torch.Tensor], n_rot: int,
                         base: float, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                         n_head: int, n_attn: int) -> torch.Tensor:
-    """cuda_attention_step for one token of each of S sequences with caches and positions of their
-    own, in one launch: rows s of qg [S, Hq*2d], k, v [S, Hkv*d]; k_caches[s], v_caches[s]
+    """One token of gated attention (api.h) for each of S sequences with caches and positions of
+    their own, in one launch: rows s of qg [S, Hq*2d], k, v [S, Hkv*d]; k_caches[s], v_caches[s]
     [.., n_ctx, Hkv, d] (contiguous, one dtype); pos[s] int64 device scalars; n_attn the most
     rows any of them attends -> [S, Hq*d]."""
     hkv, d = k_caches[0].shape[-2:]

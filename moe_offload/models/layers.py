@@ -119,6 +119,12 @@ def attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     return o.transpose(1, 2).reshape(B, T, Hq, d)
 
 
+def _attention_kernel_for(qg: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the CUDA attention kernel takes this cache's dtype and head size."""
+    return _kernel_for(qg) and k_cache.dtype in (torch.float16, torch.float32) and \
+        k_cache.shape[-1] in (64, 128, 256, 512)
+
+
 def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                     k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, n_attn: int) -> torch.Tensor:
@@ -131,8 +137,7 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     B, T, _ = qg.shape
     hkv, d = k_cache.shape[2:]
     hq = qg.shape[-1] // (2 * d)
-    if T <= ops.DECODE_MAX_TOKENS and _kernel_for(qg) and \
-            k_cache.dtype in (torch.float16, torch.float32) and d in (64, 128, 256, 512):
+    if T <= ops.DECODE_MAX_TOKENS and _attention_kernel_for(qg, k_cache):
         # a few tokens (decode, a speculative verify step): the one-token kernel for each in
         # turn, so a verify step attends with the arithmetic of decode (greedy speculative
         # output = plain); token t sees the rows the ones before it wrote
@@ -171,8 +176,7 @@ def gated_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_n
     B = qg.shape[0]
     d = k_caches[0].shape[-1]
     hq = qg.shape[-1] // (2 * d)
-    if _kernel_for(qg) and k_caches[0].dtype in (torch.float16, torch.float32) and \
-            d in (64, 128, 256, 512) and all(c.is_contiguous() for c in (*k_caches, *v_caches)):
+    if _attention_kernel_for(qg, k_caches[0]):
         o = ops.cuda_attention_many(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
                                     base, k_caches, v_caches, hq, max(n_attn))
         return o.view(B, 1, hq * d)

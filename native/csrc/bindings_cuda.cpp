@@ -41,7 +41,7 @@
 //       gate/up, [H, F] for down). T <= 8, top_k <= 16. scratch: >= moe_scratch_bytes(T, K, F)
 //       bytes, 16-byte aligned, caller-owned, not read before it is written.
 //   moe_scratch_bytes(n_tok, top_k, ff) -> int
-//   residual_rms_norm, conv_silu_step(s), delta_rule_step(s), route_topk, attention_step, swiglu: the decode-step
+//   residual_rms_norm, conv_silu_steps, delta_rule_steps, route_topk, attention_steps, swiglu: the decode-step
 //       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0).
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
@@ -168,29 +168,6 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("a"), py::arg("lda"), py::arg("b"),
           py::arg("ldb"), py::arg("s"), py::arg("lds"), py::arg("w"), py::arg("eps"),
           py::arg("out"), py::arg("stream") = 0, release);
-    m.def("conv_silu_step",
-          [](uintptr_t x, int64_t ldx, uintptr_t state, uintptr_t w, int64_t batch,
-             int64_t channels, int64_t kc, uintptr_t y, uintptr_t stream) {
-              cuda::conv_silu_step(ptr<const float>(x), ldx, ptr<float>(state), ptr<const float>(w),
-                                   batch, channels, kc, ptr<float>(y), stream);
-          },
-          py::arg("x"), py::arg("ldx"), py::arg("conv_state"), py::arg("w"), py::arg("batch"),
-          py::arg("channels"), py::arg("kc"), py::arg("y"), py::arg("stream") = 0, release);
-    m.def("delta_rule_step",
-          [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
-             uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias, uintptr_t S,
-             uintptr_t norm_w, int64_t batch, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
-             float eps, uintptr_t out, uintptr_t stream) {
-              cuda::delta_rule_step(ptr<const float>(y), ldy, ptr<const float>(z), ldz,
-                                    ptr<const float>(beta_raw), ptr<const float>(alpha_raw), ldg,
-                                    ptr<const float>(ssm_a), ptr<const float>(dt_bias), ptr<float>(S),
-                                    ptr<const float>(norm_w), batch, hk, hv, dk, dv, eps,
-                                    ptr<float>(out), stream);
-          },
-          py::arg("y"), py::arg("ldy"), py::arg("z"), py::arg("ldz"), py::arg("beta_raw"),
-          py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"), py::arg("S"),
-          py::arg("norm_w"), py::arg("batch"), py::arg("hk"), py::arg("hv"), py::arg("dk"),
-          py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("stream") = 0, release);
     m.def("conv_silu_steps",
           [](uintptr_t x, int64_t ldx, const std::vector<uintptr_t>& states, uintptr_t w,
              int64_t channels, int64_t kc, int64_t n_tok, uintptr_t y, uintptr_t keep, uintptr_t stream) {
@@ -230,23 +207,6 @@ PYBIND11_MODULE(_cuda, m) {
           },
           py::arg("logits"), py::arg("rows"), py::arg("ld"), py::arg("n_experts"), py::arg("top_k"),
           py::arg("floor"), py::arg("ids"), py::arg("weights"), py::arg("stream") = 0, release);
-    m.def("attention_step",
-          [](uintptr_t qg, int64_t ldq, uintptr_t k, uintptr_t v, int64_t ldkv, uintptr_t q_norm,
-             uintptr_t k_norm, float eps, uintptr_t pos, int64_t n_rot, float base,
-             uintptr_t k_cache, uintptr_t v_cache, int cache_dtype, int64_t n_ctx, int64_t n_attn,
-             int64_t batch, int64_t hq, int64_t hkv, int64_t d, uintptr_t workspace, uintptr_t out,
-             uintptr_t stream) {
-              cuda::attention_step(ptr<const float>(qg), ldq, ptr<const float>(k), ptr<const float>(v),
-                                   ldkv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps,
-                                   ptr<const int64_t>(pos), n_rot, base, ptr<void>(k_cache),
-                                   ptr<void>(v_cache), cache_dtype, n_ctx, n_attn, batch, hq, hkv, d,
-                                   ptr<float>(workspace), ptr<float>(out), stream);
-          },
-          py::arg("qg"), py::arg("ldq"), py::arg("k"), py::arg("v"), py::arg("ldkv"),
-          py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("pos"), py::arg("n_rot"),
-          py::arg("base"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_dtype"),
-          py::arg("n_ctx"), py::arg("n_attn"), py::arg("batch"), py::arg("hq"), py::arg("hkv"),
-          py::arg("d"), py::arg("workspace"), py::arg("out"), py::arg("stream") = 0, release);
     m.def("attention_steps",
           [](uintptr_t qg, int64_t ldq, uintptr_t k, uintptr_t v, int64_t ldkv, uintptr_t q_norm,
              uintptr_t k_norm, float eps, const std::vector<uintptr_t>& pos, int64_t n_rot, float base,

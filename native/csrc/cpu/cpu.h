@@ -213,7 +213,7 @@ void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int6
                int64_t hq, int64_t hkv, int64_t d, float* out);
 
 // The full-attention mixer between its projections for n_tok tokens of one sequence (the
-// contract of csrc/cuda/api.h's attention_step, any n_tok): qg [n_tok, hq*2d] rows at ld_qg (per
+// contract of csrc/cuda/api.h's attention_steps, any n_tok): qg [n_tok, hq*2d] rows at ld_qg (per
 // head d query then d gate values), k, v [n_tok, hkv*d] rows at ld_kv; q and k RMS-normed (times
 // q_norm / k_norm [d]) and roped (NEOX, first n_rot dims, inv_freq [n_rot/2]) at positions
 // pos0 + t; k, v written to cache rows pos0 + t (f32 [n_ctx, hkv, d]); then `attention` with

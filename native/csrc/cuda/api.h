@@ -84,32 +84,26 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
                        const float* b, int64_t ldb, const float* s, int64_t lds, const float* w,
                        float eps, float* out, uintptr_t stream);
 
-// Depthwise causal conv + SiLU: y [batch, channels] = silu(sum_j xs[j] * w[c, j]),
-// xs = (conv_state[b, c, 0 .. kc-2], x[b, c]); conv_state [batch, channels, kc-1] shifts by one.
-void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
-                    int64_t channels, int64_t kc, float* y, uintptr_t stream);
-// The same over n_tok tokens of each of n_seq sequences, in order: x rows s*n_tok + t (stride
-// ldx), y [n_seq*n_tok, channels]; states[s] -> that sequence's [channels, kc-1] (separate
-// tensors); keep (or null) [n_tok-1, n_seq, channels, kc-1] gets the state after each token but
-// the last (a speculative verify step rewinds to one of them).
+// The decode-step kernels below take n_seq sequences whose states are tensors of their own
+// (states[s], S[s], caches[s]: separate addresses, kept by a captured graph) and, for the
+// delta-net, n_tok tokens of each in order (rows s*n_tok + t of every per-token input and
+// output). keep (or null) [n_tok-1, n_seq, ..state] receives each sequence's state after every
+// token but the last (a speculative verify step rewinds to one of them).
+
+// Depthwise causal conv + SiLU: y[row, c] = silu(sum_j xs[j] * w[c, j]), xs = (the state's
+// [c, 0 .. kc-2], x[row, c]); each state [channels, kc-1] shifts by one a token. x rows at
+// stride ldx, y [n_seq*n_tok, channels].
 void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t n_seq, const float* w,
                      int64_t channels, int64_t kc, int64_t n_tok, float* y, float* keep,
                      uintptr_t stream);
 
-// One token of the gated delta rule + gated RMS norm (qwen35moe's delta-net after the conv):
-// y [batch, ldy] holds q (hk*dk) | k (hk*dk) | v (hv*dv) after conv + SiLU; value head j reads key
-// head j % hk. q, k are L2-normed (eps), q scaled by dk^-0.5; decay = exp(ssm_a * softplus(alpha
-// + dt_bias)), beta = sigmoid(beta_raw) (alpha_raw, beta_raw: [batch, ldg]); S [batch, hv, dk, dv]
-// is updated in place (S = decay*S; u = beta*(v - S^T k); S += k u^T; o = S^T q);
-// out [batch, hv*dv] = rms_norm(o per head) * norm_w[dv] * silu(z) (z: [batch, ldz]).
-void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
-                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
-                     float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv,
-                     int64_t dk, int64_t dv, float eps, float* out, uintptr_t stream);
-// The same over n_tok tokens of each of n_seq sequences, in order, with the arithmetic of one
-// token: rows s*n_tok + t of y, z, beta_raw, alpha_raw and out; S[s] -> that sequence's
-// [hv, dk, dv] (separate tensors); keep (or null) [n_tok-1, n_seq, hv, dk, dv] as in
-// conv_silu_steps. dk / (threads per value column) must be <= 64.
+// The gated delta rule + gated RMS norm (qwen35moe's delta-net after the conv), one token's
+// arithmetic whatever n_tok: a row of y (stride ldy) holds q (hk*dk) | k (hk*dk) | v (hv*dv)
+// after conv + SiLU; value head j reads key head j % hk. q, k are L2-normed (eps), q scaled by
+// dk^-0.5; decay = exp(ssm_a * softplus(alpha + dt_bias)), beta = sigmoid(beta_raw) (alpha_raw,
+// beta_raw rows at stride ldg); each S[s] [hv, dk, dv] is updated in place (S = decay*S;
+// u = beta*(v - S^T k); S += k u^T; o = S^T q); out [n_seq*n_tok, hv*dv] = rms_norm(o per head) *
+// norm_w[dv] * silu(z) (z rows at stride ldz). dv <= 512; dk / (threads per value column) <= 64.
 void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
                       const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
                       float* const* S, int64_t n_seq, const float* norm_w, int64_t n_tok, int64_t hk,
@@ -121,21 +115,15 @@ void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, 
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
                 float floor, int32_t* ids, float* weights, uintptr_t stream);
 
-// One token of gated full attention (qwen35moe): per batch row b (rows of qg at qg + b*ldq, of k and
-// v at + b*ldkv): q of head h = qg[h*2d : h*2d+d], its gate = qg[h*2d+d : (h+1)*2d]; k, v of kv head
-// h / (hq/hkv). q and k are RMS-normed (q_norm, k_norm [d], eps) and NEOX-roped on the first n_rot
-// dims at position *pos (device int64, < n_attn); k, v are written to the caches
-// [batch, n_ctx, hkv, d] (cache_dtype 0 F32, 1 F16; d 64, 128, 256 or 512) at *pos; softmax
-// attention over positions 0..*pos (scale d^-0.5); out [batch, hq*d] = attention * sigmoid(gate).
-// workspace: >= batch * hq * attention_splits(n_attn) * (d + 2) floats. Two launches.
-void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
-                    const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
-                    int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
-                    int64_t n_ctx, int64_t n_attn, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
-                    float* workspace, float* out, uintptr_t stream);
-// attention_step for one token of each of n_seq sequences with caches and positions of their
-// own (k_caches[s], v_caches[s]: [n_ctx, Hkv, d]; pos[s]: int64 on the device, < n_attn):
-// rows s of qg, k, v and out. workspace >= n_seq * hq * attention_splits(n_attn) * (d + 2).
+// One token of gated full attention (qwen35moe) for each of n_seq sequences: row s of qg (at
+// qg + s*ldq), of k and v (+ s*ldkv): q of head h = qg[h*2d : h*2d+d], its gate =
+// qg[h*2d+d : (h+1)*2d]; k, v of kv head h / (hq/hkv). q and k are RMS-normed (q_norm, k_norm
+// [d], eps) and NEOX-roped on the first n_rot dims at position *pos[s] (device int64, < n_attn);
+// k, v are written to that sequence's caches k_caches[s], v_caches[s] [n_ctx, hkv, d]
+// (cache_dtype 0 F32, 1 F16; d 64, 128, 256 or 512) at *pos[s]; softmax attention over its
+// positions 0..*pos[s] (scale d^-0.5); out [n_seq, hq*d] = attention * sigmoid(gate).
+// workspace: >= n_seq * hq * attention_splits(n_attn) * (d + 2) floats. Two launches per 8
+// sequences; a sequence attending fewer rows than n_attn leaves its last splits empty.
 void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                      const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
                      int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,

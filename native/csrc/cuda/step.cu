@@ -9,7 +9,6 @@
 #include <cmath>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "cuda/api.h"
 #include "cuda/common.cuh"
@@ -20,7 +19,7 @@ namespace {
 constexpr int kNormThreads = 256;
 constexpr int kRouteThreads = 256;
 constexpr int kRouteValues = 8;  // experts per thread: E <= 2048
-constexpr int kMaxSeqs = 8;      // sequences a delta-net launch (their states by value below)
+constexpr int kMaxSeqs = 8;      // sequences a delta-net or attention launch (by value below)
 
 // The state of each sequence of a launch: separate tensors (one per server request) in one launch.
 struct SeqPtrs {
@@ -581,6 +580,13 @@ void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, in
 
 unsigned blocks_for(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
+// launch(s0, ns) for each group of at most kMaxSeqs sequences (first s0, ns of them): a kernel
+// takes its sequences' addresses by value.
+template <class F> void by_groups(int64_t n_seq, F&& launch) {
+    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs)
+        launch(s0, int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs));
+}
+
 }  // namespace
 
 void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_t lda,
@@ -610,22 +616,14 @@ void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t 
     require(n_tok >= 0 && n_tok < (int64_t(1) << 20), "conv_silu_steps: bad token count");
     if (n_seq <= 0 || n_tok <= 0 || channels <= 0) return;
     const int64_t keep_t = n_seq * channels * (kc - 1);
-    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs) {  // kMaxSeqs sequences a launch
-        const int ns = int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs);
+    by_groups(n_seq, [&](int64_t s0, int ns) {
         SeqPtrs p{};
         for (int i = 0; i < ns; ++i) p.p[i] = states[s0 + i];
         conv_silu_kernel<<<blocks_for(int64_t(ns) * channels, 256), 256, 0, to_stream(stream)>>>(
             x + s0 * n_tok * ldx, ldx, p, ns, w, int(channels), int(kc), int(n_tok),
             y + s0 * n_tok * channels, keep ? keep + s0 * channels * (kc - 1) : nullptr, keep_t);
         FT_CUDA_CHECK(cudaGetLastError());
-    }
-}
-
-void conv_silu_step(const float* x, int64_t ldx, float* conv_state, const float* w, int64_t batch,
-                    int64_t channels, int64_t kc, float* y, uintptr_t stream) {
-    std::vector<float*> states(size_t(batch > 0 ? batch : 0));
-    for (int64_t b = 0; b < batch; ++b) states[size_t(b)] = conv_state + b * channels * (kc - 1);
-    conv_silu_steps(x, ldx, states.data(), batch, w, channels, kc, 1, y, nullptr, stream);
+    });
 }
 
 void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
@@ -637,18 +635,16 @@ void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, 
     require(dv >= 32 && dv <= 512 && dv % 32 == 0 && dk >= 1,
             "delta_rule_steps: head dims must be dv = 32..512 (multiple of 32), dk >= 1");
     require(n_tok >= 0 && n_tok < (int64_t(1) << 20), "delta_rule_steps: bad token count");
-    int R = 1;
+    int R = 1;  // threads a value column (a divisor of dk)
     while (R < 8 && dv * R * 2 <= 512 && dk % (R * 2) == 0) R *= 2;
-    const int64_t rows = (dk + R - 1) / R;
-    require(dk % R == 0 && rows <= 64,
-            "delta_rule_steps: key head dim " + std::to_string(dk) + " needs more than 64 state rows a "
-            "thread (at most 64 * " + std::to_string(R) + ")");
+    const int64_t rows = dk / R;  // state rows a thread holds in registers
+    require(rows <= 64, "delta_rule_steps: key head dim " + std::to_string(dk) + " is more than 64 x " +
+                            std::to_string(R) + " threads a value column can hold");
     if (n_seq <= 0 || n_tok <= 0) return;
     const size_t smem = size_t(2 * dk + R * dv) * sizeof(float);
     require(smem <= 48 * 1024, "delta_rule_steps: head dims too large for shared memory");
     const int64_t state = hv * dk * dv, keep_t = n_seq * state;
-    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs) {
-        const int ns = int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs);
+    by_groups(n_seq, [&](int64_t s0, int ns) {
         SeqPtrs p{};
         for (int i = 0; i < ns; ++i) p.p[i] = S[s0 + i];
         const int64_t r0 = s0 * n_tok;  // first row of this group
@@ -663,17 +659,7 @@ void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, 
         else if (rows <= 32) go(std::integral_constant<int, 32>{});
         else go(std::integral_constant<int, 64>{});
         FT_CUDA_CHECK(cudaGetLastError());
-    }
-}
-
-void delta_rule_step(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
-                     const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
-                     float* S, const float* norm_w, int64_t batch, int64_t hk, int64_t hv,
-                     int64_t dk, int64_t dv, float eps, float* out, uintptr_t stream) {
-    std::vector<float*> states(size_t(batch > 0 ? batch : 0));
-    for (int64_t b = 0; b < batch; ++b) states[size_t(b)] = S + b * hv * dk * dv;
-    delta_rule_steps(y, ldy, z, ldz, beta_raw, alpha_raw, ldg, ssm_a, dt_bias, states.data(), batch,
-                     norm_w, 1, hk, hv, dk, dv, eps, out, nullptr, stream);
+    });
 }
 
 void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
@@ -699,17 +685,16 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
                      int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
                      int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
                      float* workspace, float* out, uintptr_t stream) {
-    require(hkv > 0 && hq % hkv == 0, "attention_step: query heads must be a multiple of kv heads");
-    require(d == 64 || d == 128 || d == 256 || d == 512, "attention_step: head dim must be 64, 128, 256 or 512");
-    require(n_rot % 2 == 0 && n_rot <= d, "attention_step: n_rot must be even and <= head dim");
-    require(cache_dtype == 0 || cache_dtype == 1, "attention_step: cache must be F32 (0) or F16 (1)");
-    require(n_attn >= 1, "attention_step: n_attn must be >= 1");
+    require(hkv > 0 && hq % hkv == 0, "attention_steps: query heads must be a multiple of kv heads");
+    require(d == 64 || d == 128 || d == 256 || d == 512, "attention_steps: head dim must be 64, 128, 256 or 512");
+    require(n_rot % 2 == 0 && n_rot <= d, "attention_steps: n_rot must be even and <= head dim");
+    require(cache_dtype == 0 || cache_dtype == 1, "attention_steps: cache must be F32 (0) or F16 (1)");
+    require(n_attn >= 1, "attention_steps: n_attn must be >= 1");
     if (n_seq <= 0) return;
     // a sequence attending fewer rows than n_attn leaves its last splits empty: the merge skips them
     const int64_t splits = attention_splits(n_attn);
     const cudaStream_t st = to_stream(stream);
-    for (int64_t s0 = 0; s0 < n_seq; s0 += kMaxSeqs) {
-        const int ns = int(n_seq - s0 < kMaxSeqs ? n_seq - s0 : kMaxSeqs);
+    by_groups(n_seq, [&](int64_t s0, int ns) {
         SeqKV kv{};
         for (int i = 0; i < ns; ++i) {
             kv.k[i] = k_caches[s0 + i];
@@ -729,25 +714,7 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
         attention_merge_kernel<<<dim3{unsigned(hq), unsigned(ns)}, 256, 0, st>>>(
             part, int(splits), int(d), q0, ldq, int(hq), out + s0 * hq * d);
         FT_CUDA_CHECK(cudaGetLastError());
-    }
-}
-
-void attention_step(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
-                    const float* q_norm, const float* k_norm, float eps, const int64_t* pos,
-                    int64_t n_rot, float base, void* k_cache, void* v_cache, int cache_dtype,
-                    int64_t n_ctx, int64_t n_attn, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
-                    float* workspace, float* out, uintptr_t stream) {
-    require(n_attn >= 1 && n_attn <= n_ctx, "attention_step: n_attn must be in [1, n_ctx]");
-    const int64_t seq_bytes = n_ctx * hkv * d * (cache_dtype == 0 ? 4 : 2);
-    const size_t n = size_t(batch > 0 ? batch : 0);
-    std::vector<void*> kc(n), vc(n);
-    std::vector<const int64_t*> ps(n, pos);
-    for (size_t b = 0; b < n; ++b) {
-        kc[b] = static_cast<uint8_t*>(k_cache) + int64_t(b) * seq_bytes;
-        vc[b] = static_cast<uint8_t*>(v_cache) + int64_t(b) * seq_bytes;
-    }
-    attention_steps(qg, ldq, k, v, ldkv, q_norm, k_norm, eps, ps.data(), n_rot, base, kc.data(),
-                    vc.data(), cache_dtype, n_attn, batch, hq, hkv, d, workspace, out, stream);
+    });
 }
 
 void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out,
