@@ -110,9 +110,9 @@ class DraftPolicy:
     Adaptive: acceptance a per draft (EMA over drafts, `accept_ema`, geometric model: a draft is
     judged only when the ones before it were kept); cost of a step with k drafts measured (EMA
     of wall time by k, `ema`). The acceptance's EMA is slow on purpose: near break-even a fast
-    one (0.1) dips below it by chance, and back on plain steps only the spaced probes can raise
-    it again, so the policy spent most steps plain where drafting gained 7% (simulated with the
-    GPU's measured costs, and seen on the GPU: 30% of steps drafted at acceptance 0.75). Before a k has been measured its cost is guessed from k = 0's as
+    one dips below it by chance, and back on plain steps only the spaced probes can raise it
+    again, so the policy would stay plain where drafting gains (docs/BENCHMARKS.md, MTP).
+    Before a k has been measured its cost is guessed from k = 0's as
     (1 + prior_slope * k) plus k draft calls at prior_draft each -- optimistic, so it gets tried
     and measured. While k = 0 wins, one k = 1 step now and then keeps the acceptance current:
     `probe_every` steps after the last draft at first; a refused probe doubles the gap (up to
@@ -126,9 +126,9 @@ class DraftPolicy:
     """
 
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
-                 accept_ema: float = 0.03, a0: float = 0.6, prior_slope: float = 0.25, prior_draft: float = 0.05,
-                 probe_every: int = 16, probe_max: int = 256, warm: int = 4,
-                 plain_every: int = 64):
+                 accept_ema: float = 0.03, a0: float = 0.6, prior_slope: float = 0.25,
+                 prior_draft: float = 0.05, probe_every: int = 16, probe_max: int = 256,
+                 warm: int = 4, plain_every: int = 64):
         if fixed is not None and not 0 <= fixed <= k_max:
             raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
         self.fixed, self.k_max, self.ema, self.accept_ema = fixed, k_max, ema, accept_ema
@@ -318,7 +318,7 @@ class SpeculativeDecoder:
         if k and state.mtp_hidden is not None and state.mtp_hidden.shape[0] > k + 1:
             # rows that plain steps owe the MTP head (up to MTP_BACKLOG): written before this
             # step and its clock, since plain steps already pay for them in their own catch-ups;
-            # counted here they made a probe after plain steps cost 12-25 ms instead of 8.5
+            # counted here they would make a probe after plain steps look dearer than drafting is
             self._catch_up(state)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

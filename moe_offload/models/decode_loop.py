@@ -52,10 +52,11 @@ class _PerOp(Exception):
 
 class DecodeLoop:
     """One (model, State)'s native plan; call it with tokens [1, T] (T <= MAX_TOKENS) -> (logits
-    [1, T or, last_only, 1, V], the final-normed hidden states [1, T, H] or None)."""
+    [1, T (1 with last_only), V], the final-normed hidden states [1, T, H] or None)."""
 
     def __init__(self, plan, keep: list, n_vocab: int, n_embd: int, step_shapes: dict):
-        self.plan, self._keep, self.n_vocab, self.n_embd = plan, keep, n_vocab, n_embd  # _keep: what plan points to
+        self.plan, self.n_vocab, self.n_embd = plan, n_vocab, n_embd
+        self._keep = keep                 # what the plan points to, kept alive
         self._step_shapes = step_shapes   # layer -> the shapes of one kept (conv, ssm) state
         self._steps = None                # the State.steps the plan points to (kept alive here)
 
@@ -86,8 +87,8 @@ class DecodeLoop:
         T = tokens.shape[-1]
         logits = torch.empty(1, 1 if last_only else T, self.n_vocab, dtype=torch.float32)
         h = torch.empty(1, T, self.n_embd, dtype=torch.float32) if hidden else None
-        self.plan.run_tokens(tokens.reshape(-1).tolist(), state.n_past, state.attn_len(T), keep, last_only,
-                             logits.data_ptr(), 0 if h is None else h.data_ptr())
+        self.plan.run_tokens(tokens.reshape(-1).tolist(), state.n_past, state.attn_len(T), keep,
+                             last_only, logits.data_ptr(), 0 if h is None else h.data_ptr())
         return logits, h
 
 
@@ -112,19 +113,13 @@ def mtp_loop_for(head, state) -> MtpLoop | None:
     """The plan of MtpHead `head`'s block on `state`'s MTP KV (state.add_mtp_kv first), built on
     first use; None: use the per-op path."""
     model = head.model
-    if not (ENABLED and layers.STEP_KERNELS and max_tokens() and hasattr(ops._cpu.DecodePlan, "run_hidden")
-            and model.device.type == "cpu" and state.batch == 1 and state.mtp_k is not None):
+    if not (ENABLED and layers.STEP_KERNELS and max_tokens()
+            and hasattr(ops._cpu.DecodePlan, "run_hidden") and model.device.type == "cpu"
+            and state.batch == 1 and state.mtp_k is not None):
         return None
-    loops = head._loops
+    # a plan holds this extension's, these experts' and this KV's pointers
     key = (ops._cpu, head.experts, state.mtp_k, state.mtp_v)
-    hit = loops.get(state)
-    if hit is None or not all(map(operator.is_, hit[0], key)):
-        try:
-            loop = _build(model, state, head)
-        except (_PerOp, KeyError):
-            loop = None
-        hit = loops[state] = (key, loop)
-    return hit[1]
+    return _plan_of(head._loops, state, key, lambda: _build(model, state, head))
 
 
 class ManyLoop:
@@ -156,17 +151,22 @@ def loop_for(model, state) -> DecodeLoop | None:
     if not (ENABLED and layers.STEP_KERNELS and max_tokens() and model.device.type == "cpu"
             and state.batch == 1):
         return None
-    loops = model._decode_loops
     key = (ops._cpu, *model.experts)   # a plan holds this extension's and these experts' pointers
+    loop = _plan_of(model._decode_loops, state, key, lambda: _build(model, state))
+    return loop if loop is not None and loop.follow_steps(state.steps) else None
+
+
+def _plan_of(loops, state, key: tuple, build):
+    """loops[state]'s plan, built by build() on first use or when what it points to (the objects
+    in `key`) changed; None where the per-op path must run (remembered as well)."""
     hit = loops.get(state)
     if hit is None or len(hit[0]) != len(key) or not all(map(operator.is_, hit[0], key)):
         try:
-            loop = _build(model, state)
+            loop = build()
         except (_PerOp, KeyError):   # KeyError: a tensor the per-op path would miss as well
             loop = None
         hit = loops[state] = (key, loop)
-    loop = hit[1]
-    return loop if loop is not None and loop.follow_steps(state.steps) else None
+    return hit[1]
 
 
 def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:

@@ -113,11 +113,15 @@ bool DecodePlan::shares_weights(const DecodePlan& other) const {
                       [](const DecodeLayer& a, const DecodeLayer& b) { return weights_of(a) == weights_of(b); });
 }
 
+void DecodePlan::check_rows(int64_t n_tok, int64_t pos, int64_t n_attn) const {
+    if (pos < 0 || pos + n_tok > std::min(n_attn, m_.n_ctx))
+        throw std::invalid_argument("DecodePlan: no cache row for a token (pos + T > n_attn or n_ctx)");
+}
+
 void DecodePlan::check_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn) const {
     for (int64_t t = 0; t < n_tok; ++t)
         if (tokens[t] < 0 || tokens[t] >= m_.n_vocab) throw std::invalid_argument("DecodePlan: token id out of range");
-    if (pos < 0 || pos + n_tok > std::min(n_attn, m_.n_ctx))
-        throw std::invalid_argument("DecodePlan: no cache row for a token (pos + T > n_attn or n_ctx)");
+    check_rows(n_tok, pos, n_attn);
 }
 
 void DecodePlan::run(int64_t token, int64_t pos, int64_t n_attn, float* logits) {
@@ -140,8 +144,7 @@ void DecodePlan::run_hidden(const float* x, int64_t n_tok, int64_t pos, int64_t 
     if (n_tok < 1 || n_tok > kMaxTokens)
         throw std::invalid_argument("DecodePlan.run_hidden: 1 to " + std::to_string(kMaxTokens) + " tokens");
     if (!x) throw std::invalid_argument("DecodePlan.run_hidden: no input rows");
-    if (pos < 0 || pos + n_tok > std::min(n_attn, m_.n_ctx))
-        throw std::invalid_argument("DecodePlan: no cache row for a token (pos + T > n_attn or n_ctx)");
+    check_rows(n_tok, pos, n_attn);
     const std::vector<DecodePlan*> plans{this};
     forward(Rows{plans, n_tok, &pos, &n_attn, false}, nullptr, x, last_only, logits, hidden);
 }

@@ -121,7 +121,8 @@ class DecodePlan {
         uint8_t* embd_rows;
     };
     bool shares_weights(const DecodePlan& other) const;
-    void check_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn) const;
+    void check_rows(int64_t n_tok, int64_t pos, int64_t n_attn) const;  // cache rows for the tokens
+    void check_tokens(const int64_t* tokens, int64_t n_tok, int64_t pos, int64_t n_attn) const;  // + ids
     // the rows' residual stream starts as the tokens' embeddings, or a copy of x_in (tokens null)
     void forward(const Rows& rows, const int64_t* tokens, const float* x_in, bool last_only, float* logits,
                  float* hidden);
