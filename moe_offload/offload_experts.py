@@ -63,7 +63,7 @@ class OffloadEngine:
         self.max_in_flight = policy.steps_in_flight
         self.error = torch.zeros((), dtype=torch.int32, device=dev)
         self.fetch_list = torch.zeros(1 + 2 * MAX_FETCH, dtype=torch.int32, device=dev)
-        self.moe_scratch = torch.empty(on.moe_scratch_bytes(self.max_tok, top_k, ff),
+        self.moe_scratch = torch.empty(on.moe_scratch_bytes(self.max_tok, top_k, ff, hidden),
                                        dtype=torch.uint8, device=dev)
         self.exchange = on.ExchangeBuffers.allocate(L, self.max_tok, top_k, hidden, pin=True)
         self._ex = {t: self.exchange.as_dict(t) for t in range(1, self.max_tok + 1)}
@@ -417,7 +417,8 @@ class ResidentPool:
         self.n_experts = g.shape[0]
         self.banks = tuple((q.qtype.type_id, q.data.data_ptr(), q.expert_stride)
                            for q in (experts.gate, experts.up, experts.down))
-        self.scratch = torch.empty(on.moe_scratch_bytes(max_tok, top_k, ff), dtype=torch.uint8,
+        self.scratch = torch.empty(on.moe_scratch_bytes(max_tok, top_k, ff, g.shape[2]),
+                                   dtype=torch.uint8,
                                    device=g.device if g.device.type == "cuda" else "cuda")
 
     def capturable(self, n_tok: int) -> bool:

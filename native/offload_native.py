@@ -329,9 +329,9 @@ def wait_add(exchange: dict, layer: int, step: torch.Tensor, cpu_pending: torch.
 # A bank is (type id, address, expert stride) for each of gate, up and down (host_bank.ExpertLayout
 # .banks), experts laid out from one address: cache slots, staging rows, a host bank.
 
-def moe_scratch_bytes(n_tok: int, top_k: int, ff: int) -> int:
-    """Scratch pool_moe_ffn needs for n_tok tokens of top_k experts of width ff."""
-    return int(_need(_cuda, "the expert-pool kernel").moe_scratch_bytes(n_tok, top_k, ff))
+def moe_scratch_bytes(n_tok: int, top_k: int, ff: int, hidden: int) -> int:
+    """Scratch pool_moe_ffn needs for n_tok tokens of top_k experts of width ff, hidden wide."""
+    return int(_need(_cuda, "the expert-pool kernel").moe_scratch_bytes(n_tok, top_k, ff, hidden))
 
 
 def pool_moe_ffn(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, banks, n_slots: int,

@@ -233,7 +233,7 @@ def gpu_moe(ext, q: QuantType, iters: int, warmup: int, rng: np.random.Generator
     soe = torch.arange(E, dtype=torch.int32, device="cuda")
     y = torch.empty(1, H, device="cuda")
     skipped = torch.empty(1, K, dtype=torch.int32, device="cuda")
-    scratch = torch.empty(ext.moe_scratch_bytes(1, K, F), dtype=torch.uint8, device="cuda")
+    scratch = torch.empty(ext.moe_scratch_bytes(1, K, F, H), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     args = [v for b, _, _ in banks for v in (q.type_id, b.data_ptr(), b[0].numel())]
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -38,9 +38,9 @@
 //       outside [0, n_slots) are skipped: skipped [T, K] int32 (0 = no output) gets 1 for them.
 //       x f32 [T, H], ids int32 [T, K], weights f32 [T, K], y f32 [T, H], all contiguous; pools:
 //       slot s of a projection at <proj> + s * <proj>_slot_bytes, rows contiguous ([F, H] for
-//       gate/up, [H, F] for down). T <= 8, top_k <= 16. scratch: >= moe_scratch_bytes(T, K, F)
+//       gate/up, [H, F] for down). T <= 8, top_k <= 16. scratch: >= moe_scratch_bytes(T, K, F, H)
 //       bytes, 16-byte aligned, caller-owned, not read before it is written.
-//   moe_scratch_bytes(n_tok, top_k, ff) -> int
+//   moe_scratch_bytes(n_tok, top_k, ff, hidden) -> int
 //   residual_rms_norm, conv_silu_steps, delta_rule_steps, route_topk, attention_steps, swiglu: the decode-step
 //       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0).
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
@@ -154,7 +154,7 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("scratch"), py::arg("scratch_bytes"), py::arg("stream") = 0,
           py::arg("accumulate") = false, release);
     m.def("moe_scratch_bytes", &cuda::moe_scratch_bytes, py::arg("n_tok"), py::arg("top_k"),
-          py::arg("ff"));
+          py::arg("ff"), py::arg("hidden"));
 
     // decode-step kernels (csrc/cuda/step.cu, documented in csrc/cuda/api.h)
     m.def("residual_rms_norm",

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 FAMILIES = (   # (family, substrings of the kernel's name), first match wins
     ("fetch", ("fetch_kernel",)),
     ("cpu wait", ("wait_add",)),
-    ("routed experts", ("GateUpMap", "DownMap", "act_kernel")),
+    ("routed experts", ("GateUpMap", "DownMap", "act_kernel", "group_kernel", "sum_kernel")),
     ("delta-net core", ("conv_silu", "delta_step")),
     ("attention core", ("attention_part", "attention_merge")),
     ("dense projections", ("rows_kernel",)),

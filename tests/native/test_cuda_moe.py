@@ -168,11 +168,60 @@ def test_moe_ffn_pool(ext, combo, n_tok):
     xd, idd, wd, soe = _dev(x), _dev(ids), _dev(weights), _dev(SLOT_OF_EXPERT)
     y = torch.full((n_tok, H), float("nan"), device=DEVICE)
     skipped = torch.full((n_tok, K), 7, dtype=torch.int32, device=DEVICE)
-    scratch = torch.full((ext.moe_scratch_bytes(n_tok, K, F),), 0xFF, dtype=torch.uint8, device=DEVICE)
+    scratch = torch.full((ext.moe_scratch_bytes(n_tok, K, F, H),), 0xFF, dtype=torch.uint8, device=DEVICE)
     _pool_call(ext, xd, idd, wd, soe, pools, y, skipped, scratch, n_tok)
     _sync()
     assert np.array_equal(skipped.cpu().numpy(), (~_resident(ids)).astype(np.int32))
     _check(y.cpu().numpy(), x, gate, up, down, ids, weights, ext, f"{combo} T={n_tok}")
+
+
+@pytest.mark.parametrize("combo", [COMBOS[0], COMBOS[4]], ids="-".join)
+def test_moe_ffn_pool_tokens_equal_each_alone(ext, combo):
+    """8 tokens over 6 experts (each expert chosen by several tokens, read once for all of them)
+    give each token bit for bit what it gets alone: a verify step's or a batch's tokens agree
+    with decode steps."""
+    gate, up, down, rng = _banks(combo, seed=41)
+    n_tok = 8
+    pools = _pools(gate, up, down)
+    x = rng.standard_normal((n_tok, H), dtype=np.float32)
+    ids, weights = _routing(rng, n_tok)
+    xd, idd, wd, soe = _dev(x), _dev(ids), _dev(weights), _dev(SLOT_OF_EXPERT)
+    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F, H), dtype=torch.uint8, device=DEVICE)
+    skipped = torch.zeros(n_tok, K, dtype=torch.int32, device=DEVICE)
+    y = torch.full((n_tok, H), float("nan"), device=DEVICE)
+    _pool_call(ext, xd, idd, wd, soe, pools, y, skipped, scratch, n_tok)
+    alone = torch.full((n_tok, H), float("nan"), device=DEVICE)
+    for t in range(n_tok):
+        _pool_call(ext, xd[t:t + 1], idd[t:t + 1], wd[t:t + 1], soe, pools, alone[t:t + 1],
+                   skipped[t:t + 1], scratch, 1)
+    _sync()
+    assert torch.equal(y, alone), f"tokens differ from their single-token calls: " \
+        f"{(y - alone).abs().max().item():.3g}"
+    _check(y.cpu().numpy(), x, gate, up, down, ids, weights, ext, f"{combo} grouped")
+
+
+def test_moe_ffn_pool_skips_a_token_naming_a_slot_twice(ext):
+    """A token's K ids are distinct experts; if one names a slot again, that pair is skipped
+    (flagged in `skipped`), and the token gets what the call without it gives."""
+    gate, up, down, rng = _banks(COMBOS[0], seed=43)
+    n_tok = 2
+    pools = _pools(gate, up, down)
+    x = rng.standard_normal((n_tok, H), dtype=np.float32)
+    ids = np.array([[0, 2, 0, 3], [3, 5, 2, 0]], np.int32)   # token 0 names expert 0 twice
+    weights = np.full((n_tok, K), 0.25, np.float32)
+    xd, wd, soe = _dev(x), _dev(weights), _dev(SLOT_OF_EXPERT)
+    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F, H), dtype=torch.uint8, device=DEVICE)
+    masked = ids.copy()
+    masked[0, 2] = -1
+    out = []
+    for row in (ids, masked):
+        y = torch.full((n_tok, H), float("nan"), device=DEVICE)
+        skipped = torch.zeros(n_tok, K, dtype=torch.int32, device=DEVICE)
+        _pool_call(ext, xd, _dev(row), wd, soe, pools, y, skipped, scratch, n_tok)
+        _sync()
+        out.append((y.cpu(), skipped.cpu().numpy()))
+    assert out[0][1][0].tolist() == [0, 0, 1, 0] and out[0][1][1].tolist() == [0, 0, 0, 0]
+    assert torch.equal(out[0][0], out[1][0])
 
 
 @pytest.mark.parametrize("combo", COMBOS[:3], ids="-".join)
@@ -207,7 +256,7 @@ def test_moe_ffn_pool_in_two_calls_accumulates(ext, combo):
     first = (rng.random(slots.shape) < 0.5)
     rows = [np.where(first, slots, -1), np.where(first, -1, slots)]
     xd, wd = _dev(x), _dev(weights)
-    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F), dtype=torch.uint8, device=DEVICE)
+    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F, H), dtype=torch.uint8, device=DEVICE)
     y = torch.full((n_tok, H), float("nan"), device=DEVICE)
     (gp, gs, gt), (up_, us, ut), (dp, ds, dt) = pools
     for i, row in enumerate(rows):
@@ -232,7 +281,7 @@ def test_moe_ffn_pool_graph_replay(ext):
     xd, idd, wd, soe = _dev(x0), _dev(ids0), _dev(w0), _dev(SLOT_OF_EXPERT)
     y = torch.zeros(n_tok, H, device=DEVICE)
     skipped = torch.zeros(n_tok, K, dtype=torch.int32, device=DEVICE)
-    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F), dtype=torch.uint8, device=DEVICE)
+    scratch = torch.empty(ext.moe_scratch_bytes(n_tok, K, F, H), dtype=torch.uint8, device=DEVICE)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture

@@ -56,15 +56,18 @@ struct Pool {
 // x [T, H] f32; ids, weights [T, K] (int32, f32); slot_of_expert int32 [n_experts] or nullptr.
 // Pairs whose id is outside [0, n_experts) or whose slot is outside [0, n_slots) contribute nothing
 // (the runtime computes those elsewhere); skipped [T, K] int32 (optional, may be nullptr) gets 1
-// for them, 0 for the others. gate/up pools hold [F, H] per slot, down [H, F].
-// scratch: device bytes >= moe_scratch_bytes(T, K, F), 16-byte aligned, owned by the caller.
-// T <= 8, K <= 16 per call. Launches: gate/up (one, or two if their types differ), act, down.
+// for them, 0 for the others, and so does a second pair of one token naming the same slot (a
+// token's K ids are distinct experts). gate/up pools hold [F, H] per slot, down [H, F]. Each
+// slot's weights are read once a call for all the tokens that chose it.
+// scratch: device bytes >= moe_scratch_bytes(T, K, F, H), 16-byte aligned, owned by the caller.
+// T <= 8, K <= 16 per call. Launches: group, gate/up (one, or two if their types differ), act,
+// down, sum.
 void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, const int32_t* ids,
                   const float* weights, int64_t top_k, const int32_t* slot_of_expert,
                   int64_t n_experts, int64_t n_slots, const Pool& gate, const Pool& up,
                   const Pool& down, float* y, bool accumulate, int32_t* skipped, void* scratch,
                   int64_t scratch_bytes, uintptr_t stream);
-int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff);
+int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff, int64_t hidden);
 
 // native._cpu's moe_ffn signature: full banks (expert e at base + e*stride), ids < 0 skipped,
 // any T (groups of 8 tokens). Scratch comes from cudaMallocAsync on `stream` (capturable as

@@ -16,7 +16,7 @@ namespace {
 
 // Tile = G consecutive output rows (G = 1 unless rows are shorter than 32 units).
 struct PlainMap {
-    static constexpr bool kSingle = false;
+    static constexpr bool kCompactX = false;
     const uint8_t* w;
     int64_t row_stride;
     uintptr_t lo, hi;
@@ -27,7 +27,7 @@ struct PlainMap {
 
     __device__ int n_tiles() const { return (O + G - 1) / G; }
     __device__ int rows_per_tile() const { return G; }
-    __device__ int nt() const { return T; }
+    __device__ uint32_t tile_mask(int) const { return (1u << T) - 1u; }
     __device__ bool row(int tile, int i, Seg& s) const {
         const int r = tile * G + i;
         if (r >= O) return false;
@@ -35,7 +35,6 @@ struct PlainMap {
         s.lo = lo;
         s.hi = hi;
         s.xvec = 0;
-        s.scale = 1.f;
         return true;
     }
     template <int NT> __device__ void store(int tile, int i, const float (&acc)[NT]) const {

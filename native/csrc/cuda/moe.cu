@@ -1,23 +1,31 @@
-// Routed experts over a device-resident slot pool, for decode (T <= 8 tokens per launch group).
-// MoE legend: T tokens, K top-k, E experts, H hidden, F expert ff; pair p = t*K + k.
+// Routed experts over a device-resident slot pool, for decode (T <= 8 tokens per call).
+// MoE legend: T tokens, K top-k, H hidden, F expert ff; pair p = t*K + k. A *group* is one resident
+// slot and the tokens that chose it (a token mask): its weights are read, and each of its blocks
+// decoded, once a call however many of the tokens chose it.
 //
-//   1. gate/up  rows engine, tile = (pair, projection, rows): gu[p][0|1][f] = W[slot] row f . x_t
-//               (one launch for both projections when they share a type, else one each)
-//   2. act      one CTA per token: h = silu(gate) * up per pair, written in the down policy's
-//               x layout (int8 + scales, or padded f32); skipped[t,k] = expert not resident
-//   3. down     rows engine, tile = (token, hidden row h): y[t][h] = sum_k w[t,k] * W[slot_k] row h . h_p
-//               (K expert rows summed by one warp: deterministic, no atomics, y fully written)
+//   1. group    one CTA per token rounds its x into the gate/up policies' layouts (once, not once
+//               per CTA of the next kernel); one more turns the routing into groups, in order of
+//               first appearance: slot, token mask, and the group's rows of a compact pair order
+//               (group u owns rows start[u] .. start[u] + popc(mask[u]) - 1, by token);
+//               row_of[p] = -1 and skipped[p] = 1 for a pair whose expert is not resident.
+//   2. gate/up  rows engine, tile = (group, projection, rows): one weight row dotted with the x of
+//               every token of the mask -> gu[row][0|1][f]
+//   3. act      h_row = silu(gu[row][0]) * gu[row][1] in the down policy's layout
+//   4. down     rows engine, tile = (group, hidden rows): part[row][h] = W[slot] row h . h_row
+//   5. sum      y[t][h] (+)= sum over k, in order, of weights[t,k] * part[row_of[t,k]][h]
 //
-// The residency lookup (ids -> slot_of_expert -> slot) happens on the device in every kernel, so
-// the host never waits for routing. Scratch (moe_scratch_bytes): gu f32 [T*K][2][F] at 0, the act
-// vectors after it (256-byte aligned). All kernels go to `stream`; nothing syncs or allocates
-// (moe_ffn, the native._cpu-compatible entry, takes its scratch from cudaMallocAsync).
+// A pair's arithmetic does not depend on which other pairs share its group, and each token sums
+// its own k in order, so a token's output is bit-identical whatever else is in the call (a decode
+// step, a verify step's tokens and a batch's sequences agree). The residency lookup happens on
+// the device, so the host never waits for routing. Scratch (moe_scratch_bytes) holds groups, x,
+// gu, act and part; all kernels go to `stream`; nothing syncs or allocates (moe_ffn, the
+// native._cpu-compatible entry, takes its scratch from cudaMallocAsync).
 #include "cuda/rows.cuh"
 
 namespace ft::cuda {
 namespace {
 
-constexpr int kMaxTok = 8, kMaxTopK = 16;
+constexpr int kMaxTok = 8, kMaxTopK = 16, kMaxPairs = kMaxTok * kMaxTopK;
 
 // Slot of pair p, or -1 if the pair contributes nothing here.
 struct Residency {
@@ -32,137 +40,235 @@ struct Residency {
     }
 };
 
+// The groups of one call, in scratch (written by group_kernel, read by the others).
+struct Groups {
+    int32_t* count;   // [0] groups, [1] rows (= resident pairs)
+    int32_t* slot;    // [TK] per group
+    int32_t* mask;    // [TK] per group: bit t = token t chose it
+    int32_t* start;   // [TK] per group: its first row
+    int32_t* row_of;  // [TK] per pair: its row, or -1
+};
+
+__device__ __forceinline__ int rank_in(uint32_t mask, int t) { return __popc(mask & ((1u << t) - 1u)); }
+
+// CTAs 0..T-1: token t's x in the gate/up layouts; CTA T: the groups (at the same time).
+template <bool kQ8, bool kF32>
+__global__ void __launch_bounds__(kThreads)
+group_kernel(Residency res, int T, int K, GlobalX x, int ng, Groups g, uint8_t* xq8, float* xf32,
+             int32_t* skipped) {
+    const int t = blockIdx.x;
+    if (t < T) {
+        auto load = [&](int, int gi, int j) { return x(t, gi, j); };
+        if constexpr (kQ8)
+            prep_x_q8(load, 1, ng, xq8 + size_t(t) * ng * 32,
+                      reinterpret_cast<float2*>(xq8 + size_t(T) * ng * 32) + size_t(t) * ng);
+        if constexpr (kF32) prep_x_f32(load, 1, ng, xf32 + size_t(t) * ng * 36);
+        return;
+    }
+    // Every loop below is over at most 128 pairs, reading shared words all threads read at once.
+    __shared__ int slot_s[kMaxPairs], lead[kMaxPairs], start_s[kMaxPairs];
+    __shared__ uint32_t mask_s[kMaxPairs];
+    const int TK = T * K;
+    for (int p = threadIdx.x; p < TK; p += blockDim.x) slot_s[p] = res.slot(p);
+    __syncthreads();
+    // lead[p]: the first pair with p's slot (p itself when p opens a group), or -1 when p adds
+    // nothing (not resident, or its token named that slot already); an opening pair also takes
+    // the group's token mask (a token's repeat of the slot sets a bit already set).
+    for (int p = threadIdx.x; p < TK; p += blockDim.x) {
+        const int s = slot_s[p], t0 = p / K * K;
+        int first = -1;
+        bool again = false;
+        for (int q = 0; q < p; ++q) {
+            if (slot_s[q] != s) continue;
+            if (first < 0) first = q;
+            again |= q >= t0;
+        }
+        lead[p] = s < 0 || again ? -1 : (first < 0 ? p : first);
+        if (skipped) skipped[p] = lead[p] < 0;
+        if (s >= 0 && first < 0) {
+            uint32_t m = 0;
+            for (int q = p; q < TK; ++q)
+                if (slot_s[q] == s) m |= 1u << (q / K);
+            mask_s[p] = m;
+        }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < TK; p += blockDim.x) {
+        if (lead[p] != p) continue;
+        int u = 0, start = 0;
+        for (int q = 0; q < p; ++q)
+            if (lead[q] == q) ++u, start += __popc(mask_s[q]);
+        g.slot[u] = slot_s[p];
+        g.mask[u] = int32_t(mask_s[p]);
+        g.start[u] = start;
+        start_s[p] = start;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < TK; p += blockDim.x) {
+        const int l = lead[p];
+        g.row_of[p] = l < 0 ? -1 : start_s[l] + rank_in(mask_s[l], p / K);
+    }
+    if (threadIdx.x == 0) {
+        int n = 0, rows = 0;
+        for (int q = 0; q < TK; ++q) n += lead[q] == q, rows += lead[q] >= 0;
+        g.count[0] = n;
+        g.count[1] = rows;
+    }
+}
+
 struct PoolView {
     const uint8_t* base;
     int64_t slot_bytes;
     uintptr_t lo, hi;  // bytes of the whole pool
 };
 
+// What the two rows-engine maps read of the groups.
+struct GroupsView {
+    const int32_t *count, *slot, *mask, *start;
+    __device__ int n() const { return __ldg(count); }
+    __device__ uint32_t tokens(int u) const { return uint32_t(__ldg(mask + u)); }
+    __device__ int first_row(int u) const { return __ldg(start + u); }
+    __device__ const uint8_t* rows_of(const PoolView& v, int u) const {
+        return v.base + __ldg(slot + u) * v.slot_bytes;
+    }
+};
+
 struct GateUpMap {
-    static constexpr bool kSingle = false;
+    static constexpr bool kCompactX = false;  // x holds one vector per token of the call
     PoolView pool0, pool1;  // NP = 1: pool0 only
     int NP, proj0;          // projections in this launch; gu index of pool0 (0 gate, 1 up)
-    Residency res;
+    GroupsView grp;
     int64_t row_bytes;  // one row of H weights
-    int F, G, K, TK, T, ng;
-    GlobalX x;  // [T, H]
-    float* gu;  // [TK][2][F]
+    int F, G;
+    XView x;    // [T] vectors in the policy's layout (group_kernel)
+    float* gu;  // [rows][2][F]
 
     __device__ int tiles_per() const { return (F + G - 1) / G; }
-    __device__ int n_tiles() const { return TK * NP * tiles_per(); }
+    __device__ int n_tiles() const { return grp.n() * NP * tiles_per(); }
     __device__ int rows_per_tile() const { return G; }
-    __device__ int nt() const { return 1; }
-    __device__ void split(int tile, int& p, int& pr, int& rg) const {
+    __device__ void split(int tile, int& u, int& pr, int& rg) const {
         const int tp = tiles_per(), q = tile / tp;
         rg = tile - q * tp;
         pr = q % NP;
-        p = q / NP;
+        u = q / NP;
     }
+    __device__ uint32_t tile_mask(int tile) const { return grp.tokens(tile / (NP * tiles_per())); }
     __device__ bool row(int tile, int i, Seg& s) const {
-        int p, pr, rg;
-        split(tile, p, pr, rg);
+        int u, pr, rg;
+        split(tile, u, pr, rg);
         const int f = rg * G + i;
         if (f >= F) return false;
-        const int sl = res.slot(p);
-        if (sl < 0) return false;
         const PoolView& v = pr == 0 ? pool0 : pool1;
-        s.ptr = v.base + sl * v.slot_bytes + f * row_bytes;
+        s.ptr = grp.rows_of(v, u) + f * row_bytes;
         s.lo = v.lo;
         s.hi = v.hi;
-        s.xvec = p / K;
-        s.scale = 1.f;
+        s.xvec = 0;
         return true;
     }
     template <int NT> __device__ void store(int tile, int i, const float (&acc)[NT]) const {
-        int p, pr, rg;
-        split(tile, p, pr, rg);
-        gu[(size_t(p) * 2 + proj0 + pr) * F + rg * G + i] = acc[0];
+        int u, pr, rg;
+        split(tile, u, pr, rg);
+        const uint32_t m = grp.tokens(u);
+        const int r0 = grp.first_row(u);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if ((m >> t) & 1)
+                gu[(size_t(r0 + rank_in(m, t)) * 2 + proj0 + pr) * F + rg * G + i] = acc[t];
     }
-    template <class Pol> __device__ void prep(uint8_t* xs) const { prep_x<Pol>(x, T, ng, xs); }
-    __device__ XView xview(const uint8_t* xs) const { return {xs, ng, T}; }
+    template <class Pol> __device__ void prep(uint8_t*) const {}
+    __device__ XView xview(const uint8_t*) const { return x; }
 };
 
-// Block-cooperative copy of `bytes` (a multiple of 8, both ends 8-aligned).
-__device__ void block_copy8(uint8_t* dst, const uint8_t* src, size_t bytes) {
-    for (size_t i = threadIdx.x; i < bytes / 8; i += blockDim.x)
-        reinterpret_cast<uint2*>(dst)[i] = __ldg(reinterpret_cast<const uint2*>(src) + i);
-}
-
-struct DownMap {  // blockIdx.y = token
-    static constexpr bool kSingle = true;
+struct DownMap {
+    static constexpr bool kCompactX = true;  // act holds one vector per row, a group's together
     PoolView pool;
-    Residency res;
+    GroupsView grp;
     int64_t row_bytes;  // one row of F weights
-    int H, K, TK, ng;
-    const float* weights;  // [T*K]
-    const uint8_t* act;    // TK vectors of ng groups in the policy's layout
-    float* y;              // [T, H]
-    bool accumulate;       // y += (a second launch over other pairs), else y =
+    int H, G;
+    XView act;    // [TK] vectors in the policy's layout (act_kernel)
+    float* part;  // [rows][H]
 
-    __device__ int n_tiles() const { return H; }
-    __device__ int rows_per_tile() const { return K; }
-    __device__ int nt() const { return 1; }
-    __device__ bool row(int h, int k, Seg& s) const {
-        const int p = blockIdx.y * K + k;
-        const int sl = res.slot(p);
-        if (sl < 0) return false;
-        s.ptr = pool.base + sl * pool.slot_bytes + h * row_bytes;
+    __device__ int tiles_per() const { return (H + G - 1) / G; }
+    __device__ int n_tiles() const { return grp.n() * tiles_per(); }
+    __device__ int rows_per_tile() const { return G; }
+    __device__ uint32_t tile_mask(int tile) const { return grp.tokens(tile / tiles_per()); }
+    __device__ bool row(int tile, int i, Seg& s) const {
+        const int u = tile / tiles_per(), h = (tile - u * tiles_per()) * G + i;
+        if (h >= H) return false;
+        s.ptr = grp.rows_of(pool, u) + h * row_bytes;
         s.lo = pool.lo;
         s.hi = pool.hi;
-        s.xvec = k;
-        s.scale = __ldg(weights + p);
+        s.xvec = grp.first_row(u);
         return true;
     }
-    template <int NT> __device__ void store(int h, int, const float (&acc)[NT]) const {
-        float* out = y + size_t(blockIdx.y) * H + h;
-        *out = accumulate ? *out + acc[0] : acc[0];
+    template <int NT> __device__ void store(int tile, int i, const float (&acc)[NT]) const {
+        const int u = tile / tiles_per(), h = (tile - u * tiles_per()) * G + i;
+        const uint32_t m = grp.tokens(u);
+        const int r0 = grp.first_row(u);
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if ((m >> t) & 1) part[size_t(r0 + rank_in(m, t)) * H + h] = acc[t];
     }
-    template <class Pol> __device__ void prep(uint8_t* xs) const {
-        const size_t p0 = size_t(blockIdx.y) * K;
-        if constexpr (Pol::kQ8) {
-            block_copy8(xs, act + p0 * ng * 32, size_t(K) * ng * 32);
-            block_copy8(xs + size_t(K) * ng * 32, act + size_t(TK) * ng * 32 + p0 * ng * 8,
-                        size_t(K) * ng * 8);
-        } else {
-            block_copy8(xs, act + p0 * ng * 144, size_t(K) * ng * 144);
-        }
-    }
-    __device__ XView xview(const uint8_t* xs) const { return {xs, ng, K}; }
+    template <class Pol> __device__ void prep(uint8_t*) const {}
+    __device__ XView xview(const uint8_t*) const { return act; }
 };
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 
-// One CTA per token: h_p = silu(gu[p][0]) * gu[p][1] for its K pairs, in the down policy's layout.
+// CTA b: rows b*K .. b*K + K - 1 (those that exist): h = silu(gate) * up, in the down policy's layout.
 template <bool Q8>
 __global__ void __launch_bounds__(kThreads)
-act_kernel(const float* __restrict__ gu, Residency res, int F, int K, int TK, uint8_t* act,
-           int32_t* skipped) {
-    __shared__ int resident[kMaxTopK];
-    const int t = blockIdx.x;
-    if (int(threadIdx.x) < K) {
-        const int p = t * K + threadIdx.x;
-        const bool r = res.slot(p) >= 0;
-        resident[threadIdx.x] = r;
-        if (skipped) skipped[p] = r ? 0 : 1;
-    }
-    __syncthreads();
+act_kernel(const float* __restrict__ gu, const int32_t* count, int F, int K, int TK, uint8_t* act) {
+    const int r0 = blockIdx.x * K, n = min(K, __ldg(count + 1) - r0);
+    if (n <= 0) return;
     const int ng = F / 32;
     auto load = [&](int v, int g, int j) -> float4 {
-        if (!resident[v]) return make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* gp = gu + size_t(t * K + v) * 2 * F + 32 * g + 4 * j;
+        const float* gp = gu + size_t(r0 + v) * 2 * F + 32 * g + 4 * j;
         const float4 a = *reinterpret_cast<const float4*>(gp);
         const float4 b = *reinterpret_cast<const float4*>(gp + F);
         return make_float4(silu(a.x) * b.x, silu(a.y) * b.y, silu(a.z) * b.z, silu(a.w) * b.w);
     };
-    const size_t p0 = size_t(t) * K;
     if constexpr (Q8)
-        prep_x_q8(load, K, ng, act + p0 * ng * 32,
-                  reinterpret_cast<float2*>(act + size_t(TK) * ng * 32) + p0 * ng);
+        prep_x_q8(load, n, ng, act + size_t(r0) * ng * 32,
+                  reinterpret_cast<float2*>(act + size_t(TK) * ng * 32) + size_t(r0) * ng);
     else
-        prep_x_f32(load, K, ng, reinterpret_cast<float*>(act) + p0 * ng * 36);
+        prep_x_f32(load, n, ng, reinterpret_cast<float*>(act) + size_t(r0) * ng * 36);
 }
 
-int64_t gu_bytes(int64_t T, int64_t K, int64_t F) { return cdiv(T * K * 2 * F * 4, 256) * 256; }
+// y[t][h] (+)= sum over k in order of weights[t,k] * part[row_of[t,k]][h]; blockIdx.y = token.
+__global__ void __launch_bounds__(kThreads)
+sum_kernel(const float* __restrict__ part, const int32_t* row_of, const float* weights, int H, int K,
+           float* y, bool accumulate) {
+    const int t = blockIdx.y, h = blockIdx.x * blockDim.x + threadIdx.x;
+    if (h >= H) return;
+    float s = 0.f;
+    for (int k = 0; k < K; ++k) {
+        const int r = __ldg(row_of + t * K + k);
+        if (r >= 0) s = fmaf(__ldg(weights + t * K + k), part[size_t(r) * H + h], s);
+    }
+    float* out = y + size_t(t) * H + h;
+    *out = accumulate ? *out + s : s;
+}
+
+// Where each part of a call lives in scratch (byte offsets, 256-aligned).
+struct Layout {
+    int64_t groups, xq8, xf32, gu, act, part, total;
+};
+
+Layout layout_of(int64_t T, int64_t K, int64_t F, int64_t H) {
+    auto al = [](int64_t b) { return cdiv(b, 256) * 256; };
+    const int64_t TK = T * K;
+    Layout l{};
+    int64_t o = 0;
+    l.groups = o, o += al((2 + 4 * TK) * 4);
+    l.xq8 = o, o += al(T * (H / 32) * 40);
+    l.xf32 = o, o += al(T * (H / 32) * 144);
+    l.gu = o, o += al(TK * 2 * F * 4);
+    l.act = o, o += al(TK * (F / 32) * 144);
+    l.part = o, o += al(TK * H * 4);
+    l.total = o;
+    return l;
+}
 
 PoolView pool_view(const Pool& p, int64_t n_slots, int64_t rows, int64_t row_bytes) {
     const uintptr_t lo = reinterpret_cast<uintptr_t>(p.base);
@@ -183,56 +289,65 @@ template <QType QT> int64_t proj_row_bytes(const Pool& p, int64_t rows, int64_t 
     return rb;
 }
 
+// The rows engine at the fewest token slots that hold T tokens (1 or 8: a mask skips the rest).
+template <class Pol, class Map>
+void launch_grouped(const Map& m, const Geom& geo, int64_t n_tiles, int64_t rows_per_tile, int T,
+                    cudaStream_t st) {
+    if (T == 1)
+        launch_rows<Pol, 1>(m, geo, n_tiles, rows_per_tile, 1, st);
+    else
+        launch_rows<Pol, kMaxTok>(m, geo, n_tiles, rows_per_tile, 1, st);
+}
+
+// A call's device pointers.
+struct Call {
+    Groups g;
+    GroupsView view() const { return {g.count, g.slot, g.mask, g.start}; }
+    uint8_t *xq8, *act;
+    float *xf32, *gu, *part;
+};
+
 template <QType QT>
-void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Residency& res, int64_t n_slots,
-                    const float* x, int T, int K, int64_t H, int64_t F, float* gu, cudaStream_t st) {
+void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Call& c, int64_t n_slots, int T,
+                    int K, int64_t H, int64_t F, cudaStream_t st) {
     using Pol = PolicyFor<QT>;
     const int64_t rb = proj_row_bytes<QT>(a, F, H, proj0 == 0 ? "gate" : "up");
     if (b) proj_row_bytes<QT>(*b, F, H, "up");
     const int ng = int(H / 32);
-    const Geom geo = make_geom<Pol>(H / Traits<QT>::kb_elems, x_bytes<Pol>(T, ng));
+    const Geom geo = make_geom<Pol>(H / Traits<QT>::kb_elems, 0);
     GateUpMap m{};
     m.pool0 = pool_view(a, n_slots, F, rb);
     m.pool1 = b ? pool_view(*b, n_slots, F, rb) : m.pool0;
     m.NP = b ? 2 : 1;
     m.proj0 = proj0;
-    m.res = res;
+    m.grp = c.view();
     m.row_bytes = rb;
     m.F = int(F);
     m.G = geo.G;
-    m.K = K;
-    m.TK = T * K;
-    m.T = T;
-    m.ng = ng;
-    m.x = GlobalX{x, H, reinterpret_cast<uintptr_t>(x) % 16 == 0 && H % 4 == 0};
-    m.gu = gu;
-    launch_rows<Pol, 1>(m, geo, int64_t(T) * K * m.NP * cdiv(F, geo.G), geo.G, 1, st);
+    m.x = Pol::kQ8 ? XView{c.xq8, ng, T} : XView{reinterpret_cast<const uint8_t*>(c.xf32), ng, T};
+    m.gu = c.gu;
+    launch_grouped<Pol>(m, geo, int64_t(T) * K * m.NP * cdiv(F, geo.G), geo.G, T, st);
 }
 
 template <QType QT>
-void launch_act_down(const Pool& d, const Residency& res, int64_t n_slots, const float* weights,
-                     int T, int K, int64_t H, int64_t F, const float* gu, uint8_t* act, float* y,
-                     bool accumulate, int32_t* skipped, cudaStream_t st) {
+void launch_act_down(const Pool& d, const Call& c, int64_t n_slots, int T, int K, int64_t H,
+                     int64_t F, cudaStream_t st) {
     using Pol = PolicyFor<QT>;
     const int64_t rb = proj_row_bytes<QT>(d, H, F, "down");
     const int ng = int(F / 32);
     auto act_k = act_kernel<Pol::kQ8>;
-    FT_LAUNCH(act_k, dim3(unsigned(T)), kThreads, 0, st, gu, res, int(F), K, T * K, act, skipped);
+    FT_LAUNCH(act_k, dim3(unsigned(T)), kThreads, 0, st, c.gu, c.g.count, int(F), K, T * K, c.act);
     check_launch("act_kernel");
-    const Geom geo = make_geom<Pol>(F / Traits<QT>::kb_elems, x_bytes<Pol>(K, ng));
+    const Geom geo = make_geom<Pol>(F / Traits<QT>::kb_elems, 0);
     DownMap m{};
     m.pool = pool_view(d, n_slots, H, rb);
-    m.res = res;
+    m.grp = c.view();
     m.row_bytes = rb;
     m.H = int(H);
-    m.K = K;
-    m.TK = T * K;
-    m.ng = ng;
-    m.weights = weights;
-    m.act = act;
-    m.y = y;
-    m.accumulate = accumulate;
-    launch_rows<Pol, 1>(m, geo, H, K, T, st);
+    m.G = geo.G;
+    m.act = XView{c.act, ng, T * K};
+    m.part = c.part;
+    launch_grouped<Pol>(m, geo, int64_t(T) * K * cdiv(H, geo.G), geo.G, T, st);
 }
 
 int type_of(int id, const char* what) {
@@ -241,11 +356,15 @@ int type_of(int id, const char* what) {
     return id;
 }
 
+template <class F> void with_policy(int type_id, F&& f) {
+    visit_type(type_id, [&](auto tag) { f(PolicyFor<decltype(tag)::type>::kQ8); });
+}
+
 }  // namespace
 
-int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff) {
+int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff, int64_t hidden) {
     const int64_t T = n_tok < kMaxTok ? n_tok : kMaxTok;
-    return gu_bytes(T, top_k, ff) + T * top_k * (ff / 32) * 144;
+    return layout_of(T, top_k, ff, hidden).total;
 }
 
 void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, const int32_t* ids,
@@ -263,33 +382,52 @@ void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, con
     type_of(up.type_id, "up");
     type_of(down.type_id, "down");
     if (n_tok == 0) return;
-    require(scratch_bytes >= moe_scratch_bytes(n_tok, top_k, ff),
-            "moe_ffn_pool: scratch needs " + std::to_string(moe_scratch_bytes(n_tok, top_k, ff)) +
-                " bytes, got " + std::to_string(scratch_bytes));
+    const int64_t need = moe_scratch_bytes(n_tok, top_k, ff, hidden);
+    require(scratch_bytes >= need, "moe_ffn_pool: scratch needs " + std::to_string(need) +
+                                       " bytes, got " + std::to_string(scratch_bytes));
     require(reinterpret_cast<uintptr_t>(scratch) % 16 == 0, "moe_ffn_pool: scratch must be 16-byte aligned");
-    const int T = int(n_tok), K = int(top_k);
+    const int T = int(n_tok), K = int(top_k), TK = T * K;
     const cudaStream_t st = to_stream(stream);
-    float* gu = static_cast<float*>(scratch);
-    uint8_t* act = static_cast<uint8_t*>(scratch) + gu_bytes(T, K, ff);
+    const Layout l = layout_of(T, K, ff, hidden);
+    uint8_t* base = static_cast<uint8_t*>(scratch);
+    int32_t* gw = reinterpret_cast<int32_t*>(base + l.groups);
+    Call c{};
+    c.g = Groups{gw, gw + 2, gw + 2 + TK, gw + 2 + 2 * TK, gw + 2 + 3 * TK};
+    c.xq8 = base + l.xq8;
+    c.xf32 = reinterpret_cast<float*>(base + l.xf32);
+    c.gu = reinterpret_cast<float*>(base + l.gu);
+    c.act = base + l.act;
+    c.part = reinterpret_cast<float*>(base + l.part);
     const Residency res{ids, slot_of_expert, int(n_experts), int(n_slots)};
     const int64_t slots = n_slots > 0 ? n_slots : 1;
 
+    bool q8 = false, f32 = false;  // the x layouts gate and up read
+    for (int id : {gate.type_id, up.type_id}) with_policy(id, [&](bool is_q8) { (is_q8 ? q8 : f32) = true; });
+    const GlobalX gx{x, hidden, reinterpret_cast<uintptr_t>(x) % 16 == 0 && hidden % 4 == 0};
+    auto group_k = q8 && f32 ? group_kernel<true, true> : q8 ? group_kernel<true, false>
+                                                             : group_kernel<false, true>;
+    FT_LAUNCH(group_k, dim3(unsigned(T + 1)), kThreads, 0, st, res, T, K, gx, int(hidden / 32), c.g,
+              c.xq8, c.xf32, skipped);
+    check_launch("group_kernel");
+
     if (gate.type_id == up.type_id) {
         visit_type(gate.type_id, [&](auto tag) {
-            launch_gate_up<decltype(tag)::type>(gate, &up, 0, res, slots, x, T, K, hidden, ff, gu, st);
+            launch_gate_up<decltype(tag)::type>(gate, &up, 0, c, slots, T, K, hidden, ff, st);
         });
     } else {
         visit_type(gate.type_id, [&](auto tag) {
-            launch_gate_up<decltype(tag)::type>(gate, nullptr, 0, res, slots, x, T, K, hidden, ff, gu, st);
+            launch_gate_up<decltype(tag)::type>(gate, nullptr, 0, c, slots, T, K, hidden, ff, st);
         });
         visit_type(up.type_id, [&](auto tag) {
-            launch_gate_up<decltype(tag)::type>(up, nullptr, 1, res, slots, x, T, K, hidden, ff, gu, st);
+            launch_gate_up<decltype(tag)::type>(up, nullptr, 1, c, slots, T, K, hidden, ff, st);
         });
     }
     visit_type(down.type_id, [&](auto tag) {
-        launch_act_down<decltype(tag)::type>(down, res, slots, weights, T, K, hidden, ff, gu, act, y,
-                                             accumulate, skipped, st);
+        launch_act_down<decltype(tag)::type>(down, c, slots, T, K, hidden, ff, st);
     });
+    FT_LAUNCH(sum_kernel, dim3(unsigned(cdiv(hidden, kThreads)), unsigned(T)), kThreads, 0, st, c.part,
+              c.g.row_of, weights, int(hidden), K, y, accumulate);
+    check_launch("sum_kernel");
 }
 
 void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
@@ -297,7 +435,7 @@ void moe_ffn(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t 
              const Pool& up, const Pool& down, float* y, uintptr_t stream) {
     if (n_tok <= 0) return;
     const cudaStream_t st = to_stream(stream);
-    const int64_t bytes = moe_scratch_bytes(n_tok, top_k, ff);
+    const int64_t bytes = moe_scratch_bytes(n_tok, top_k, ff, hidden);
     void* scratch = nullptr;
     FT_CUDA_CHECK(cudaMallocAsync(&scratch, size_t(bytes), st));
     try {

@@ -1,19 +1,21 @@
 // The rows engine shared by matmul (matvec.cu) and the expert-pool FFN (moe.cu).
 //
-// Work is a list of *tiles*; a tile is R weight rows (R = Map::rows_per_tile) that are either
-// separate outputs (matmul, gate/up: one y per row and token) or summed into one output with a
-// scale per row (down: K expert rows of one hidden unit, scaled by the routing weights). A warp
-// owns whole tiles (tile = warp id + i * total warps: a persistent grid) and streams their rows
-// through its own ring of S shared-memory stages with 16-byte cp.async copies (coalesced: lane l
-// copies bytes [16l, 16l+16) of a chunk), so every weight byte crosses DRAM once, in full
-// sectors, with S-1 chunks in flight per warp, whatever the block size (110-byte IQ3_S blocks
-// included). A chunk is 32 units of 32 weights: 32/subs blocks of one row, or, for rows shorter
-// than 32 units, G whole rows side by side (P = 32/G lanes each). Lane l decodes unit l of the
-// chunk from shared memory and accumulates; lanes reduce with shuffles at the end of a row (or
-// tile). x (all vectors a CTA needs) is converted once per CTA into shared memory.
+// Work is a list of *tiles*; a tile is R weight rows (R = Map::rows_per_tile), each its own output
+// for every token of the tile's token mask (a matmul: all T tokens; an expert group: the tokens
+// that chose that expert). A warp owns whole tiles (tile = warp id + i * total warps: a persistent
+// grid) and streams their rows through its own ring of S shared-memory stages with 16-byte
+// cp.async copies (coalesced: lane l copies bytes [16l, 16l+16) of a chunk), so every weight byte
+// crosses DRAM once, in full sectors, with S-1 chunks in flight per warp, whatever the block size
+// (110-byte IQ3_S blocks included). A chunk is 32 units of 32 weights: 32/subs blocks of one row,
+// or, for rows shorter than 32 units, G whole rows side by side (P = 32/G lanes each). Lane l
+// decodes unit l of the chunk from shared memory and dots it with each masked token's x; lanes
+// reduce with shuffles at the end of a row. x is either converted once per CTA into shared memory
+// (matmul) or read where a previous kernel left it, already in the policy's layout (moe).
 //
 // Launch: kThreads threads, dynamic shared memory = tables | x | kWarps * S stages (+16 bytes of
-// slack for the 2-aligned word loads), grid = min(tiles / warps, occupancy * SMs) CTAs.
+// slack for the 2-aligned word loads), grid = min(tiles / warps, occupancy * SMs) CTAs. The tile
+// count may be read on the device (a moe call knows its expert groups only there): CTAs beyond it
+// return at once.
 #pragma once
 #include <map>
 #include <mutex>
@@ -130,8 +132,7 @@ struct GlobalX {
 struct Seg {
     const uint8_t* ptr;  // first block of the row
     uintptr_t lo, hi;    // bytes that may be read around it (the weight tensor or pool)
-    int xvec;            // first x vector of the row
-    float scale;         // multiplies the row's dot (down: the routing weight)
+    int xvec;            // x vector of the tile's first masked token
 };
 
 // Chunking of one launch, computed on the host (make_geom).
@@ -163,9 +164,11 @@ struct ChunkPos {
     }
 };
 
-// Map interface (device): kSingle; n_tiles(), rows_per_tile(), nt() (x vectors per row, = tokens
-// of a matmul); row(tile, i, Seg&) -> false if the row contributes nothing (out of range, expert
-// not resident); store(tile, i, acc) (kSingle: i = 0); prep<Pol>(x shared memory); xview(smem).
+// Map interface (device): n_tiles(), rows_per_tile(), tile_mask(tile) (tokens of the tile: bit t
+// -> acc[t]; at most NT bits), kCompactX (false: token t's x is vector xvec + t; true: the masked
+// tokens' vectors are consecutive from xvec, in bit order); row(tile, i, Seg&) -> false if the row
+// contributes nothing; store(tile, i, acc) (acc[t] for t in the mask); prep<Pol>(x shared memory);
+// xview(smem).
 template <class Pol, int NT, class Map>
 __global__ void __launch_bounds__(kThreads)
 rows_kernel(const Map map, const Geom geo, const Grids grids) {
@@ -176,6 +179,7 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
     const int gw = blockIdx.x * kWarps + warp, W = gridDim.x * kWarps;
     const int n_tiles = map.n_tiles(), R = map.rows_per_tile();
+    if (int(blockIdx.x) * kWarps >= n_tiles) return;  // the whole CTA: no barrier is left waiting
     const int cpt = (R + geo.G - 1) / geo.G * geo.cpr;  // chunks per tile
     const int n_my = gw < n_tiles ? (n_tiles - 1 - gw) / W + 1 : 0;
     const int n_chunks = n_my * cpt;
@@ -211,7 +215,6 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
     const Pol pol(smem, grids, geo.grid_copies, lane);
     const XView xv = map.xview(smem + geo.x_off);
-    const int nt = map.nt();
     const int j = lane / geo.P, u = lane - j * geo.P;  // segment and unit of this lane
     float acc[NT];
 #pragma unroll
@@ -230,28 +233,23 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
         const uint8_t* buf = ring + cslot * geo.stage_stride;
         const int b0 = cp.ck * geo.bpc, nb = min(geo.bpc, geo.nkb - b0);
+        const uint32_t tmask = map.tile_mask(cp.tile);  // the same for the whole warp
         Seg sg;
         const bool have = j < geo.G && cp.ri0 + j < R && map.row(cp.tile, cp.ri0 + j, sg);
         if (have && u < nb * subs) {
             const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
             const uint8_t* blk = buf + j * geo.seg_stride + (a & 15) + (u / subs) * kbB;
-            pol.template dot<NT>(blk, u % subs, xv, sg.xvec, nt, b0 * subs + u, sg.scale, acc);
+            pol.template dot<NT, Map::kCompactX>(blk, u % subs, xv, sg.xvec, tmask, b0 * subs + u, acc);
         }
-        const bool row_end = cp.ck == geo.cpr - 1;
-        const bool tile_end = row_end && cp.ri0 + geo.G >= R;
-        if (Map::kSingle ? tile_end : row_end) {
-            const int width = Map::kSingle ? 32 : geo.P;
+        if (cp.ck == geo.cpr - 1) {  // end of a row: reduce over its P lanes
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
+                if (!((tmask >> t) & 1)) continue;
                 float v = acc[t];
-                for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                for (int o = geo.P >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
                 acc[t] = v;
             }
-            if (Map::kSingle) {
-                if (lane == 0) map.store(cp.tile, 0, acc);
-            } else if (have && u == 0) {
-                map.store(cp.tile, cp.ri0 + j, acc);
-            }
+            if (have && u == 0) map.store(cp.tile, cp.ri0 + j, acc);
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.f;
         }

@@ -285,6 +285,12 @@ struct XView {
     int ng, nvec;
 };
 
+// x vector of token t of a tile whose tokens are `tmask` (rows.cuh, Map::kCompactX).
+template <bool kCompact> __device__ __forceinline__ int x_vector(int xvec, uint32_t tmask, int t) {
+    if constexpr (kCompact) return xvec + __popc(tmask & ((1u << t) - 1u));
+    return xvec + t;
+}
+
 template <QType T> struct Q8Policy {
     using U = Q8Unit<T>;
     static constexpr QType kType = T;
@@ -317,21 +323,20 @@ template <QType T> struct Q8Policy {
         }
     }
 
-    // acc[t] += scale * dot(unit, x of vector xvec + t) for t < nt; g = the unit's group index.
-    template <int NT>
+    // acc[t] += dot(unit, x of token t) for the tokens t of tmask; g = the unit's group.
+    template <int NT, bool kCompact>
     __device__ __forceinline__ void dot(const uint8_t* blk, int sub, const XView& xv, int xvec,
-                                        int nt, int g, float scale, float (&acc)[NT]) const {
+                                        uint32_t tmask, int g, float (&acc)[NT]) const {
         uint32_t q[8];
         float d0, d1, m;
         U::load(blk, sub, tab, q, d0, d1, m);
-        const uint8_t* qb = xv.base + (size_t(xvec) * xv.ng + g) * 32;
-        const float2* ds = reinterpret_cast<const float2*>(xv.base + size_t(xv.nvec) * xv.ng * 32) +
-                           size_t(xvec) * xv.ng + g;
+        const float2* ds = reinterpret_cast<const float2*>(xv.base + size_t(xv.nvec) * xv.ng * 32);
         const int sw = (g >> 2) & 1;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t < nt) {
-                const int4* xp = reinterpret_cast<const int4*>(qb + size_t(t) * xv.ng * 32);
+            if ((tmask >> t) & 1) {
+                const size_t vg = size_t(x_vector<kCompact>(xvec, tmask, t)) * xv.ng + g;
+                const int4* xp = reinterpret_cast<const int4*>(xv.base + vg * 32);
                 const int4 a = xp[sw], b = xp[sw ^ 1];
                 int s0 = dp4a(q[0], a.x, 0);
                 s0 = dp4a(q[1], a.y, s0);
@@ -341,10 +346,10 @@ template <QType T> struct Q8Policy {
                 s1 = dp4a(q[5], b.y, s1);
                 s1 = dp4a(q[6], b.z, s1);
                 s1 = dp4a(q[7], b.w, s1);
-                const float2 dx = ds[size_t(t) * xv.ng];
+                const float2 dx = ds[vg];
                 const float v = U::kTwoScales ? d0 * float(s0) + d1 * float(s1) : d0 * float(s0 + s1);
                 const float part = U::kMin ? dx.x * v - m * dx.y : dx.x * v;
-                acc[t] = fmaf(scale, part, acc[t]);
+                acc[t] += part;
             }
         }
     }
@@ -365,16 +370,16 @@ template <QType T> struct F32Policy {
     __device__ static void load_tables(uint8_t*, const Grids&, int) {}
     __device__ F32Policy(const uint8_t*, const Grids& g, int, int) : grids(g) {}
 
-    template <int NT>
+    template <int NT, bool kCompact>
     __device__ __forceinline__ void dot(const uint8_t* blk, int sub, const XView& xv, int xvec,
-                                        int nt, int g, float scale, float (&acc)[NT]) const {
+                                        uint32_t tmask, int g, float (&acc)[NT]) const {
         float w[32];
         decode32<T>(blk, sub, grids, w);
-        const float* xb = reinterpret_cast<const float*>(xv.base) + (size_t(xvec) * xv.ng + g) * 36;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            if (t < nt) {
-                const float4* xp = reinterpret_cast<const float4*>(xb + size_t(t) * xv.ng * 36);
+            if ((tmask >> t) & 1) {
+                const size_t vg = size_t(x_vector<kCompact>(xvec, tmask, t)) * xv.ng + g;
+                const float4* xp = reinterpret_cast<const float4*>(xv.base) + vg * 9;  // 36 floats
                 float a0 = 0.f, a1 = 0.f;
 #pragma unroll
                 for (int i = 0; i < 8; i += 2) {
@@ -388,7 +393,7 @@ template <QType T> struct F32Policy {
                     a0 = fmaf(w[4 * i + 6], v.z, a0);
                     a1 = fmaf(w[4 * i + 7], v.w, a1);
                 }
-                acc[t] = fmaf(scale, a0 + a1, acc[t]);
+                acc[t] += a0 + a1;
             }
         }
     }
