@@ -136,23 +136,26 @@ struct GroupsView {
 struct GateUpMap {
     static constexpr bool kCompactX = false;  // x holds one vector per token of the call
     PoolView pool0, pool1;  // NP = 1: pool0 only
-    int NP, proj0;          // projections in this launch; gu index of pool0 (0 gate, 1 up)
+    int NP, proj0;          // projections in this launch (1 or 2); gu index of pool0 (0 gate, 1 up)
     GroupsView grp;
     int64_t row_bytes;  // one row of H weights
     int F, G;
+    FastDiv tiles_per;  // tiles of one projection of one group: ceil(F / G)
     XView x;    // [T] vectors in the policy's layout (group_kernel)
     float* gu;  // [rows][2][F]
 
-    __device__ int tiles_per() const { return (F + G - 1) / G; }
-    __device__ int n_tiles() const { return grp.n() * NP * tiles_per(); }
+    __device__ int n_tiles() const { return grp.n() * NP * int(tiles_per.d); }
     __device__ int rows_per_tile() const { return G; }
     __device__ void split(int tile, int& u, int& pr, int& rg) const {
-        const int tp = tiles_per(), q = tile / tp;
-        rg = tile - q * tp;
-        pr = q % NP;
-        u = q / NP;
+        const int q = tiles_per.div(tile);
+        rg = tile - q * int(tiles_per.d);
+        pr = NP == 2 ? q & 1 : 0;
+        u = NP == 2 ? q >> 1 : q;
     }
-    __device__ uint32_t tile_mask(int tile) const { return grp.tokens(tile / (NP * tiles_per())); }
+    __device__ uint32_t tile_mask(int tile) const {
+        const int q = tiles_per.div(tile);
+        return grp.tokens(NP == 2 ? q >> 1 : q);
+    }
     __device__ bool row(int tile, int i, Seg& s) const {
         int u, pr, rg;
         split(tile, u, pr, rg);
@@ -185,15 +188,15 @@ struct DownMap {
     GroupsView grp;
     int64_t row_bytes;  // one row of F weights
     int H, G;
+    FastDiv tiles_per;  // tiles of one group: ceil(H / G)
     XView act;    // [TK] vectors in the policy's layout (act_kernel)
     float* part;  // [rows][H]
 
-    __device__ int tiles_per() const { return (H + G - 1) / G; }
-    __device__ int n_tiles() const { return grp.n() * tiles_per(); }
+    __device__ int n_tiles() const { return grp.n() * int(tiles_per.d); }
     __device__ int rows_per_tile() const { return G; }
-    __device__ uint32_t tile_mask(int tile) const { return grp.tokens(tile / tiles_per()); }
+    __device__ uint32_t tile_mask(int tile) const { return grp.tokens(tiles_per.div(tile)); }
     __device__ bool row(int tile, int i, Seg& s) const {
-        const int u = tile / tiles_per(), h = (tile - u * tiles_per()) * G + i;
+        const int u = tiles_per.div(tile), h = (tile - u * int(tiles_per.d)) * G + i;
         if (h >= H) return false;
         s.ptr = grp.rows_of(pool, u) + h * row_bytes;
         s.lo = pool.lo;
@@ -202,7 +205,7 @@ struct DownMap {
         return true;
     }
     template <int NT> __device__ void store(int tile, int i, const float (&acc)[NT]) const {
-        const int u = tile / tiles_per(), h = (tile - u * tiles_per()) * G + i;
+        const int u = tiles_per.div(tile), h = (tile - u * int(tiles_per.d)) * G + i;
         const uint32_t m = grp.tokens(u);
         const int r0 = grp.first_row(u);
 #pragma unroll
@@ -324,6 +327,7 @@ void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Call& c, int6
     m.row_bytes = rb;
     m.F = int(F);
     m.G = geo.G;
+    m.tiles_per = FastDiv(uint32_t(cdiv(F, geo.G)));
     m.x = Pol::kQ8 ? XView{c.xq8, ng, T} : XView{reinterpret_cast<const uint8_t*>(c.xf32), ng, T};
     m.gu = c.gu;
     launch_grouped<Pol>(m, geo, int64_t(T) * K * m.NP * cdiv(F, geo.G), geo.G, T, st);
@@ -345,6 +349,7 @@ void launch_act_down(const Pool& d, const Call& c, int64_t n_slots, int T, int K
     m.row_bytes = rb;
     m.H = int(H);
     m.G = geo.G;
+    m.tiles_per = FastDiv(uint32_t(cdiv(H, geo.G)));
     m.act = XView{c.act, ng, T * K};
     m.part = c.part;
     launch_grouped<Pol>(m, geo, int64_t(T) * K * cdiv(H, geo.G), geo.G, T, st);

@@ -126,6 +126,20 @@ struct GlobalX {
     }
 };
 
+// n / d for a divisor fixed at launch (1 <= d < 2^31, 0 <= n < 2^31): a multiply-high, an add and a
+// shift instead of a division's ~20 instructions; maps split tile indices with it on every chunk.
+struct FastDiv {
+    uint32_t d = 1, m = 1, s = 0;
+    FastDiv() = default;
+    explicit FastDiv(uint32_t div) : d(div) {
+        while ((uint32_t(1) << s) < d) ++s;
+        m = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << s) - d) / d + 1);
+    }
+    __device__ __forceinline__ int div(int n) const {
+        return int((__umulhi(uint32_t(n), m) + uint32_t(n)) >> s);
+    }
+};
+
 // ---- the rows kernel -----------------------------------------------------------------------------------
 
 // One row of a tile, as a map describes it.
@@ -222,6 +236,9 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
     ChunkPos cp{gw, 0, 0};  // chunk to compute
     int cslot = 0;
+    uint32_t tmask = 0;
+    Seg sg{};
+    bool have = false;
 #pragma unroll 1
     for (int c = 0; c < n_chunks; ++c) {
         if (c + S - 1 < n_chunks) issue(ip, islot);
@@ -233,9 +250,10 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
         const uint8_t* buf = ring + cslot * geo.stage_stride;
         const int b0 = cp.ck * geo.bpc, nb = min(geo.bpc, geo.nkb - b0);
-        const uint32_t tmask = map.tile_mask(cp.tile);  // the same for the whole warp
-        Seg sg;
-        const bool have = j < geo.G && cp.ri0 + j < R && map.row(cp.tile, cp.ri0 + j, sg);
+        if (cp.ck == 0) {  // a new row (and maybe tile): what the map says holds for its chunks
+            tmask = map.tile_mask(cp.tile);  // the same for the whole warp
+            have = j < geo.G && cp.ri0 + j < R && map.row(cp.tile, cp.ri0 + j, sg);
+        }
         if (have && u < nb * subs) {
             const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
             const uint8_t* blk = buf + j * geo.seg_stride + (a & 15) + (u / subs) * kbB;

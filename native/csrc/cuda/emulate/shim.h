@@ -61,6 +61,7 @@ inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline int __float2int_rn(float v) { return (int)std::nearbyint(v); }
 inline float __expf(float v) { return std::exp(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint64_t(a) * b) >> 32); }
 
 #define FT_DYNAMIC_SMEM(name) uint8_t* name = ft_emu::dyn_smem()
 #define FT_LAUNCH(kernel, grid, block, smem, stream, ...) \
