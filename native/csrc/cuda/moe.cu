@@ -361,10 +361,6 @@ int type_of(int id, const char* what) {
     return id;
 }
 
-template <class F> void with_policy(int type_id, F&& f) {
-    visit_type(type_id, [&](auto tag) { f(PolicyFor<decltype(tag)::type>::kQ8); });
-}
-
 }  // namespace
 
 int64_t moe_scratch_bytes(int64_t n_tok, int64_t top_k, int64_t ff, int64_t hidden) {
@@ -407,7 +403,8 @@ void moe_ffn_pool(const float* x, int64_t n_tok, int64_t hidden, int64_t ff, con
     const int64_t slots = n_slots > 0 ? n_slots : 1;
 
     bool q8 = false, f32 = false;  // the x layouts gate and up read
-    for (int id : {gate.type_id, up.type_id}) with_policy(id, [&](bool is_q8) { (is_q8 ? q8 : f32) = true; });
+    for (int id : {gate.type_id, up.type_id})
+        visit_type(id, [&](auto tag) { (uses_q8<decltype(tag)::type>() ? q8 : f32) = true; });
     const GlobalX gx{x, hidden, reinterpret_cast<uintptr_t>(x) % 16 == 0 && hidden % 4 == 0};
     auto group_k = q8 && f32 ? group_kernel<true, true> : q8 ? group_kernel<true, false>
                                                              : group_kernel<false, true>;
