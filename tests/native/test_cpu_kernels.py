@@ -155,25 +155,30 @@ def test_a_tokens_result_does_not_depend_on_the_batch(cpu_isa, name):
 
 @pytest.mark.skipif(ops._cpu is None or "avx2" not in ops._cpu.available_isas(), reason="no AVX2")
 def test_iq3s_grid_by_gather_or_by_loads_gives_the_same_bits():
-    """The avx2 table's IQ3_S has two forms (the grid by gathers or by scalar loads, chosen by
-    the CPU's vendor): both the decode and the many-token shapes agree bit for bit, and the
-    default is one of the two."""
+    """The avx2 and avx512 tables' IQ3_S have two forms each (the grid by gathers or by loads,
+    chosen by the CPU's vendor), and their decode shapes read it in column form: every ISA and
+    form agrees bit for bit with the avx2 gather, for the decode (an odd row count included) and
+    the many-token shapes, and the default is one of the two forms."""
     q = QUANT_TYPES["IQ3_S"]
     rng = rng_for("iq3s_grid")
     raw, w64 = random_weight(q, (37, kernel_cols(q, 4)), rng)
     x = rng.standard_normal((33, kernel_cols(q, 4)), dtype=np.float32)
     before_isa, before_grid = cpu.isa(), cpu.iq3s_grid()
     assert before_grid in ("gather", "loads")
+    isas = [i for i in ("avx2", "avx512") if i in cpu.available_isas()]
     try:
-        cpu.set_isa("avx2")
         ys = {}
-        for how in ("gather", "loads"):
-            cpu.set_iq3s_grid(how)
-            assert cpu.iq3s_grid() == how
-            ys[how] = [_matmul(q, raw, x[:n]) for n in (1, 3, 33)]
-        for a, b in zip(ys["gather"], ys["loads"]):
-            assert np.array_equal(a, b), f"IQ3_S T={a.shape[0]} (seed {SEED})"
-        assert_close(ys["loads"][2], *matmul_reference("q8", w64, x.astype(np.float64)), "IQ3_S avx2")
+        for isa in isas:
+            cpu.set_isa(isa)
+            for how in ("gather", "loads"):
+                cpu.set_iq3s_grid(how)
+                assert cpu.iq3s_grid() == how
+                ys[isa, how] = [_matmul(q, raw, x[:n]) for n in (1, 2, 3, 4, 33)]
+        first = ys["avx2", "gather"]
+        for key, got in ys.items():
+            for a, b in zip(first, got):
+                assert np.array_equal(a, b), f"IQ3_S T={a.shape[0]} on {key} (seed {SEED})"
+        assert_close(first[-1], *matmul_reference("q8", w64, x.astype(np.float64)), "IQ3_S avx2")
         with pytest.raises(ValueError, match="gather.*loads"):
             cpu.set_iq3s_grid("simd")
     finally:

@@ -28,8 +28,9 @@ struct Act {
     const int8_t* q8 = nullptr;  // [nt, n]      (null unless the ISA quantizes)
     const float* d8 = nullptr;   // [nt, n / 32]
     const float* m16 = nullptr;  // [nt, n / 16]
-    // [nt, n]: q8 + 128 with each 256-feature block's groups interleaved for the AVX-512 many-token
-    // kernels (q8_kernels.h, interleave_q8); null unless the ISA has them and nt > 4, n % 256 == 0
+    // [nt, n]: q8 + 128 with each 256-feature block's groups interleaved (q8_kernels.h: the
+    // AVX-512 many-token kernels, the column-form decode of IQ3_S); null unless a weight of the
+    // call reads it at nt tokens (TypeKernels::q8x_from) and n % 256 == 0
     const uint8_t* q8x = nullptr;
     int64_t n = 0;
     // the activations from token t on (always inlined: an out-of-line copy built in an ISA file
@@ -85,7 +86,8 @@ struct TypeKernels {
     const char* accumulation = "f32";
     DotRow2Fn dot_row2 = nullptr;  // null: no gain over two dot_row calls (callers use dot_pair)
     GemmFn gemm = nullptr;         // null: callers loop over dot_row / dot_pair
-    bool reads_q8x = false;        // gemm reads Act::q8x (from isa.q8x_min_tokens tokens on)
+    int64_t q8x_from = 0;          // gemm reads Act::q8x in calls of this many tokens or more
+                                   // (0: never); prepare_act builds it only then
 };
 
 // Two rows of type k against the same activations: dot_row2 where the type has one.
@@ -100,7 +102,6 @@ struct IsaKernels {
     const char* name = nullptr;
     QuantizeActFn quantize_act = nullptr;  // null: the ISA reads float activations only
     InterleaveActFn interleave_act = nullptr;  // null: the ISA reads no Act::q8x
-    int64_t q8x_min_tokens = 5;                // prepare_act fills q8x from this many tokens on
     TypeKernels types[kMaxTypeId];
 };
 
@@ -108,8 +109,9 @@ struct IsaKernels {
 // (generic -> avx2 -> avx512) and overrides what it accelerates.
 void fill_generic(IsaKernels& k);
 void fill_avx2(IsaKernels& k);
-// How the avx2 table reads IQ3_S's grid: "gather" or "loads" (dispatch.cpp: by CPU vendor, env
-// FTPATCH_IQ3S_GRID); set_iq3s_grid switches it (invalid_argument for another name).
+// How the avx2 and avx512 tables read IQ3_S's grid in decode: "gather" or "loads" (dispatch.cpp:
+// by CPU vendor, env FTPATCH_IQ3S_GRID); set_iq3s_grid switches both (invalid_argument for
+// another name).
 std::string iq3s_grid();
 void set_iq3s_grid(const std::string& how);
 
@@ -119,14 +121,20 @@ void set_iq3s_grid(const std::string& how);
 // this C name, with the IsaKernels table of the other files.
 extern "C" void ft_cpu_fill_avx512(void* isa_kernels);
 // The avx2 table's IQ3_S entry with its grid read by gathers (kernels_iq3s_gather_avx2.cpp, same
-// namespace arrangement); fills dot_row and gemm of one TypeKernels.
+// namespace arrangement), and the avx512 table's with its decode grid read by loads
+// (kernels_iq3s_loads_avx512.cpp); each fills dot_row and gemm of one TypeKernels.
 extern "C" void ft_cpu_fill_avx2_iq3s_gather(void* type_kernels);
+extern "C" void ft_cpu_fill_avx512_iq3s_loads(void* type_kernels);
 namespace ft::cpu {
 
-// Activations for `isa` (multithreaded for many tokens); buf owns the int16 form. q8x: whether a
-// weight of the call reads Act::q8x (TypeKernels::reads_q8x); only then is it built.
+// The fewer of two q8x thresholds (TypeKernels::q8x_from, 0 = never): the fewest tokens at which
+// one of a call's weights reads Act::q8x.
+inline int64_t q8x_min(int64_t a, int64_t b) { return a == 0 ? b : b == 0 ? a : a < b ? a : b; }
+// Activations for `isa` (multithreaded for many tokens); buf owns the int16 form. q8x_from: the
+// fewest tokens at which a weight of the call reads Act::q8x (0: none does); only from there on
+// is it built.
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
-                ActBuf& buf, bool q8x);
+                ActBuf& buf, int64_t q8x_from);
 
 // ---- dispatch and tables (dispatch.cpp) -----------------------------------------------------------
 const IsaKernels& kernels();                // the active ISA's table (ops read it once per call)

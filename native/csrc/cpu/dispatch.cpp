@@ -19,10 +19,11 @@ bool cpu_has_avx2() {
 #endif
 }
 
-bool cpu_has_avx512() {  // the VNNI int8 kernels: F, BW, VL and VNNI, on top of the AVX2 set
+bool cpu_has_avx512() {  // the VNNI int8 kernels: F, BW, DQ, VL and VNNI, on top of the AVX2 set
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #else
     return false;
@@ -40,26 +41,36 @@ bool cpu_is_intel() {
 
 struct Tables {
     IsaKernels generic, avx2, avx512;
-    TypeKernels iq3s_loads, iq3s_gather;  // the avx2 table's two IQ3_S forms
+    TypeKernels iq3s[2][2];  // [avx2, avx512][loads, gather]: each table's two IQ3_S forms
     std::string iq3s_grid;
     bool has_avx2 = cpu_has_avx2(), has_avx512 = cpu_has_avx512();
     std::atomic<const IsaKernels*> active{nullptr};
+    void use_iq3s_grid(const std::string& how) {  // anything but "loads" is the gather
+        const int form = how == "loads" ? 0 : 1;
+        avx2.types[int(QType::IQ3_S)] = iq3s[0][form];
+        if (has_avx512) avx512.types[int(QType::IQ3_S)] = iq3s[1][form];
+        iq3s_grid = form ? "gather" : "loads";
+    }
     Tables() {
         fill_generic(generic);
         avx2 = generic;
         avx2.name = "avx2";
         if (has_avx2) {
             fill_avx2(avx2);
-            iq3s_loads = iq3s_gather = avx2.types[int(QType::IQ3_S)];
-            ft_cpu_fill_avx2_iq3s_gather(&iq3s_gather);
-            const char* grid = std::getenv("FTPATCH_IQ3S_GRID");
-            const std::string how = grid && *grid ? grid : cpu_is_intel() ? "gather" : "loads";
-            avx2.types[int(QType::IQ3_S)] = how == "loads" ? iq3s_loads : iq3s_gather;
-            iq3s_grid = how == "loads" ? "loads" : "gather";
+            iq3s[0][0] = iq3s[0][1] = avx2.types[int(QType::IQ3_S)];
+            ft_cpu_fill_avx2_iq3s_gather(&iq3s[0][1]);
         }
         avx512 = avx2;
         avx512.name = "avx512";
-        if (has_avx512) ft_cpu_fill_avx512(&avx512);
+        if (has_avx512) {
+            ft_cpu_fill_avx512(&avx512);
+            iq3s[1][0] = iq3s[1][1] = avx512.types[int(QType::IQ3_S)];
+            ft_cpu_fill_avx512_iq3s_loads(&iq3s[1][0]);
+        }
+        if (has_avx2) {
+            const char* grid = std::getenv("FTPATCH_IQ3S_GRID");
+            use_iq3s_grid(grid && *grid ? grid : cpu_is_intel() ? "gather" : "loads");
+        }
         const char* env = std::getenv("FTPATCH_CPU_ISA");
         const std::string want = env ? env : "";
         if (want == "generic" || !has_avx2) active = &generic;
@@ -123,8 +134,7 @@ void set_iq3s_grid(const std::string& how) {
     if (how != "gather" && how != "loads")
         throw std::invalid_argument("IQ3_S grid '" + how + "': give 'gather' or 'loads'");
     // a call in flight may read the entry while it changes: switch between calls only
-    t.avx2.types[int(QType::IQ3_S)] = how == "loads" ? t.iq3s_loads : t.iq3s_gather;
-    t.iq3s_grid = how;
+    t.use_iq3s_grid(how);
 }
 
 const TypeKernels& type_kernels(const IsaKernels& isa, int type_id) {
@@ -169,7 +179,7 @@ void set_table(const std::string& name, const void* data, size_t nbytes) {
 }
 
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
-                ActBuf& buf, bool want_q8x) {
+                ActBuf& buf, int64_t q8x_from) {
     Act a;
     a.x = x;
     a.ldx = ldx;
@@ -182,9 +192,9 @@ Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, 
     a.d8 = buf.d8.get();
     a.m16 = buf.m16.get();
     // q8x serves the many-token path (nt > 4) of the 256-weight block types on AVX-512, and
-    // IQ3_S's decode path on AVX2 (isa.q8x_min_tokens): only for calls whose weights read it
+    // IQ3_S's column-form decode: only for calls whose weights read it at nt tokens
     uint8_t* q8x = nullptr;
-    if (want_q8x && isa.interleave_act && nt >= isa.q8x_min_tokens && n % 256 == 0) {
+    if (q8x_from > 0 && nt >= q8x_from && isa.interleave_act && n % 256 == 0) {
         buf.q8x.reset(new uint8_t[nt * n + 63]);
         q8x = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.q8x.get()) + 63) & ~uintptr_t(63));
         a.q8x = q8x;

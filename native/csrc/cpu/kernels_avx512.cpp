@@ -2,7 +2,7 @@
 // 256-bit vectors, AVX512-VL) per 32 weights and token instead of maddubs + madd (one 512-bit
 // vpdpbusd per 64 in the block form's decode streams), and 4-row register blocks (32 vector
 // registers). Float types, dequantize and the activation rounding
-// stay the AVX2 table's. Chosen at run time when CPUID reports AVX512 F/BW/VL/VNNI besides AVX2.
+// stay the AVX2 table's. Chosen at run time when CPUID reports AVX512 F/BW/DQ/VL/VNNI besides AVX2.
 //
 // Built with AVX-512 flags (CMakeLists.txt), so every header is compiled here in a namespace of
 // its own (`ft` renamed): otherwise an inline function of a shared header (Act::at, ld_u32, ...)
@@ -23,22 +23,10 @@
 #define FT_IQ3S_GATHER
 #include "q8_kernels.h"
 
-namespace ft::cpu {
-namespace {
-
-struct DotVnni {  // 32 u8 x s8 products -> 8 int32 (4 per 16 weights), exact
-    static constexpr bool kBiasedX = true;  // q8_kernels.h kBiased: signed weights in one dpbusd
-    static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-    static __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-};
-
-}  // namespace
-}  // namespace ft::cpu
-
 extern "C" void ft_cpu_fill_avx512(void* isa_kernels) {
     // the same declarations compiled under another namespace name: the layouts are identical
     auto& k = *static_cast<ft::cpu::IsaKernels*>(isa_kernels);
     k.name = "avx512";
-    ft::cpu::avx2::fill_q8<ft::cpu::DotVnni, 4>(k);
+    ft::cpu::avx2::fill_q8<ft::cpu::avx2::DotVnni, 4>(k);
 }
 #undef ft

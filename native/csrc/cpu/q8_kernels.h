@@ -95,6 +95,14 @@ struct DotAvx2 {
     }
 };
 
+#ifdef __AVX512VNNI__
+struct DotVnni {  // 32 u8 x s8 products -> 8 int32 (4 per 16 weights), exact
+    static constexpr bool kBiasedX = true;  // kBiased below: signed weights in one dpbusd
+    static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+    static __m256i dot_acc(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+};
+#endif
+
 template <class Dot, bool kUnsigned>
 inline __m256i idot(__m256i w, __m256i x) {
     if constexpr (kUnsigned) return Dot::dot(w, x);
@@ -338,14 +346,61 @@ void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, flo
         for (int t = 0; t < NT; ++t) out[r][t * ldo] = hsum_ps(acc[r][t]);
 }
 
-#ifndef __AVX512VNNI__
-// The block form on AVX2 for Units with a column form (Unit::begin_cols: IQ3_S), over Act::q8x:
-// column j of a block (dword j of every group, lane g = group g) against the activations' T_j
-// puts each group's products in its own lane, so no horizontal sums: maddubs per column, the 8
-// columns added in int16 (each lane: 16 products, |sum| <= 16 * kGridMax * 127 < 2^15), one madd
-// per block. Same group sums, same block_fma: the bits of dot_stream_block.
+// Units with a column form (Unit::begin_cols: IQ3_S): column j of a block is dword j of every
+// group (lane g = group g), as Act::q8x holds the activations, so each group's products stay in
+// their own lane and a block needs no horizontal sums.
 template <class U, class = void> struct HasCols : std::false_type {};
 template <class U> struct HasCols<U, std::void_t<decltype((void)&U::begin_cols)>> : std::true_type {};
+
+#ifdef __AVX512VNNI__
+// The column form on AVX-512: two rows in one 512-bit vector (lanes 0-7 row a's groups, 8-15 row
+// b's), column j of both from one 16-index gather, against the token's T_j in both halves with
+// the weights' signs applied by mask; one dpbusd per column leaves each group's exact sum in its
+// lane. The float steps are block_fma's, lane by lane: the bits of dot_stream_block. An odd last
+// row goes in both halves (the second is not written out).
+template <QType T, int NT>
+void dot_stream_cols512(const uint8_t* const* rows, int nrows, int64_t nkb, const Act& a, float* const* out,
+                        int64_t ldo, const Grids& g) {
+    using Tr = Traits<T>;
+    using U = Unit<T>;
+    const uint8_t* rb = rows[nrows - 1];
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    const int64_t nd = a.n / 32;
+    const __m512i bias = _mm512_set1_epi8(char(0x80)), zero = _mm512_setzero_si512();
+    for (int64_t b = 0; b < nkb; ++b) {
+        typename U::Cols ca, cb;
+        U::begin_cols(rows[0] + b * Tr::kb_bytes, ca);
+        U::begin_cols(rb + b * Tr::kb_bytes, cb);
+        const __m512i sg = join(ca.sg, cb.sg);
+        __m512i p[NT];
+        static_for<8>([&](auto J) {
+            constexpr int j = J;
+            const __m512i w = U::grid_col2(ca, cb, j, g);
+            const __mmask64 neg = U::sign_col2(sg, j);
+            for (int t = 0; t < NT; ++t) {
+                const __m512i x = _mm512_xor_si512(bias, _mm512_broadcast_i64x4(_mm256_load_si256(
+                    reinterpret_cast<const __m256i*>(a.q8x + t * a.n + 256 * b + 32 * j))));  // q8x is q8 + 128
+                p[t] = _mm512_dpbusd_epi32(j ? p[t] : zero, w, _mm512_mask_sub_epi8(x, neg, zero, x));
+            }
+        });
+        const __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_castps256_ps512(_mm256_load_ps(ca.s))), _mm256_castps_pd(_mm256_load_ps(cb.s)), 1));
+        for (int t = 0; t < NT; ++t) {
+            const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.d8 + t * nd + 8 * b));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p[t]), _mm512_mul_ps(s, d), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[0][t * ldo] = hsum_ps(_mm512_castps512_ps256(acc[t]));
+        if (nrows == 2)
+            out[1][t * ldo] = hsum_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1)));
+    }
+}
+#else
+// The block form on AVX2 for the column-form Units, over Act::q8x: maddubs per column, the 8
+// columns added in int16 (each lane: 16 products, |sum| <= 16 * kGridMax * 127 < 2^15), one madd
+// per block. Same group sums, same block_fma: the bits of dot_stream_block.
 
 template <QType T, int R, int NT>
 void dot_stream_cols(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
@@ -404,17 +459,21 @@ void for_row_pairs(const uint8_t* w, int64_t stride, int64_t nr, float* out, F&&
     }
 }
 
-#ifndef __AVX512VNNI__
 // The decode shape of the column form with the token count dispatched once per call, not per row
 // pair as dot_stream_any does (a 512-wide row is only two blocks, so per-pair overhead shows)
 template <QType T, int NT>
 void gemm_cols(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, float* out, int64_t ldo,
                const Grids& g) {
     for_row_pairs(w, stride, nr, out, [&](const uint8_t* const* rows, float* const* o, auto R) {
+#ifdef __AVX512VNNI__
+        dot_stream_cols512<T, NT>(rows, decltype(R)::value, nkb, a, o, ldo, g);
+#else
         dot_stream_cols<T, decltype(R)::value, NT>(rows, nkb, a, o, ldo, g);
+#endif
     });
 }
 
+#ifndef __AVX512VNNI__
 // Act::q8x on AVX2 (the decode path of dot_stream_cols): as interleave_q8 below, per block T_j =
 // dword j of each group (an 8 x 8 dword transpose), plus 128
 inline void interleave_q8_avx2(const int8_t* q8, int64_t t0, int64_t t1, int64_t n, uint8_t* q8x) {
@@ -878,7 +937,6 @@ template <class Dot, QType T, int RB>
 void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Act& a, int64_t nt,
              float* out, int64_t ldo, const Grids& g) {
     if (nt <= 4) {
-#ifndef __AVX512VNNI__
         if constexpr (HasCols<Unit<T>>::value) {
             if (a.q8x) {
                 switch (nt) {
@@ -889,7 +947,6 @@ void gemm_q8(const uint8_t* w, int64_t stride, int64_t nr, int64_t nkb, const Ac
                 }
             }
         }
-#endif
         for_row_pairs(w, stride, nr, out, [&](const uint8_t* const* rows, float* const* o, auto R) {
             dot_stream_any<Dot, T, decltype(R)::value>(rows, nkb, a, nt, o, ldo, g);
         });
@@ -920,13 +977,13 @@ void dot_row_q8(const uint8_t* row, int64_t nkb, const Act& a, int nt, float* ou
     gemm_q8<Dot, T, RB>(row, 0, 1, nkb, a, nt, out, ldo, g);
 }
 
-// Whether gemm_q8 of a Unit reads Act::q8x: the AVX-512 many-token path of the block types,
-// the AVX2 decode path of the column-form Units (prepare_act builds q8x only for those)
-template <class U> constexpr bool kReadsQ8x =
+// From how many tokens gemm_q8 of a Unit reads Act::q8x (0: never; prepare_act builds q8x only
+// then): the decode path of the column-form Units, the AVX-512 many-token path of the block types
+template <class U> constexpr int64_t kQ8xFrom =
 #ifdef __AVX512VNNI__
-    HasBlock<U>::value;
+    HasCols<U>::value ? 1 : HasBlock<U>::value ? 5 : 0;
 #else
-    HasCols<U>::value;
+    HasCols<U>::value ? 1 : 0;
 #endif
 
 // The q8 kernels of every type with a Unit; the rest keep what `k` holds.
@@ -935,10 +992,8 @@ void fill_q8(IsaKernels& k) {
     k.quantize_act = quantize_q8;
 #ifdef __AVX512VNNI__
     k.interleave_act = interleave_q8;
-    k.q8x_min_tokens = 5;  // the many-token path only
 #else
     k.interleave_act = interleave_q8_avx2;
-    k.q8x_min_tokens = 1;  // the decode path (a MoE call's slots reach it one expert at a time)
 #endif
 #define FT_X(NAME, BE, BB)                                                          \
     if constexpr (HasUnit<QType::NAME>::value) {                                    \
@@ -946,7 +1001,7 @@ void fill_q8(IsaKernels& k) {
         t.dot_row = dot_row_q8<Dot, QType::NAME, RB>;                               \
         t.dot_row2 = nullptr;                                                       \
         t.gemm = gemm_q8<Dot, QType::NAME, RB>;                                     \
-        t.reads_q8x = kReadsQ8x<Unit<QType::NAME>>;                                 \
+        t.q8x_from = kQ8xFrom<Unit<QType::NAME>>;                                   \
         t.accumulation = "q8";                                                      \
     }
     FT_QUANT_TYPES(FT_X)

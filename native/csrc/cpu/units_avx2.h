@@ -548,6 +548,28 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
         const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(st.sg, rep), bit);
         return _mm256_add_epi8(v, _mm256_set1_epi8(0x7F));
     }
+#ifdef __AVX512BW__
+    // Column j of two rows in one 512-bit vector (q8_kernels.h, dot_stream_cols512): lanes 0-7
+    // row a's groups, 8-15 row b's, from one 16-index gather
+    static __m512i grid_col2(const Cols& a, const Cols& b, int j, const Grids& g) {
+#ifdef FT_IQ3S_GATHER
+        auto ld = [&](const Cols& c) { return _mm_load_si128(reinterpret_cast<const __m128i*>(c.idx + col_at(j))); };
+        const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(ld(a)), ld(b), 1);
+        return _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(idx), reinterpret_cast<const int*>(g.iq3s), 4);
+#else
+        return _mm512_inserti64x4(_mm512_castsi256_si512(grid_col(a, j, g)), grid_col(b, j, g), 1);
+#endif
+    }
+    // Bytes of grid_col2(j) whose weight is negative, as a mask; sg = [a.sg | b.sg]: each 128-bit
+    // lane holds the sign bytes of the 4 groups whose weights it carries (sign_col's pick, by
+    // byte test instead of the byte sign)
+    static __mmask64 sign_col2(__m512i sg, int j) {
+        const char p = char(j / 2), q = char(4 + j / 2), r = char(8 + j / 2), t = char(12 + j / 2);
+        const __m512i rep = _mm512_broadcast_i32x4(_mm_setr_epi8(p, p, p, p, q, q, q, q, r, r, r, r, t, t, t, t));
+        const __m512i bit = _mm512_set1_epi32(j % 2 ? int(0x80402010u) : 0x08040201);
+        return _mm512_test_epi8_mask(_mm512_shuffle_epi8(sg, rep), bit);
+    }
+#endif
 #ifdef __AVX512F__
     // magnitudes of subs 2k and 2k+1 (one 16-index gather) and their 64 sign bits
     static __m512i magnitude2(const uint8_t*, int k, const Grids& g, const State& st) {
