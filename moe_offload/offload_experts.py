@@ -113,6 +113,9 @@ class OffloadEngine:
         # step compute (plan -> pair_slots: row 0 resident, row 1 fetched or guessed, computed
         # once the copies land); False: wait for every copy, then one pool call
         self.overlap_misses = policy.overlap_misses
+        # the experts guessed for a layer count in the link's share of its copies (the plan
+        # kernel reads the layer's prefetch list count)
+        self.guesses_in_split = policy.guesses_in_split
         self.fetch_stream = torch.cuda.Stream(dev)
         self.fetch_blocks = policy.fetch_blocks
         self.pair_slots = torch.full((2, MAX_FETCH), -1, dtype=torch.int32, device=dev)
@@ -239,7 +242,8 @@ class OffloadEngine:
             main.wait_event(self._guessed[L])
         self._guess_ahead(L, x, main)                                             # prefetch
         on.plan(self.tables, self._ex[T], L, ids32, w, x, self.step,              # plan
-                self.scheduler.fetch_fraction, self.fetch_list, self.pair_slots)
+                self.scheduler.fetch_fraction, self.fetch_list, self.pair_slots,
+                guessed=self.prefetch_lists[L] if guessed and self.guesses_in_split else None)
         self._fetch_planned(L, T, main)                                           # fetch
         self._copy_guesses(L)
         y = torch.empty_like(x)                                                   # hits

@@ -23,6 +23,10 @@ class OffloadPolicy:
     cpu_spare_cores: int = 2             # cores the CPU pool leaves to the thread that launches GPU
                                          # work and to the driver: a pool on every core stalls each
                                          # call on a preempted thread (its rate fell 3-5x)
+    guesses_in_split: bool = True        # a layer's guessed copies count in the link's share q:
+                                         # the plan fetches q*(misses + guesses) - guesses of its
+                                         # misses, the CPU takes the rest (without, four sequences'
+                                         # guesses filled the link and left the CPU idle)
     observe_every: int = 16              # decode steps between folds of the worker's timings
     observe_min_experts: int = 8         # CPU experts a window needs before its rate is trusted
     # -- decode: guesses and copies (offload_experts.py) -------------------------------------------

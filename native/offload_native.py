@@ -247,13 +247,16 @@ def step_begin(step: torch.Tensor) -> None:
 
 def plan(tables: dict, exchange: dict, layer: int, ids32: torch.Tensor, w: torch.Tensor,
          x: torch.Tensor, step: torch.Tensor, fetch_fraction: torch.Tensor,
-         fetch_list: torch.Tensor, pair_slots: torch.Tensor | None = None) -> None:
+         fetch_list: torch.Tensor, pair_slots: torch.Tensor | None = None,
+         guessed: torch.Tensor | None = None) -> None:
     """pair_slots (int32 [2, 64], optional) gets each selection's slot if its bytes were resident
     before this step (row 0), or if it is fetched by this plan or was guessed this step (row 1:
-    copies may be in flight), else -1: slot ids for two moe_ffn_pool calls."""
+    copies may be in flight), else -1: slot ids for two moe_ffn_pool calls. `guessed` (int32 on
+    the device, its first element read; a prefetch list will do) counts the experts this step's
+    guesses copied into the layer: they take their part of the link's share (plan_reference)."""
     _need(_cuda, "offload").offload_plan(tables, exchange, layer, ptr(ids32), ptr(w), ptr(x),
-                                         ptr(step), ptr(fetch_fraction), ptr(fetch_list),
-                                         ptr(pair_slots), _stream())
+                                         ptr(step), ptr(fetch_fraction), ptr(guessed),
+                                         ptr(fetch_list), ptr(pair_slots), _stream())
 
 
 def prefetch(tables: dict, layer: int, guess32: torch.Tensor, reserve: int, step: torch.Tensor,
@@ -428,10 +431,13 @@ class LayerTablesRef:
 
 
 def plan_reference(t: LayerTablesRef, ids: list[int], step: int,
-                   fetch_fraction: tuple[float, float]) -> dict:
+                   fetch_fraction: tuple[float, float], guessed: int = 0) -> dict:
     """What offload_plan decides for one layer's selections `ids` (T*K, flat): the fetch list
     [(expert, slot)], the CPU's experts (-1 elsewhere), pair_slots [2][T*K], hits, prefetch hits.
-    A hit whose slot is already used this step was guessed this step (its copy may be in flight)."""
+    A hit whose slot is already used this step was guessed this step (its copy may be in flight).
+    Of nm unique misses, q * (nm + guessed) - guessed are fetched (rounded; at least `least`, at
+    most nm): the link's share q = fetch_fraction[0] counts the `guessed` experts this step's
+    guesses already copied into the layer, so the link and the CPU finish together."""
     import numpy as np
     slots = [int(t.slot_of_expert[e]) for e in ids]
     kind = [2 if s < 0 else 1 if t.slot_last_use[s] >= step else 0 for s in slots]
@@ -448,7 +454,8 @@ def plan_reference(t: LayerTablesRef, ids: list[int], step: int,
             misses.append(e)
     misses.sort(key=lambda e: -int(t.expert_freq[e]))   # stable: ties keep their order
     q, least = np.float32(fetch_fraction[0]), int(np.float32(fetch_fraction[1]))
-    nf = int(np.floor(q * np.float32(len(misses)) + np.float32(0.5)))
+    g = np.float32(guessed)
+    nf = int(np.floor(q * (np.float32(len(misses)) + g) - g + np.float32(0.5)))
     nf = min(max(nf, min(len(misses), least), 0), len(misses))
     fetched = t.assign(misses[:nf], t.keys(step), step)
     slot = [int(t.slot_of_expert[e]) for e in ids]

@@ -288,7 +288,7 @@ PYBIND11_MODULE(_cuda, m) {
     //   pin_host(addr, nbytes) / unpin_host(addr)        page-lock + map host memory (sync, GIL held)
     //   offload_step_begin(step, stream)                  step counter += 1 on the device
     //   offload_plan(tables: dict, exchange: dict, layer, ids, w, x, step, fetch_fraction,
-    //                fetch_list, pair_slots, stream)
+    //                guessed, fetch_list, pair_slots, stream)
     //                                                     hits / fetches / CPU misses of one layer
     //   offload_prefetch(tables, layer, guess, n_guess, reserve, step, list, stream)
     //                                                     slots for a layer's guessed experts
@@ -315,18 +315,19 @@ PYBIND11_MODULE(_cuda, m) {
     }, py::arg("step"), py::arg("stream"));
     m.def("offload_plan",
           [](const py::dict& tables, const py::dict& exchange, int layer, uintptr_t ids, uintptr_t w,
-             uintptr_t x, uintptr_t step, uintptr_t fetch_fraction, uintptr_t fetch_list,
-             uintptr_t pair_slots, uintptr_t stream) {
+             uintptr_t x, uintptr_t step, uintptr_t fetch_fraction, uintptr_t guessed,
+             uintptr_t fetch_list, uintptr_t pair_slots, uintptr_t stream) {
               cuda::offload_plan(cache_tables_from(tables), exchange_from(exchange), layer,
                                  reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(w),
                                  reinterpret_cast<const float*>(x), reinterpret_cast<const int32_t*>(step),
                                  reinterpret_cast<const float*>(fetch_fraction),
+                                 reinterpret_cast<const int32_t*>(guessed),
                                  reinterpret_cast<int32_t*>(fetch_list),
                                  reinterpret_cast<int32_t*>(pair_slots), stream);
           },
           py::arg("tables"), py::arg("exchange"), py::arg("layer"), py::arg("ids"), py::arg("w"),
-          py::arg("x"), py::arg("step"), py::arg("fetch_fraction"), py::arg("fetch_list"),
-          py::arg("pair_slots"), py::arg("stream"));
+          py::arg("x"), py::arg("step"), py::arg("fetch_fraction"), py::arg("guessed"),
+          py::arg("fetch_list"), py::arg("pair_slots"), py::arg("stream"));
     m.def("offload_prefetch",
           [](const py::dict& tables, int layer, uintptr_t guess, int n_guess, int reserve,
              uintptr_t step, uintptr_t list, uintptr_t stream) {

@@ -77,6 +77,10 @@ def main() -> None:
     p.add_argument("--least", default="",
                    help="comma list of the scheduler's min_fetch (misses of a layer sent over PCIe "
                         "before the CPU gets any) to run each auto row at; default: its own")
+    p.add_argument("--guess-split", default="on",
+                   help="comma list: on (a layer's guessed copies count in the link's share of its "
+                        "misses, OffloadPolicy.guesses_in_split), off (the share is of the misses "
+                        "alone), each a pass over the rows (the graphs captured again)")
     p.add_argument("--memory-polls", default="runtime",
                    help="comma list of what polls the process's GPU memory during the rows, each a "
                         "pass over them: runtime (the runtime's own poller), nvidia-smi (the program "
@@ -125,8 +129,12 @@ def main() -> None:
 
     polls = args.memory_polls.split(",")
     current = (None, None)
-    for poll, n_thr, b, frac in [(m, n, b, f) for m in polls for n in threads for b in batches
-                                 for f in fractions]:
+    for split, poll, n_thr, b, frac in [(g, m, n, b, f) for g in args.guess_split.split(",")
+                                        for m in polls for n in threads for b in batches
+                                        for f in fractions]:
+        if (split == "on") != rt.engine.guesses_in_split:   # the plan's argument is in the graphs
+            rt.engine.guesses_in_split = split == "on"
+            rt._drop_graphs()
         if (poll, n_thr) != current:   # a new setting: the CPU's rate measured again under it
             if poll != current[0]:
                 rt.smi = _memory_poll(rt.smi, poll)
@@ -154,7 +162,8 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         dt = (time.perf_counter() - t) / args.steps
         s = rt.stats().as_dict()
-        row = {"poll": f"{poll} ({rt.smi.source})" if poll == "runtime" else poll, "threads": n_thr, "B": b, "fraction": "auto" if frac is None else frac,
+        row = {"guess_split": split,
+               "poll": f"{poll} ({rt.smi.source})" if poll == "runtime" else poll, "threads": n_thr, "B": b, "fraction": "auto" if frac is None else frac,
                "min_fetch": int(rt.scheduler.fetch_fraction[1]), "q": round(s["fetch_fraction"], 3),
                "rates_GBps": {k: round(v, 1) for k, v in s["rates"].items()},
                "cpu_GBps_here": round(s["cpu_experts"] * rt.bank.layouts[0].expert_bytes

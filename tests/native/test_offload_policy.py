@@ -100,6 +100,25 @@ def test_the_most_frequent_misses_are_fetched_and_at_least_min_fetch():
     assert [e for e, _ in out["fetch"]] == [5, 6] and out["cpu_ids"] == [4, -1, -1, -1]
 
 
+def test_guesses_copied_this_step_count_in_the_links_share():
+    # q = 2/3: the link takes two thirds of the layer's copies. 6 misses alone: 4 fetched, 2 to
+    # the CPU; with 3 guesses already copied, 2/3 of 9 = 6 copies are the link's, 3 of them the
+    # guesses, so 3 misses are fetched and 3 go to the CPU
+    ids = [10, 11, 12, 13, 14, 15]
+    for guessed, n_fetch in ((0, 4), (3, 3), (9, 1), (12, 0)):
+        t = _tables(32, 16, {})
+        out = plan_reference(t, ids, step=1, fetch_fraction=(2 / 3, 0), guessed=guessed)
+        assert len(out["fetch"]) == n_fetch, guessed
+        assert sum(e >= 0 for e in out["cpu_ids"]) == len(ids) - n_fetch
+    # the fewest to fetch still holds however many were guessed
+    t = _tables(32, 16, {})
+    out = plan_reference(t, ids, step=1, fetch_fraction=(2 / 3, 2), guessed=20)
+    assert len(out["fetch"]) == 2
+    # a link that takes everything fetches every miss, guesses or not
+    t = _tables(32, 16, {})
+    assert len(plan_reference(t, ids, step=1, fetch_fraction=(1.0, 0), guessed=7)["fetch"]) == 6
+
+
 def test_guessed_hits_wait_for_their_bytes():
     t = _tables(16, 4, {0: 0})
     assert prefetch_reference(t, [3], reserve=0, step=2) == [(3, 1)]   # slot 1, used this step

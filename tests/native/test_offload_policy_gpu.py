@@ -70,13 +70,16 @@ def test_plan_and_prefetch_kernels_match_the_reference():
         for layer in range(L):
             ids = rng.integers(0, E, T * K).astype(np.int32)
             ids[K] = ids[0]                                       # two tokens share an expert
-            frac = (float(rng.choice([0.0, 0.5, 1.0])), float(rng.choice([0, 2])))
+            frac = (float(rng.choice([0.0, 0.5, 2 / 3, 0.9, 1.0])), float(rng.choice([0, 2])))
+            guessed = int(rng.choice([0, 0, 1, 3, 7]))   # experts this step's guesses copied
             on.plan(tables, ex, layer, torch.from_numpy(ids).cuda(), w, x, step_t,
-                    torch.tensor(frac, dtype=torch.float32, device="cuda"), fetch_list, pair)
+                    torch.tensor(frac, dtype=torch.float32, device="cuda"), fetch_list, pair,
+                    guessed=torch.tensor([guessed], dtype=torch.int32, device="cuda") if guessed else None)
             torch.cuda.synchronize()
             before = (refs[layer].expert_of_slot.tolist(), refs[layer].slot_last_use.tolist())
-            ref = on.plan_reference(refs[layer], ids.tolist(), step, frac)
-            what = f"step {step} layer {layer} ids {ids.tolist()} fraction {frac}; before: slots {before}"
+            ref = on.plan_reference(refs[layer], ids.tolist(), step, frac, guessed)
+            what = (f"step {step} layer {layer} ids {ids.tolist()} fraction {frac} guessed {guessed}; "
+                    f"before: slots {before}")
             got = fetch_list.cpu().numpy()
             assert [tuple(p) for p in got[1:1 + 2 * got[0]].reshape(-1, 2).tolist()] == ref["fetch"], what
             assert ex_buf.cpu_ids[layer].reshape(-1)[:T * K].tolist() == ref["cpu_ids"], what

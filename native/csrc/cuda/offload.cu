@@ -110,6 +110,8 @@ __global__ void __launch_bounds__(kPlanThreads)
 plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__ ids,
             const float* __restrict__ w, const float* __restrict__ x,
             const int32_t* __restrict__ step_ptr, const float* __restrict__ fetch_fraction,
+            const int32_t* __restrict__ guessed /* null, or the count of the experts this step's
+                                                   guesses copied into this layer */,
             int32_t* __restrict__ fetch_list /* [1 + 2*kMaxSel]: count, (expert, slot)... */,
             int32_t* __restrict__ pair_slots /* [2][kMaxSel] or null: slot of each selection if
                                                 resident before this step | fetched or guessed */) {
@@ -165,9 +167,14 @@ plan_kernel(CacheTables tab, Exchange ex, int layer, const int32_t* __restrict__
             miss[j] = e;
             mfreq[j] = sel_freq[i];
         }
-        // fetch_fraction[0] of the misses over PCIe, and at least fetch_fraction[1] of them: a
-        // CPU call on one expert takes as long as the link takes for several
-        int nf = (int)floorf(fetch_fraction[0] * nm + 0.5f);
+        // The link's share q = fetch_fraction[0] of this layer's expert copies, guesses
+        // included: the guesses already crossed it, so q * (nm + g) - g of the misses join them
+        // and the CPU takes the rest (link and CPU then finish together). At least
+        // fetch_fraction[1] of them: a CPU call on one expert takes as long as the link takes
+        // for several.
+        // (each step rounded on its own, as plan_reference does: no contraction into an fma)
+        const float q = fetch_fraction[0], g = guessed ? (float)*guessed : 0.0f;
+        int nf = (int)floorf(__fadd_rn(__fadd_rn(__fmul_rn(q, (float)nm + g), -g), 0.5f));
         nf = max(nf, min(nm, (int)fetch_fraction[1]));
         n_fetch_s = nf < 0 ? 0 : (nf > nm ? nm : nf);
         t.stats[kHits] += hits_s;
@@ -370,11 +377,11 @@ void offload_step_begin(int32_t* step, uintptr_t stream) {
 
 void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
                   const float* w, const float* x, const int32_t* step, const float* fetch_fraction,
-                  int32_t* fetch_list, int32_t* pair_slots, uintptr_t stream) {
+                  const int32_t* guessed, int32_t* fetch_list, int32_t* pair_slots, uintptr_t stream) {
     if (ex.n_tok < 1 || ex.n_tok * ex.top_k > kMaxSel || ex.n_tok > ex.max_tok)
         throw std::invalid_argument("offload_plan: n_tok * top_k must be in [1, 64] and n_tok <= max_tok");
     plan_kernel<<<1, kPlanThreads, key_bytes(tab), as_stream(stream)>>>(tab, ex, layer, ids, w, x, step,
-                                                           fetch_fraction, fetch_list, pair_slots);
+                                                           fetch_fraction, guessed, fetch_list, pair_slots);
     check(cudaGetLastError(), "offload_plan");
 }
 

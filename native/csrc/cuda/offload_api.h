@@ -14,8 +14,11 @@ namespace ft::cuda {
 // *step += 1 on the device: the first node of every decode step.
 void offload_step_begin(int32_t* step, uintptr_t stream);
 // Layer `layer`: hits / fetches / CPU misses for ids [T, K] (int32), weights [T, K], x [T, H];
-// fetch_fraction (device, float[2]): the share of misses to fetch over PCIe and the fewest to fetch;
-// updates the residency tables, writes the fetch list ([1 + 2*64] int32) and the CPU hand-off.
+// fetch_fraction (device, float[2]): the link's share of the layer's expert copies and the fewest
+// misses to fetch; `guessed` (device int32, may be null): how many experts this step's guesses
+// copied into the layer, which count in the link's share (of nm misses, q*(nm + g) - g are
+// fetched); updates the residency tables, writes the fetch list ([1 + 2*64] int32) and the CPU
+// hand-off.
 // A hit whose slot is already used this step was given it by this step's offload_prefetch (the
 // plan runs once per layer and step), so its copy may be in flight: counted in kPrefetchHits.
 // `pair_slots` (may be null, [2][64] int32): per selection, its slot if its bytes were resident
@@ -24,7 +27,7 @@ void offload_step_begin(int32_t* step, uintptr_t stream);
 // while the copies cross PCIe.
 void offload_plan(const CacheTables& tab, const Exchange& ex, int layer, const int32_t* ids,
                   const float* w, const float* x, const int32_t* step, const float* fetch_fraction,
-                  int32_t* fetch_list, int32_t* pair_slots, uintptr_t stream);
+                  const int32_t* guessed, int32_t* fetch_list, int32_t* pair_slots, uintptr_t stream);
 // Before layer `layer` runs: slots for the guessed experts guess[0..n_guess) (int32, <= 64) that
 // are not resident, marked used this step, leaving `reserve` evictable slots (the layer's T*K
 // selections) for its own misses; writes the list ([1 + 2*64] int32: count, (expert, slot)...)
