@@ -17,6 +17,7 @@ per-layer host work. The model class comes from the architecture registry (model
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -797,6 +798,14 @@ class OffloadRuntime:
         self.bank.close()
         self._unpin_weights()
         torch.cuda.set_per_process_memory_fraction(1.0, self.device.index or 0)
+        # No GPU memory held after close, even while the object lives on: the next runtime of
+        # this process sizes its cache from what is allocated under its cap (one opened while a
+        # closed one still held its weights and graph pool got no cache slots at all)
+        self.model = self.mtp = self.engine.predict = None
+        self._states.clear()
+        self._graph_pool = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def __enter__(self) -> "OffloadRuntime":
         return self
