@@ -81,6 +81,10 @@ def main() -> None:
                    help="comma list: on (a layer's guessed copies count in the link's share of its "
                         "misses, OffloadPolicy.guesses_in_split), off (the share is of the misses "
                         "alone), each a pass over the rows (the graphs captured again)")
+    p.add_argument("--prefetch-ks", default="",
+                   help="comma list of experts guessed a token one layer ahead (OffloadPolicy."
+                        "prefetch_k), each a pass over the rows (the graphs captured again); "
+                        "default: the runtime's")
     p.add_argument("--memory-polls", default="runtime",
                    help="comma list of what polls the process's GPU memory during the rows, each a "
                         "pass over them: runtime (the runtime's own poller), nvidia-smi (the program "
@@ -129,11 +133,14 @@ def main() -> None:
 
     polls = args.memory_polls.split(",")
     current = (None, None)
-    for split, poll, n_thr, b, frac in [(g, m, n, b, f) for g in args.guess_split.split(",")
-                                        for m in polls for n in threads for b in batches
-                                        for f in fractions]:
-        if (split == "on") != rt.engine.guesses_in_split:   # the plan's argument is in the graphs
-            rt.engine.guesses_in_split = split == "on"
+    pks = [int(k) for k in args.prefetch_ks.split(",") if k] or [rt.engine.prefetch_k]
+    for pk, split, poll, n_thr, b, frac in [(k, g, m, n, b, f) for k in pks
+                                            for g in args.guess_split.split(",")
+                                            for m in polls for n in threads for b in batches
+                                            for f in fractions]:
+        if (split == "on") != rt.engine.guesses_in_split or pk != rt.engine.prefetch_k:
+            rt.engine.guesses_in_split = split == "on"   # both are in the captured graphs
+            rt.engine.set_predictor(rt.engine.predict, pk)
             rt._drop_graphs()
         if (poll, n_thr) != current:   # a new setting: the CPU's rate measured again under it
             if poll != current[0]:
@@ -162,7 +169,7 @@ def main() -> None:
         torch.cuda.synchronize(dev)
         dt = (time.perf_counter() - t) / args.steps
         s = rt.stats().as_dict()
-        row = {"guess_split": split,
+        row = {"guess_split": split, "prefetch_k": rt.engine.prefetch_k,
                "poll": f"{poll} ({rt.smi.source})" if poll == "runtime" else poll, "threads": n_thr, "B": b, "fraction": "auto" if frac is None else frac,
                "min_fetch": int(rt.scheduler.fetch_fraction[1]), "q": round(s["fetch_fraction"], 3),
                "rates_GBps": {k: round(v, 1) for k, v in s["rates"].items()},

@@ -1,0 +1,58 @@
+"""Dev benchmark: IQ3_S decode (T tokens) in each (ISA, grid form) of the CPU tables, alternating
+call by call in one process, so that a shared or throttling machine slows every form alike.
+
+  python scripts/dev/iq3s_forms.py ROWS COLS [T=1] [FORMS=avx2:loads,avx2:gather,avx512:loads,avx512:gather] [THREADS=1]
+
+One random IQ3_S weight [ROWS, COLS] (in cache for small shapes: the decoder's own rate), 200
+rounds, each form once a round (native._cpu.set_isa / set_iq3s_grid between calls); prints min and
+median us and the weight GB/s at the median, then checks that every form gave the first form's bits.
+"""
+import sys
+import time
+
+import numpy as np
+import torch
+
+from loaders.quants import quant_type, random_blocks
+from native import ops
+
+
+def main() -> None:
+    q = quant_type("IQ3_S")
+    rows, cols = int(sys.argv[1]), int(sys.argv[2])
+    nt = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    forms = [tuple(f.split(":")) for f in (sys.argv[4] if len(sys.argv) > 4 else
+                                          "avx2:loads,avx2:gather,avx512:loads,avx512:gather").split(",")]
+    forms = [f for f in forms if f[0] in ops._cpu.available_isas()]
+    threads = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    rng = np.random.default_rng(0)
+    raw = random_blocks(q, rows * cols // q.block_elems, rng).reshape(rows, -1)
+    w = ops.QTensor(torch.from_numpy(raw), q, (rows, cols))
+    x = torch.randn(nt, cols)
+    ops._cpu.set_threads(threads)
+    times = {f: [] for f in forms}
+    outs = {}
+    before = ops._cpu.isa(), ops._cpu.iq3s_grid()
+    try:
+        with ops.cpu_threads_held(torch.device("cpu")):
+            for _ in range(200):
+                for f in forms:
+                    ops._cpu.set_isa(f[0])
+                    ops._cpu.set_iq3s_grid(f[1])
+                    t = time.perf_counter()
+                    outs[f] = ops.matmul(x, w)
+                    times[f].append(time.perf_counter() - t)
+    finally:
+        ops._cpu.set_isa(before[0])
+        ops._cpu.set_iq3s_grid(before[1])
+    for f in forms:
+        a = np.array(times[f]) * 1e6
+        print(f"IQ3_S {rows}x{cols} T={nt} threads={threads} {f[0]:6s} {f[1]:6s} min {a.min():7.0f} us  "
+              f"median {np.median(a):7.0f} us  {w.data.numel() / np.median(a) / 1e3:5.2f} GB/s")
+    for f in forms[1:]:
+        assert torch.equal(outs[f], outs[forms[0]]), f"{f} differs from {forms[0]}"
+    print("every form gave the same bits")
+
+
+if __name__ == "__main__":
+    main()
