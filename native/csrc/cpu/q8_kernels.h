@@ -379,7 +379,7 @@ void dot_stream_cols512(const uint8_t* const* rows, int nrows, int64_t nkb, cons
             const __m512i w = U::grid_col2(ca, cb, j, g);
             const __mmask64 neg = U::sign_col2(sg, j);
             for (int t = 0; t < NT; ++t) {
-                const __m512i x = _mm512_xor_si512(bias, _mm512_broadcast_i64x4(_mm256_load_si256(
+                const __m512i x = _mm512_xor_si512(bias, _mm512_broadcast_i64x4(_mm256_loadu_si256(
                     reinterpret_cast<const __m256i*>(a.q8x + t * a.n + 256 * b + 32 * j))));  // q8x is q8 + 128
                 p[t] = _mm512_dpbusd_epi32(j ? p[t] : zero, w, _mm512_mask_sub_epi8(x, neg, zero, x));
             }
