@@ -3,17 +3,16 @@
 A miss can be fetched over PCIe into a cache slot (then computed on the GPU, and possibly hit
 again later) or computed by the CPU where it lies. Both run at once, so the best split makes them
 finish together: the link carries a fraction q = p / (p + c) of a layer's expert copies, where p
-and c are the link's and the CPU's rates in expert-bytes per second (FreeToken's "q*" rule). The
-experts a step's guesses copied into the layer ahead of it are part of the link's share: of nm
-misses after g guesses, q * (nm + g) - g are fetched and the CPU takes the rest (without that,
-four sequences under near-uniform routing put ~11 guesses and ~5 fetches a layer on the link and
-left the CPU ~2, idle most of the step). That
+and c are the link's and the CPU's rates in expert-bytes per second (FreeToken's "q*" rule). That
 holds for many misses; for a few, the CPU's one expert takes as long as the link takes for p / c
 of them, so the first floor(p / c) misses of a layer always go over the link (measured on the
 35B IQ3_S: the CPU's decode calls ran at 8-9 GB/s against 47 GB/s for the link, and the GPU spent
-3.6 ms a token waiting for the CPU before this rule). Rates are measured at start-up and the CPU
-rate is updated online from the worker's own timings; the device-side plan kernel reads both
-numbers from device memory every step, so a change needs no re-capture.
+3.6 ms a token waiting for the CPU before this rule). The experts a step's guesses copied into
+the layer ahead of it are part of the link's share: of nm misses after g guesses, q * (nm + g) - g
+are fetched and the CPU takes the rest (guesses left out of the split fill the link while the
+CPU idles: docs/BENCHMARKS.md, "Guesses in the link's share"). Rates are measured at start-up
+and the CPU rate is updated online from the worker's own timings; the device-side plan kernel
+reads both numbers from device memory every step, so a change needs no re-capture.
 
 The scheduler owns no buffers: it decides; placement (the cache) and the model do the rest.
 """

@@ -401,7 +401,6 @@ void dot_stream_cols512(const uint8_t* const* rows, int nrows, int64_t nkb, cons
 // The block form on AVX2 for the column-form Units, over Act::q8x: maddubs per column, the 8
 // columns added in int16 (each lane: 16 products, |sum| <= 16 * kGridMax * 127 < 2^15), one madd
 // per block. Same group sums, same block_fma: the bits of dot_stream_block.
-
 template <QType T, int R, int NT>
 void dot_stream_cols(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
                      const Grids& g) {
