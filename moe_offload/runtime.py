@@ -805,6 +805,11 @@ class OffloadRuntime:
         self._states.clear()
         self._graph_pool = None
         gc.collect()
+        # cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ran on, for the life
+        # of the process: each runtime's own streams would leave theirs behind
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
 
     def __enter__(self) -> "OffloadRuntime":
