@@ -30,7 +30,7 @@ class QuantType:
     type_id: int       # ggml_type enum value as stored in GGUF
     block_elems: int
     block_bytes: int
-    family: str        # float | legacy | k | i | ternary | fp4
+    family: str        # float | legacy | k | i | ternary | fp4 | repacked (native.ops.cpu_form)
     # Where the fp16 block scale(s) live, for making random valid blocks; None where absent.
     d_offset: int | None = None
     m_offset: int | None = None   # second fp16 scale: `m` (Q4_1/Q5_1) or `dmin` (K types)

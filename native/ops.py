@@ -115,6 +115,36 @@ class QTensor:
         return qt if torch.device(device).type == "cpu" else qt.to(device)
 
 
+# ---- the CPU's repacked forms ---------------------------------------------------------------------
+
+def cpu_form(qtype: QuantType) -> QuantType | None:
+    """The CPU extension's repacked form of a file type (the same weights in a layout its kernels
+    read without table lookups: IQ3_S -> IQ3_S_N4, 22% more bytes), or None."""
+    form = None if _cpu is None or not hasattr(_cpu, "repacked_type") else _cpu.repacked_type(qtype.type_id)
+    if form is None:
+        return None
+    type_id, name, block_elems, block_bytes = form
+    return QuantType(name, type_id, block_elems, block_bytes, "repacked")
+
+
+def repack_for_cpu(w: QTensor) -> QTensor:
+    """`w` (a CPU weight [O, H] or bank [E, O, H]) in the CPU's repacked form of its type, in new
+    memory; `w` itself where its type has none. Every CPU kernel gives the original's bits on it
+    (tests/native/test_cpu_repack.py)."""
+    form = cpu_form(w.qtype)
+    if form is None or w.device.type != "cpu":
+        return w
+    shape = tuple(w.shape)
+    experts = shape[0] if len(shape) == 3 else 1
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) // experts   # rows of one expert
+    out = torch.empty((experts * rows, form.row_bytes(int(shape[-1]))), dtype=torch.uint8)
+    nblocks = rows * (w.row_bytes // w.qtype.block_bytes)
+    # rows are contiguous inside an expert (QTensor's rule): one run of blocks an expert
+    _cpu.repack(w.qtype.type_id, w.data.data_ptr(), nblocks, out.data_ptr(), experts,
+                w.expert_stride if experts > 1 else 0, rows * form.row_bytes(int(shape[-1])))
+    return QTensor(out, form, shape, w.name, w.parts)
+
+
 # ---- backends --------------------------------------------------------------------------------------
 
 def _load(name: str):
@@ -171,7 +201,7 @@ def _ext_supports(ext, qtype: QuantType, op: str, n_cols: int | None = None) -> 
     hit = _EXT_TYPES.get((id(ext), op))
     if hit is None or hit[0] is not ext:
         hit = _EXT_TYPES[(id(ext), op)] = (ext, frozenset(getattr(ext, f"{op}_types", lambda: ())()))
-    if qtype.name not in hit[1]:
+    if qtype.name not in hit[1] and not (qtype.family == "repacked" and ext is _cpu):
         return False
     # kernels address rows in 32-weight groups: float rows need a multiple of 32 elements
     return n_cols is None or n_cols % max(32, qtype.block_elems) == 0
@@ -188,10 +218,27 @@ def supported_types() -> dict[str, dict[str, bool]]:
 # ---- reference path ------------------------------------------------------------------------------
 
 def dequantize_ref(w: QTensor) -> torch.Tensor:
-    """Reference: gguf-py's bit-exact dequantizer, on the host; result on w's device."""
+    """Reference: gguf-py's bit-exact dequantizer (for the CPU's repacked forms, the numpy one
+    below), on the host; result on w's device."""
     host = w.data.cpu().numpy()
-    out = torch.from_numpy(dequantize_reference(host, w.qtype, w.shape))
-    return out.to(w.device)
+    deq = _dequantize_repacked_ref if w.qtype.family == "repacked" else dequantize_reference
+    return torch.from_numpy(deq(host, w.qtype, w.shape)).to(w.device)
+
+
+def _dequantize_repacked_ref(raw: np.ndarray, qtype: QuantType, shape: Sequence[int]) -> np.ndarray:
+    """IQ3_S_N4 (quants.h) in numpy, written from the layout alone: per group of 32 weights,
+    float32 (d * (1 + 2 * scale)) times the weight 2 * code - 15, as IQ3_S's reference does."""
+    if qtype.name != "IQ3_S_N4":
+        raise NativeError(f"no reference dequantizer for the repacked form {qtype.name}")
+    blocks = np.ascontiguousarray(raw).reshape(-1, qtype.block_bytes)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)            # [nb, 1]
+    sc = blocks[:, 2:6]
+    scales = np.stack([sc & 0xF, sc >> 4], -1).reshape(-1, 8).astype(np.float32)   # group g
+    db = d * (1 + 2 * scales)                                                 # [nb, 8] float32
+    qs = blocks[:, 6:].reshape(-1, 4, 32)
+    codes = np.stack([qs & 0xF, qs >> 4], 2).reshape(-1, 8, 32)               # [nb, group, 32]
+    vals = (2 * codes.astype(np.int32) - 15).astype(np.float32)
+    return (db[:, :, None] * vals).astype(np.float32).reshape(tuple(shape))
 
 
 def matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:

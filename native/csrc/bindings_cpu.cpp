@@ -58,13 +58,20 @@
 //                   inv_freq, k_cache, v_cache, n_attn, q_work, out, stream)
 //       the attention mixer between its projections (csrc/cpu/cpu.h): q/k RMS norm + NEOX RoPE,
 //       the cache write at rows pos0 + t, then `attention` with the gate; q_work f32 [T, hq*d].
+//   repack(type_id, src, nblocks, dst, items=1, src_stride=0, dst_stride=0)
+//       the CPU's repacked form of a file type (quants.h FT_CPU_REPACKED_TYPES; raises for a type
+//       without one): `items` runs of nblocks blocks, run i at src + i*src_stride, written to
+//       dst + i*dst_stride (bytes). Every kernel above takes the form's type id and gives the
+//       original's bits.
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
 //   set_tables(dict name -> buffer)   IQ grids from loaders.quants.iq_tables() (copied).
 //   tables_ready() -> bool
 //   block_sizes() -> {name: (block_elems, block_bytes)}   ggml's sizes, from quants.h
-//   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   what the kernels run
+//   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   the file types the kernels
+//       run (the repacked forms run too, but are not file types)
+//   repacked_type(type_id) -> (id, name, block_elems, block_bytes) | None   a type's CPU form
 //   accumulation(name) -> "f32" | "q8"   how the active ISA's matmul/moe_ffn accumulate a type:
 //       f32 = exact weights x float activations; q8 = exact weights x activations rounded to
 //       int8 per 32 features as ggml does (native.numerics.q8_round), integer sums per 16
@@ -103,10 +110,18 @@ void no_stream(uintptr_t stream) {
     if (stream != 0) throw std::invalid_argument("native._cpu takes stream=0");
 }
 
+bool is_repacked(int id) {
+#define FT_X(NAME, BE, BB) if (id == int(QType::NAME)) return true;
+    FT_CPU_REPACKED_TYPES(FT_X)
+#undef FT_X
+    return false;
+}
+
+// the file types the kernels run (the repacked forms are reached through repacked_type)
 std::vector<std::string> type_names() {
     std::vector<std::string> out;
     for (int id = 0; id < cpu::kMaxTypeId; ++id)
-        if (cpu::kernels().types[id].dot_row) out.push_back(cpu::kernels().types[id].name);
+        if (cpu::kernels().types[id].dot_row && !is_repacked(id)) out.push_back(cpu::kernels().types[id].name);
     return out;
 }
 
@@ -287,6 +302,17 @@ PYBIND11_MODULE(_cpu, m) {
 #undef FT_X
         return out;
     });
+    m.def("repacked_type", [](int type_id) -> py::object {
+        const int id = cpu::repacked_type(type_id);
+        if (id < 0) return py::none();
+        const auto& k = cpu::kernels().types[id];
+        return py::make_tuple(id, std::string(k.name), k.kb_elems, k.kb_bytes);
+    }, py::arg("type_id"));
+    m.def("repack", [](int type_id, uintptr_t src, int64_t nblocks, uintptr_t dst, int64_t items,
+                       int64_t src_stride, int64_t dst_stride) {
+        cpu::repack(type_id, ptr<const uint8_t>(src), nblocks, ptr<uint8_t>(dst), items, src_stride, dst_stride);
+    }, py::arg("type_id"), py::arg("src"), py::arg("nblocks"), py::arg("dst"), py::arg("items") = 1,
+       py::arg("src_stride") = 0, py::arg("dst_stride") = 0, release);
     m.def("dequantize_types", &type_names);
     m.def("matmul_types", &type_names);
     m.def("moe_ffn_types", &type_names);

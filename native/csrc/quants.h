@@ -53,6 +53,8 @@ enum class QType : int {
     Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
     IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22,
     IQ4_XS = 23, IQ1_M = 29, BF16 = 30, TQ1_0 = 34, TQ2_0 = 35, MXFP4 = 39,
+    // CPU-side repacked forms (never in a file, never on the GPU): ids ggml does not use
+    IQ3_S_N4 = 60,
 };
 
 // X(NAME, block_elems, block_bytes) for every type the kernels handle; NAME is a QType member.
@@ -63,6 +65,17 @@ enum class QType : int {
     X(IQ1_S, 256, 50) X(IQ1_M, 256, 56) X(IQ2_XXS, 256, 66) X(IQ2_XS, 256, 74) X(IQ2_S, 256, 82) \
     X(IQ3_XXS, 256, 98) X(IQ3_S, 256, 110) X(IQ4_NL, 32, 18) X(IQ4_XS, 256, 136) \
     X(TQ1_0, 256, 54) X(TQ2_0, 256, 66) X(MXFP4, 32, 17)
+
+// X(NAME, block_elems, block_bytes) for the CPU's repacked forms of file types: the same weights
+// in a layout its kernels decode without table lookups (cpu/repack.cpp makes them). Only the
+// CPU tables list them.
+//   IQ3_S_N4: IQ3_S with every weight w as the 4-bit code (w + 15) / 2 (IQ3_S's weights are odd
+//   numbers, |w| <= 15, times a group's scale), so w = 2 * code - 15 and a group's product is
+//   2 * (codes . x) - 15 * (sum of x): unsigned codes straight into maddubs / dpbusd, no table.
+//   Block: d, the 4 bytes of 4-bit scales as in IQ3_S, then 4 x 32 bytes: byte j of chunk k
+//   holds weight j of group 2k in its low nibble and of group 2k + 1 in its high nibble. 134
+//   bytes a 256 weights against IQ3_S's 110.
+#define FT_CPU_REPACKED_TYPES(X) X(IQ3_S_N4, 256, 134)
 
 // id, name, block_elems, block_bytes (ggml's), and the kernel block: kb_elems, kb_bytes,
 // subs (32-weight groups per kernel block).
@@ -77,6 +90,7 @@ template <QType T> struct Traits;
         static constexpr int subs = kb_elems / 32;                                                 \
     };
 FT_QUANT_TYPES(FT_X)
+FT_CPU_REPACKED_TYPES(FT_X)
 #undef FT_X
 
 template <QType T> struct TypeTag { static constexpr QType type = T; };
@@ -197,10 +211,12 @@ struct BlockIQ4_XS { uint16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t
 struct BlockTQ1_0 { uint8_t qs[48]; uint8_t qh[4]; uint16_t d; };
 struct BlockTQ2_0 { uint8_t qs[64]; uint16_t d; };
 struct BlockMXFP4 { uint8_t e; uint8_t qs[16]; };
+struct BlockIQ3_S_N4 { uint16_t d; uint8_t scales[4]; uint8_t qs[128]; };
 
 #define FT_X(NAME, BE, BB)                                                                         \
     static_assert(sizeof(Block##NAME) == BB, "block size of " #NAME " differs from ggml");
 FT_QUANT_TYPES(FT_X)
+FT_CPU_REPACKED_TYPES(FT_X)
 #undef FT_X
 
 // ---- decoders: 32 weights of one kernel block -------------------------------------------------------
@@ -423,6 +439,13 @@ template <> FT_HD void decode32<QType::IQ3_S>(const uint8_t* blk, int s, const G
         for (int j = 0; j < 4; ++j)
             out[4 * k + j] = apply_sign(db * float(grid_byte(e, j)), signs, 4 * (k % 2) + j);
     }
+}
+template <> FT_HD void decode32<QType::IQ3_S_N4>(const uint8_t* blk, int s, const Grids&, float* out) {
+    FT_BLOCK(IQ3_S_N4);
+    // IQ3_S's float steps: (d * (1 + 2 * scale)) * w, w = 2 * code - 15
+    const float db = fp16_to_f32(b.d) * float(1 + 2 * ((b.scales[s / 2] >> (4 * (s % 2))) & 0xF));
+    const uint8_t* q = b.qs + 32 * (s / 2);
+    for (int j = 0; j < 32; ++j) out[j] = db * float(2 * ((q[j] >> (4 * (s % 2))) & 0xF) - 15);
 }
 template <> FT_HD void decode32<QType::IQ4_NL>(const uint8_t* blk, int, const Grids& g, float* out) {
     FT_BLOCK(IQ4_NL);

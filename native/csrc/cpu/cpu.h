@@ -146,6 +146,12 @@ const TypeKernels& type_kernels(const IsaKernels& isa, int type_id);
 const Grids& grids();
 void set_table(const std::string& name, const void* data, size_t nbytes);  // copies
 bool tables_ready();
+// Repacked CPU forms (repack.cpp): the id of src_id's form, or -1; repack writes it for `items`
+// runs of nblocks blocks (item i at src + i * src_stride, written to dst + i * dst_stride; the
+// form's block_bytes each), over the pool.
+int repacked_type(int src_id);
+void repack(int src_id, const uint8_t* src, int64_t nblocks, uint8_t* dst, int64_t items,
+            int64_t src_stride, int64_t dst_stride);
 
 // ---- thread pool (threadpool.cpp) -----------------------------------------------------------------
 int num_threads();

@@ -129,6 +129,7 @@ void fill_avx2(IsaKernels& k) {
     k.name = "avx2";
 #define FT_X(NAME, BE, BB) set_type<QType::NAME>(k.types[int(QType::NAME)]);
     FT_QUANT_TYPES(FT_X)
+    FT_CPU_REPACKED_TYPES(FT_X)
 #undef FT_X
     fill_q8<DotAvx2, 2>(k);
 }

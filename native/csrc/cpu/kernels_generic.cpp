@@ -72,6 +72,7 @@ void fill_generic(IsaKernels& k) {
                               Traits<QType::NAME>::kb_elems, Traits<QType::NAME>::kb_bytes, #NAME, \
                               UsesGrids<QType::NAME>::value};
     FT_QUANT_TYPES(FT_X)
+    FT_CPU_REPACKED_TYPES(FT_X)
 #undef FT_X
 }
 

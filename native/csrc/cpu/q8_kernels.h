@@ -152,6 +152,16 @@ template <class U> struct HasBlock<U, std::void_t<decltype((void)&U::block_scale
 template <class U, class = void> struct HasSigns : std::false_type {};
 template <class U> struct HasSigns<U, std::void_t<decltype((void)&U::signs)>> : std::true_type {};
 
+// Units whose decode streams read unsigned codes c with w = 2c - kCodeOffset (IQ3_S_N4): a
+// group's exact sum is 2 * (c . x) - kCodeOffset * (sum of x), x's sums taken once per token for
+// all the rows streamed with it.
+template <class U, class = void> struct HasCodes : std::false_type {};
+template <class U> struct HasCodes<U, std::void_t<decltype(U::kCodeOffset)>> : std::true_type {};
+// 2 * p - k * xs, lane by lane (the group sums of a code Unit)
+inline __m256i code_sums(__m256i p, __m256i xs, int k) {
+    return _mm256_sub_epi32(_mm256_add_epi32(p, p), _mm256_mullo_epi32(xs, _mm256_set1_epi32(k)));
+}
+
 template <class F, int... I>
 [[gnu::always_inline]] inline void static_for_(F&& f, std::integer_sequence<int, I...>) {
     (f(std::integral_constant<int, I>{}), ...);
@@ -264,30 +274,41 @@ void dot_stream_block512(const uint8_t* const* rows, int64_t nkb, const Act& a, 
         typename U::State st[R];
         const uint8_t* blk[R];
         for (int r = 0; r < R; ++r) blk[r] = rows[r] + b * Tr::kb_bytes, U::begin(blk[r], g, st[r]);
-        Sum8x2 sum[R][NT];
+        Sum8x2 sum[R][NT], xsum[NT];
         static_for<4>([&](auto K) {
             constexpr int k = K;
             __m512i w[R];
             uint64_t sg[R];
-            for (int r = 0; r < R; ++r) w[r] = decode_pair<U>(blk[r], k, g, st[r], sg[r]);
+            for (int r = 0; r < R; ++r) {
+                if constexpr (HasCodes<U>::value) w[r] = U::codes2(blk[r], k);
+                else w[r] = decode_pair<U>(blk[r], k, g, st[r], sg[r]);
+            }
             for (int t = 0; t < NT; ++t) {
                 const __m512i x = _mm512_loadu_si512(a.q8 + t * a.n + 256 * b + 64 * k);
+                if constexpr (HasCodes<U>::value) xsum[t].template add<k>(dot512(_mm512_set1_epi8(1), x));
                 for (int r = 0; r < R; ++r) {
                     __m512i z;
-                    if constexpr (HasSigns<U>::value) z = dot512(w[r], neg_where(x, sg[r]));
+                    if constexpr (HasCodes<U>::value) z = dot512(w[r], x);
+                    else if constexpr (HasSigns<U>::value) z = dot512(w[r], neg_where(x, sg[r]));
                     else if constexpr (U::has_min) z = dot512(w[r], x);
                     else z = dot512(_mm512_abs_epi8(w[r]), neg_where(x, _mm512_movepi8_mask(w[r])));
                     sum[r][t].template add<k>(z);
                 }
             }
         });
+        __m256i xs[NT];
+        if constexpr (HasCodes<U>::value)
+            for (int t = 0; t < NT; ++t) xs[t] = xsum[t].get();
         for (int r = 0; r < R; ++r) {
             const __m256 sc = U::block_scales(st[r]);
             __m256 m[2];
             if constexpr (U::has_min) U::block_mins(st[r], m);
-            for (int t = 0; t < NT; ++t)
-                acc[r][t] = block_fma<U::has_min>(acc[r][t], sum[r][t].get(), sc, a.d8 + t * nd + 8 * b, m,
+            for (int t = 0; t < NT; ++t) {
+                __m256i p = sum[r][t].get();
+                if constexpr (HasCodes<U>::value) p = code_sums(p, xs[t], U::kCodeOffset);
+                acc[r][t] = block_fma<U::has_min>(acc[r][t], p, sc, a.d8 + t * nd + 8 * b, m,
                                                   a.m16 + t * ns + 16 * b);
+            }
         }
     }
     for (int r = 0; r < R; ++r)
@@ -309,14 +330,16 @@ void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, flo
         typename U::State st[R];
         const uint8_t* blk[R];
         for (int r = 0; r < R; ++r) blk[r] = rows[r] + b * Tr::kb_bytes, U::begin(blk[r], g, st[r]);
-        Sum8 sum[R][NT];
+        Sum8 sum[R][NT], xsum[NT];
         static_for<8>([&](auto S) {
             constexpr int s = S;
             const int64_t c = b * 8 + s;
             __m256i w[R];
             uint32_t sg[R];
             for (int r = 0; r < R; ++r) {
-                if constexpr (HasSigns<U>::value) {
+                if constexpr (HasCodes<U>::value) {
+                    w[r] = U::codes(blk[r], s);
+                } else if constexpr (HasSigns<U>::value) {
                     w[r] = U::magnitude(blk[r], s, g, st[r]);
                     sg[r] = U::signs(blk[r], s);
                 } else {
@@ -327,19 +350,27 @@ void dot_stream_block(const uint8_t* const* rows, int64_t nkb, const Act& a, flo
             }
             for (int t = 0; t < NT; ++t) {
                 const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + t * a.n + 32 * c));
+                if constexpr (HasCodes<U>::value) xsum[t].template add<s>(Dot::dot(_mm256_set1_epi8(1), x));
                 for (int r = 0; r < R; ++r) {
-                    if constexpr (HasSigns<U>::value) sum[r][t].template add<s>(Dot::dot(w[r], sign_x(x, sg[r])));
+                    if constexpr (HasCodes<U>::value) sum[r][t].template add<s>(Dot::dot(w[r], x));
+                    else if constexpr (HasSigns<U>::value) sum[r][t].template add<s>(Dot::dot(w[r], sign_x(x, sg[r])));
                     else sum[r][t].template add<s>(idot<Dot, U::has_min>(w[r], x));
                 }
             }
         });
+        __m256i xs[NT];
+        if constexpr (HasCodes<U>::value)
+            for (int t = 0; t < NT; ++t) xs[t] = xsum[t].get();
         for (int r = 0; r < R; ++r) {
             const __m256 sc = U::block_scales(st[r]);
             __m256 m[2];
             if constexpr (U::has_min) U::block_mins(st[r], m);
-            for (int t = 0; t < NT; ++t)
-                acc[r][t] = block_fma<U::has_min>(acc[r][t], sum[r][t].get(), sc, a.d8 + t * nd + 8 * b, m,
+            for (int t = 0; t < NT; ++t) {
+                __m256i p = sum[r][t].get();
+                if constexpr (HasCodes<U>::value) p = code_sums(p, xs[t], U::kCodeOffset);
+                acc[r][t] = block_fma<U::has_min>(acc[r][t], p, sc, a.d8 + t * nd + 8 * b, m,
                                                   a.m16 + t * ns + 16 * b);
+            }
         }
     }
     for (int r = 0; r < R; ++r)
@@ -1004,6 +1035,7 @@ void fill_q8(IsaKernels& k) {
         t.accumulation = "q8";                                                      \
     }
     FT_QUANT_TYPES(FT_X)
+    FT_CPU_REPACKED_TYPES(FT_X)
 #undef FT_X
 }
 

@@ -583,6 +583,44 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
     }
 #endif
 };
+// IQ3_S_N4 (quants.h): IQ3_S's block scales; weights w = 2 * code - 15. decode() gives w (the
+// many-token paths); the decode streams take the unsigned codes themselves (codes / codes2) and
+// form each group's 2 * (codes . x) - 15 * (sum of x) in int32 (q8_kernels.h: HasCodes).
+template <> struct Unit<QType::IQ3_S_N4> : UnitBase {
+    static constexpr bool has_min = false;
+    static constexpr bool per16 = false;
+    static constexpr int kCodeOffset = 15;  // w = 2 * code - kCodeOffset
+    struct State {
+        alignas(32) float s[8];  // d * (1 + 2 * scale) of every 32 weights, as IQ3_S's
+    };
+    static void begin(const uint8_t* blk, const Grids&, State& st) {
+        const BlockIQ3_S_N4& b = *reinterpret_cast<const BlockIQ3_S_N4*>(blk);
+        const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(b.scales)));
+        const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
+        const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
+            _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));
+        _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));
+    }
+    // the 32 codes (0..15) of group s
+    static __m256i codes(const uint8_t* blk, int s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 6 + 32 * (s / 2)));
+        return _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    }
+    static void decode(const uint8_t* blk, int s, const Grids&, const State& st, Sub& u) {
+        const __m256i c = codes(blk, s);
+        u.q = _mm256_sub_epi8(_mm256_add_epi8(c, c), _mm256_set1_epi8(kCodeOffset));
+        scale(u, st.s[s]);
+    }
+    static __m256 block_scales(const State& st) { return _mm256_load_ps(st.s); }
+#ifdef __AVX512BW__
+    // the codes of groups 2k and 2k + 1: one 32-byte chunk, its low nibbles then its high ones
+    static __m512i codes2(const uint8_t* blk, int k) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 6 + 32 * k));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    }
+#endif
+};
 template <> struct Unit<QType::IQ4_NL> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = false;
