@@ -155,6 +155,8 @@ class HostExpertBank:
         self.load_seconds = time.perf_counter() - t0
         self.pinned = False
         self.pin_seconds = 0.0
+        self.cpu_banks: list[torch.Tensor] | None = None   # repack_for_cpu's copy
+        self.cpu_layouts: list[ExpertLayout] | None = None
         if pin and torch.cuda.is_available():
             self._pin()
 
@@ -197,6 +199,65 @@ class HostExpertBank:
                           "and prefill copies at ~19 GB/s instead of ~50", RuntimeWarning)
         self.pin_seconds = time.perf_counter() - t0
 
+    # -- the CPU's copy -----------------------------------------------------------------------------
+    def repack_for_cpu(self, mode: str = "auto", progress: Callable[[int, int], None] | None = None) -> bool:
+        """Give the CPU its own copy of the experts whose types have a repacked CPU form
+        (native.ops.cpu_form: IQ3_S -> IQ3_S_N4, same bits, no table lookups, 22% more bytes).
+        The GPU keeps reading the file's form from the pinned banks. mode "on", "off", or
+        "auto": only where host RAM keeps room beside it (max(4 GiB, a tenth of RAM) left).
+        Returns whether a copy was made; `cpu_layouts` / `cpu_bank_args` then describe it."""
+        from native import ops
+        if mode not in ("auto", "on", "off"):
+            raise OffloadError(f"cpu_repack {mode!r}: give auto, on or off")
+        if mode == "off":
+            return False
+        forms = [tuple(ops.cpu_form(p.qtype) for p in (lay.gate, lay.up, lay.down)) for lay in self.layouts]
+        if not any(f for fs in forms for f in fs):
+            return False
+        layouts = []
+        for lay, fs in zip(self.layouts, forms):
+            off, projs = 0, []
+            for p, f in zip((lay.gate, lay.up, lay.down), fs):
+                qt = f or p.qtype
+                nbytes = p.rows * qt.row_bytes(p.cols)
+                projs.append(ProjLayout(qt, p.rows, p.cols, off, nbytes))
+                off += _align(nbytes)
+            layouts.append(ExpertLayout(*projs, expert_bytes=off))
+        nbytes = sum(lay.expert_bytes * self.n_expert for lay in layouts)
+        avail = host_ram_available()
+        if mode == "auto" and avail is not None:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if avail - nbytes < max(4 << 30, total // 10):
+                return False
+        flat = host_buffer(nbytes)
+        banks, at, done = [], 0, 0
+        for L, (lay, cl) in enumerate(zip(self.layouts, layouts)):
+            n = self.n_expert * cl.expert_bytes
+            banks.append(flat[at:at + n].view(self.n_expert, cl.expert_bytes))
+            at += n
+            for p, c in zip((lay.gate, lay.up, lay.down), (cl.gate, cl.up, cl.down)):
+                src = self.banks[L][:, p.offset:p.offset + p.nbytes]
+                dst = banks[L][:, c.offset:c.offset + c.nbytes]
+                if c.qtype is p.qtype:
+                    dst.copy_(src)
+                    continue
+                ops._cpu.repack(p.qtype.type_id, src.data_ptr(), p.nbytes // p.qtype.block_bytes,
+                                dst.data_ptr(), self.n_expert, lay.expert_bytes, cl.expert_bytes)
+            done += n
+            if progress:
+                progress(done, nbytes)
+        self._cpu_flat, self.cpu_banks, self.cpu_layouts = flat, banks, layouts
+        return True
+
+    def cpu_bank_args(self, layer: int) -> tuple[tuple[int, int, int], ...]:
+        """(type id, address, expert stride) of gate, up and down of `layer` as the CPU computes
+        them: its repacked copy where repack_for_cpu made one, else the pinned banks."""
+        if self.cpu_banks is None:
+            lay = self.layouts[layer]
+            return lay.banks(self.banks[layer].data_ptr(), lay.expert_bytes)
+        lay = self.cpu_layouts[layer]
+        return lay.banks(self.cpu_banks[layer].data_ptr(), lay.expert_bytes)
+
     # -- access ------------------------------------------------------------------------------------
     def expert(self, layer: int, e: int) -> torch.Tensor:
         """Expert `e` of `layer` as its uint8 bytes [expert_bytes] (a view)."""
@@ -213,3 +274,4 @@ class HostExpertBank:
             from native import offload_native
             offload_native.unpin_host(self._flat, missing_ok=True)
             self.pinned = False
+        self.cpu_banks = self.cpu_layouts = self._cpu_flat = None

@@ -73,8 +73,8 @@ class OffloadEngine:
                                          cache.cpu_pending, cache.expert_score,
                                          cache.expert_seen, cache.score_decay).as_dict()
         layers = []
-        for lay, host in zip(bank.layouts, bank.banks):
-            layers.append({**dict(zip(("gate", "up", "down"), lay.banks(host.data_ptr(), lay.expert_bytes))),
+        for layer in range(L):   # the CPU reads its own copy where the bank made one
+            layers.append({**dict(zip(("gate", "up", "down"), bank.cpu_bank_args(layer))),
                            "ff": ff, "n_experts": cache.n_expert})
         self.worker = on.make_worker(self._ex[self.max_tok], layers, self.timeout_s)
         self.in_step = False   # inside decode_step(): the model's expert calls decode

@@ -21,6 +21,7 @@ class LoadReport:
     host_weights: dict[str, int] = field(default_factory=dict)   # name -> bytes kept in host RAM
     elastic: bool = False             # the cache lends VRAM to prompts and the KV
     cache_outside_torch: bool = False  # the cache's memory is mapped by us, not torch's allocator
+    cpu_repacked_bytes: int = 0       # the CPU's own repacked copy of the experts (0: none)
 
 
 @dataclass

@@ -71,6 +71,10 @@ class RuntimeOptions:
     mtp_experts: str = "gpu"               # its routed experts: "gpu" resident in VRAM (under
                                            # the cap: the cache is sized around them), "host"
                                            # pinned host RAM read over PCIe by the GPU (no VRAM)
+    cpu_repack: str = "auto"               # the CPU computes its misses from its own copy of the
+                                           # experts in a repacked form where the type has one
+                                           # (HostExpertBank.repack_for_cpu): on, off, or auto
+                                           # (where host RAM has room for it)
 
 
 def parse_vram(size: int | str) -> int:
@@ -200,6 +204,11 @@ class OffloadRuntime:
         rep.seconds["host banks"] = time.perf_counter() - t1
         rep.seconds["pin"] = self.bank.pin_seconds
         rep.pinned = self.bank.pinned
+        t1 = time.perf_counter()
+        if self.bank.repack_for_cpu(opts.cpu_repack, progress=(
+                lambda d, t: progress("the CPU's repacked experts", d, t)) if progress else None):
+            rep.seconds["cpu repack"] = time.perf_counter() - t1
+            rep.cpu_repacked_bytes = sum(int(b.numel()) for b in self.bank.cpu_banks)
 
         # 5. the expert cache from what is left: this many slots even during the largest prefill
         # chunk; while decoding (elastic) it also borrows the prefill workspace and staging

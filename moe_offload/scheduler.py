@@ -116,7 +116,7 @@ def measure_rates(cache, bank, config, clock=None) -> Rates:
         ids[0, :n_cpu] = torch.arange(n_cpu, dtype=torch.int32)
         w = torch.full((1, K), 1.0 / K)
         y = torch.empty(1, config.n_embd)
-        banks = lay.banks(host.data_ptr(), eb)
+        banks = bank.cpu_bank_args(0)   # what the CPU computes from
 
         def run():
             on.host_moe_ffn(x, ids, w, banks, config.n_expert, y, ff=config.n_ff_exp)

@@ -220,6 +220,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         "slots_per_layer": {"prefill": rt.report.slots_per_layer[0],
                             "decode": rt.report.decode_slots_per_layer[0]},
         "pinned": rt.report.pinned, "host_weights": rt.report.host_weights,
+        "cpu_repacked_bytes": rt.report.cpu_repacked_bytes,
     }
     trace_params = None
     if args.trace:

@@ -32,6 +32,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _repacked(model) -> list[str]:
+    """The repacked CPU forms the model's experts run in (none: the file's own)."""
+    return sorted({q.qtype.name for ex in getattr(model, "experts", ()) for q in (ex.gate, ex.up, ex.down)
+                   if q.qtype.family == "repacked"})
+
+
 def run_one(args, sizes: list[int], console) -> dict:
     """Prefill at each size and decode, on the CPU, as one JSON object (bench.py's shape)."""
     from loaders import open_model
@@ -53,14 +59,15 @@ def run_one(args, sizes: list[int], console) -> dict:
     if max(sizes + [16 + args.gen]) > args.ctx:
         raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
     with console.status("loading (weights stay memory-mapped in host RAM)..."):
-        model = build_model(loaded, "cpu")
+        model = build_model(loaded, "cpu", cpu_repack=getattr(args, "cpu_repack", "auto"))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     result: dict = {
         "machine": {"gpu": None, "device": "cpu", "cpu": _cpu_name(), "host": platform.node(),
                     "cpu_threads": ops._cpu.threads(), "torch_threads": torch.get_num_threads(),
                     "cores": os.cpu_count(), "isa": ops._cpu.isa(),
-                    "threads_pinned": ops._cpu.threads_pinned(), "iq3s_grid": ops._cpu.iq3s_grid()},
+                    "threads_pinned": ops._cpu.threads_pinned(), "iq3s_grid": ops._cpu.iq3s_grid(),
+                    "cpu_repacked": _repacked(model)},
         "model": {"path": args.model, "name": loaded.metadata.get("general.name"),
                   "synthetic": "ftpatch.synth.preset" in loaded.metadata},
         "device": "cpu", "vram_cap": None, "ctx": args.ctx, "load_s": round(load_s, 2),

@@ -20,7 +20,8 @@ Method (printed by --help):
     next to the bf16 GEMM alone on an already dequantized W (the dequantize cost is the difference).
   * MoE: moe_ffn_pool (GPU; all E = 256 experts resident, identity slot map) and native.ops.moe_ffn
     (CPU) at T = 1, K = 8, H = 2048, F = 512; bytes = the 8 chosen experts' gate + up + down; a new
-    random top-8 for every call.
+    random top-8 for every call. A type with a CPU repacked form (IQ3_S -> IQ3_S_N4) gets a
+    second CPU row on that form: GB/s of the bytes it reads, and of the file type's bytes.
   * Weights are random valid blocks (loaders.quants.random_blocks), an 8 MiB pool tiled to size:
     throughput does not depend on the values.
 """
@@ -267,12 +268,18 @@ def time_cpu_moe(banks: list, x: torch.Tensor, n_experts: int, k: int, iters: in
     return _median(times)
 
 
-def cpu_moe(q: QuantType, iters: int, rng: np.random.Generator) -> tuple[float, int]:
+def cpu_moe(q: QuantType, iters: int, rng: np.random.Generator,
+            repacked: bool = False) -> tuple[float, int]:
+    """(median s, bytes of the 8 experts) of the CPU MoE point; `repacked`: the banks in the
+    CPU's repacked form of q (native.ops.repack_for_cpu), bytes of that form."""
     from native import ops
     E, H, F, K = MOE["E"], MOE["H"], MOE["F"], MOE["K"]
     banks = _moe_banks(q, "cpu", rng)
     qts = [ops.QTensor(b.reshape(E * rows, -1), q, (E, rows, cols)) for b, rows, cols in banks]
-    return time_cpu_moe(qts, torch.randn(1, H), E, K, iters), K * sum(b[0].numel() for b, _, _ in banks)
+    if repacked:
+        qts = [ops.repack_for_cpu(w) for w in qts]
+    nbytes = K * sum(w.expert(0).data.numel() for w in qts)
+    return time_cpu_moe(qts, torch.randn(1, H), E, K, iters), nbytes
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -380,6 +387,22 @@ def run(args: argparse.Namespace, console) -> int:
             first = point["cpu"][isas[0]]
             point.update(bytes=nbytes, cpu_us=first["us"], cpu_GBps=first["GBps"], cpu_pct=first["pct"])
         result["moe"].append(point)
+        form = ops.cpu_form(q) if use_cpu else None
+        if form is not None:   # the same point on the CPU's repacked form of the type
+            rp = {"type": form.name, "repacked_from": q.name, **MOE, "T": 1}
+            before = ops._cpu.isa()
+            try:
+                for isa in isas:
+                    ops._cpu.set_isa(isa)
+                    t, own = cpu_moe(q, cpu_iters, rng, repacked=True)
+                    rp.setdefault("cpu", {})[isa] = {"us": t * 1e6, "GBps": own / t / 1e9,
+                                                     "pct": 100 * own / t / 1e9 / host_bw,
+                                                     "file_GBps": point["bytes"] / t / 1e9}
+            finally:
+                ops._cpu.set_isa(before)
+            first = rp["cpu"][isas[0]]
+            rp.update(bytes=own, cpu_us=first["us"], cpu_GBps=first["GBps"], cpu_pct=first["pct"])
+            result["moe"].append(rp)
     if use_gpu:
         torch.cuda.empty_cache()
 
@@ -448,10 +471,12 @@ def _print(result: dict, console, use_gpu: bool, use_cpu: bool) -> None:
         for isa in isas:
             t.add_column(f"CPU {isa}", justify="right")
         for p in result["moe"]:
-            cells = [f"{p['gpu_us']:.1f} ({_num(p['gpu_GBps'])})"] if use_gpu else []
+            cells = [f"{p['gpu_us']:.1f} ({_num(p['gpu_GBps'])})" if "gpu_us" in p else "-"] if use_gpu else []
             cells += [f"{c['us']:.1f} ({_num(c['GBps'])}, {c['pct']:.0f}%)"
+                      + (f"; {_num(c['file_GBps'])} of {p['repacked_from']}'s" if "file_GBps" in c else "")
                       for c in (p["cpu"][i] for i in isas)]
-            t.add_row(p["type"], *cells)
+            label = f"{p['type']} (CPU form of {p['repacked_from']})" if "repacked_from" in p else p["type"]
+            t.add_row(label, *cells)
         console.print(t)
 
 

@@ -1,12 +1,14 @@
 """Model forward passes, one module per architecture, and `build_model` to put one on a device.
 
 Public names:
-  build_model(loaded, device, experts_device=None)  LoadedModel -> model object on a device
+  build_model(loaded, device, experts_device=None, cpu_repack="auto")  LoadedModel -> model
+                         object on a device
   MODELS                 architecture name -> model class (the one registry of runnable archs);
                          a class offers forward / prefill / decode / new_state, router_logits
                          (the offload runtime's guesses) and FUSED_PROJECTIONS
   Qwen35Moe              the qwen35moe forward pass (forward / prefill / decode / new_state)
   ResidentExperts, upload_weights, split_gate_up   weights on a device; the experts interface
+  repack_experts         CPU expert banks in the CPU's repacked forms (native.ops.cpu_form)
 """
 from __future__ import annotations
 
@@ -14,14 +16,16 @@ import torch
 
 from ..errors import OffloadError
 from .qwen35moe import Qwen35Moe
-from .weights import Experts, ResidentExperts, split_gate_up, upload_weights
+from .weights import Experts, ResidentExperts, repack_experts, split_gate_up, upload_weights
 
 MODELS = {"qwen35moe": Qwen35Moe}
 
 
 def build_model(loaded, device: torch.device | str = "cpu",
-                experts_device: torch.device | str | None = None):
-    """Upload a validated LoadedModel's weights and wrap them in its architecture's model."""
+                experts_device: torch.device | str | None = None, cpu_repack: str = "auto"):
+    """Upload a validated LoadedModel's weights and wrap them in its architecture's model.
+    Experts the CPU computes are repacked into its own form where their type has one
+    (`cpu_repack`: auto = where host RAM has room, on, off; see repack_experts)."""
     cls = MODELS.get(loaded.arch.name)
     if cls is None:
         raise OffloadError(f"architecture {loaded.arch.name!r} has no forward pass; "
@@ -30,8 +34,8 @@ def build_model(loaded, device: torch.device | str = "cpu",
         raise OffloadError(f"{loaded.file.path}: {loaded.problems[0]}")
     fuse = cls.FUSED_PROJECTIONS if torch.device(device).type != "cpu" else None  # no copies on the CPU
     tensors, experts = upload_weights(loaded, device, experts_device, fuse=fuse)
-    return cls(loaded.config, tensors, experts)
+    return cls(loaded.config, tensors, repack_experts(experts, cpu_repack))
 
 
 __all__ = ["MODELS", "build_model", "Qwen35Moe", "Experts", "ResidentExperts", "upload_weights",
-           "split_gate_up"]
+           "split_gate_up", "repack_experts"]

@@ -65,6 +65,31 @@ def split_gate_up(gate_up: QTensor) -> tuple[QTensor, QTensor]:
                  for s, part in ((0, "gate"), (half, "up")))
 
 
+def repack_experts(experts: Sequence[ResidentExperts], mode: str = "auto") -> list[ResidentExperts]:
+    """Banks in host RAM rewritten into the CPU's repacked form of their type, where it has one
+    (native.ops.cpu_form: IQ3_S -> IQ3_S_N4; the same bits from every kernel, no table lookups,
+    22% more bytes, in new memory: the file's pages can then leave the page cache). mode "off",
+    "on", or "auto": unless host RAM would keep less than 2 GiB free."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"cpu_repack {mode!r}: give auto, on or off")
+    banks = [(i, k, q) for i, ex in enumerate(experts) for k, q in
+             (("gate", ex.gate), ("up", ex.up), ("down", ex.down))
+             if q.device.type == "cpu" and ops.cpu_form(q.qtype) is not None]
+    if mode == "off" or not banks:
+        return list(experts)
+    if mode == "auto":
+        from ..host_bank import host_ram_available
+        form = {id(q): ops.cpu_form(q.qtype) for _, _, q in banks}
+        need = sum(int(np.prod(q.shape[:-1])) * form[id(q)].row_bytes(q.shape[-1]) for _, _, q in banks)
+        avail = host_ram_available()
+        if avail is not None and avail - need < 2 << 30:
+            return list(experts)
+    out = [dict(gate=ex.gate, up=ex.up, down=ex.down) for ex in experts]
+    for i, k, q in banks:
+        out[i][k] = ops.repack_for_cpu(q)
+    return [ResidentExperts(**d) for d in out]
+
+
 ARENA_ALIGN = 256   # bytes: every dtype's alignment, and what the kernels' vector loads want
 
 

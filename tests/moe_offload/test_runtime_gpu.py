@@ -90,6 +90,23 @@ def test_offloaded_logits_match_all_on_gpu(loaded, reference, fraction):
         rt.close()
 
 
+def test_the_cpus_repacked_copy_gives_the_same_logits(loaded, reference):
+    """Every miss on the CPU (fetch fraction 0), its experts read from the repacked copy
+    (IQ3_S -> IQ3_S_N4) or from the pinned banks: the same bits."""
+    prompt, toks, _ = reference
+    outs = {}
+    for mode in ("off", "on"):
+        rt = _runtime(loaded, fetch_fraction=0.0, cpu_repack=mode)
+        try:
+            assert (rt.report.cpu_repacked_bytes > 0) == (mode == "on")
+            outs[mode] = torch.stack([o.reshape(-1) for o in _follow(rt, prompt, toks)])
+            assert rt.stats().as_dict()["cpu"] > 0
+        finally:
+            rt.close()
+    diff = float((outs["on"] - outs["off"]).abs().max())
+    assert torch.equal(outs["on"], outs["off"]), f"max |diff| {diff}"
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_short_prompt_runs_as_decode_steps(loaded, reference, graphs):
     """A prompt of at most policy.short_prompt tokens goes through decode steps (max_tok tokens

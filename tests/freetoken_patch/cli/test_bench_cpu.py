@@ -31,6 +31,15 @@ def test_bench_cpu_writes_the_gpu_bench_json_shape(tiny_model, tmp_path):
     assert r["decode_path"] == "native loop"
 
 
+@pytest.mark.parametrize("mode,forms", [("on", ["IQ3_S_N4"]), ("off", [])])
+def test_bench_cpu_records_the_cpus_repacked_form(synth_model, tmp_path, mode, forms):
+    out = tmp_path / "cpu.json"
+    model = synth_model(type="Q4_K", expert_type="IQ3_S", down_type="Q6_K")
+    assert main(["bench", str(model), "--device", "cpu", "-p", "8", "-n", "2", "--reps", "1",
+                 "--ctx", "64", "--cpu-repack", mode, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["machine"]["cpu_repacked"] == forms
+
+
 def test_bench_cpu_says_when_decode_took_the_per_op_path(tiny_model, tmp_path, monkeypatch):
     from moe_offload.models import decode_loop
     monkeypatch.setattr(decode_loop, "ENABLED", False)
