@@ -95,6 +95,8 @@ def main() -> None:
                    help="route by a replayed trace of realistic locality (TraceParams()) instead of "
                         "the model's router: each sequence of a step follows its own stretch of it, "
                         "so the batch shares only the popular experts (guesses off, as in bench)")
+    p.add_argument("--cpu-repack", default="auto", choices=("auto", "on", "off"),
+                   help="the CPU's repacked copy of the experts (RuntimeOptions.cpu_repack)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
@@ -103,7 +105,7 @@ def main() -> None:
     fractions = [(f, None) for f in fractions if f is not None] + \
         [(None, m) for f in fractions if f is None for m in leasts]
     rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=max(batches),
-                      policy=OffloadPolicy(prefetch=not args.no_prefetch))
+                      policy=OffloadPolicy(prefetch=not args.no_prefetch), cpu_repack=args.cpu_repack)
     from moe_offload.scheduler import measure_rates
     from native.ops import _cpu
     threads = [int(t) for t in args.threads.split(",") if t] or [_cpu.threads()]

@@ -1,11 +1,12 @@
-"""Dev benchmark: IQ3_S decode (T tokens) in each (ISA, grid form) of the CPU tables, alternating
-call by call in one process, so that a shared or throttling machine slows every form alike.
+"""Dev benchmark: IQ3_S decode (T tokens) in each (ISA, grid form) of the CPU tables, and of its
+repacked CPU form (grid form "n4": IQ3_S_N4, native.ops.repack_for_cpu), alternating call by call
+in one process, so that a shared or throttling machine slows every form alike.
 
-  python scripts/dev/iq3s_forms.py ROWS COLS [T=1] [FORMS=avx2:loads,avx2:gather,avx512:loads,avx512:gather] [THREADS=1]
+  python scripts/dev/iq3s_forms.py ROWS COLS [T=1] [FORMS=avx2:loads,avx2:gather,avx2:n4,...] [THREADS=1]
 
 One random IQ3_S weight [ROWS, COLS] (in cache for small shapes: the decoder's own rate), 200
 rounds, each form once a round (native._cpu.set_isa / set_iq3s_grid between calls); prints min and
-median us and the weight GB/s at the median, then checks that every form gave the first form's bits.
+median us and the GB/s at the median (of IQ3_S's bytes, and for n4 of the bytes it reads), then checks that every form gave the first form's bits.
 """
 import sys
 import time
@@ -22,12 +23,13 @@ def main() -> None:
     rows, cols = int(sys.argv[1]), int(sys.argv[2])
     nt = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     forms = [tuple(f.split(":")) for f in (sys.argv[4] if len(sys.argv) > 4 else
-                                          "avx2:loads,avx2:gather,avx512:loads,avx512:gather").split(",")]
+                                          "avx2:loads,avx2:gather,avx2:n4,avx512:loads,avx512:gather,avx512:n4").split(",")]
     forms = [f for f in forms if f[0] in ops._cpu.available_isas()]
     threads = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     rng = np.random.default_rng(0)
     raw = random_blocks(q, rows * cols // q.block_elems, rng).reshape(rows, -1)
     w = ops.QTensor(torch.from_numpy(raw), q, (rows, cols))
+    n4 = ops.repack_for_cpu(w)
     x = torch.randn(nt, cols)
     ops._cpu.set_threads(threads)
     times = {f: [] for f in forms}
@@ -38,9 +40,10 @@ def main() -> None:
             for _ in range(200):
                 for f in forms:
                     ops._cpu.set_isa(f[0])
-                    ops._cpu.set_iq3s_grid(f[1])
+                    if f[1] != "n4":
+                        ops._cpu.set_iq3s_grid(f[1])
                     t = time.perf_counter()
-                    outs[f] = ops.matmul(x, w)
+                    outs[f] = ops.matmul(x, n4 if f[1] == "n4" else w)
                     times[f].append(time.perf_counter() - t)
     finally:
         ops._cpu.set_isa(before[0])
@@ -48,7 +51,8 @@ def main() -> None:
     for f in forms:
         a = np.array(times[f]) * 1e6
         print(f"IQ3_S {rows}x{cols} T={nt} threads={threads} {f[0]:6s} {f[1]:6s} min {a.min():7.0f} us  "
-              f"median {np.median(a):7.0f} us  {w.data.numel() / np.median(a) / 1e3:5.2f} GB/s")
+              f"median {np.median(a):7.0f} us  {w.data.numel() / np.median(a) / 1e3:5.2f} GB/s"
+              + (f" ({n4.data.numel() / np.median(a) / 1e3:5.2f} of its own)" if f[1] == "n4" else ""))
     for f in forms[1:]:
         assert torch.equal(outs[f], outs[forms[0]]), f"{f} differs from {forms[0]}"
     print("every form gave the same bits")
