@@ -33,9 +33,10 @@ def _cpu_name() -> str:
 
 
 def _repacked(model) -> list[str]:
-    """The repacked CPU forms the model's experts run in (none: the file's own)."""
-    return sorted({q.qtype.name for ex in getattr(model, "experts", ()) for q in (ex.gate, ex.up, ex.down)
-                   if q.qtype.family == "repacked"})
+    """The repacked CPU forms the model's weights run in (none: the file's own)."""
+    qs = [q for ex in getattr(model, "experts", ()) for q in (ex.gate, ex.up, ex.down)]
+    qs += [q for blk in getattr(model, "blk", ()) for q in blk.values()] + [getattr(model, "head", None)]
+    return sorted({q.qtype.name for q in qs if getattr(getattr(q, "qtype", None), "family", "") == "repacked"})
 
 
 def run_one(args, sizes: list[int], console) -> dict:

@@ -230,10 +230,12 @@ def add_placement_args(s: argparse.ArgumentParser) -> None:
                         "default: every core, or every core but two under --vram: the GPU's "
                         "launching thread and the driver keep theirs)")
     s.add_argument("--cpu-repack", choices=("auto", "on", "off"), default="auto",
-                   help="the experts the CPU computes, in its own repacked form where their type "
-                        "has one (IQ3_S: 4-bit codes the kernels decode without table lookups; "
-                        "the same results, 22%% more bytes in host RAM, a second copy of them "
-                        "under --vram). auto (default): where host RAM has room; on; off")
+                   help="the weights the CPU multiplies (without --vram every weight but the "
+                        "embedding, under --vram the experts), in its own repacked form where "
+                        "their type has one (IQ3_S: 4-bit codes the kernels read without table "
+                        "lookups; the same results, 22%% more bytes in host RAM, under --vram a "
+                        "second copy of the experts). auto (default): where host RAM has room; "
+                        "on; off")
 
 
 def add_draft_arg(s: argparse.ArgumentParser, note: str = "") -> None:

@@ -8,7 +8,7 @@ Public names:
                          (the offload runtime's guesses) and FUSED_PROJECTIONS
   Qwen35Moe              the qwen35moe forward pass (forward / prefill / decode / new_state)
   ResidentExperts, upload_weights, split_gate_up   weights on a device; the experts interface
-  repack_experts         CPU expert banks in the CPU's repacked forms (native.ops.cpu_form)
+  repack_cpu_weights     host-RAM weights in the CPU's repacked forms (native.ops.cpu_form)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from ..errors import OffloadError
 from .qwen35moe import Qwen35Moe
-from .weights import Experts, ResidentExperts, repack_experts, split_gate_up, upload_weights
+from .weights import Experts, ResidentExperts, repack_cpu_weights, split_gate_up, upload_weights
 
 MODELS = {"qwen35moe": Qwen35Moe}
 
@@ -24,8 +24,8 @@ MODELS = {"qwen35moe": Qwen35Moe}
 def build_model(loaded, device: torch.device | str = "cpu",
                 experts_device: torch.device | str | None = None, cpu_repack: str = "auto"):
     """Upload a validated LoadedModel's weights and wrap them in its architecture's model.
-    Experts the CPU computes are repacked into its own form where their type has one
-    (`cpu_repack`: auto = where host RAM has room, on, off; see repack_experts)."""
+    Weights the CPU multiplies are repacked into its own form where their type has one
+    (`cpu_repack`: auto = where host RAM has room, on, off; see repack_cpu_weights)."""
     cls = MODELS.get(loaded.arch.name)
     if cls is None:
         raise OffloadError(f"architecture {loaded.arch.name!r} has no forward pass; "
@@ -34,8 +34,8 @@ def build_model(loaded, device: torch.device | str = "cpu",
         raise OffloadError(f"{loaded.file.path}: {loaded.problems[0]}")
     fuse = cls.FUSED_PROJECTIONS if torch.device(device).type != "cpu" else None  # no copies on the CPU
     tensors, experts = upload_weights(loaded, device, experts_device, fuse=fuse)
-    return cls(loaded.config, tensors, repack_experts(experts, cpu_repack))
+    return cls(loaded.config, *repack_cpu_weights(tensors, experts, cpu_repack))
 
 
 __all__ = ["MODELS", "build_model", "Qwen35Moe", "Experts", "ResidentExperts", "upload_weights",
-           "split_gate_up", "repack_experts"]
+           "split_gate_up", "repack_cpu_weights"]

@@ -65,29 +65,37 @@ def split_gate_up(gate_up: QTensor) -> tuple[QTensor, QTensor]:
                  for s, part in ((0, "gate"), (half, "up")))
 
 
-def repack_experts(experts: Sequence[ResidentExperts], mode: str = "auto") -> list[ResidentExperts]:
-    """Banks in host RAM rewritten into the CPU's repacked form of their type, where it has one
-    (native.ops.cpu_form: IQ3_S -> IQ3_S_N4; the same bits from every kernel, no table lookups,
-    22% more bytes, in new memory: the file's pages can then leave the page cache). mode "off",
-    "on", or "auto": unless host RAM would keep less than 2 GiB free."""
+def repack_cpu_weights(tensors: dict, experts: Sequence[ResidentExperts], mode: str = "auto"
+                       ) -> tuple[dict, list[ResidentExperts]]:
+    """The host-RAM weights the CPU multiplies -- expert banks, the layers' projections, the
+    output head; not the token embedding, which is read by rows -- rewritten into the CPU's
+    repacked form of their type where it has one (native.ops.cpu_form: IQ3_S -> IQ3_S_N4; the
+    same bits from every kernel, no table lookups, 22% more bytes, in new memory: the file's
+    pages can then leave the page cache). mode "off", "on", or "auto": unless host RAM would keep
+    less than 2 GiB free. Returns new (tensors, experts); the inputs are left as they were."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"cpu_repack {mode!r}: give auto, on or off")
+
+    def wanted(q) -> bool:
+        return (isinstance(q, QTensor) and q.device.type == "cpu" and len(q.shape) in (2, 3)
+                and ops.cpu_form(q.qtype) is not None)
+    dense = [k for k, q in tensors.items() if k != "token_embd.weight" and wanted(q)]
     banks = [(i, k, q) for i, ex in enumerate(experts) for k, q in
-             (("gate", ex.gate), ("up", ex.up), ("down", ex.down))
-             if q.device.type == "cpu" and ops.cpu_form(q.qtype) is not None]
-    if mode == "off" or not banks:
-        return list(experts)
+             (("gate", ex.gate), ("up", ex.up), ("down", ex.down)) if wanted(q)]
+    if mode == "off" or not (dense or banks):
+        return tensors, list(experts)
     if mode == "auto":
         from ..host_bank import host_ram_available
-        form = {id(q): ops.cpu_form(q.qtype) for _, _, q in banks}
-        need = sum(int(np.prod(q.shape[:-1])) * form[id(q)].row_bytes(q.shape[-1]) for _, _, q in banks)
+        todo = [tensors[k] for k in dense] + [q for _, _, q in banks]
+        need = sum(int(np.prod(q.shape[:-1])) * ops.cpu_form(q.qtype).row_bytes(q.shape[-1]) for q in todo)
         avail = host_ram_available()
         if avail is not None and avail - need < 2 << 30:
-            return list(experts)
+            return tensors, list(experts)
+    tensors = {**tensors, **{k: ops.repack_for_cpu(tensors[k]) for k in dense}}
     out = [dict(gate=ex.gate, up=ex.up, down=ex.down) for ex in experts]
     for i, k, q in banks:
         out[i][k] = ops.repack_for_cpu(q)
-    return [ResidentExperts(**d) for d in out]
+    return tensors, [ResidentExperts(**d) for d in out]
 
 
 ARENA_ALIGN = 256   # bytes: every dtype's alignment, and what the kernels' vector loads want

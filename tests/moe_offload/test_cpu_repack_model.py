@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(ops._cpu is None, reason="native._cpu is not bui
 def iq3s(synth_model):
     # layer 1's up projection in a type with no repacked form: banks of mixed forms
     return open_model(synth_model(type="Q4_K", expert_type="IQ3_S", down_type="IQ3_S",
-                                  tensor_types=(("blk\\.1\\.ffn_up_exps", "Q4_K"),)))
+                                  tensor_types=(("blk\\.1\\.ffn_up_exps", "Q4_K"),
+                                                ("blk\\.0\\.(attn_qkv|ssm_out)", "IQ3_S"))))
 
 
 def test_the_cpu_model_decodes_the_same_with_repacked_experts(iq3s):
@@ -26,6 +27,9 @@ def test_the_cpu_model_decodes_the_same_with_repacked_experts(iq3s):
         m = build_model(iq3s, "cpu", cpu_repack=mode)
         names = {q.qtype.name for ex in m.experts for q in (ex.gate, ex.up, ex.down)}
         assert names == ({"IQ3_S", "Q4_K"} if mode == "off" else {"IQ3_S_N4", "Q4_K"})
+        # the dense projections and the head too (the file's are Q4_K; one is IQ3_S)
+        assert m.blk[0]["attn_qkv.weight" if "attn_qkv.weight" in m.blk[0] else "ssm_out.weight"].qtype.name \
+            == ("IQ3_S" if mode == "off" else "IQ3_S_N4")
         st = m.new_state(1, 64)
         out = [m.prefill(toks, st)]
         for _ in range(5):
