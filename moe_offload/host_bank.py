@@ -105,12 +105,26 @@ def _expert_sources(model: LoadedModel, layer: int) -> tuple[list, ExpertLayout]
         srcs = [(g.qtype, view(g, F)), (u.qtype, view(u, F))]
     d = w[b + "ffn_down_exps.weight"]
     srcs.append((d.qtype, view(d, H)))
-    off, projs = 0, []
-    for (qt, arr), (rows, cols) in zip(srcs, ((F, H), (F, H), (H, F))):
+    lay = _layout([(qt, rows, cols) for (qt, _), (rows, cols) in zip(srcs, ((F, H), (F, H), (H, F)))])
+    return [a for _, a in srcs], lay
+
+
+def _layout(projs: list[tuple[QuantType, int, int]]) -> ExpertLayout:
+    """The layout of an expert's gate, up and down, given as (type, rows, cols): each part
+    256-byte aligned, in that order."""
+    off, parts = 0, []
+    for qt, rows, cols in projs:
         nbytes = rows * qt.row_bytes(cols)
-        projs.append(ProjLayout(qt, rows, cols, off, nbytes))
+        parts.append(ProjLayout(qt, rows, cols, off, nbytes))
         off += _align(nbytes)
-    return [a for _, a in srcs], ExpertLayout(*projs, expert_bytes=off)
+    return ExpertLayout(*parts, expert_bytes=off)
+
+
+def host_ram_keeps(nbytes: int, keep: int) -> bool:
+    """Whether host RAM keeps `keep` bytes available once `nbytes` more are taken (True where
+    the available figure is unknown)."""
+    avail = host_ram_available()
+    return avail is None or avail - nbytes >= keep
 
 
 def host_ram_available() -> int | None:
@@ -214,21 +228,12 @@ class HostExpertBank:
         forms = [tuple(ops.cpu_form(p.qtype) for p in (lay.gate, lay.up, lay.down)) for lay in self.layouts]
         if not any(f for fs in forms for f in fs):
             return False
-        layouts = []
-        for lay, fs in zip(self.layouts, forms):
-            off, projs = 0, []
-            for p, f in zip((lay.gate, lay.up, lay.down), fs):
-                qt = f or p.qtype
-                nbytes = p.rows * qt.row_bytes(p.cols)
-                projs.append(ProjLayout(qt, p.rows, p.cols, off, nbytes))
-                off += _align(nbytes)
-            layouts.append(ExpertLayout(*projs, expert_bytes=off))
+        layouts = [_layout([(f or p.qtype, p.rows, p.cols) for p, f in zip((lay.gate, lay.up, lay.down), fs)])
+                   for lay, fs in zip(self.layouts, forms)]
         nbytes = sum(lay.expert_bytes * self.n_expert for lay in layouts)
-        avail = host_ram_available()
-        if mode == "auto" and avail is not None:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            if avail - nbytes < max(4 << 30, total // 10):
-                return False
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if mode == "auto" and not host_ram_keeps(nbytes, max(4 << 30, total // 10)):
+            return False
         flat = host_buffer(nbytes)
         banks, at, done = [], 0, 0
         for L, (lay, cl) in enumerate(zip(self.layouts, layouts)):

@@ -137,11 +137,12 @@ def repack_for_cpu(w: QTensor) -> QTensor:
     shape = tuple(w.shape)
     experts = shape[0] if len(shape) == 3 else 1
     rows = int(np.prod(shape[:-1], dtype=np.int64)) // experts   # rows of one expert
-    out = torch.empty((experts * rows, form.row_bytes(int(shape[-1]))), dtype=torch.uint8)
+    rb = form.row_bytes(int(shape[-1]))
+    out = torch.empty((experts * rows, rb), dtype=torch.uint8)
     nblocks = rows * (w.row_bytes // w.qtype.block_bytes)
     # rows are contiguous inside an expert (QTensor's rule): one run of blocks an expert
     _cpu.repack(w.qtype.type_id, w.data.data_ptr(), nblocks, out.data_ptr(), experts,
-                w.expert_stride if experts > 1 else 0, rows * form.row_bytes(int(shape[-1])))
+                w.expert_stride if experts > 1 else 0, rows * rb)
     return QTensor(out, form, shape, w.name, w.parts)
 
 

@@ -85,11 +85,10 @@ def repack_cpu_weights(tensors: dict, experts: Sequence[ResidentExperts], mode: 
     if mode == "off" or not (dense or banks):
         return tensors, list(experts)
     if mode == "auto":
-        from ..host_bank import host_ram_available
+        from ..host_bank import host_ram_keeps
         todo = [tensors[k] for k in dense] + [q for _, _, q in banks]
         need = sum(int(np.prod(q.shape[:-1])) * ops.cpu_form(q.qtype).row_bytes(q.shape[-1]) for q in todo)
-        avail = host_ram_available()
-        if avail is not None and avail - need < 2 << 30:
+        if not host_ram_keeps(need, 2 << 30):
             return tensors, list(experts)
     tensors = {**tensors, **{k: ops.repack_for_cpu(tensors[k]) for k in dense}}
     out = [dict(gate=ex.gate, up=ex.up, down=ex.down) for ex in experts]

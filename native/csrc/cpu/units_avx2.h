@@ -433,6 +433,15 @@ inline __m256i bits_to_words(uint32_t bits) {
     return _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(short(bits)), bit), bit);
 }
 
+// IQ3_S's (and IQ3_S_N4's) scale of every 32 weights: d * (1 + 2 * the group's 4-bit scale)
+inline void iq3s_group_scales(uint16_t d, const uint8_t* scales, float* out) {
+    const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(scales)));
+    const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
+    const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
+    _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(h2f(d)), odd));
+}
+
 template <> struct Unit<QType::IQ3_S> : UnitBase {
     static constexpr bool has_min = false;
     static constexpr bool per16 = false;
@@ -448,11 +457,7 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
                                                 _mm256_set1_epi16(256));
             _mm256_store_si256(reinterpret_cast<__m256i*>(st.idx + 16 * c), _mm256_or_si256(lo, hi));
         }
-        const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(b.scales)));
-        const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
-        const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
-            _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
-        _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));     // d * (1 + 2*sc)
+        iq3s_group_scales(b.d, b.scales, st.s);
     }
     // the 8 unsigned grid entries of sub s: 8 scalar loads, or with FT_IQ3S_GATHER one gather (the
     // AVX-512 file, and the AVX2 table's IQ3_S on Intel: kernels_iq3s_gather_avx2.cpp)
@@ -512,11 +517,7 @@ template <> struct Unit<QType::IQ3_S> : UnitBase {
         st16(16, _mm256_unpackhi_epi8(lo, h0));  // 1 | 3
         st16(32, _mm256_unpacklo_epi8(hi, h1));  // 4 | 6
         st16(48, _mm256_unpackhi_epi8(hi, h1));  // 5 | 7
-        const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(b.scales)));
-        const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
-        const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
-            _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));  // 1 + 2*sc
-        _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));     // d * (1 + 2*sc)
+        iq3s_group_scales(b.d, b.scales, st.s);
         st.sg = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.signs));
     }
     // the unsigned grid bytes of column j
@@ -595,11 +596,7 @@ template <> struct Unit<QType::IQ3_S_N4> : UnitBase {
     };
     static void begin(const uint8_t* blk, const Grids&, State& st) {
         const BlockIQ3_S_N4& b = *reinterpret_cast<const BlockIQ3_S_N4*>(blk);
-        const __m128i sc4 = _mm_cvtsi32_si128(int(ld_u32(b.scales)));
-        const __m128i nib = _mm_and_si128(_mm_unpacklo_epi8(sc4, _mm_srli_epi16(sc4, 4)), _mm_set1_epi8(0x0F));
-        const __m256 odd = _mm256_cvtepi32_ps(_mm256_add_epi32(
-            _mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1)));
-        _mm256_store_ps(st.s, _mm256_mul_ps(_mm256_set1_ps(h2f(b.d)), odd));
+        iq3s_group_scales(b.d, b.scales, st.s);
     }
     // the 32 codes (0..15) of group s
     static __m256i codes(const uint8_t* blk, int s) {
