@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -185,16 +186,20 @@ def _mtp_specs(c: Qwen35MoeConfig, agree: float | None = None) -> list[TensorSpe
 
 # An MTP head that agrees with the trunk at a chosen rate (`SynthOptions.mtp_agree`):
 #  - the trunk is made near-bigram: token embeddings EMBED_GAIN times the usual size, so the
-#    residual stream stays the token's own embedding plus comparatively small layer outputs,
-#    and the trunk's next token is (almost always) f(t) = argmax head . (norm(emb t) * out_norm);
+#    residual stream stays the token's own embedding plus comparatively small layer outputs;
+#  - the embedding row of token t is the output head's row of next(t), scaled up, where next is
+#    one random cycle through the whole vocabulary: the head's logits of norm(emb t) peak at
+#    next(t), so greedy decoding walks that cycle and visits a fresh token every step (a random
+#    head instead makes the walk fall into a loop of a few dozen tokens, whose kept share is one
+#    fixed draw: the realised acceptance then sat 0.1-0.15 below the rate);
 #  - the head sees only the token: eh_proj = [MTP_GAIN * I | 0] (the hidden half zero), enorm
 #    = 1, no shared_head_norm (the trunk's output norm serves), so the block's own layer
-#    outputs are small beside the residual and the head guesses f(token);
+#    outputs are small beside the residual and the head guesses next(token);
 #  - its embedding table (nextn.embed_tokens) is the trunk's with the rows of a random
 #    (1 - rate) share of the vocabulary swapped among themselves: for those tokens the head
-#    guesses f of another token, which agrees with the trunk only by chance.
-# So a draft of the token after t agrees with the trunk iff t is in the kept share: greedy
-# acceptance ~ rate on the tokens a sequence visits (measured in docs/BENCHMARKS.md).
+#    guesses next of another token, which is never the trunk's.
+# So a draft of the token after t agrees with the trunk iff t is in the kept share, and each
+# step's token is a fresh one: the realised acceptance is a binomial draw around the rate.
 EMBED_GAIN = 5000.0
 MTP_GAIN = 100.0
 
@@ -203,13 +208,19 @@ def _agreeing_mtp(plans: list[_Plan], opts: SynthOptions, c: Qwen35MoeConfig) ->
     rate = float(opts.mtp_agree)
     b = f"blk.{c.n_layer}.nextn."
     embed = next(pl for pl in plans if pl.name == "token_embd.weight")
+    head = next(pl for pl in plans if pl.name == "output.weight")
     V, H = c.n_vocab, c.n_embd
+    made: list[np.ndarray] = []     # the trunk's table, made once for both tables
+    lock = threading.Lock()         # (the writer's pool may ask for both at once)
 
-    def make_embd(rng: np.random.Generator) -> np.ndarray:
-        return random_tensor(embed.qtype, embed.shape, rng, scale=0.02 * EMBED_GAIN)
+    def make_embd(rng: np.random.Generator | None = None) -> np.ndarray:
+        with lock:
+            if not made:
+                made.append(_bigram_embedding(embed.qtype, head, V, opts.seed))
+        return made[0]
 
     def make_mtp_embd(rng: np.random.Generator) -> np.ndarray:
-        rows = make_embd(_tensor_seed(opts.seed, "token_embd.weight"))
+        rows = make_embd()
         pick = np.random.default_rng([opts.seed, zlib.crc32(b"mtp_agree")])
         moved = np.flatnonzero(pick.random(V) >= rate)
         out = rows.copy()
@@ -230,6 +241,50 @@ def _agreeing_mtp(plans: list[_Plan], opts: SynthOptions, c: Qwen35MoeConfig) ->
                                    lambda rng: float_bytes(np.ones(H, np.float32), "F32"))}
     return [replace(pl, qtype=makers[pl.name][0], make=makers[pl.name][1])
             if pl.name in makers else pl for pl in plans]
+
+
+def bigram_next(seed: int, head_norms: np.ndarray) -> np.ndarray:
+    """The agreeing model's trunk: greedy decoding follows token t with next[t]. The quarter of
+    the tokens with the longest head rows form one cycle (a short row's own logit may lose to a
+    long row's chance alignment: on the tiny preset's 256-wide rows 30% of the tokens did);
+    every other token leads into it."""
+    pick = np.random.default_rng([seed, zlib.crc32(b"bigram_next")])
+    n = len(head_norms)
+    strong = np.flatnonzero(head_norms >= np.quantile(head_norms, 0.75))
+    order = pick.permutation(strong)
+    nxt = pick.choice(order, n)
+    nxt[order] = np.roll(order, -1)
+    return nxt
+
+
+def _bigram_embedding(qtype: QuantType, head: _Plan, n_vocab: int, seed: int,
+                      rows_per_chunk: int = 16384) -> np.ndarray:
+    """token_embd of the agreeing model: row t = EMBED_GAIN x the head's row next[t], stored as
+    `qtype` (the head is made again from its own seed: the bytes the file holds)."""
+    import gguf
+    head_rows = head.make(_tensor_seed(seed, head.name))
+    gq = gguf.GGMLQuantizationType(head.qtype.type_id)
+    eq = gguf.GGMLQuantizationType(qtype.type_id)
+    starts = range(0, n_vocab, rows_per_chunk)
+
+    def norms(r0: int) -> np.ndarray:
+        rows = gguf.quants.dequantize(head_rows[r0:r0 + rows_per_chunk], gq)
+        return np.sqrt(np.square(rows, dtype=np.float64).sum(axis=1))
+
+    def chunk(r0: int) -> np.ndarray:
+        rows = gguf.quants.dequantize(head_rows[nxt[r0:r0 + rows_per_chunk]], gq)
+        try:
+            return gguf.quants.quantize(rows * np.float32(EMBED_GAIN), eq).view(np.uint8)
+        except NotImplementedError:
+            raise GGUFError(f"--mtp-agree writes the token embedding from the output head; "
+                            f"gguf-py cannot quantize {qtype.name}: use --embed-type Q8_0, "
+                            f"F16 or F32") from None
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        nxt = bigram_next(seed, np.concatenate(list(pool.map(norms, starts))))
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        parts = list(pool.map(chunk, starts))
+    return np.concatenate(parts).reshape(n_vocab, qtype.row_bytes(head.shape[-1]))
 
 
 def _metadata(opts: SynthOptions, p: Preset, c: Qwen35MoeConfig, vocab: VocabSpec) -> dict:

@@ -339,14 +339,18 @@ def test_one_slow_plain_step_does_not_make_drafting_look_cheap(slow_first):
     assert spent / tokens < 1.05               # against 1.0 a token decoding plainly
 
 
-@pytest.mark.parametrize("rate", [0.0, 1.0])
+@pytest.mark.parametrize("rate", [0.0, 0.5, 0.8, 1.0])
 def test_synthetic_head_agrees_at_the_chosen_rate(synth_model, rate):
+    """Greedy decoding walks the trunk's cycle (a fresh token nearly every step), so the realised
+    acceptance is a binomial draw around the rate: within 0.15 of it at 64 tokens (3 sd at 0.5)."""
     loaded = open_model(synth_model(mtp_agree=rate, type="Q4_K"))
     assert loaded.metadata["ftpatch.synth.mtp_agree"] == pytest.approx(rate)
     model = build_model(loaded, "cpu")
     draft = SpeculativeDecoder(model, MtpHead.load(loaded, model), 1)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    assert _tokens(model, params, draft) == _tokens(model, params)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    tokens = _tokens(model, params, draft)
+    assert tokens == _tokens(model, params)
+    assert len(set(tokens)) > 0.7 * len(tokens), "greedy decoding fell into a short loop"
     assert abs(draft.stats.acceptance - rate) < 0.15, draft.stats.as_dict()
 
 
