@@ -289,7 +289,7 @@ def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         raise NativeError(f"{w.name}: input has {x.shape[-1]} features, weight expects {w.shape[-1]}")
     ext = _ext_for(x.device)
     if x.device.type == "cuda" and w.qtype.family == "float" and len(w.shape) == 2:
-        return _float_matmul(x, w)  # cuBLAS reads F32/F16/BF16 weights at full bandwidth
+        return _float_matmul(x, w)  # decode's rows natively, longer inputs by cuBLAS
     if _ext_supports(ext, w.qtype, "matmul", int(w.shape[-1])):
         if ext is _cuda and x.numel() // x.shape[-1] > DECODE_MAX_TOKENS and len(w.shape) == 2:
             return cuda_prefill_matmul(x, w, dtype=PREFILL_DTYPE)
@@ -357,19 +357,25 @@ def _cpu_matmul_many(x: torch.Tensor, args: list[tuple]) -> list[torch.Tensor]:
 
 
 def _float_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x @ W^T for a float-typed weight, its bytes viewed as the float type (no copy)."""
+    """x @ W^T for a float-typed weight on a GPU: up to DECODE_MAX_TOKENS rows by the native
+    float_matmul, more by cuBLAS on the bytes viewed as the float type."""
     o, h = w.shape
-    wt = _rows(w).view(_FLOAT_DTYPES[w.qtype.name]).view(o, h)
     x2 = x.reshape(-1, h).to(torch.float32)
+    data = _rows(w)
+    if x2.is_cuda and 0 < x2.shape[0] <= DECODE_MAX_TOKENS and h % 4 == 0 \
+            and hasattr(_cuda, "float_matmul"):
+        # decode's few rows: one launch whose every row sums in the same order whatever the row
+        # count (cuBLAS picks its kernel, and so its order, by shape), so a speculative verify
+        # step or a batch routes as decode does (an F32 router's logits decide the experts);
+        # F16/BF16 weights are read as they are stored
+        x2 = x2.contiguous() if x2.data_ptr() % 16 == 0 else x2.clone()
+        y = torch.empty(x2.shape[0], o, dtype=torch.float32, device=x.device)
+        _cuda.float_matmul(w.qtype.type_id, data.data_ptr(), o, h, w.row_bytes, x2.data_ptr(),
+                           x2.shape[0], y.data_ptr(), _stream(x.device))
+        return y.reshape(*x.shape[:-1], o)
+    wt = data.view(_FLOAT_DTYPES[w.qtype.name]).view(o, h)
     wt = wt if wt.dtype == torch.float32 else wt.float()
-    if 1 < x2.shape[0] <= DECODE_MAX_TOKENS and x2.is_cuda:
-        # one GEMM a row, as decode runs it: cuBLAS picks its kernel (and so its summation
-        # order) by shape, and a speculative verify step must route as decode does (an F32
-        # router's logits decide the experts)
-        y = torch.cat([x2[i:i + 1] @ wt.T for i in range(x2.shape[0])])
-    else:
-        y = x2 @ wt.T
-    return y.reshape(*x.shape[:-1], o)
+    return (x2 @ wt.T).reshape(*x.shape[:-1], o)
 
 
 def moe_ffn(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor,
@@ -866,11 +872,12 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
 def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                         k_norm: torch.Tensor, eps: float, pos: list[torch.Tensor], n_rot: int,
                         base: float, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                        n_head: int, n_attn: int) -> torch.Tensor:
-    """One token of gated attention (api.h) for each of S sequences with caches and positions of
+                        n_head: int, n_attn: int, write_first: bool = False) -> torch.Tensor:
+    """One token of gated attention (api.h) for each of S entries with caches and positions of
     their own, in one launch: rows s of qg [S, Hq*2d], k, v [S, Hkv*d]; k_caches[s], v_caches[s]
     [.., n_ctx, Hkv, d] (contiguous, one dtype); pos[s] int64 device scalars; n_attn the most
-    rows any of them attends -> [S, Hq*d]."""
+    rows any of them attends -> [S, Hq*d]. write_first: every entry's k, v rows are written
+    before any entry attends, so entries may share a cache (tokens of one sequence)."""
     hkv, d = k_caches[0].shape[-2:]
     dt = k_caches[0].dtype
     if dt not in (torch.float32, torch.float16) or any(
@@ -891,7 +898,7 @@ def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
                           ldkv, q_norm.data_ptr(), k_norm.data_ptr(), eps,
                           [p.data_ptr() for p in pos], n_rot, base, [c.data_ptr() for c in k_caches],
                           [c.data_ptr() for c in v_caches], _GGML_DTYPE[dt], n_attn, n_head, hkv, d,
-                          work.data_ptr(), out.data_ptr(), _stream(qg.device))
+                          work.data_ptr(), out.data_ptr(), write_first, _stream(qg.device))
     return out
 
 

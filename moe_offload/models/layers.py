@@ -138,13 +138,20 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     hkv, d = k_cache.shape[2:]
     hq = qg.shape[-1] // (2 * d)
     if T <= ops.DECODE_MAX_TOKENS and _attention_kernel_for(qg, k_cache):
-        # a few tokens (decode, a speculative verify step): the one-token kernel for each in
-        # turn, so a verify step attends with the arithmetic of decode (greedy speculative
-        # output = plain); token t sees the rows the ones before it wrote
-        o = [ops.cuda_attention_step(qg[:, t], k[:, t], v[:, t], q_norm, k_norm, eps,
-                                     pos[t] if pos.dim() else pos, n_rot, base, k_cache, v_cache,
-                                     hq, n_attn) for t in range(T)]
-        return (o[0] if T == 1 else torch.stack(o, 1)).view(B, T, hq * d)
+        # a few tokens (decode, a speculative verify step): each token with the arithmetic of
+        # its own decode step (greedy speculative output = plain), the T tokens' rows written
+        # first so that token t sees the ones before it; three launches whatever T
+        if T == 1:
+            return ops.cuda_attention_step(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps,
+                                           pos[0] if pos.dim() else pos, n_rot, base, k_cache,
+                                           v_cache, hq, n_attn).view(B, 1, hq * d)
+        at = [pos[t] for t in range(T)] * B
+        o = ops.cuda_attention_many(qg.reshape(B * T, -1), k.reshape(B * T, -1),
+                                    v.reshape(B * T, -1), q_norm, k_norm, eps, at, n_rot, base,
+                                    [c for c in k_cache for _ in range(T)],
+                                    [c for c in v_cache for _ in range(T)], hq, n_attn,
+                                    write_first=True)
+        return o.view(B, T, hq * d)
     if B == 1 and d % 16 == 0 and k_cache.dtype == torch.float32 and k_cache.is_contiguous() \
             and v_cache.is_contiguous() and _cpu_kernel_for(qg) and ops.cpu_attention_available(qg):
         # the CPU's (csrc/cpu/attention.cpp): norms, RoPE, the cache write, then heads and query

@@ -52,6 +52,9 @@
 //   tables_ready() -> bool
 //   block_sizes() -> {name: (block_elems, block_bytes)}   ggml's sizes, from quants.h
 //   dequantize_types(), matmul_types(), moe_ffn_types() -> [names]   every type of the list
+//   float_matmul(type_id, w, n_out, n_in, w_row_stride, x, n_tok, y, stream)
+//       decode's product with an F32/F16/BF16 weight, 1..8 rows of x, each row's bits
+//       independent of n_tok (api.h)
 //   matmul_accum() -> {name: "q8" | "f32"}   "q8": x rounded to int8 per 32 values
 //       (d = amax/127, q = rint(x/d)); y exact for that x up to float32 sums. "f32": float x, FMA.
 //       moe_ffn uses the same rule per projection (the down input h is rounded the same way).
@@ -111,6 +114,15 @@ PYBIND11_MODULE(_cuda, m) {
              uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {
               cuda::matmul(type_id, ptr<const void>(w), n_out, n_in, w_row_stride,
                            ptr<const float>(x), n_tok, ptr<float>(y), stream);
+          },
+          py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
+          py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
+          py::arg("stream") = 0, release);
+    m.def("float_matmul",
+          [](int type_id, uintptr_t w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
+             uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {
+              cuda::float_matmul(type_id, ptr<const void>(w), n_out, n_in, w_row_stride,
+                                 ptr<const float>(x), n_tok, ptr<float>(y), stream);
           },
           py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
           py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
@@ -212,7 +224,7 @@ PYBIND11_MODULE(_cuda, m) {
              uintptr_t k_norm, float eps, const std::vector<uintptr_t>& pos, int64_t n_rot, float base,
              const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
              int cache_dtype, int64_t n_attn, int64_t hq, int64_t hkv, int64_t d, uintptr_t workspace,
-             uintptr_t out, uintptr_t stream) {
+             uintptr_t out, bool write_first, uintptr_t stream) {
               if (pos.size() != k_caches.size() || pos.size() != v_caches.size())
                   throw std::invalid_argument("attention_steps: one position and one pair of caches a sequence");
               std::vector<const int64_t*> ps;
@@ -226,13 +238,13 @@ PYBIND11_MODULE(_cuda, m) {
                                     ldkv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps,
                                     ps.data(), n_rot, base, kc.data(), vc.data(), cache_dtype, n_attn,
                                     int64_t(ps.size()), hq, hkv, d, ptr<float>(workspace),
-                                    ptr<float>(out), stream);
+                                    ptr<float>(out), write_first, stream);
           },
           py::arg("qg"), py::arg("ldq"), py::arg("k"), py::arg("v"), py::arg("ldkv"),
           py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("pos"), py::arg("n_rot"),
           py::arg("base"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cache_dtype"),
           py::arg("n_attn"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("workspace"),
-          py::arg("out"), py::arg("stream") = 0, release);
+          py::arg("out"), py::arg("write_first") = false, py::arg("stream") = 0, release);
     m.def("attention_splits", [](int64_t n_attn) { return cuda::attention_splits(n_attn); },
           py::arg("n_attn"));  // a call, not an address: the CPU emulator resolves it lazily
     m.def("swiglu",

@@ -35,6 +35,29 @@ FAMILIES = (   # (family, substrings of the kernel's name), first match wins
 )
 
 
+def per_token_verify() -> None:
+    """The verify step's per-token parts as they were (for an A/B in one process)."""
+    from native import ops
+    from moe_offload.models import qwen35moe
+    attend = qwen35moe.gated_attention
+
+    def attention(qg, k, v, qn, kn, eps, pos, n_rot, base, kc, vc, n_attn):
+        T = qg.shape[1]
+        if T == 1 or not qg.is_cuda:
+            return attend(qg, k, v, qn, kn, eps, pos, n_rot, base, kc, vc, n_attn)
+        return torch.cat([attend(qg[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], qn, kn, eps,
+                                 pos[t:t + 1], n_rot, base, kc, vc, n_attn) for t in range(T)], 1)
+
+    def float_matmul(x, w):
+        o, h = w.shape
+        wt = ops._rows(w).view(ops._FLOAT_DTYPES[w.qtype.name]).view(o, h).float()
+        x2 = x.reshape(-1, h).float()
+        return torch.cat([x2[i:i + 1] @ wt.T for i in range(x2.shape[0])]).reshape(*x.shape[:-1], o)
+
+    qwen35moe.gated_attention = attention
+    ops._float_matmul = float_matmul
+
+
 def family(name: str) -> str:
     for fam, keys in FAMILIES:
         if any(k in name for k in keys):
@@ -61,7 +84,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kinds", default="b1,v2,v3,b2,b4")
     p.add_argument("--json")
+    p.add_argument("--per-token-verify", action="store_true",
+                   help="A/B: a verify step's attention one token at a time and its float "
+                        "matmuls (the F32 router) one cuBLAS GEMM a row, as before the multi-token "
+                        "attention and the rows engine for decode's float matmuls")
     args = p.parse_args()
+    if args.per_token_verify:
+        per_token_verify()
     rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=4,
                       policy=OffloadPolicy(prefetch=not args.trace))
     dev, c = rt.device, rt.config
@@ -75,7 +104,7 @@ def main() -> None:
         rt.replay(make_trace(512 * rt.engine.max_tok, c.n_layer, c.n_expert, c.n_expert_used,
                              TraceParams()))
         regime = TraceParams().label()
-    rt.keep_steps(states[0], 2)
+    rt.keep_steps(states[0], max([int(k[1:]) for k in args.kinds.split(",") if k[0] == "v"] + [3]) - 1)
 
     def step_fn(kind: str):
         if kind.startswith("b"):

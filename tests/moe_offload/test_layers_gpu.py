@@ -178,6 +178,49 @@ def test_attention_many_sequences_equal_each_alone(positions):
         assert torch.equal(kc[b], kc1[b]) and torch.equal(vc[b], vc1[b])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("T,batch,start", [(2, 1, 0), (3, 1, 517), (8, 1, 250), (3, 2, 40)])
+def test_attention_of_several_tokens_equals_one_at_a_time(cache_dtype, T, batch, start):
+    """A verify step's attention: T tokens of a sequence at start..start+T-1, their rows written
+    first and then all attending in one launch, equal T one-token steps in turn bit for bit
+    (outputs and caches), also across a split boundary (250..257) and for two sequences."""
+    (hq, hkv, d, n_rot), n_ctx = (16, 2, 256, 64), 1024
+    g = torch.Generator(DEV).manual_seed(T * 100 + start + batch)
+    proj = _rand(batch, T, hq * 2 * d + 2 * hkv * d, g=g)
+    qg, k, v = proj.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    q_norm, k_norm = _rand(d, g=g) * 0.1 + 1, _rand(d, g=g) * 0.1 + 1
+    kc, vc = (_rand(batch, n_ctx, hkv, d, g=g).to(cache_dtype) for _ in range(2))
+    kc1, vc1 = kc.clone(), vc.clone()
+    pos = start + torch.arange(T, device=DEV)
+    n_attn = min(n_ctx, ((start + T) // 256 + 1) * 256)
+    args = (q_norm, k_norm, 1e-6)
+    out = layers.gated_attention(qg, k, v, *args, pos, n_rot, 1e7, kc, vc, n_attn)
+    one = [layers.gated_attention(qg[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], *args, pos[t:t + 1],
+                                  n_rot, 1e7, kc1, vc1, n_attn) for t in range(T)]
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+    assert torch.equal(out, torch.cat(one, 1))
+
+
+@pytest.mark.parametrize("wtype", ["F32", "F16", "BF16"])
+def test_float_matmul_rows_equal_one_at_a_time(wtype):
+    """A float weight (the F32 router, F16 eh_proj) on few rows: every row's product is the bits
+    of its one-row product whatever the row count (a verify step routes as decode does), and
+    close to torch's."""
+    from loaders.quants import quant_type
+    from native import ops
+    from native.ops import QTensor
+    o, h = 257, 2048
+    g = torch.Generator(DEV).manual_seed(7)
+    wf = _rand(o, h, g=g, scale=0.02)
+    raw = wf.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[wtype])
+    w = QTensor(raw.view(torch.uint8).reshape(o, -1), quant_type(wtype), (o, h), "router")
+    x = _rand(8, h, g=g)
+    one = torch.cat([ops.matmul(x[i:i + 1], w) for i in range(8)])
+    for T in (2, 3, 5, 8):
+        assert torch.equal(ops.matmul(x[:T], w), one[:T]), T
+    _close(one, x @ raw.float().T, 1e-5)
+
+
 @pytest.mark.parametrize("rows,E,k", [(1, 256, 8), (4, 256, 8), (3, 64, 4), (2, 2048, 16)])
 def test_route_topk(rows, E, k):
     g = torch.Generator(DEV).manual_seed(E + k)

@@ -41,6 +41,13 @@ void rows_to_f16(const float* x, int64_t n_rows, int64_t n_cols, int64_t ldx, vo
 void matmul(int type_id, const void* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
             const float* x, int64_t n_tok, float* y, uintptr_t stream);
 
+// y [n_tok, n_out] f32 = x [n_tok, n_in] f32 (contiguous, 16-byte aligned) @ W^T for a float
+// weight (type_id 0 F32, 1 F16, 30 BF16; row o at w + o*w_row_stride bytes; n_in a multiple of
+// 4), n_tok = 1..8 in one launch: each row of x gets the same bits whatever n_tok (one block an
+// output, a fixed order of FMAs and sums). Decode's float products (float_rows.cu).
+void float_matmul(int type_id, const void* w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
+                  const float* x, int64_t n_tok, float* y, uintptr_t stream);
+
 // One projection of an expert pool: expert slot s at base + s*slot_bytes, [rows, cols] blocks with
 // contiguous rows inside a slot.
 struct Pool {
@@ -127,11 +134,14 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 // positions 0..*pos[s] (scale d^-0.5); out [n_seq, hq*d] = attention * sigmoid(gate).
 // workspace: >= n_seq * hq * attention_splits(n_attn) * (d + 2) floats. Two launches per 8
 // sequences; a sequence attending fewer rows than n_attn leaves its last splits empty.
+// write_first: every entry's k, v rows are written (one more launch per 8) before any entry
+// attends, so entries may share caches: T tokens of one sequence at T positions (a speculative
+// verify step) in three launches, each token's result the bits of its own one-token step.
 void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                      const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
                      int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
                      int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
-                     float* workspace, float* out, uintptr_t stream);
+                     float* workspace, float* out, bool write_first, uintptr_t stream);
 int64_t attention_splits(int64_t n_attn);
 
 // out [rows, n] = silu(gate) * up (gate, up: [rows, ld]).

@@ -414,7 +414,12 @@ __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos,
     __syncthreads();
 }
 
-template <class C, int PER>
+// What a launch of attention_part_kernel does with the caches. A step of several tokens of one
+// sequence runs kWriteRows (every token's k, v row into the cache) then kAttendOnly (each token
+// attends rows the others wrote): each token's arithmetic is the one-token kWriteAndAttend's.
+enum AttnMode : int { kWriteAndAttend = 0, kWriteRows = 1, kAttendOnly = 2 };
+
+template <class C, int PER, int MODE>
 __global__ void __launch_bounds__(32 * kAttnWarps)
 attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
                       const float* q_norm, const float* k_norm, float eps, SeqKV kv, int n_rot,
@@ -424,6 +429,7 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     __shared__ float red[32], wm[kAttnWarps], wl[kAttnWarps];
     const int h = blockIdx.x, b = blockIdx.y, group = hq / hkv, kh = h / group;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (MODE == kWriteRows && h % group != 0) return;   // one block a kv head writes
     const int64_t pos = *kv.pos[b];
     C* const k_cache = static_cast<C*>(kv.k[b]);  // this sequence's [n_ctx, Hkv, d]
     C* const v_cache = static_cast<C*>(kv.v[b]);
@@ -434,20 +440,21 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
         vs[i] = vin[int64_t(b) * ldkv + int64_t(kh) * d + i];
     }
     __syncthreads();
-    norm_rope(qs, q_norm, d, eps, float(pos), n_rot, base, red);
+    if (MODE != kWriteRows) norm_rope(qs, q_norm, d, eps, float(pos), n_rot, base, red);
     norm_rope(ks, k_norm, d, eps, float(pos), n_rot, base, red);
     const int64_t row_stride = int64_t(hkv) * d;
     const C* kbase = k_cache + int64_t(kh) * d + lane * PER;
     const C* vbase = v_cache + int64_t(kh) * d + lane * PER;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         const C kc = store_c<C>(ks[i]), vc = store_c<C>(vs[i]);
-        if (h % group == 0 && blockIdx.z == 0) {
+        if (MODE != kAttendOnly && h % group == 0 && blockIdx.z == 0) {
             k_cache[(pos * hkv + kh) * d + i] = kc;
             v_cache[(pos * hkv + kh) * d + i] = vc;
         }
-        ks[i] = to_f(kc);
+        ks[i] = to_f(kc);   // the row as the cache holds it: what later tokens read
         vs[i] = to_f(vc);
     }
+    if (MODE == kWriteRows) return;
     __syncthreads();
 
     float q[PER], acc[PER];
@@ -562,12 +569,12 @@ __global__ void attention_merge_kernel(const float* part, int splits, int d, con
     }
 }
 
-template <class C>
+template <class C, int MODE>
 void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, int64_t ldq,
                       const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
                       float eps, const SeqKV& kv, int n_rot, float base, int hq, int hkv, float* part) {
     auto go = [&](auto per) {
-        attention_part_kernel<C, decltype(per)::value><<<grid, 32 * kAttnWarps, 0, st>>>(
+        attention_part_kernel<C, decltype(per)::value, MODE><<<grid, 32 * kAttnWarps, 0, st>>>(
             qg, ldq, k, v, ldkv, qn, kn, eps, kv, n_rot, base, hq, hkv, part);
     };
     switch (d) {
@@ -576,6 +583,10 @@ void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, in
         case 256: go(std::integral_constant<int, 8>{}); break;
         default: go(std::integral_constant<int, 16>{}); break;  // 512
     }
+}
+
+float* part_of(float* workspace, int64_t s0, int64_t hq, int64_t splits, int64_t d) {
+    return workspace + s0 * hq * splits * (d + 2);
 }
 
 unsigned blocks_for(int64_t n, int per) { return unsigned((n + per - 1) / per); }
@@ -684,7 +695,7 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
                      const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
                      int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
                      int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
-                     float* workspace, float* out, uintptr_t stream) {
+                     float* workspace, float* out, bool write_first, uintptr_t stream) {
     require(hkv > 0 && hq % hkv == 0, "attention_steps: query heads must be a multiple of kv heads");
     require(d == 64 || d == 128 || d == 256 || d == 512, "attention_steps: head dim must be 64, 128, 256 or 512");
     require(n_rot % 2 == 0 && n_rot <= d, "attention_steps: n_rot must be even and <= head dim");
@@ -694,25 +705,44 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
     // a sequence attending fewer rows than n_attn leaves its last splits empty: the merge skips them
     const int64_t splits = attention_splits(n_attn);
     const cudaStream_t st = to_stream(stream);
-    by_groups(n_seq, [&](int64_t s0, int ns) {
+    auto seqs = [&](int64_t s0, int ns) {
         SeqKV kv{};
         for (int i = 0; i < ns; ++i) {
             kv.k[i] = k_caches[s0 + i];
             kv.v[i] = v_caches[s0 + i];
             kv.pos[i] = pos[s0 + i];
         }
-        const dim3 grid{unsigned(hq), unsigned(ns), unsigned(splits)};
-        float* part = workspace + s0 * hq * splits * (d + 2);
-        const float* q0 = qg + s0 * ldq;
+        return kv;
+    };
+    auto launch = [&](auto mode, int64_t s0, int ns, unsigned n_splits) {
+        constexpr int M = decltype(mode)::value;
+        const dim3 grid{unsigned(hq), unsigned(ns), n_splits};
+        float* part = part_of(workspace, s0, hq, splits, d);
+        const SeqKV kv = seqs(s0, ns);
         if (cache_dtype == 0)
-            launch_attention<float>(grid, st, d, q0, ldq, k + s0 * ldkv, v + s0 * ldkv, ldkv, q_norm,
-                                    k_norm, eps, kv, int(n_rot), base, int(hq), int(hkv), part);
+            launch_attention<float, M>(grid, st, d, qg + s0 * ldq, ldq, k + s0 * ldkv, v + s0 * ldkv,
+                                       ldkv, q_norm, k_norm, eps, kv, int(n_rot), base, int(hq),
+                                       int(hkv), part);
         else
-            launch_attention<__half>(grid, st, d, q0, ldq, k + s0 * ldkv, v + s0 * ldkv, ldkv, q_norm,
-                                     k_norm, eps, kv, int(n_rot), base, int(hq), int(hkv), part);
+            launch_attention<__half, M>(grid, st, d, qg + s0 * ldq, ldq, k + s0 * ldkv, v + s0 * ldkv,
+                                        ldkv, q_norm, k_norm, eps, kv, int(n_rot), base, int(hq),
+                                        int(hkv), part);
         FT_CUDA_CHECK(cudaGetLastError());
+    };
+    // write_first: the sequences' rows go into the caches before any attends, so entries that
+    // share a cache (the tokens of one sequence) see each other's rows
+    if (write_first)
+        by_groups(n_seq, [&](int64_t s0, int ns) {
+            launch(std::integral_constant<int, kWriteRows>{}, s0, ns, 1u);
+        });
+    by_groups(n_seq, [&](int64_t s0, int ns) {
+        if (write_first)
+            launch(std::integral_constant<int, kAttendOnly>{}, s0, ns, unsigned(splits));
+        else
+            launch(std::integral_constant<int, kWriteAndAttend>{}, s0, ns, unsigned(splits));
         attention_merge_kernel<<<dim3{unsigned(hq), unsigned(ns)}, 256, 0, st>>>(
-            part, int(splits), int(d), q0, ldq, int(hq), out + s0 * hq * d);
+            part_of(workspace, s0, hq, splits, d), int(splits), int(d), qg + s0 * ldq, ldq, int(hq),
+            out + s0 * hq * d);
         FT_CUDA_CHECK(cudaGetLastError());
     });
 }
