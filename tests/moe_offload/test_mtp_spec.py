@@ -339,6 +339,27 @@ def test_one_slow_plain_step_does_not_make_drafting_look_cheap(slow_first):
     assert spent / tokens < 1.05               # against 1.0 a token decoding plainly
 
 
+def test_a_cold_start_of_plain_steps_is_outgrown():
+    """The trace regime at acceptance 0.28: the first plain steps all slow (7.0 ms: the cache
+    still holding another part of the trace), then 4.7 ms; a k = 1 step 7.6 ms. At first
+    drafting looks cheaper (7.6 / 1.28 < 7.0); the plain steps re-measured while drafting must
+    bring the policy back to plain decoding within a few hundred steps."""
+    import random
+    rng = random.Random(2)
+    pol = DraftPolicy(None)
+    cost = {0: 4.7, 1: 7.6, 2: 9.0, 3: 10.0}
+    ks, spent, tokens = [], 0.0, 0
+    for i in range(300):
+        k = pol.choose()
+        accepted = next((j for j in range(k) if rng.random() >= 0.28), k)
+        pol.observe(k, accepted, 7.0 if (k == 0 and i < 8) else cost[k])
+        ks.append(k)
+        spent, tokens = spent + cost[k], tokens + accepted + 1
+    assert pol.cost[0] == pytest.approx(4.7, rel=0.05)
+    assert ks[100:].count(0) > 0.9 * 200, ks[100:]
+    assert spent / tokens < 1.1 * cost[0]      # a plain re-measure every 64 steps at 0.1: 1.24
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.5, 0.8, 1.0])
 def test_synthetic_head_agrees_at_the_chosen_rate(synth_model, rate):
     """Greedy decoding walks the trunk's cycle (a fresh token nearly every step), so the realised
