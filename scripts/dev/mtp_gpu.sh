@@ -6,7 +6,8 @@
 # same file, its MTP embedding rewritten in place by mtp_reagree.py: one 17 GB synthesis).
 # Set up like scripts/gpu_session.sh (carried wheels in .whl/, prebuilt .gpubin/*.so, else a
 # build). Logs and JSON in $OUT; a summary last. Usage: OUT=... scripts/dev/mtp_gpu.sh
-# Knobs: DRAFTS (1,2,auto), GEN (128), REPS (2), RUNS (a subset of the three), TESTS=0 (skip them).
+# Knobs: DRAFTS (1,2,auto), GEN (128), REPS (2), RUNS (a subset of the three, or agree0.3_trace),
+# TESTS=0 (skip them).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -17,7 +18,7 @@ CAP=${CAP:-8GiB}
 DRAFTS=${DRAFTS:-1,2,auto}
 GEN=${GEN:-128}
 REPS=${REPS:-2}
-RUNS=" ${RUNS:-agree0.8 agree0.8_trace agree0.3} "   # which of the three benches to run
+RUNS=" ${RUNS:-agree0.8 agree0.8_trace agree0.3} "   # which benches to run
 TESTS=${TESTS:-1}                                   # 0: skip the tests
 if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/site "$ROOT"/.whl/*.whl > "$OUT/setup.log" 2>&1
@@ -53,8 +54,10 @@ if [[ -f $m ]] || $PY -m freetoken_patch.cli synth --preset 35b-a3b --type IQ3_S
     -o "$m" > "$OUT/synth.log" 2>&1; then
   [[ $RUNS == *" agree0.8 "* ]] && bench agree0.8
   [[ $RUNS == *" agree0.8_trace "* ]] && bench agree0.8_trace --trace
-  if [[ $RUNS == *" agree0.3 "* ]]; then
-    if $PY scripts/dev/mtp_reagree.py "$m" 0.3 >> "$OUT/synth.log" 2>&1; then bench agree0.3
+  if [[ $RUNS == *" agree0.3 "* || $RUNS == *" agree0.3_trace "* ]]; then
+    if $PY scripts/dev/mtp_reagree.py "$m" 0.3 >> "$OUT/synth.log" 2>&1; then
+      [[ $RUNS == *" agree0.3 "* ]] && bench agree0.3
+      [[ $RUNS == *" agree0.3_trace "* ]] && bench agree0.3_trace --trace
     else SUMMARY+=("reagree 0.3 failed"); fi
   fi
 else
