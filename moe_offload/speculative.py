@@ -88,12 +88,21 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def judged_acceptance(self) -> float:
+        """Drafts kept / drafts judged, a draft being judged when every one before it in its step
+        was kept: the per-draft rate of the geometric model (DraftPolicy's a). It equals
+        `acceptance` at k = 1; with k drafts `acceptance` is (a + ... + a^k) / k of it."""
+        judged = sum(min(k, acc + 1) * n for (k, acc), n in self.by_accepted.items())
+        return self.accepted / judged if judged else 0.0
+
+    @property
     def tokens_per_step(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "tokens": self.tokens, "acceptance": round(self.acceptance, 4),
+                "judged_acceptance": round(self.judged_acceptance, 4),
                 "tokens_per_step": round(self.tokens_per_step, 3),
                 "by_k": {str(k): n for k, n in sorted(self.by_k.items())},
                 "uncounted_steps": self.uncounted,

@@ -113,7 +113,8 @@ def _divergence(model, new_state, prompt: list[int], plain: list[int], spec: lis
 def summary(res: dict) -> str:
     line = (f"speculative (--draft {res['draft']}): {res['speculative_tps']['median']:.1f} tok/s "
             f"vs {res['plain_tps']['median']:.1f} plain ({res['speedup']:.2f}x); acceptance "
-            f"{res['acceptance']:.1%}, {res['tokens_per_step']:.2f} tokens a step, k {res['by_k']}")
+            f"{res['acceptance']:.1%} ({res['judged_acceptance']:.1%} of judged drafts), "
+            f"{res['tokens_per_step']:.2f} tokens a step, k {res['by_k']}")
     if not res["same_tokens"]:
         d = res["divergence"][0]
         line += (f"; TOKENS DIFFER from plain greedy (first at {d['index']}"

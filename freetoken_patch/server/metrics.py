@@ -135,6 +135,9 @@ def draft_lines(d: dict) -> list[str]:
              "Drafted tokens the trunk accepted."),
             ("draft_acceptance", "gauge", d.get("acceptance", 0.0),
              "Share of drafted tokens accepted since start."),
+            ("draft_judged_acceptance", "gauge", d.get("judged_acceptance", 0.0),
+             "Share of judged drafts accepted since start (a draft is judged when every one "
+             "before it in its step was accepted): the per-draft rate."),
             ("draft_tokens_per_step", "gauge", d.get("tokens_per_step", 0.0),
              "Tokens a speculative step gave on average since start.")):
         out += [f"# HELP {p}{name} {what}", f"# TYPE {p}{name} {kind}",

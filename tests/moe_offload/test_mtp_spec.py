@@ -339,6 +339,15 @@ def test_one_slow_plain_step_does_not_make_drafting_look_cheap(slow_first):
     assert spent / tokens < 1.05               # against 1.0 a token decoding plainly
 
 
+def test_judged_acceptance_counts_drafts_after_kept_ones_only():
+    from moe_offload.speculative import SpecStats
+    st = SpecStats(drafted=9, accepted=6, by_accepted={(2, 0): 1, (2, 1): 1, (2, 2): 2, (1, 1): 1})
+    assert st.acceptance == pytest.approx(6 / 9)
+    assert st.judged_acceptance == pytest.approx(6 / 8)   # (2, 0) judged one draft, not two
+    assert st.as_dict()["judged_acceptance"] == 0.75
+    assert SpecStats().judged_acceptance == 0.0
+
+
 def test_a_cold_start_of_plain_steps_is_outgrown():
     """The trace regime at acceptance 0.28: the first plain steps all slow (7.0 ms: the cache
     still holding another part of the trace), then 4.7 ms; a k = 1 step 7.6 ms. At first

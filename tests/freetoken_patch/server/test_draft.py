@@ -163,6 +163,8 @@ def test_counters_move_and_agree(mtp_parts, kit):
     assert h["mode"] == "speculative" and h["parallel"] == 1
     assert d["setting"] == 3 and (d["steps"], d["drafted"], d["accepted"]) == (steps, drafted, acc)
     assert d["acceptance"] == m["draft_acceptance"]
+    # with 3 drafts a step, drafts after a refused one are not judged: the per-draft rate is higher
+    assert d["judged_acceptance"] == m["draft_judged_acceptance"] >= m["draft_acceptance"]
 
 
 def test_plain_server_has_no_draft_series(tiny_parts, kit):
