@@ -282,7 +282,6 @@ def _bigram_embedding(qtype: QuantType, head: _Plan, n_vocab: int, seed: int,
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         nxt = bigram_next(seed, np.concatenate(list(pool.map(norms, starts))))
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         parts = list(pool.map(chunk, starts))
     return np.concatenate(parts).reshape(n_vocab, qtype.row_bytes(head.shape[-1]))
 

@@ -257,11 +257,10 @@ class HostExpertBank:
     def cpu_bank_args(self, layer: int) -> tuple[tuple[int, int, int], ...]:
         """(type id, address, expert stride) of gate, up and down of `layer` as the CPU computes
         them: its repacked copy where repack_for_cpu made one, else the pinned banks."""
-        if self.cpu_banks is None:
-            lay = self.layouts[layer]
-            return lay.banks(self.banks[layer].data_ptr(), lay.expert_bytes)
-        lay = self.cpu_layouts[layer]
-        return lay.banks(self.cpu_banks[layer].data_ptr(), lay.expert_bytes)
+        banks, layouts = ((self.banks, self.layouts) if self.cpu_banks is None
+                          else (self.cpu_banks, self.cpu_layouts))
+        lay = layouts[layer]
+        return lay.banks(banks[layer].data_ptr(), lay.expert_bytes)
 
     # -- access ------------------------------------------------------------------------------------
     def expert(self, layer: int, e: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ int repacked_type(int src_id) { return src_id == int(QType::IQ3_S) ? int(QType::
 
 void repack(int src_id, const uint8_t* src, int64_t nblocks, uint8_t* dst, int64_t items,
             int64_t src_stride, int64_t dst_stride) {
-    if (src_id != int(QType::IQ3_S))
+    if (repacked_type(src_id) < 0)
         throw std::invalid_argument("repack: no CPU form for ggml type id " + std::to_string(src_id));
     if (!tables_ready()) throw std::runtime_error("repack: the IQ tables are not loaded (set_tables)");
     if (nblocks < 0 || items < 0) throw std::invalid_argument("repack: negative block or item count");
