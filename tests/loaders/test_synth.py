@@ -88,6 +88,10 @@ def test_bad_type_choices_are_refused(tmp_path):
     assert not (tmp_path / "y.gguf").exists()
     with pytest.raises(GGUFError, match="unknown preset"):
         synthesize(tmp_path / "z.gguf", SynthOptions(preset="70b"))
+    # --mtp-agree writes the embedding from the head: a type gguf-py cannot quantize is refused
+    with pytest.raises(GGUFError, match="cannot quantize IQ3_S: use --embed-type Q8_0"):
+        synthesize(tmp_path / "m.gguf", SynthOptions(mtp_agree=0.8, embed_type="IQ3_S"), threads=2)
+    assert not (tmp_path / "m.gguf").exists()
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "IQ2_XXS", "TQ1_0", "MXFP4"])
