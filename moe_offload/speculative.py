@@ -37,8 +37,8 @@ back, so the GPU does not wait for the host's turn between steps. When the gener
 queued step's token stays in the cache (`finish`), as with generate()'s own pipelining.
 
 Phase timing (`phases=True`, or FTPATCH_SPEC_PHASES=1): the device is synchronised between the
-phases of a step (draft, verify of T tokens, accept, rewind) and their wall times are kept in
-`SpecStats.phases`. Off by default: the syncs cost the overlap of the host with the device.
+phases of a step (draft, verify of T tokens, accept, rewind; and "mtp_rows" when plain steps'
+owed rows are written to the MTP head) and their wall times are kept in `SpecStats.phases`. Off by default: the syncs cost the overlap of the host with the device.
 """
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ from .state import State
 
 K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
 MTP_BACKLOG = 64     # trunk hidden states the MTP head may owe before they are written
+BACKLOG_CHUNK = 8    # owed rows written a call: up to here a GPU runs the head's experts with the
+                     # pool kernels (a call on more takes the prompt path, which dequantizes each
+                     # expert its rows use: ~9 ms for 63 rows on the 35B-A3B), the CPU in one
+                     # native call
 PHASES_ENV = "FTPATCH_SPEC_PHASES"   # "1": time the phases of every step (synchronising)
 
 
@@ -78,7 +82,7 @@ class SpecStats:
 
     def phases_ms(self) -> dict:
         """phase -> {"ms": mean per step it ran in, "n": steps}, in the order of a step."""
-        order = {"draft": 0, "verify": 1, "accept": 2, "rewind": 3}
+        order = {"draft": 0, "verify": 1, "accept": 2, "rewind": 3, "mtp": 4}
         names = sorted(self.phases, key=lambda n: (order.get(n.split("_")[0], 9), n))
         return {n: {"ms": round(self.phases[n][0] / self.phases[n][1] * 1e3, 3),
                     "n": self.phases[n][1]} for n in names}
@@ -131,10 +135,13 @@ class DraftPolicy:
     A cost is the median of its first `warm` samples before the EMA takes over, and plain
     decoding is measured `warm` times before anything else: one slow early step (a cache still
     warming, a bucket's first use) must not make drafting look cheap for good. While drafting
-    wins, a plain step after plain_every / 4, / 2, then every plain_every drafted steps keeps
+    wins, plain steps after plain_every / 4, / 2, then every plain_every drafted steps keep
     k = 0's cost current for the same reason, and such a sample weighs what `ema` would give
     the steps since the last plain one (at most `stale_weight`): plain decoding's cost follows
-    its rare samples as fast as a cost sampled every step. (With a plain step every 64 and a
+    its rare samples as fast as a cost sampled every step. Such a re-measure is
+    `remeasure_steps` plain steps: on a GPU plain steps are queued behind each other, and the
+    first after a drafted step (the decoder does not count it) pays the queue's refill, which
+    plain decoding does not. (With a plain step every 64 and a
     fixed 0.1, two thirds of a cold start's error stayed after 256 steps, and `auto` drafted at
     0.28 acceptance for a 23% loss in the trace regime.) Drafting's costs keep the plain EMA: a
     probe's cost is one noisy step. An unmeasured k above a measured one is guessed from it.
@@ -143,7 +150,8 @@ class DraftPolicy:
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
                  accept_ema: float = 0.03, a0: float = 0.6, prior_slope: float = 0.25,
                  prior_draft: float = 0.05, probe_every: int = 16, probe_max: int = 256,
-                 warm: int = 4, plain_every: int = 64, stale_weight: float = 0.5):
+                 warm: int = 4, plain_every: int = 64, stale_weight: float = 0.5,
+                 remeasure_steps: int = 2):
         if fixed is not None and not 0 <= fixed <= k_max:
             raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
         self.fixed, self.k_max, self.ema, self.accept_ema = fixed, k_max, ema, accept_ema
@@ -153,6 +161,7 @@ class DraftPolicy:
         self.plain_every, self._since_plain = plain_every, 0
         self.stale_weight, self._steps, self._plain_at = stale_weight, 0, 0
         self._remeasured = 0     # plain samples after the first `warm`
+        self.remeasure_steps, self._remeasure = remeasure_steps, 0   # plain steps left to re-measure
         self.prior_slope, self.prior_draft = prior_slope, prior_draft
         self.probe_every, self.probe_max, self._since_draft = probe_every, probe_max, 0
         self._probe_gap, self._probing = probe_every, False
@@ -184,14 +193,14 @@ class DraftPolicy:
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        if len(self._samples.get(0, ())) < self.warm:
-            return 0                       # measure plain decode first
+        if len(self._samples.get(0, ())) < self.warm or self._remeasure:
+            return 0                       # measure plain decode first, or again
         best = self._best()
         self._probing = False
         if best:
             self._probe_gap = self.probe_every      # drafting pays: probe often again later
-            if self._since_plain >= self._plain_gap():
-                best = 0                            # ... and plain decoding's cost is re-measured
+            if self._since_plain >= self._plain_gap():   # ... and plain decoding is re-measured
+                best, self._remeasure = 0, self.remeasure_steps
         elif self._since_draft >= self._probe_gap:
             best, self._probing = 1, True
         return best
@@ -207,7 +216,7 @@ class DraftPolicy:
         queued on this (SpeculativeDecoder.step)."""
         if self.fixed is not None:
             return self.fixed == 0
-        if len(self._samples.get(0, ())) + 1 < self.warm:
+        if len(self._samples.get(0, ())) + 1 < self.warm or self._remeasure > 1:
             return True                    # plain decoding is still being measured
         if 0 not in self.cost:
             return False
@@ -218,6 +227,7 @@ class DraftPolicy:
         says nothing of the next steps, e.g. it included a graph capture; not counted)."""
         self._since_draft = 0 if k else self._since_draft + 1
         self._since_plain = self._since_plain + 1 if k else 0
+        self._remeasure = self._remeasure - 1 if self._remeasure and not k else self._remeasure
         self._steps += 1
         if self._probing:   # a refused probe spaces the next ones out, a kept one brings them in
             gap = self._probe_gap * 2 if accepted == 0 else self._probe_gap // 2
@@ -275,6 +285,7 @@ class SpeculativeDecoder:
         # pipelining, for k = 0): on a GPU by default; `pipeline` forces it (tests on the CPU)
         self.pipeline = self.device.type == "cuda" if pipeline is None else pipeline
         self._ahead = None                # (logits, hidden) of the plain step queued last
+        self._drafted_last = False        # the last step drafted
         self._readback = TokenReadback(self.device)
 
     def _lap(self, name: str | None = None) -> None:
@@ -352,7 +363,7 @@ class SpeculativeDecoder:
             # rows that plain steps owe the MTP head (up to MTP_BACKLOG): written before this
             # step and its clock, since plain steps already pay for them in their own catch-ups;
             # counted here they would make a probe after plain steps look dearer than drafting is
-            self._catch_up(state)
+            self._catch_up(state, BACKLOG_CHUNK)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         captures = getattr(self.model, "captures", 0)
@@ -387,16 +398,25 @@ class SpeculativeDecoder:
         state.rewind(k - accepted)
         _owe(state, hidden[0, :accepted + 1])
         self.ids[n + 1:] = new
-        if state.mtp_hidden.shape[0] > MTP_BACKLOG:   # plain steps: keep the MTP head in step
-            self._catch_up(state)
         self._lap("rewind")
+        # a step that captured a graph, or the first with this k, says little of the next ones;
+        # nor does a plain step right after a drafted one on a device that queues plain steps
+        # behind each other: it pays the queue's refill, which plain decoding does not
+        cold = not k and ahead is None and self.pipeline and self._drafted_last
+        counted = (k in self._timed_k and getattr(self.model, "captures", 0) == captures
+                   and not cold)
+        self._drafted_last = k > 0
+        seconds = time.perf_counter() - t0
+        if state.mtp_hidden.shape[0] > MTP_BACKLOG:
+            # plain steps: keep the MTP head in step, off the step's clock (a step in 64 would
+            # carry the other 63's rows, and one such sample moves the plain cost's EMA for long)
+            self._catch_up(state, BACKLOG_CHUNK)
+            self._lap("mtp_rows")
         self._last = len(new)
         st = self.stats
-        # a step that captured a graph, or the first with this k, says little of the next ones
-        counted = k in self._timed_k and getattr(self.model, "captures", 0) == captures
         self._timed_k.add(k)
         st.uncounted += not counted
-        self.policy.observe(k, accepted, time.perf_counter() - t0 if counted else None)
+        self.policy.observe(k, accepted, seconds if counted else None)
         st.steps += 1
         st.drafted += k
         st.accepted += accepted

@@ -292,8 +292,8 @@ def test_probes_thin_out_while_drafting_does_not_pay():
     assert per_token < 1.03                    # against 1.0 a token decoding plainly
     assert pol._probe_gap > 4 * pol.probe_every
     _, drafting = run(1500, 0.95)
-    # drafting again, steadily: a plain step every plain_every re-measures k = 0 only
-    assert drafting[-200:].count(False) <= 200 // pol.plain_every + 1
+    # drafting again, steadily: plain steps every plain_every (a re-measure of k = 0) only
+    assert drafting[-200:].count(False) <= (200 // pol.plain_every + 1) * pol.remeasure_steps
     assert drafting.index(True) < pol.probe_max
 
 
@@ -537,3 +537,62 @@ def test_a_draft_after_plain_steps_writes_the_owed_rows_before_its_clock(tiny):
     # the owed rows but the last in one call with no logits, then the draft on one row
     assert drafted[0][:2] == ("forward", "none") and drafted[0][2] >= 5, drafted
     assert drafted[1] == ("forward", "last", 1), drafted
+
+
+def test_plain_steps_write_their_backlog_in_small_calls_off_the_clock(tiny):
+    """Past MTP_BACKLOG owed rows a plain step writes them to the MTP head, in calls of at most
+    BACKLOG_CHUNK rows (on a GPU more take the prompt path), and after its time was taken: one
+    step in 64 carrying the others' rows would read as a slow plain step to the policy."""
+    from moe_offload.speculative import BACKLOG_CHUNK, MTP_BACKLOG
+    import time as _time
+    _, model, head = tiny
+    calls, seen = [], []
+
+    class Plain(DraftPolicy):
+        def __init__(self):
+            super().__init__(0)
+
+        def observe(self, k, accepted, seconds):
+            seen.append(seconds)
+
+    class SlowRows:   # writing owed rows takes 0.2 s: visible in any clock that includes it
+        def __init__(self, h):
+            self.h = h
+
+        def forward(self, hidden, tokens, state, logits="all", **kw):
+            if logits == "none":
+                calls.append(tokens.shape[1])
+                _time.sleep(0.2)
+            return self.h.forward(hidden, tokens, state, logits, **kw)
+
+    draft = SpeculativeDecoder(model, SlowRows(head), policy=Plain(), pipeline=False)
+    _tokens(model, SamplingParams(temperature=0.0, max_tokens=MTP_BACKLOG + 8), draft)
+    assert sum(calls) >= MTP_BACKLOG and max(calls) <= BACKLOG_CHUNK, calls
+    assert max(s for s in seen if s is not None) < 0.2, max(seen)
+
+
+def test_a_plain_step_right_after_a_drafted_one_is_not_counted(tiny):
+    """Where plain steps are queued behind each other, the first after a drafted step pays the
+    queue's refill: its time is not plain decoding's cost. A re-measure is two plain steps, the
+    second counted, and it is queued behind the first."""
+    _, model, head = tiny
+    seen = []
+
+    class Script(DraftPolicy):   # 5 plain steps, drafts, then a re-measure of plain decoding
+        def __init__(self):
+            super().__init__(None, warm=2, plain_every=4)
+
+        def observe(self, k, accepted, seconds):
+            seen.append((k, seconds is not None))
+            super().observe(k, accepted, seconds)
+
+        def _best(self):
+            return 1
+
+    draft = SpeculativeDecoder(model, head, policy=Script(), pipeline=True)
+    _tokens(model, SamplingParams(temperature=0.0, max_tokens=24), draft)
+    ks = [k for k, _ in seen]
+    first = next(i for i in range(1, len(ks)) if ks[i] == 0 and ks[i - 1] == 1)
+    assert ks[first:first + 3] == [0, 0, 1], ks      # two plain steps, then drafting again
+    assert seen[first][1] is False and seen[first + 1][1] is True, seen
+    assert all(counted for k, counted in seen[first + 3:] if k), seen
