@@ -105,6 +105,8 @@ class OffloadEngine:
         self.predict = None
         self.prefetch_k = top_k        # experts a token guessed one layer ahead
         self.prefetch_lists = torch.zeros((L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
+        # guesses made while the MTP head drafts (guess_while_drafting), for the verify step
+        self.draft_lists = torch.zeros((L, 1 + 2 * MAX_FETCH), dtype=torch.int32, device=dev)
         self.prefetch_stream = torch.cuda.Stream(dev)
         self._guessed = [torch.cuda.Event() for _ in range(L)]      # tables updated
         self._prefetched = [torch.cuda.Event() for _ in range(L)]   # copied
@@ -125,6 +127,9 @@ class OffloadEngine:
     def set_predictor(self, predict, k: int | None = None) -> None:
         """predict(layer, x [T, H]) -> router logits [T, E] of `layer`, or None: no prefetch.
         k experts per token are guessed one layer ahead (default top_k)."""
+        if predict is None:
+            self.predict = None
+            return
         k = self.top_k if k is None else k
         most = MAX_FETCH // self.max_tok
         if not 1 <= k <= most:
@@ -318,6 +323,33 @@ class OffloadEngine:
                          min(MAX_FETCH, self.max_tok * self.prefetch_k), self.fetch_blocks,
                          self.link, on.LinkClock.PREFETCH)
             self._prefetched[L + 1].record(side)
+
+    # -- while the MTP head drafts (speculative decoding) -------------------------------------------
+    def guess_while_drafting(self, ids: torch.Tensor, inputs, n_verify: int) -> None:
+        """Drafting leaves the link idle: on the side stream, guess the experts of the first
+        layers of the verify step for its tokens known so far, ids [N] (inputs(): the stand-ins
+        of those layers' MoE inputs, one [N, H] a layer), and copy them. Their slots carry the
+        verify step's number, so its plans count them as guesses and do not evict them; the
+        guesses leave slots for the step's own misses (n_verify tokens). The caller joins the
+        side stream (join_draft_guesses) before the verify step."""
+        side = self.prefetch_stream
+        side.wait_stream(torch.cuda.current_stream())
+        ids.record_stream(side)   # ids' memory stays ids' until the side stream has read it
+        with torch.cuda.stream(side):
+            verify_step = self.step + 1
+            for L, x in enumerate(inputs()):
+                guess, _ = route_topk(self.predict(L, x), self.prefetch_k)
+                guess = guess.to(torch.int32).reshape(-1)
+                on.prefetch(self.tables, L, guess, n_verify * self.top_k, verify_step,
+                            self.draft_lists[L])
+                if self.cache.pools[L].shape[0]:
+                    on.fetch(self.draft_lists[L], self.bank.banks[L], self.cache.pools[L],
+                             min(MAX_FETCH, guess.numel()), self.fetch_blocks, self.link,
+                             on.LinkClock.PREFETCH)
+
+    def join_draft_guesses(self) -> None:
+        """The verify step follows the copies guess_while_drafting queued."""
+        torch.cuda.current_stream().wait_stream(self.prefetch_stream)
 
     def prefill_layer(self, L: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         cache, lay = self.cache, self.bank.layouts[L]

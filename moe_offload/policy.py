@@ -35,10 +35,18 @@ class OffloadPolicy:
     prefetch_share: float = 6 / 8        # default guesses a token, as a share of the top-k
     prefetch_min_fetch_share: float = 0.5  # guess only if the link takes >= this share of misses:
                                          # guesses put bytes on the link that the CPU could have
-                                         # taken, which pays while the link has room (q 0.6-0.9 on
-                                         # a PCIe gen5 host, by how fast the CPU measures at
-                                         # start-up), not when it is the bottleneck (q ~0.37 at a
-                                         # laptop's 11.8 GB/s); decided once, at start-up
+                                         # taken, which pays while the link has room (q 0.5-0.9 on
+                                         # a PCIe gen5 host, by how fast the CPU measures), not
+                                         # when it is the bottleneck (q ~0.37 at a laptop's 11.8
+                                         # GB/s); decided at start-up and again whenever the CPU's
+                                         # rate is re-measured: alone at start-up the CPU reads
+                                         # faster than beside decode's copies
+    prefetch_hysteresis: float = 0.05    # once guessing, it stops only below that share less this
+    draft_guess_layers: int = 1          # while the MTP head drafts, the link idles: guess the verify
+                                         # step's experts in this many first layers for its tokens
+                                         # known so far, from their embeddings (layer 0 is the one
+                                         # the per-layer guesses never reach; deeper, the residual
+                                         # stream has moved away from the embedding); 0: off
     overlap_misses: bool = True          # resident experts compute while the misses cross PCIe
     fetch_blocks: int = 16               # grid of a PCIe copy: each block takes SM room from compute
     steps_in_flight: int = 2             # decode steps launched before the host waits for the oldest
@@ -74,6 +82,9 @@ class OffloadPolicy:
         if self.prefetch_k is not None and self.prefetch_k < 1:
             raise OffloadError(f"prefetch_k {self.prefetch_k}: guess at least 1 expert a token, "
                                "or turn guessing off (prefetch=False, --no-prefetch)")
+        if self.draft_guess_layers < 0:
+            raise OffloadError(f"draft_guess_layers {self.draft_guess_layers}: guess 0 (off) or "
+                               "more first layers of a verify step while drafting")
         if not 0.0 < self.score_decay < 1.0:
             raise OffloadError(f"score_decay {self.score_decay}: give a factor in (0, 1)")
 

@@ -47,7 +47,7 @@ class RuntimeStats:
     fetch_fraction: float    # the scheduler's PCIe share of misses now
     min_fetch: int           # misses a layer always fetches
     rates: dict[str, float]  # link_GBps, cpu_GBps
-    per_layer: list[dict]    # layer, hits, fetched, cpu, cpu_s
+    per_layer: list[dict]    # layer, hits, fetched, cpu, cpu_s, prefetched, prefetch_hits
 
     def as_dict(self) -> dict:
         return asdict(self)

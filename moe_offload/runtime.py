@@ -247,10 +247,8 @@ class OffloadRuntime:
                                                 ff=c.n_ff_exp, max_tok=self.engine.max_tok))
         self.scheduler.rates = measure_rates(self.cache, self.bank, c, self.engine.link)
         self.scheduler.apply()
-        # guesses travel over the link: only with pinned banks, and while the link has room
-        # (or when a number of guesses was asked for: the user's choice)
-        if pol.prefetch and self.bank.pinned and (pol.prefetch_k is not None
-                                                  or self.scheduler.q() >= pol.prefetch_min_fetch_share):
+        self._reguess = False   # _observe found that guessing should start or stop
+        if self._guessing_pays():
             self.engine.set_predictor(self.model.router_logits, pol.guesses(c.n_expert_used))
         self._torch_peak = 0
         self.prefill_memory: list[dict] = []
@@ -265,6 +263,7 @@ class OffloadRuntime:
         self._graphs: dict[tuple, tuple] = {}
         self._captured_sizes: set[int] = set()   # tokens a step of the graphs captured so far
         self.captures = 0   # graphs captured so far (a capture costs many steps: DraftPolicy)
+        self.guessing_changes = 0   # times guessing started or stopped after start-up
         self.capture_s = 0.0   # host wall time those captures took
         self._graph_pool = torch.cuda.graph_pool_handle()
         self._since_observe, self._obs_busy, self._obs_experts = 0, 0, 0
@@ -520,6 +519,7 @@ class OffloadRuntime:
         now if new; `bounded`: all dropped first once policy.max_graphs are kept), replayed on
         tokens. Returns the graph's outputs (its own tensors: callers clone them). The host
         counters of `states` are the caller's to advance."""
+        self._follow_guessing()
         g = self._graphs.get(key)
         if g is None:
             if bounded and len(self._graphs) >= self.policy.max_graphs:
@@ -533,6 +533,7 @@ class OffloadRuntime:
 
     def _eager(self, tokens: torch.Tensor, n_tok: int, run, observe: bool = False):
         """One decode step of n_tok tokens run eagerly (run(tokens) inside the engine's step)."""
+        self._follow_guessing()
         eng = self.engine
         eng.arm(n_tok)
         with eng.decode_step():
@@ -556,6 +557,40 @@ class OffloadRuntime:
         if d_n >= self.policy.observe_min_experts:   # enough CPU work to trust the rate
             eb = float(np.mean([lay.expert_bytes for lay in self.bank.layouts]))
             self.scheduler.observe_cpu(d_busy / 1e9, d_n * eb)
+            self._recheck_guessing()
+
+    def _guessing_pays(self) -> bool:
+        """Whether decode steps should guess the next layer's experts. Guesses travel over the
+        link: only with pinned banks, and while the link takes at least
+        policy.prefetch_min_fetch_share of the misses (once guessing, down to that share less
+        prefetch_hysteresis, so that a rate measured near the line does not flip it back and
+        forth); always when a number of guesses was asked for (the user's choice)."""
+        pol = self.policy
+        if not (pol.prefetch and self.bank.pinned):
+            return False
+        if pol.prefetch_k is not None:
+            return True
+        guessing = self.engine.predict is not None
+        return self.scheduler.q() >= pol.prefetch_min_fetch_share - guessing * pol.prefetch_hysteresis
+
+    def _recheck_guessing(self) -> None:
+        """After a new measure of the CPU's rate: start or stop guessing (not while a trace is
+        replayed, which guesses nothing), at the next step's start (_follow_guessing)."""
+        if self.engine.trace is None and self._guessing_pays() != (self.engine.predict is not None):
+            self._reguess = True
+
+    def _follow_guessing(self) -> None:
+        """Before a step: apply what _recheck_guessing found. The captured steps hold the guesses'
+        kernels, or lack them: they are captured anew."""
+        if not self._reguess:
+            return
+        self._reguess = False
+        on = self.engine.predict is None
+        self.engine.set_predictor(self.model.router_logits if on else None,
+                                  self.policy.guesses(self.config.n_expert_used))
+        self.guessing_changes += 1
+        torch.cuda.synchronize(self.device)   # no replay of a graph about to go is in flight
+        self._drop_graphs(new_kernels=True)   # (guesses' kernels may not have run yet)
 
     # -- speculative decoding: a verify step of T <= engine.max_tok positions ---------------------
     def keep_steps(self, state: State, depth: int) -> None:
@@ -615,14 +650,18 @@ class OffloadRuntime:
                                f"{p + T + k - 1} needed")
         from .models.mtp import greedy_drafts
         n_attn = state.rows_attended(p + T + k - 1)
+        guess = self._draft_guesses(k)
 
         def run(toks, h, at):
-            return greedy_drafts(mtp, h, toks, state, k, at=at, n_attn=n_attn)
+            out = greedy_drafts(mtp, h, toks, state, k, at=at, n_attn=n_attn, known=guess)
+            if guess is not None:
+                self.engine.join_draft_guesses()
+            return out
 
         capturable = isinstance(mtp.experts, ResidentPool) and mtp.experts.capturable(T)
         if not (self.opts.use_graphs and capturable):
             return run(tokens, hidden, None)
-        key = ("draft", id(state), T, k, n_attn)
+        key = ("draft", id(state), T, k, n_attn, guess is not None)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, p)
@@ -633,6 +672,17 @@ class OffloadRuntime:
         graph.replay()
         state.mtp_past = p + T
         return out.clone()
+
+    def _draft_guesses(self, k: int):
+        """known(ids) for greedy_drafts: the verify step's first layers guessed for the tokens
+        known while the last draft is computed (policy.draft_guess_layers), or None: off, or
+        no guesses at all now (a replayed trace, or guessing off at start-up)."""
+        n = self.policy.draft_guess_layers
+        if not (n and self.prefetching):
+            return None
+        model, eng = self.model, self.engine
+        return lambda ids: eng.guess_while_drafting(
+            ids, lambda: model.embedding_moe_inputs(ids, n), n_verify=k + 1)
 
     def _capture_draft(self, run, tokens: torch.Tensor, hidden: torch.Tensor, state: State, p: int):
         """run(tokens, hidden, at) as a graph over copies of its inputs, after one eager run (lazy
@@ -771,7 +821,9 @@ class OffloadRuntime:
                    "cpu_GBps": sch.rates.cpu_bytes_per_s / 1e9,
                    **({"link_emulated_GBps": self.engine.link.gbps} if self.engine.link else {})},
             per_layer=[{"layer": i, "hits": int(s.hits[i]), "fetched": int(s.fetched[i]),
-                        "cpu": int(s.cpu[i]), "cpu_s": float(busy[i])} for i in range(len(s.hits))])
+                        "cpu": int(s.cpu[i]), "cpu_s": float(busy[i]),
+                        "prefetched": int(s.prefetched[i]), "prefetch_hits": int(s.prefetch_hits[i])}
+                       for i in range(len(s.hits))])
 
     def reset_stats(self) -> None:
         self.engine.settle()

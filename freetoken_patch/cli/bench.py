@@ -81,6 +81,11 @@ def add_parser(sub) -> None:
     s.add_argument("--mtp-experts", choices=("gpu", "host"), default="gpu",
                    help="with --draft: the MTP layer's routed experts resident in VRAM (inside "
                         "the cap; default) or in pinned host RAM, read over PCIe")
+    s.add_argument("--draft-guess-layers", type=int, default=None, metavar="N",
+                   help="with --draft: while the MTP head drafts, guess the verify step's experts "
+                        "in its first N layers from the known tokens' embeddings and copy them "
+                        f"(default {POLICY.draft_guess_layers}; 0: off; off anyway with --trace "
+                        "or --no-prefetch)")
     s.add_argument("--ctx", type=int, default=4096, help="context to budget for (default 4096)")
     s.add_argument("--chunk", type=int, default=POLICY.prefill_chunk,
                    help=f"prefill chunk (default {POLICY.prefill_chunk})")
@@ -172,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             ("--no-elastic", args.no_elastic), ("--no-overlap", args.no_overlap),
             ("--host-head", args.host_head), ("--gpu-embedding", args.gpu_embedding),
             ("--link-gbps", args.link_gbps is not None), ("--profile", args.profile),
+            ("--draft-guess-layers", args.draft_guess_layers is not None),
             ("--save-profile", args.save_profile), ("--mtp-experts", args.mtp_experts != "gpu"))
             if given]
         if offload_only:
@@ -179,6 +185,17 @@ def run(args: argparse.Namespace) -> int:
                            "GPU); --device cpu keeps every weight in host RAM: drop them")
         return bench_compare.run_cli(args, sizes, console, bench_cpu.run_one)
     return bench_compare.run_cli(args, sizes, console, _run_one)
+
+
+def draft_guess_stats(rt) -> dict:
+    """What the guesses made while drafting did since the last reset_stats: experts copied into
+    layer 0 and how many of them its plans used (layer 0 only: deeper layers' counts mix in the
+    per-layer guesses, which never reach layer 0)."""
+    layer0 = rt.stats().per_layer[0]
+    n, hits = layer0["prefetched"], layer0["prefetch_hits"]
+    return {"layers": rt.policy.draft_guess_layers if rt.prefetching else 0,
+            "layer0_guessed": n, "layer0_hits": hits,
+            "layer0_precision": round(hits / n, 4) if n else None}
 
 
 def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
@@ -189,6 +206,9 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     if args.prefetch_k is not None and args.prefetch_k < 1:
         raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
                        "turn guessing off with --no-prefetch")
+    if args.draft_guess_layers is not None and args.draft_guess_layers < 0:
+        raise CLIError(f"--draft-guess-layers {args.draft_guess_layers}: give 0 (off) or more "
+                       "first layers to guess while drafting")
     if not torch.cuda.is_available():
         raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
     vram = args.vram
@@ -199,6 +219,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
     policy = POLICY.with_(fetch_fraction=args.fetch_fraction, prefetch=not args.no_prefetch,
                           prefetch_k=args.prefetch_k, prefill_chunk=args.chunk,
+                          draft_guess_layers=args.draft_guess_layers,
                           elastic=not args.no_elastic, overlap_misses=not args.no_overlap)
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         args.draft = [d for d in args.draft if d != 0]   # 0 is the plain run beside anyway
@@ -289,6 +310,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         "fetch_fraction": round(stats["fetch_fraction"], 3), "min_fetch": stats["min_fetch"],
         "rates": stats["rates"],
         "prefetch": rt.prefetching,
+        "guessing_changes": rt.guessing_changes,   # starts and stops after start-up
         "prefetched_per_token": round(stats["prefetched"] / per_tok, 2),
         "prefetch_precision": round(stats["prefetch_precision"], 4),
         "prefetch_recall": round(stats["prefetch_recall"], 4),
@@ -304,10 +326,12 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
             rt.replay(trace, by_position=True)
         runs = []
         for draft in args.draft:
+            rt.reset_stats()
             runs.append(speculative_tg(
                 rt, rt.mtp, draft, gen=args.gen, reps=args.reps, n_vocab=c.n_vocab,
                 new_state=lambda: rt.new_state(1, args.ctx), sync=_sync,
                 phases=args.phase_times))
+            runs[-1]["draft_guesses"] = draft_guess_stats(rt)
             console.print(summary(runs[-1]))
         result["speculative"] = runs[0] if len(runs) == 1 else runs
         result["mtp_experts"] = args.mtp_experts

@@ -119,6 +119,10 @@ def summary(res: dict) -> str:
         d = res["divergence"][0]
         line += (f"; TOKENS DIFFER from plain greedy (first at {d['index']}"
                  + (f", top-2 margin {d['margin']:.3g}" if "margin" in d else "") + ")")
+    guesses = res.get("draft_guesses") or {}
+    if guesses.get("layer0_guessed"):
+        line += (f"; guessed while drafting: {guesses['layer0_guessed']} layer-0 experts, "
+                 f"{guesses['layer0_precision']:.0%} used")
     if "phases_ms" in res:
         line += "; ms/step " + ", ".join(f"{k} {v['ms']:.2f}" for k, v in res["phases_ms"].items())
     return line

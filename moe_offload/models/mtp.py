@@ -101,12 +101,16 @@ class MtpHead:
 
 
 def greedy_drafts(head, hidden: torch.Tensor, tokens: torch.Tensor, state: State, k: int, *,
-                  at: torch.Tensor | None = None, n_attn: int | None = None) -> torch.Tensor:
+                  at: torch.Tensor | None = None, n_attn: int | None = None,
+                  known=None) -> torch.Tensor:
     """k greedy draft ids [k] on the device, no host sync: head.forward on the trunk's hidden
     states it is owed (hidden [1, T, H], the tokens after them [1, T]), then k - 1 times on its
     own last state and draft (each argmax feeds the next call). state.mtp_past ends at p + T:
     the drafts' KV rows are provisional. `at`, `n_attn`: as MtpHead.forward's (a captured graph
-    reads p on the device; the chained calls sit at p + T, p + T + 1, ...)."""
+    reads p on the device; the chained calls sit at p + T, p + T + 1, ...). known(ids): called
+    once, before the call that drafts the last token, with the verify step's ids known by then
+    ([t_n, d_1 .. d_{k-1}], on the device: t_n is tokens' last), so that work for them can run
+    beside that call."""
     T = tokens.shape[1]
 
     def step(h, toks, offset):   # `at` and `n_attn` only when given: any head with forward() will do
@@ -115,11 +119,11 @@ def greedy_drafts(head, hidden: torch.Tensor, tokens: torch.Tensor, state: State
             kw["at"] = at + offset if offset else at
         return head.forward(h, toks, state, logits="last", **kw)
 
-    lg, g = step(hidden, tokens, 0)
-    base = state.mtp_past
-    out = [lg[0, -1].argmax(-1, keepdim=True)]
-    for i in range(1, k):
-        lg, g = step(g[:, -1:], out[-1][None], T + i - 1)
+    base, out, g = state.mtp_past + T, [], None
+    for i in range(k):
+        if known is not None and i == k - 1:
+            known(torch.cat([tokens[0, -1:]] + out))
+        lg, g = step(hidden, tokens, 0) if i == 0 else step(g[:, -1:], out[-1][None], T + i - 1)
         out.append(lg[0, -1].argmax(-1, keepdim=True))
     state.mtp_past = base
     return torch.cat(out)

@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from ..state import State
 from . import decode_loop
 from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
-                     residual_rms_norm, route_topk, swiglu)
+                     residual_rms_norm, rms_norm, route_topk, swiglu)
 from .weights import Experts
 
 # Tokens a chunk of the delta rule in prefill: the loop over chunks is sequential, so fewer,
@@ -203,6 +203,17 @@ class Qwen35Moe:
         L = self.blk[layer]
         fused = L.get("+".join(ROUTER))
         return _mm(f, fused if fused is not None else L[ROUTER[0]])[:, :self.config.n_expert]
+
+    def embedding_moe_inputs(self, tokens: torch.Tensor, layers: int) -> list[torch.Tensor]:
+        """Stand-ins for the MoE inputs of layers 0..layers-1 of tokens [N] before the trunk has
+        run them: each token's embedding, normed as the layer norms its MoE input. The residual
+        stream starts as the embedding, so they are closest at layer 0; how close further on is
+        the model's (the offload runtime counts how often the guesses made from them hit)."""
+        c = self.config
+        e = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype,
+                           (tokens.numel(), c.n_embd)).float()
+        return [rms_norm(e, self.blk[i]["post_attention_norm.weight"], c.rms_eps)
+                for i in range(min(layers, c.n_layer))]
 
     def _proj(self, L, names: tuple[str, ...], a: torch.Tensor) -> list[torch.Tensor]:
         """The projections `names` of one input a [..., H]: one matmul split in parts if they

@@ -198,3 +198,28 @@ def test_captured_draft_equals_the_eager_head(loaded):
         assert (2, 3, True) in seen and (2, 3, False) in seen and (1, 2, False) in seen
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("layers", [1, 0])
+def test_guesses_while_drafting_are_used_and_change_no_token(loaded, layers):
+    """The verify step's layer 0 guessed while the head drafts (the agreeing trunk routes by
+    its embedding, so the guesses are good): greedy output stays plain greedy's, layer 0 gets
+    guessed copies and its plans use them; at draft_guess_layers 0 it gets none (the per-layer
+    guesses never reach layer 0)."""
+    from moe_offload import OffloadPolicy, open_runtime
+    from moe_offload.speculative import SpeculativeDecoder
+    rt = open_runtime(loaded, 2 << 30, ctx=256, cache_slots=10, mtp=True,
+                      policy=OffloadPolicy(prefetch_k=3, draft_guess_layers=layers))
+    try:
+        assert rt.prefetching
+        ref = _greedy(rt)
+        rt.reset_stats()
+        assert _greedy(rt, SpeculativeDecoder(rt, rt.mtp, 1)) == ref
+        layer0 = rt.stats().per_layer[0]
+        if layers:
+            # hits count selections (two tokens of a step may use one copy): most copies used
+            assert layer0["prefetched"] > 0 and layer0["prefetch_hits"] >= 0.6 * layer0["prefetched"], layer0
+        else:
+            assert layer0["prefetched"] == layer0["prefetch_hits"] == 0, layer0
+    finally:
+        rt.close()

@@ -101,3 +101,48 @@ def test_mtp_logits_match_the_reference(mtp_model):
     err = float((ours - ref).abs().max())
     assert err <= 2e-3 * float(ref.abs().max()), err
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_drafts_tell_the_ids_known_before_the_last_draft(mtp_model, k):
+    """known(ids) gets the verify step's ids known while the last draft is computed -- t_n and
+    the drafts before the last -- and the drafts are those made without it."""
+    from moe_offload.models.mtp import greedy_drafts
+    loaded, model, head = mtp_model
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, loaded.config.n_vocab, (1, 9), generator=g)
+    st = model.new_state(1, 64)
+    _, hidden = model.prefill(toks[:, :8], st, hidden=True)
+    plain = greedy_drafts(head, hidden, toks[:, 1:9], st, k)
+    assert st.mtp_past == 8
+    st.mtp_past, seen = 0, []
+    got = greedy_drafts(head, hidden, toks[:, 1:9], st, k, known=seen.append)
+    assert got.tolist() == plain.tolist() and st.mtp_past == 8
+    assert len(seen) == 1 and seen[0].tolist() == [int(toks[0, 8])] + plain[:k - 1].tolist()
+
+
+def test_embedding_stand_ins_route_as_the_trunk_where_the_embedding_dominates(synth_model):
+    """The stand-in of layer 0's MoE input (the embedding, normed by that layer's norm) through
+    layer 0's router picks the experts the trunk picks, on a model whose residual stream is its
+    embedding (the synthetic agreeing trunk); a wrong norm or layer would not."""
+    from moe_offload.models.layers import route_topk
+    loaded = open_model(synth_model(mtp_agree=0.8, type="Q4_K"))
+    model, c = build_model(loaded, "cpu"), loaded.config
+    toks = torch.randint(0, c.n_vocab, (1, 24), generator=torch.Generator().manual_seed(2))
+    routed, inner = [], model.experts[0]
+
+    def spy(x, ids, w):
+        routed.append(ids.clone())
+        return inner(x, ids, w)
+    model.experts[0] = spy
+    try:
+        model.forward(toks, model.new_state(1, 64))
+    finally:
+        model.experts[0] = inner
+    stand_ins = model.embedding_moe_inputs(toks[0], 2)
+    assert len(stand_ins) == 2 and stand_ins[0].shape == (24, c.n_embd)
+    guess, _ = route_topk(model.router_logits(0, stand_ins[0]), c.n_expert_used)
+    same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(guess, routed[0])]
+    assert sum(same) >= 0.9 * len(same), sum(same)
+    other, _ = route_topk(model.router_logits(1, stand_ins[0]), c.n_expert_used)
+    assert sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(other, routed[0])) < 0.5 * len(same)

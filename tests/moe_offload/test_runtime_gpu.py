@@ -174,6 +174,40 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
         rt.close()
 
 
+def test_guessing_starts_and_stops_as_the_links_share_crosses_the_line(loaded, reference):
+    """Guessing is decided again whenever the CPU's rate is re-measured: on at or above
+    prefetch_min_fetch_share, off only below it less prefetch_hysteresis; each change captures
+    the decode step anew (with or without the guesses' kernels), and the logits stay right."""
+    prompt, toks, ref = reference
+    rt = _runtime(loaded)
+    pol, sch = rt.policy, rt.scheduler
+    band = pol.prefetch_min_fetch_share - pol.prefetch_hysteresis / 2
+
+    def share(q):   # the CPU rate that gives the link a share q, as a re-measure would
+        sch.rates.cpu_bytes_per_s = sch.rates.link_bytes_per_s * (1 - q) / q
+        sch.apply()
+        rt._recheck_guessing()
+
+    try:
+        st = rt.new_state(1, 256)
+        out = [rt.prefill(prompt, st), rt.decode(toks[0], st)]   # the step captured once
+        started = rt.prefetching
+        plan = [(0.9, True), (band, True), (0.2, False), (band, False), (0.9, True)]
+        for i, t in enumerate(toks[1:1 + 2 * len(plan)]):
+            caps, was = rt.captures, rt.prefetching
+            if i % 2 == 0:
+                share(plan[i // 2][0])
+            out.append(rt.decode(t, st))
+            if i % 2 == 0:
+                assert rt.prefetching == plan[i // 2][1], (i, plan[i // 2])
+            assert (rt.captures > caps) == (rt.prefetching != was), i   # captured anew iff changed
+        assert rt.guessing_changes == (2 if started else 3)
+        for i, (a, b) in enumerate(zip(out, ref)):
+            _close(a, b, f"step {i}")
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("fraction,overlap", [(0.5, True), (0.0, True), (1.0, True), (0.5, False)])
 def test_offloaded_layers_match_reference(loaded, fraction, overlap):
     """One decode step at a time, every MoE layer through the device-side path (plan, fetch,

@@ -71,7 +71,8 @@ def test_bench_cpu_draft_needs_an_mtp_head(tiny_model, capsys):
     assert "MTP block" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--trace"], ["--link-gbps", "11.8"], ["--no-prefetch", "--host-head"]])
+@pytest.mark.parametrize("flags", [["--trace"], ["--link-gbps", "11.8"], ["--no-prefetch", "--host-head"],
+                                   ["--draft-guess-layers", "2"]])
 def test_bench_cpu_refuses_the_offload_runtimes_flags(tiny_model, flags, capsys):
     assert main(["bench", str(tiny_model), "--device", "cpu", *flags]) == 1
     err = capsys.readouterr().err

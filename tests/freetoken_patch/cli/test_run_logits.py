@@ -128,6 +128,11 @@ def test_bench_refuses_zero_guesses(tiny_model, capsys):
     assert "--prefetch-k 0: guess at least 1 expert a token" in _err(capsys)
 
 
+def test_bench_refuses_a_negative_count_of_draft_guess_layers(tiny_model, capsys):
+    assert main(["bench", str(tiny_model), "--draft", "1", "--draft-guess-layers", "-1"]) == 1
+    assert "--draft-guess-layers -1: give 0 (off) or more" in _err(capsys)
+
+
 def test_run_vram_on_the_cpu_is_refused(tiny_model, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # get past the CUDA check
     assert main(["run", str(tiny_model), "-p", "hi", "--vram", "8GiB", "--device", "cpu"]) == 1
