@@ -9,7 +9,8 @@ decode_many of B = 2 and 4 sequences -- times --steps graph replays without the 
 (routed experts, fetch copies, CPU wait, delta-net core, attention core, dense projections,
 norms and small ops, copies). What an extra token of a step costs, and in which kernels, is the
 difference between rows. Verify steps rewind after each replay so every step sees the same
-positions. JSON (--json) keeps the per-kernel totals as well.
+positions. Kinds d1..d3: the MTP head's draft of k tokens (one captured graph, replayed at the
+same MTP position). JSON (--json) keeps the per-kernel totals as well.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def main() -> None:
     args = p.parse_args()
     if args.per_token_verify:
         per_token_verify()
-    rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=4,
+    drafts = any(k.startswith("d") for k in args.kinds.split(","))
+    rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=4, mtp=drafts,
                       policy=OffloadPolicy(prefetch=not args.trace))
     dev, c = rt.device, rt.config
     rng = np.random.default_rng(0)
@@ -107,6 +109,16 @@ def main() -> None:
     rt.keep_steps(states[0], max([int(k[1:]) for k in args.kinds.split(",") if k[0] == "v"] + [3]) - 1)
 
     def step_fn(kind: str):
+        if kind.startswith("d"):
+            k, st = int(kind[1:]), states[0]   # its MTP KV made by keep_steps
+            h = torch.randn(1, 1, c.n_embd, device=dev)
+            toks = torch.randint(0, c.n_vocab, (1, 1), device=dev)
+            p0 = st.mtp_past
+
+            def draft():
+                st.mtp_past = p0
+                rt.draft(h, toks, st, k)
+            return draft
         if kind.startswith("b"):
             b = int(kind[1:])
             sts = states[:b]
