@@ -676,7 +676,7 @@ class OffloadRuntime:
     def _draft_guesses(self, k: int):
         """known(ids) for greedy_drafts: the verify step's first layers guessed for the tokens
         known while the last draft is computed (policy.draft_guess_layers), or None: off, or
-        no guesses at all now (a replayed trace, or guessing off at start-up)."""
+        no guesses at all now (a replayed trace, or the link's share of the misses too low)."""
         n = self.policy.draft_guess_layers
         if not (n and self.prefetching):
             return None
