@@ -35,6 +35,12 @@ def _cpu_kernel_for(t: torch.Tensor) -> bool:
     return STEP_KERNELS and ops.cpu_step_kernels_available(t)
 
 
+def embed_rows(table, tokens: torch.Tensor) -> torch.Tensor:
+    """The rows of a token embedding (a QTensor [V, H], on the device or in pinned host RAM) for
+    tokens (any shape, N ids) -> [N, H], a fresh tensor."""
+    return ops.dequantize(table.data[tokens.reshape(-1)], table.qtype, (tokens.numel(), table.shape[-1]))
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x²) + eps) * w over the last dim (w already holds the converter's +1)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -29,7 +29,7 @@ from native.ops import QTensor
 from ..errors import OffloadError
 from ..state import State
 from . import decode_loop
-from .layers import residual_rms_norm, rms_norm
+from .layers import embed_rows, residual_rms_norm, rms_norm
 from .weights import Experts, upload_mtp
 
 
@@ -78,7 +78,7 @@ class MtpHead:
         p = state.mtp_past
         if p + T > state.n_ctx:
             raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; {p + T} needed")
-        e = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype, (B * T, H))
+        e = embed_rows(self.embd, tokens)
         z = torch.cat((rms_norm(e.float(), L["nextn.enorm.weight"], eps),
                        rms_norm(hidden.reshape(B * T, H).float(), L["nextn.hnorm.weight"], eps)), -1)
         x = _mm(z, L["nextn.eh_proj.weight"]).contiguous()          # the residual stream [N, H]

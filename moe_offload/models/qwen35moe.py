@@ -21,7 +21,7 @@ from ..errors import OffloadError
 from ..state import State
 from . import decode_loop
 from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
-                     residual_rms_norm, rms_norm, route_topk, swiglu)
+                     embed_rows, residual_rms_norm, rms_norm, route_topk, swiglu)
 from .weights import Experts
 
 # Tokens a chunk of the delta rule in prefill: the loop over chunks is sequential, so fewer,
@@ -101,7 +101,7 @@ class Qwen35Moe:
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)
         # the residual stream [B*T, H], a fresh tensor updated in place
-        x = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype, (B * T, H))
+        x = embed_rows(self.embd, tokens)                                    # [B*T, H]
         moe_out: tuple = ()   # the previous layer's (routed, shared, shared gate), added by the next norm
         for i, L in enumerate(self.blk):
             a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, T, H)
@@ -210,8 +210,7 @@ class Qwen35Moe:
         stream starts as the embedding, so they are closest at layer 0; how close further on is
         the model's (the offload runtime counts how often the guesses made from them hit)."""
         c = self.config
-        e = ops.dequantize(self.embd.data[tokens.reshape(-1)], self.embd.qtype,
-                           (tokens.numel(), c.n_embd)).float()
+        e = embed_rows(self.embd, tokens).float()
         return [rms_norm(e, self.blk[i]["post_attention_norm.weight"], c.rms_eps)
                 for i in range(min(layers, c.n_layer))]
 
@@ -254,7 +253,7 @@ class Qwen35Moe:
         one = torch.arange(1, device=self.device)
         pos = [st.pos + one for st in states]                                   # B x [1]
         n_attn = [st.attn_len(1) for st in states]
-        x = ops.dequantize(self.embd.data[tokens], self.embd.qtype, (B, H))      # [B, H]
+        x = embed_rows(self.embd, tokens)                                       # [B, H]
         moe_out: tuple = ()
         for i, L in enumerate(self.blk):
             a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, 1, H)
