@@ -305,10 +305,22 @@ class OffloadEngine:
         x.record_stream(side)  # x's memory must not be reused on main before the side has read it
         T = x.shape[0]
         with torch.cuda.stream(side):
-            guess, _ = route_topk(self.predict(L + 1, x), self.prefetch_k)
-            on.prefetch(self.tables, L + 1, guess.to(torch.int32).reshape(-1), T * self.top_k,
-                        self.step, self.prefetch_lists[L + 1])
+            self._guess_slots(L + 1, x, T * self.top_k, self.step, self.prefetch_lists[L + 1])
             self._guessed[L + 1].record(side)
+
+    def _guess_slots(self, layer: int, x: torch.Tensor, reserve: int, step: torch.Tensor,
+                     listed: torch.Tensor) -> None:
+        """Slots in `layer` for the prefetch_k experts its router picks for each row of x [T, H],
+        marked used at `step` and listed in `listed` for _copy_listed (prefetch kernel; `reserve`
+        evictable slots left for the layer's own misses)."""
+        guess, _ = route_topk(self.predict(layer, x), self.prefetch_k)
+        on.prefetch(self.tables, layer, guess.to(torch.int32).reshape(-1), reserve, step, listed)
+
+    def _copy_listed(self, layer: int, listed: torch.Tensor, most: int) -> None:
+        """Copy the experts `listed` (at most `most`) into their slots of `layer`."""
+        if self.cache.pools[layer].shape[0]:
+            on.fetch(listed, self.bank.banks[layer], self.cache.pools[layer], most,
+                     self.fetch_blocks, self.link, on.LinkClock.PREFETCH)
 
     def _copy_guesses(self, L: int) -> None:
         """On the side stream, after layer L's own fetches (they are on its critical path): copy
@@ -318,10 +330,8 @@ class OffloadEngine:
         side = self.prefetch_stream
         side.wait_event(self._fetched[L])
         with torch.cuda.stream(side):
-            if self.cache.pools[L + 1].shape[0]:
-                on.fetch(self.prefetch_lists[L + 1], self.bank.banks[L + 1], self.cache.pools[L + 1],
-                         min(MAX_FETCH, self.max_tok * self.prefetch_k), self.fetch_blocks,
-                         self.link, on.LinkClock.PREFETCH)
+            self._copy_listed(L + 1, self.prefetch_lists[L + 1],
+                              min(MAX_FETCH, self.max_tok * self.prefetch_k))
             self._prefetched[L + 1].record(side)
 
     # -- while the MTP head drafts (speculative decoding) -------------------------------------------
@@ -338,14 +348,8 @@ class OffloadEngine:
         with torch.cuda.stream(side):
             verify_step = self.step + 1
             for L, x in enumerate(inputs()):
-                guess, _ = route_topk(self.predict(L, x), self.prefetch_k)
-                guess = guess.to(torch.int32).reshape(-1)
-                on.prefetch(self.tables, L, guess, n_verify * self.top_k, verify_step,
-                            self.draft_lists[L])
-                if self.cache.pools[L].shape[0]:
-                    on.fetch(self.draft_lists[L], self.bank.banks[L], self.cache.pools[L],
-                             min(MAX_FETCH, guess.numel()), self.fetch_blocks, self.link,
-                             on.LinkClock.PREFETCH)
+                self._guess_slots(L, x, n_verify * self.top_k, verify_step, self.draft_lists[L])
+                self._copy_listed(L, self.draft_lists[L], min(MAX_FETCH, x.shape[0] * self.prefetch_k))
 
     def join_draft_guesses(self) -> None:
         """The verify step follows the copies guess_while_drafting queued."""
