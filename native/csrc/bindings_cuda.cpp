@@ -67,6 +67,7 @@
 #include "py_errors.h"
 #include "cuda/offload_api.h"
 #include <pybind11/stl.h>
+#include <utility>
 
 #include "cuda/api.h"
 #include "quants.h"
@@ -109,24 +110,21 @@ PYBIND11_MODULE(_cuda, m) {
           },
           py::arg("x"), py::arg("n_rows"), py::arg("n_cols"), py::arg("ldx"), py::arg("out"),
           py::arg("row_scale"), py::arg("stream") = 0, release);
-    m.def("matmul",
-          [](int type_id, uintptr_t w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
-             uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {
-              cuda::matmul(type_id, ptr<const void>(w), n_out, n_in, w_row_stride,
-                           ptr<const float>(x), n_tok, ptr<float>(y), stream);
-          },
-          py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
-          py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
-          py::arg("stream") = 0, release);
-    m.def("float_matmul",
-          [](int type_id, uintptr_t w, int64_t n_out, int64_t n_in, int64_t w_row_stride,
-             uintptr_t x, int64_t n_tok, uintptr_t y, uintptr_t stream) {
-              cuda::float_matmul(type_id, ptr<const void>(w), n_out, n_in, w_row_stride,
-                                 ptr<const float>(x), n_tok, ptr<float>(y), stream);
-          },
-          py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
-          py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
-          py::arg("stream") = 0, release);
+    // matmul (quantized weights) and float_matmul (F32/F16/BF16 rows): one signature
+    using RowsProduct = void (*)(int, const void*, int64_t, int64_t, int64_t, const float*,
+                                 int64_t, float*, uintptr_t);
+    for (auto [name, product] : {std::pair<const char*, RowsProduct>{"matmul", cuda::matmul},
+                                 {"float_matmul", cuda::float_matmul}})
+        m.def(name,
+              [product](int type_id, uintptr_t w, int64_t n_out, int64_t n_in,
+                        int64_t w_row_stride, uintptr_t x, int64_t n_tok, uintptr_t y,
+                        uintptr_t stream) {
+                  product(type_id, ptr<const void>(w), n_out, n_in, w_row_stride,
+                          ptr<const float>(x), n_tok, ptr<float>(y), stream);
+              },
+              py::arg("type_id"), py::arg("w"), py::arg("n_out"), py::arg("n_in"),
+              py::arg("w_row_stride"), py::arg("x"), py::arg("n_tok"), py::arg("y"),
+              py::arg("stream") = 0, release);
     m.def("moe_ffn",
           [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
              uintptr_t ids, uintptr_t weights, int64_t top_k, int gate_type, uintptr_t gate,
