@@ -16,11 +16,24 @@ import argparse
 import torch
 
 
+def open_mtp_runtime(model: str, vram: str, trace: bool):
+    """The runtime with the file's MTP head, routing by the realistic trace by position (as
+    `bench --trace --draft`) when `trace` -> (runtime, config)."""
+    from loaders import open_model
+    from moe_offload import open_runtime
+    loaded = open_model(model)
+    c = loaded.config
+    rt = open_runtime(loaded, vram, ctx=4096, mtp=True)
+    if trace:
+        from moe_offload.trace import TraceParams, make_trace
+        rt.replay(make_trace(160, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()),
+                  by_position=True)
+    return rt, c
+
+
 def main() -> None:
     from freetoken_patch.cli.bench import draft_guess_stats
     from freetoken_patch.cli.bench_spec import speculative_tg
-    from loaders import open_model
-    from moe_offload import open_runtime
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--vram", default="8GiB")
@@ -29,13 +42,7 @@ def main() -> None:
     p.add_argument("--drafts", default="1,3")
     p.add_argument("--trace", action="store_true", help="replayed routing (guesses are then off)")
     args = p.parse_args()
-    loaded = open_model(args.model)
-    c = loaded.config
-    rt = open_runtime(loaded, args.vram, ctx=4096, mtp=True)
-    if args.trace:
-        from moe_offload.trace import TraceParams, make_trace
-        rt.replay(make_trace(160, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()),
-                  by_position=True)
+    rt, c = open_mtp_runtime(args.model, args.vram, args.trace)
     r = rt.scheduler.rates
     print(f"guessing {rt.prefetching}, link {r.link_bytes_per_s / 1e9:.1f} GB/s, CPU "
           f"{r.cpu_bytes_per_s / 1e9:.1f} GB/s, q {rt.scheduler.q():.3f}, {rt.cache.slots[0]} slots")

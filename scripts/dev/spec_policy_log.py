@@ -17,9 +17,8 @@ import torch
 
 
 def main() -> None:
+    from draft_guess_ab import open_mtp_runtime   # beside this script
     from freetoken_patch.cli.bench_spec import speculative_tg
-    from loaders import open_model
-    from moe_offload import open_runtime
     from moe_offload import speculative as spec
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -37,13 +36,7 @@ def main() -> None:
                     "a": round(self.a, 3), "cost_ms": {j: round(v * 1e3, 3) for j, v in self.cost.items()},
                     "probe_gap": self._probe_gap})
     spec.DraftPolicy.observe = logged
-    loaded = open_model(args.model)
-    c = loaded.config
-    rt = open_runtime(loaded, args.vram, ctx=4096, mtp=True)
-    if args.trace:
-        from moe_offload.trace import TraceParams, make_trace
-        rt.replay(make_trace(160, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()),
-                  by_position=True)
+    rt, c = open_mtp_runtime(args.model, args.vram, args.trace)
     res = speculative_tg(rt, rt.mtp, "auto", gen=128, reps=2, n_vocab=c.n_vocab,
                          new_state=lambda: rt.new_state(1, 4096), sync=torch.cuda.synchronize)
     print(f"x{res['speedup']}, k {res['by_k']}, acceptance {res['acceptance']}, "
