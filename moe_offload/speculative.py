@@ -38,7 +38,8 @@ queued step's token stays in the cache (`finish`), as with generate()'s own pipe
 
 Phase timing (`phases=True`, or FTPATCH_SPEC_PHASES=1): the device is synchronised between the
 phases of a step (draft, verify of T tokens, accept, rewind; and "mtp_rows" when plain steps'
-owed rows are written to the MTP head) and their wall times are kept in `SpecStats.phases`. Off by default: the syncs cost the overlap of the host with the device.
+owed rows are written to the MTP head) and their wall times are kept in `SpecStats.phases`.
+Off by default: the syncs cost the overlap of the host with the device.
 """
 from __future__ import annotations
 

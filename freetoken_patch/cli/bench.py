@@ -39,6 +39,7 @@ examples:
   ftpatch bench 35b.gguf --device cpu --threads 16 -p 512 # CPU only: pp512, tg128
   ftpatch bench 35b.gguf --vram 8GiB --link-gbps 11.8 --threads 8   # a laptop's PCIe 4.0 x8 link
   ftpatch bench mtp.gguf --vram 8GiB --draft auto         # speculative decoding with the MTP head
+  ftpatch bench mtp.gguf --vram 8GiB --draft 1,3 --draft-guess-layers 0   # ... no guesses while drafting
   ftpatch bench kernels                                   # per-type kernel throughput (GB/s)
   ftpatch bench serve --concurrency 1,2,4                 # load a server: TTFT, tok/s (--help)
 
