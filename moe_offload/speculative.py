@@ -121,49 +121,66 @@ class SpecStats:
 class DraftPolicy:
     """How many tokens to draft: `fixed` (0..K_MAX), or None for adaptive.
 
-    Adaptive: acceptance a per draft (EMA over drafts, `accept_ema`, geometric model: a draft is
-    judged only when the ones before it were kept); cost of a step with k drafts measured (EMA
-    of wall time by k, `ema`). The acceptance's EMA is slow on purpose: near break-even a fast
-    one dips below it by chance, and back on plain steps only the spaced probes can raise it
-    again, so the policy would stay plain where drafting gains (docs/BENCHMARKS.md, MTP).
-    Before a k has been measured its cost is guessed from k = 0's as
-    (1 + prior_slope * k) plus k draft calls at prior_draft each -- optimistic, so it gets tried
-    and measured. While k = 0 wins, one k = 1 step now and then keeps the acceptance current:
-    `probe_every` steps after the last draft at first; a refused probe doubles the gap (up to
-    `probe_max`), a kept one halves it, so a head that rarely agrees costs a few probes a
-    thousand steps instead of one every 16, and one that starts agreeing is probed often again.
+    Adaptive: acceptance a per draft (geometric model: a draft is judged only when the ones
+    before it were kept): the mean of the drafts judged so far, with a0 counted as `a0_weight`
+    of them, until an EMA of weight `accept_ema` weighs more; cost of a step with k drafts
+    measured (wall time by k, below). The acceptance's EMA is slow on purpose: near break-even a
+    fast one dips below it by chance, and back on plain steps only the spaced probes can raise
+    it again, so the policy would stay plain where drafting gains (docs/BENCHMARKS.md, MTP);
+    the mean first, so that the first probes, not a0, decide whether drafting starts. The k chosen
+    has the most expected tokens, (1 - a^(k+1)) / (1 - a), per unit of its cost; drafting must
+    be expected to gain at least `min_gain` over plain decoding, since the estimates carry a few
+    per cent of noise and where drafting breaks even (the 35B-A3B under model routing: a k = 1
+    step costs 1.78 plain ones at acceptance 0.78) every chance swing towards it drafted at a
+    loss.
 
-    A cost is the median of its first `warm` samples before the EMA takes over, and plain
-    decoding is measured `warm` times before anything else: one slow early step (a cache still
-    warming, a bucket's first use) must not make drafting look cheap for good. While drafting
-    wins, plain steps after plain_every / 4, / 2, then every plain_every drafted steps keep
-    k = 0's cost current for the same reason, and such a sample weighs what `ema` would give
-    the steps since the last plain one (at most `stale_weight`): plain decoding's cost follows
-    its rare samples as fast as a cost sampled every step. (With a plain step every 64 and a
-    fixed 0.1, two thirds of a cold start's error stayed after 256 steps, and `auto` drafted at
-    0.28 acceptance for a 23% loss in the trace regime.) A re-measure is `remeasure_steps`
-    plain steps: on a GPU plain steps are queued behind each other, and the decoder counts only
-    one queued behind the last that queued the next -- the first after a drafted step pays the
-    queue's refill, and the last starts its clock with its work half done (measured: 4.16 ms
-    against 4.56 steady). Drafting's costs keep the plain EMA: a probe's cost is one noisy
-    step. An unmeasured k above a measured one is guessed from it.
+    Before a k has been measured its cost is guessed from k = 0's as (1 + prior_slope * k) plus
+    k draft calls at prior_draft each -- optimistic, so it gets tried and measured; an
+    unmeasured k above a measured one is guessed from it. While k = 0 wins, one k = 1 step now
+    and then keeps the acceptance current: `probe_every` steps after the last draft at first; a
+    refused probe doubles the gap (up to `probe_max`), a kept one halves it, so a head that
+    rarely agrees costs a few probes a thousand steps instead of one every 16, and one that
+    starts agreeing is probed often again.
+
+    A cost is the median of its first `warm` samples (plain decoding is measured `warm` times
+    before anything else), then moves by the median of each `fold` further samples, weighted
+    as if it had been sampled every step since it last moved (`ema` a step, at most
+    `stale_weight`). So a k measured rarely follows its samples as fast as one measured every
+    step (with a plain step every 64 and a fixed 0.1, two thirds of a cold start's error stayed
+    after 256 steps, and `auto` drafted at 0.28 acceptance for a 23% loss in the trace regime),
+    and no single step moves it (seen on the H200: a plain step of 0.35 ms against 6.5 when
+    its queue had drained early, one of 15.9 beside a capture; each moved the old estimate by
+    half).
+
+    While drafting wins, the costs it is compared with are re-measured after plain_every / 4,
+    / 2, then every plain_every drafted steps (early estimates come from a cold cache and from
+    new graphs' first replays: k = 1's first steps took 14 ms against 11.5 later): plain
+    decoding over `remeasure_steps` steps -- on a GPU plain steps are queued behind each other,
+    and the decoder counts only those queued behind the last that queued the next (the first
+    after a drafted step pays the queue's refill, the last starts its clock with its work half
+    done: 4.16 ms against 4.56 steady), so five give three samples -- and then the k next to
+    the chosen one whose cost moved longest ago, over `fold` steps.
     """
 
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
-                 accept_ema: float = 0.03, a0: float = 0.6, prior_slope: float = 0.25,
+                 accept_ema: float = 0.03, a0: float = 0.6, a0_weight: int = 8,
+                 prior_slope: float = 0.25,
                  prior_draft: float = 0.05, probe_every: int = 16, probe_max: int = 256,
-                 warm: int = 4, plain_every: int = 64, stale_weight: float = 0.5,
-                 remeasure_steps: int = 3):
+                 warm: int = 4, fold: int = 3, plain_every: int = 64, stale_weight: float = 0.5,
+                 remeasure_steps: int = 5, min_gain: float = 0.02):
         if fixed is not None and not 0 <= fixed <= k_max:
             raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
         self.fixed, self.k_max, self.ema, self.accept_ema = fixed, k_max, ema, accept_ema
-        self.a = a0
+        self.a, self.min_gain = a0, min_gain
+        self._judged = a0_weight      # drafts judged so far, a0 counted as a0_weight of them
         self.cost: dict[int, float] = {}
         self.warm, self._samples = warm, {}           # k -> its first `warm` costs
+        self.fold, self._pending = fold, {}           # k -> samples since its cost last moved
+        self.stale_weight, self._steps, self._moved_at = stale_weight, 0, {}
         self.plain_every, self._since_plain = plain_every, 0
-        self.stale_weight, self._steps, self._plain_at = stale_weight, 0, 0
-        self._remeasured = 0     # plain samples after the first `warm`
+        self._remeasured = 0     # re-measures of plain decoding done
         self.remeasure_steps, self._remeasure = remeasure_steps, 0   # plain steps left to re-measure
+        self._neighbour_due, self._neighbour = False, (0, 0)   # (k, steps left) re-measured now
         self.prior_slope, self.prior_draft = prior_slope, prior_draft
         self.probe_every, self.probe_max, self._since_draft = probe_every, probe_max, 0
         self._probe_gap, self._probing = probe_every, False
@@ -189,20 +206,32 @@ class DraftPolicy:
         return guess
 
     def _best(self) -> int:
-        """The k with the most expected tokens per unit of step cost."""
-        return max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        """The k with the most expected tokens per unit of step cost; plain decoding unless
+        drafting is expected to gain at least min_gain over it."""
+        rate = {k: self.expected_tokens(k) / self.step_cost(k) for k in range(self.k_max + 1)}
+        k = max(range(1, self.k_max + 1), key=rate.get, default=0)
+        return k if k and rate[k] >= (1 + self.min_gain) * rate[0] else 0
 
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
         if len(self._samples.get(0, ())) < self.warm or self._remeasure:
             return 0                       # measure plain decode first, or again
+        if self._neighbour[1]:
+            return self._neighbour[0]
         best = self._best()
         self._probing = False
         if best:
             self._probe_gap = self.probe_every      # drafting pays: probe often again later
-            if self._since_plain >= self._plain_gap():   # ... and plain decoding is re-measured
-                best, self._remeasure = 0, self.remeasure_steps
+            if self._neighbour_due:                 # after plain decoding, a k beside the best
+                self._neighbour_due = False
+                near = [j for j in (best - 1, best + 1) if 1 <= j <= self.k_max]
+                if near:
+                    j = min(near, key=lambda j: self._moved_at.get(j, -1))
+                    self._neighbour = (j, self.fold)
+                    return j
+            if self._since_plain >= self._plain_gap():   # re-measure what it is compared with
+                best, self._remeasure, self._neighbour_due = 0, self.remeasure_steps, True
         elif self._since_draft >= self._probe_gap:
             best, self._probing = 1, True
         return best
@@ -229,29 +258,42 @@ class DraftPolicy:
         says nothing of the next steps, e.g. it included a graph capture; not counted)."""
         self._since_draft = 0 if k else self._since_draft + 1
         self._since_plain = self._since_plain + 1 if k else 0
-        self._remeasure = self._remeasure - 1 if self._remeasure and not k else self._remeasure
+        if self._remeasure and not k:
+            self._remeasure -= 1
+            self._remeasured += not self._remeasure
+        if self._neighbour[1] and k == self._neighbour[0]:
+            self._neighbour = (k, self._neighbour[1] - 1)
         self._steps += 1
         if self._probing:   # a refused probe spaces the next ones out, a kept one brings them in
             gap = self._probe_gap * 2 if accepted == 0 else self._probe_gap // 2
             self._probe_gap = min(max(gap, self.probe_every), self.probe_max)
             self._probing = False
         if seconds is not None:
-            first = self._samples.setdefault(k, [])
-            if len(first) < self.warm:
-                first.append(seconds)
-                self.cost[k] = sorted(first)[len(first) // 2]
-            elif k:
-                self.cost[k] += self.ema * (seconds - self.cost[k])
-            else:   # plain decoding, re-measured now and then: as if sampled every step since
-                self._remeasured += 1
-                gap = self._steps - self._plain_at
-                w = min(1 - (1 - self.ema) ** gap, max(self.ema, self.stale_weight))
-                self.cost[0] += w * (seconds - self.cost[0])
-            if not k:
-                self._plain_at = self._steps
+            self._sample(k, seconds)
         judged = min(k, accepted + 1)      # drafts after the first refusal were not judged
         for i in range(judged):
-            self.a += self.accept_ema * ((1.0 if i < accepted else 0.0) - self.a)
+            self._judged += 1
+            w = max(self.accept_ema, 1 / self._judged)   # the mean until the EMA weighs more
+            self.a += w * ((1.0 if i < accepted else 0.0) - self.a)
+
+    def _sample(self, k: int, seconds: float) -> None:
+        """One counted step of k drafts: the median of the first `warm`, then of each `fold`,
+        weighted by the steps since k's cost last moved."""
+        first = self._samples.setdefault(k, [])
+        if len(first) < self.warm:
+            first.append(seconds)
+            self.cost[k] = sorted(first)[len(first) // 2]
+            self._moved_at[k] = self._steps
+            return
+        pending = self._pending.setdefault(k, [])
+        pending.append(seconds)
+        if len(pending) < self.fold:
+            return
+        gap = self._steps - self._moved_at[k]
+        w = min(1 - (1 - self.ema) ** gap, max(1 - (1 - self.ema) ** self.fold, self.stale_weight))
+        self.cost[k] += w * (sorted(pending)[len(pending) // 2] - self.cost[k])
+        pending.clear()
+        self._moved_at[k] = self._steps
 
 
 def _owe(state: State, hidden: torch.Tensor) -> None:

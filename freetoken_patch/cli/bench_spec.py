@@ -51,6 +51,9 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
     prompts = [rng.integers(0, n_vocab, prompt_len).tolist() for _ in range(reps + 1)]
     dec = SpeculativeDecoder(model, mtp, draft, phases=False)
     plain_tps, spec_tps, diffs = [], [], []
+    # graph captures inside the timed runs (a new k, T or attention bucket captures a step:
+    # ~0.1 s each, which a 128-token run does not amortise): counted apart so a slow rate says why
+    captured = {False: [0, 0.0], True: [0, 0.0]}
 
     def run(prompt, d):
         st = new_state()
@@ -68,9 +71,13 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
         for d in ((None, dec) if r % 2 else (dec, None)):
             if d is not None and r == 1:
                 d.reset_stats()            # statistics of the timed repetitions
+            n0, s0 = getattr(model, "captures", 0), getattr(model, "capture_s", 0.0)
             done = run(prompt, d)
             if r:
                 (plain_tps if d is None else spec_tps).append(done.timings.decode_tps)
+                cap = captured[d is not None]
+                cap[0] += getattr(model, "captures", 0) - n0
+                cap[1] += getattr(model, "capture_s", 0.0) - s0
             outs[d is not None] = list(done.tokens)
         if outs[False] != outs[True]:
             diffs.append(_divergence(model, new_state, prompt, outs[False], outs[True]))
@@ -79,6 +86,9 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
            "plain_tps": _spread(plain_tps), "speculative_tps": _spread(spec_tps),
            "speedup": round(statistics.median(spec_tps) / statistics.median(plain_tps), 3),
            "same_tokens": not diffs, **st.as_dict(),
+           "timed_captures": {side: {"graphs": n, "seconds": round(sec, 3)}
+                              for side, (n, sec) in (("plain", captured[False]),
+                                                     ("speculative", captured[True]))},
            "policy": {"acceptance_ema": round(dec.policy.a, 3),
                       "step_cost_s": {str(k): round(v, 5) for k, v in
                                       sorted(dec.policy.cost.items())}}}
@@ -119,6 +129,9 @@ def summary(res: dict) -> str:
         d = res["divergence"][0]
         line += (f"; TOKENS DIFFER from plain greedy (first at {d['index']}"
                  + (f", top-2 margin {d['margin']:.3g}" if "margin" in d else "") + ")")
+    caps = res.get("timed_captures", {}).get("speculative", {})
+    if caps.get("graphs"):
+        line += f"; {caps['graphs']} graph captures in the timed runs ({caps['seconds']:.2f} s)"
     guesses = res.get("draft_guesses") or {}
     if guesses.get("layer0_guessed"):
         line += (f"; guessed while drafting: {guesses['layer0_guessed']} layer-0 experts, "
