@@ -673,6 +673,40 @@ class OffloadRuntime:
         state.mtp_past = p + T
         return out.clone()
 
+    def mtp_rows(self, hidden: torch.Tensor, tokens: torch.Tensor, state: State) -> None:
+        """Write the MTP KV rows the head is owed: hidden [1, T, H] (the trunk's final-normed
+        states from state.mtp_past on), tokens [1, T] (the tokens after them), T <=
+        engine.max_tok. Captured as one graph per (state, attended length) over max_tok rows:
+        a shorter call pads its rows, and the padding's KV rows land past state.mtp_past, where
+        rows are provisional (the next write covers them) and no real row attends to them. An
+        eager call of the head costs ~1.7 ms of launches from Python; a replay ~0.2."""
+        mtp, T, p = self.mtp, tokens.shape[1], state.mtp_past
+        if mtp is None:
+            raise OffloadError("this runtime has no MTP head: open it with RuntimeOptions(mtp=True)")
+        n = self.engine.max_tok
+        if not (1 <= T <= n and self.opts.use_graphs and mtp.experts.capturable(n)
+                and p + n <= state.n_ctx):
+            mtp.forward(hidden, tokens, state, logits="none")
+            return
+        n_attn = state.rows_attended(p + n)
+
+        def run(toks, h, at):
+            return mtp.forward(h, toks, state, logits="none", at=at, n_attn=n_attn)[1]
+
+        if T < n:   # padding: the last row again (any values would do)
+            hidden = torch.cat((hidden, hidden[:, -1:].expand(1, n - T, hidden.shape[2])), 1)
+            tokens = torch.cat((tokens, tokens[:, -1:].expand(1, n - T)), 1)
+        key = ("mtp_rows", id(state), n_attn)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, p)
+        graph, (tok_in, h_in, at_in), _ = g
+        tok_in.copy_(tokens)
+        h_in.copy_(hidden)
+        at_in.fill_(p)
+        graph.replay()
+        state.mtp_past = p + T
+
     def _draft_guesses(self, k: int):
         """known(ids) for greedy_drafts: the verify step's first layers guessed for the tokens
         known while the last draft is computed (policy.draft_guess_layers), or None: off, or

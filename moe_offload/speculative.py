@@ -57,9 +57,9 @@ from .state import State
 K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
 MTP_BACKLOG = 64     # trunk hidden states the MTP head may owe before they are written
 BACKLOG_CHUNK = 8    # owed rows written a call: up to here a GPU runs the head's experts with the
-                     # pool kernels (a call on more takes the prompt path, which dequantizes each
-                     # expert its rows use: ~9 ms for 63 rows on the 35B-A3B), the CPU in one
-                     # native call
+                     # pool kernels, as one captured graph on the runtime (runtime.mtp_rows; a call
+                     # on more takes the prompt path, which dequantizes each expert its rows use:
+                     # ~9 ms for 63 rows on the 35B-A3B), the CPU in one native call
 PHASES_ENV = "FTPATCH_SPEC_PHASES"   # "1": time the phases of every step (synchronising)
 
 
@@ -378,11 +378,18 @@ class SpeculativeDecoder:
         if owed is None or owed.shape[0] <= keep:
             return
         n = owed.shape[0] - keep
+        rows = getattr(self.model, "mtp_rows", None)   # the runtime: captured, a chunk a replay
+        p = state.mtp_past
+        # the tokens in one copy, queued (from pageable memory each chunk's copy would wait for
+        # the work already queued: a plain step queued ahead, the chunk before)
+        ids = torch.tensor([self.ids[p + 1:p + 1 + n]], pin_memory=self.device.type == "cuda")
+        ids = ids.to(self.device, non_blocking=True)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            p = state.mtp_past
-            toks = torch.tensor([self.ids[p + 1:p + 1 + e - s]], device=self.device)
-            self.mtp.forward(owed[None, s:e], toks, state, logits="none")
+            if rows is not None:
+                rows(owed[None, s:e], ids[:, s:e], state)
+            else:
+                self.mtp.forward(owed[None, s:e], ids[:, s:e], state, logits="none")
         state.mtp_hidden = owed[n:]
 
     # -- a step ------------------------------------------------------------------------------

@@ -200,6 +200,37 @@ def test_captured_draft_equals_the_eager_head(loaded):
         rt.close()
 
 
+def test_captured_mtp_rows_equal_the_eager_head(loaded):
+    """rt.mtp_rows (one graph of max_tok rows; shorter calls padded) writes the KV rows the head
+    writes eagerly, bit for bit, moves the MTP count by the real rows only, and is captured
+    once per attended length whatever the row count."""
+    rt = _runtime(loaded, True)
+    try:
+        mtp, H = rt.mtp, loaded.config.n_embd
+        st = rt.new_state(1, 256)
+        rt.keep_steps(st, 3)
+        g = torch.Generator().manual_seed(4)
+        caps = []
+        for p, T in ((0, 8), (8, 3), (11, 1), (12, 5), (17, 8)):
+            hidden = torch.randn(1, T, H, generator=g).cuda()
+            toks = torch.randint(0, loaded.config.n_vocab, (1, T), generator=g).cuda()
+            st.mtp_past = p
+            before = rt.captures
+            rt.mtp_rows(hidden, toks, st)
+            caps.append(rt.captures - before)
+            assert st.mtp_past == p + T
+            got = st.mtp_k[0, p:p + T].clone(), st.mtp_v[0, p:p + T].clone()
+            st.mtp_k[0, p:].zero_()
+            st.mtp_v[0, p:].zero_()
+            st.mtp_past = p
+            mtp.forward(hidden, toks, st, logits="none")
+            assert torch.equal(got[0], st.mtp_k[0, p:p + T]), (p, T)
+            assert torch.equal(got[1], st.mtp_v[0, p:p + T]), (p, T)
+        assert caps == [1, 0, 0, 0, 0], caps
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("layers", [1, 0])
 def test_guesses_while_drafting_are_used_and_change_no_token(loaded, layers):
     """The verify step's layer 0 guessed while the head drafts (the agreeing trunk routes by

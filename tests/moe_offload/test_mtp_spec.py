@@ -635,6 +635,36 @@ def test_plain_steps_write_their_backlog_in_small_calls_off_the_clock(tiny):
     assert max(s for s in seen if s is not None) < 0.2, max(seen)
 
 
+def test_owed_rows_written_through_the_models_mtp_rows_match_the_heads_own(tiny):
+    """Where the model writes the MTP rows itself (the runtime's captured mtp_rows), the
+    decoder hands it each chunk with the tokens that follow its rows: the MTP KV ends as the
+    head's own calls leave it."""
+    from moe_offload.speculative import BACKLOG_CHUNK, MTP_BACKLOG
+    _, model, head = tiny
+    chunks = []
+
+    class WithRows:   # the model, with a mtp_rows of its own
+        def __init__(self, m):
+            self.m = m
+
+        def __getattr__(self, name):
+            return getattr(self.m, name)
+
+        def mtp_rows(self, hidden, tokens, state):
+            chunks.append(tokens.shape[1])
+            head.forward(hidden, tokens, state, logits="none")
+
+    kv = []
+    for m in (model, WithRows(model)):
+        st = m.new_state(1, 256)
+        draft = SpeculativeDecoder(m, head, 0, pipeline=False)
+        params = SamplingParams(temperature=0.0, max_tokens=MTP_BACKLOG + 12)
+        list(generate(m, st, PROMPT, params, draft=draft))
+        kv.append((st.mtp_past, st.mtp_k[0, :st.mtp_past].clone()))
+    assert chunks and max(chunks) == BACKLOG_CHUNK and sum(chunks) >= MTP_BACKLOG, chunks
+    assert kv[0][0] == kv[1][0] and torch.equal(kv[0][1], kv[1][1])
+
+
 def test_plain_steps_count_only_in_the_stream(tiny):
     """Where plain steps are queued behind each other, a plain step's time is plain decoding's
     cost only when it ran queued behind the last and queued the next: the first after a
