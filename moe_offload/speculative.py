@@ -21,8 +21,9 @@ step's matmuls see k+1 rows where decode sees one); sampling has plain sampling'
 Penalties see the drafted tokens as context, as they would have been.
 
 `DraftPolicy` picks k each step: fixed, or (auto) the k in 0..k_max that maximises the expected
-tokens a step, (1 - a^(k+1)) / (1 - a) for an acceptance rate a (EMA), over the step's measured
-cost (the verify forward of k+1 positions and k draft calls, EMA by k); 0 is plain decoding. A
+tokens a step, (1 - a^(k+1)) / (1 - a) for an acceptance rate a, over the step's measured cost
+(the verify forward of k+1 positions and k draft calls, by k); 0 is plain decoding, unless
+drafting is expected to gain at least 2% (its docstring says how each estimate moves). A
 step that captured a CUDA graph (the runtime's `captures` counter moved), and the first step of
 each k (lazy initialisation), do not count towards the cost: a capture costs 10-100x a step.
 
