@@ -661,15 +661,8 @@ class OffloadRuntime:
         capturable = isinstance(mtp.experts, ResidentPool) and mtp.experts.capturable(T)
         if not (self.opts.use_graphs and capturable):
             return run(tokens, hidden, None)
-        key = ("draft", id(state), T, k, n_attn, guess is not None)
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, p)
-        graph, (tok_in, h_in, at_in), out = g
-        tok_in.copy_(tokens)
-        h_in.copy_(hidden)
-        at_in.fill_(p)
-        graph.replay()
+        out = self._replay_head(("draft", id(state), T, k, n_attn, guess is not None), run,
+                                tokens, hidden, state)
         state.mtp_past = p + T
         return out.clone()
 
@@ -696,15 +689,7 @@ class OffloadRuntime:
         if T < n:   # padding: the last row again (any values would do)
             hidden = torch.cat((hidden, hidden[:, -1:].expand(1, n - T, hidden.shape[2])), 1)
             tokens = torch.cat((tokens, tokens[:, -1:].expand(1, n - T)), 1)
-        key = ("mtp_rows", id(state), n_attn)
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, p)
-        graph, (tok_in, h_in, at_in), _ = g
-        tok_in.copy_(tokens)
-        h_in.copy_(hidden)
-        at_in.fill_(p)
-        graph.replay()
+        self._replay_head(("mtp_rows", id(state), n_attn), run, tokens, hidden, state)
         state.mtp_past = p + T
 
     def _draft_guesses(self, k: int):
@@ -717,6 +702,20 @@ class OffloadRuntime:
         model, eng = self.model, self.engine
         return lambda ids: eng.guess_while_drafting(
             ids, lambda: model.embedding_moe_inputs(ids, n), n_verify=k + 1)
+
+    def _replay_head(self, key, run, tokens: torch.Tensor, hidden: torch.Tensor, state: State):
+        """run(tokens, hidden, at) of the MTP head as the graph captured for `key` (now, if new),
+        replayed on these inputs at p = state.mtp_past -> the graph's output (its own tensor).
+        state.mtp_past is the caller's to move."""
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, state.mtp_past)
+        graph, (tok_in, h_in, at_in), out = g
+        tok_in.copy_(tokens)
+        h_in.copy_(hidden)
+        at_in.fill_(state.mtp_past)
+        graph.replay()
+        return out
 
     def _capture_draft(self, run, tokens: torch.Tensor, hidden: torch.Tensor, state: State, p: int):
         """run(tokens, hidden, at) as a graph over copies of its inputs, after one eager run (lazy
