@@ -128,12 +128,13 @@ class DraftPolicy:
     measured (wall time by k, below). The acceptance's EMA is slow on purpose: near break-even a
     fast one dips below it by chance, and back on plain steps only the spaced probes can raise
     it again, so the policy would stay plain where drafting gains (docs/BENCHMARKS.md, MTP);
-    the mean first, so that the first probes, not a0, decide whether drafting starts. The k chosen
-    has the most expected tokens, (1 - a^(k+1)) / (1 - a), per unit of its cost; drafting must
-    be expected to gain at least `min_gain` over plain decoding, since the estimates carry a few
-    per cent of noise and where drafting breaks even (the 35B-A3B under model routing: a k = 1
-    step costs 1.78 plain ones at acceptance 0.78) every chance swing towards it drafted at a
-    loss.
+    the mean first, so that the first probes, not a0, decide whether drafting starts.
+
+    The k chosen has the most expected tokens, (1 - a^(k+1)) / (1 - a), per unit of its cost;
+    drafting must be expected to gain at least `min_gain` over plain decoding, since the
+    estimates carry a few per cent of noise and where drafting breaks even (the 35B-A3B under
+    model routing: a k = 1 step costs 1.78 plain ones at acceptance 0.78) every chance swing
+    towards it drafted at a loss.
 
     Before a k has been measured its cost is guessed from k = 0's as (1 + prior_slope * k) plus
     k draft calls at prior_draft each -- optimistic, so it gets tried and measured; an
@@ -165,8 +166,8 @@ class DraftPolicy:
 
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
                  accept_ema: float = 0.03, a0: float = 0.6, a0_weight: int = 8,
-                 prior_slope: float = 0.25,
-                 prior_draft: float = 0.05, probe_every: int = 16, probe_max: int = 256,
+                 prior_slope: float = 0.25, prior_draft: float = 0.05, probe_every: int = 16,
+                 probe_max: int = 256,
                  warm: int = 4, fold: int = 3, plain_every: int = 64, stale_weight: float = 0.5,
                  remeasure_steps: int = 5, min_gain: float = 0.02):
         if fixed is not None and not 0 <= fixed <= k_max:
