@@ -142,7 +142,9 @@ class DraftPolicy:
     and then keeps the acceptance current: `probe_every` steps after the last draft at first; a
     refused probe doubles the gap (up to `probe_max`), a kept one halves it, so a head that
     rarely agrees costs a few probes a thousand steps instead of one every 16, and one that
-    starts agreeing is probed often again.
+    starts agreeing is probed often again. A probe counts as refused where no k would pay even
+    if every draft were kept (the CPU: a k = 1 step costs 2.3 plain ones), so its probes, kept
+    or not, thin out too (they cost 3% there at one in 16).
 
     A cost is the median of its first `warm` samples (plain decoding is measured `warm` times
     before anything else), then moves by the median of each `fold` further samples, weighted
@@ -214,6 +216,13 @@ class DraftPolicy:
         k = max(range(1, self.k_max + 1), key=rate.get, default=0)
         return k if k and rate[k] >= (1 + self.min_gain) * rate[0] else 0
 
+    def _could_pay(self) -> bool:
+        """Whether a k measured so far would gain min_gain over plain decoding if every draft
+        were kept (the guesses of unmeasured ones are optimistic on purpose: not these)."""
+        plain = (1 + self.min_gain) / self.step_cost(0)
+        drafted = [k for k in self.cost if k]
+        return not drafted or any((k + 1) / self.cost[k] >= plain for k in drafted)
+
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
@@ -267,7 +276,8 @@ class DraftPolicy:
             self._neighbour = (k, self._neighbour[1] - 1)
         self._steps += 1
         if self._probing:   # a refused probe spaces the next ones out, a kept one brings them in
-            gap = self._probe_gap * 2 if accepted == 0 else self._probe_gap // 2
+            refused = accepted == 0 or not self._could_pay()
+            gap = self._probe_gap * 2 if refused else self._probe_gap // 2
             self._probe_gap = min(max(gap, self.probe_every), self.probe_max)
             self._probing = False
         if seconds is not None:

@@ -367,6 +367,17 @@ def test_policy_stays_plain_where_drafting_breaks_even():
         assert sum(k > 0 for k in ks[200:]) < 0.1 * 1800, seed
 
 
+def test_probes_thin_out_where_drafting_cannot_pay_at_any_acceptance():
+    """The CPU (the 35B-A3B cut to 8 layers, 2 threads): a k = 1 step costs 2.3 plain ones, so
+    drafting loses even with every draft kept. The head agrees 74% of the time, so most probes
+    are kept; they must thin out all the same (one every 16 steps cost 3%)."""
+    cost = {0: 29.0, 1: 67.0, 2: 115.0, 3: 160.0}
+    pol = DraftPolicy(None)
+    per_token, ks = _drive(pol, cost, 0.74, 2000, 0)
+    assert sum(k > 0 for k in ks[500:]) <= 1500 // 128, ks[500:].count(1)
+    assert per_token < 1.01
+
+
 def test_one_odd_plain_step_does_not_move_plain_decodings_cost():
     """While drafting, plain decoding is re-measured every so often and such a sample weighs as
     much as the steps since the last; one odd step in it (a drained queue: 0.35 ms against 6.5)
