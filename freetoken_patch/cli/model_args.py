@@ -244,7 +244,11 @@ def add_draft_arg(s: argparse.ArgumentParser, note: str = "") -> None:
     s.add_argument("--draft", type=parse_draft, default=0, metavar="N|auto",
                    help="speculative decoding with the model's MTP head: N draft tokens a step "
                         "(1..3), or auto (chosen each step from the measured acceptance and "
-                        "cost); the output is the same as without. Default 0: off" + note)
+                        "cost, plain decoding where drafting does not pay); the output is the "
+                        "same as without. With --vram, auto is the one to try (measured on an "
+                        "8 GiB cap: 1.33x at 0.8 acceptance with realistic routing, 0.99x "
+                        "where drafts rarely match; docs/BENCHMARKS.md). Default 0: off (on "
+                        "the CPU engine drafting costs more than it saves)" + note)
 
 
 def speculative_for(args, loaded, model):
