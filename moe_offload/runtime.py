@@ -709,7 +709,7 @@ class OffloadRuntime:
         state.mtp_past is the caller's to move."""
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._capture_draft(run, tokens, hidden, state, state.mtp_past)
+            g = self._graphs[key] = self._capture_head(run, tokens, hidden, state, state.mtp_past)
         graph, (tok_in, h_in, at_in), out = g
         tok_in.copy_(tokens)
         h_in.copy_(hidden)
@@ -717,7 +717,7 @@ class OffloadRuntime:
         graph.replay()
         return out
 
-    def _capture_draft(self, run, tokens: torch.Tensor, hidden: torch.Tensor, state: State, p: int):
+    def _capture_head(self, run, tokens: torch.Tensor, hidden: torch.Tensor, state: State, p: int):
         """run(tokens, hidden, at) as a graph over copies of its inputs, after one eager run (lazy
         inits; it writes the same KV rows the graph will), with the capture's memory measured as
         a decode step's is. -> (graph, inputs, outputs)."""

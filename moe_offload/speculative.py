@@ -169,9 +169,8 @@ class DraftPolicy:
     def __init__(self, fixed: int | None = None, k_max: int = K_MAX, *, ema: float = 0.1,
                  accept_ema: float = 0.03, a0: float = 0.6, a0_weight: int = 8,
                  prior_slope: float = 0.25, prior_draft: float = 0.05, probe_every: int = 16,
-                 probe_max: int = 256,
-                 warm: int = 4, fold: int = 3, plain_every: int = 64, stale_weight: float = 0.5,
-                 remeasure_steps: int = 5, min_gain: float = 0.02):
+                 probe_max: int = 256, warm: int = 4, fold: int = 3, plain_every: int = 64,
+                 stale_weight: float = 0.5, remeasure_steps: int = 5, min_gain: float = 0.02):
         if fixed is not None and not 0 <= fixed <= k_max:
             raise OffloadError(f"--draft {fixed}: draft 0..{k_max} tokens a step, or auto")
         self.fixed, self.k_max, self.ema, self.accept_ema = fixed, k_max, ema, accept_ema
@@ -209,19 +208,22 @@ class DraftPolicy:
             guess = max(guess, self.cost[below] + (k - below) * (self.cost[below] - base) / below / 2)
         return guess
 
+    def _pays(self, tokens: float, cost: float) -> bool:
+        """Whether a step giving `tokens` for `cost` gains at least min_gain over plain decoding."""
+        return tokens / cost >= (1 + self.min_gain) / self.step_cost(0)
+
     def _best(self) -> int:
         """The k with the most expected tokens per unit of step cost; plain decoding unless
         drafting is expected to gain at least min_gain over it."""
-        rate = {k: self.expected_tokens(k) / self.step_cost(k) for k in range(self.k_max + 1)}
-        k = max(range(1, self.k_max + 1), key=rate.get, default=0)
-        return k if k and rate[k] >= (1 + self.min_gain) * rate[0] else 0
+        k = max(range(1, self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k),
+                default=0)
+        return k if k and self._pays(self.expected_tokens(k), self.step_cost(k)) else 0
 
     def _could_pay(self) -> bool:
         """Whether a k measured so far would gain min_gain over plain decoding if every draft
         were kept (the guesses of unmeasured ones are optimistic on purpose: not these)."""
-        plain = (1 + self.min_gain) / self.step_cost(0)
         drafted = [k for k in self.cost if k]
-        return not drafted or any((k + 1) / self.cost[k] >= plain for k in drafted)
+        return not drafted or any(self._pays(k + 1, self.cost[k]) for k in drafted)
 
     def choose(self) -> int:
         if self.fixed is not None:

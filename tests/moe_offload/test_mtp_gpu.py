@@ -167,20 +167,31 @@ def test_speculative_equals_plain_under_a_trace_by_position(loaded):
         rt.close()
 
 
+def _owing_state(rt, loaded, seed):
+    """A state ready for the MTP head (keep_steps made its KV) and owed(T) -> random hidden
+    states [1, T, H] and the tokens after them [1, T] on the GPU."""
+    st = rt.new_state(1, 256)
+    rt.keep_steps(st, 3)
+    g = torch.Generator().manual_seed(seed)
+    c = loaded.config
+
+    def owed(T):
+        return (torch.randn(1, T, c.n_embd, generator=g).cuda(),
+                torch.randint(0, c.n_vocab, (1, T), generator=g).cuda())
+    return st, owed
+
+
 def test_captured_draft_equals_the_eager_head(loaded):
     """rt.draft as one captured graph gives the drafts the head gives call by call (eager, host
     positions), replayed at other positions than the one it was captured at, and leaves the MTP
     count at p + T (the drafts' rows provisional)."""
     rt = _runtime(loaded, True)
     try:
-        mtp, H = rt.mtp, loaded.config.n_embd
-        st = rt.new_state(1, 256)
-        rt.keep_steps(st, 3)
-        g = torch.Generator().manual_seed(3)
+        mtp = rt.mtp
+        st, owed = _owing_state(rt, loaded, 3)
         seen = set()
         for p, T, k in ((0, 2, 3), (2, 2, 3), (4, 2, 3), (6, 1, 2), (7, 1, 2), (8, 3, 1)):
-            hidden = torch.randn(1, T, H, generator=g).cuda()
-            toks = torch.randint(0, loaded.config.n_vocab, (1, T), generator=g).cuda()
+            hidden, toks = owed(T)
             st.mtp_past = p
             before = rt.captures
             got = rt.draft(hidden, toks, st, k)
@@ -206,14 +217,11 @@ def test_captured_mtp_rows_equal_the_eager_head(loaded):
     once per attended length whatever the row count."""
     rt = _runtime(loaded, True)
     try:
-        mtp, H = rt.mtp, loaded.config.n_embd
-        st = rt.new_state(1, 256)
-        rt.keep_steps(st, 3)
-        g = torch.Generator().manual_seed(4)
+        mtp = rt.mtp
+        st, owed = _owing_state(rt, loaded, 4)
         caps = []
         for p, T in ((0, 8), (8, 3), (11, 1), (12, 5), (17, 8)):
-            hidden = torch.randn(1, T, H, generator=g).cuda()
-            toks = torch.randint(0, loaded.config.n_vocab, (1, T), generator=g).cuda()
+            hidden, toks = owed(T)
             st.mtp_past = p
             before = rt.captures
             rt.mtp_rows(hidden, toks, st)
