@@ -64,30 +64,42 @@ __device__ __forceinline__ void copy_piece(uint8_t* dst, uintptr_t p, uintptr_t 
 
 template <class Load>
 __device__ void prep_x_q8(const Load& load, int nvec, int ng, uint8_t* q, float2* ds) {
+    constexpr int B = 4;  // items a thread loads before it converts any: their latencies overlap
     const int total = nvec * ng * 8;
-    for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: shuffles below
-        const int i = base + threadIdx.x;
-        const bool ok = i < total;
-        const int gi = i >> 3, j = i & 7;
-        const int v = ok ? gi / ng : 0, g = ok ? gi - v * ng : 0;
-        const float4 x = ok ? load(v, g, j) : make_float4(0.f, 0.f, 0.f, 0.f);
-        float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+    for (int base = 0; base < total; base += B * blockDim.x) {  // uniform trip count: shuffles below
+        float4 xs[B];
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        // IEEE division and reciprocal (not the fast-math ones): the tests rebuild this rounding.
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float id = d > 0.f ? __frcp_rn(d) : 0.f;
-        const int q0 = __float2int_rn(__fmul_rn(x.x, id)), q1 = __float2int_rn(__fmul_rn(x.y, id));
-        const int q2 = __float2int_rn(__fmul_rn(x.z, id)), q3 = __float2int_rn(__fmul_rn(x.w, id));
-        int s = q0 + q1 + q2 + q3;
+        for (int b = 0; b < B; ++b) {
+            const int i = base + b * blockDim.x + threadIdx.x;
+            const int gi = i >> 3, v = gi / ng;
+            xs[b] = i < total ? load(v, gi - v * ng, i & 7) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
 #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (ok) {
-            const uint32_t packed = uint32_t(q0 & 0xFF) | (uint32_t(q1 & 0xFF) << 8) |
-                                    (uint32_t(q2 & 0xFF) << 16) | (uint32_t(q3 & 0xFF) << 24);
-            const int half = (j >> 2) ^ ((g >> 2) & 1);
-            *reinterpret_cast<uint32_t*>(q + (size_t(v) * ng + g) * 32 + 16 * half + 4 * (j & 3)) = packed;
-            if (j == 0) ds[size_t(v) * ng + g] = make_float2(d, d * float(s));
+        for (int b = 0; b < B; ++b) {
+            if (base + b * blockDim.x >= total) break;  // uniform: the rest of the block has no items
+            const int i = base + b * blockDim.x + threadIdx.x;
+            const bool ok = i < total;
+            const int gi = i >> 3, j = i & 7;
+            const int v = ok ? gi / ng : 0, g = ok ? gi - v * ng : 0;
+            const float4 x = xs[b];
+            float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            // IEEE division and reciprocal (not the fast-math ones): the tests rebuild this rounding.
+            const float d = __fdiv_rn(amax, 127.0f);
+            const float id = d > 0.f ? __frcp_rn(d) : 0.f;
+            const int q0 = __float2int_rn(__fmul_rn(x.x, id)), q1 = __float2int_rn(__fmul_rn(x.y, id));
+            const int q2 = __float2int_rn(__fmul_rn(x.z, id)), q3 = __float2int_rn(__fmul_rn(x.w, id));
+            int s = q0 + q1 + q2 + q3;
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (ok) {
+                const uint32_t packed = uint32_t(q0 & 0xFF) | (uint32_t(q1 & 0xFF) << 8) |
+                                        (uint32_t(q2 & 0xFF) << 16) | (uint32_t(q3 & 0xFF) << 24);
+                const int half = (j >> 2) ^ ((g >> 2) & 1);
+                *reinterpret_cast<uint32_t*>(q + (size_t(v) * ng + g) * 32 + 16 * half + 4 * (j & 3)) = packed;
+                if (j == 0) ds[size_t(v) * ng + g] = make_float2(d, d * float(s));
+            }
         }
     }
 }
@@ -306,7 +318,7 @@ template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes) {
     g.seg_stride = int(16 * cdiv(15 + int64_t(g.bpc) * kbB, 16));
     g.stage_stride = g.G * g.seg_stride;
     g.grid_copies = Pol::kTableBytes ? grid_copies() : 1;
-    g.x_off = int(cdiv(int64_t(Pol::kTableBytes) * g.grid_copies, 16) * 16);
+    g.x_off = int(cdiv(int64_t(Pol::table_bytes(g.grid_copies)), 16) * 16);
     g.stage_off = int(g.x_off + cdiv(int64_t(x_bytes), 16) * 16);
     return g;
 }

@@ -27,16 +27,18 @@ namespace ft::cuda {
 // ---- loads from shared memory at the alignment a block start guarantees ---------------------------
 
 // Little-endian 32-bit word at a 2-aligned address, from the two aligned words around it.
+// (The aligned address is p minus an offset, not an integer cast back: the compiler then still
+// knows p's state space, and loads from shared memory stay shared loads.)
 FT_HD uint32_t ld32_a2(const uint8_t* p) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(a & ~uintptr_t(3));
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p - (a & 3));
     return funnel_r(w[0], w[1], uint32_t(a & 2) * 8);
 }
 
 // N consecutive words at a 2-aligned address (N + 1 aligned loads; may read 2 bytes past the end).
 template <int N> FT_HD void ld32n_a2(const uint8_t* p, uint32_t (&out)[N]) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(a & ~uintptr_t(3));
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p - (a & 3));
     const uint32_t sh = uint32_t(a & 2) * 8;
     uint32_t r[N + 1];
 #pragma unroll
@@ -80,8 +82,7 @@ FT_HD void k4_scale_min_words(uint32_t a, uint32_t b, uint32_t c, int s, int& sc
 
 // Tables a Q8Unit reads: grids copied to shared memory, small ones held in registers.
 struct Q8Tables {
-    const uint32_t* iq3s = nullptr;  // Grids::iq3s [512]: entry i at iq3s[i * iq3s_stride]
-    int iq3s_stride = 1;             // (shared memory holds interleaved copies, see rows.cuh)
+    const uint32_t* iq3s = nullptr;  // Grids::iq3s [512] (one of the copies in shared memory)
     uint32_t kv[4] = {0, 0, 0, 0};   // kvalues_iq4nl as 4 words
 };
 
@@ -167,10 +168,17 @@ template <> struct Q8Unit<QType::IQ3_S> {
         const uint32_t qh = blk[66 + s];             // 9th index bits
         const uint32_t sg = ld32_a2(blk + 74 + 4 * s);  // 32 sign bits
         const uint32_t sc = (uint32_t(blk[106 + (s >> 1)]) >> (4 * (s & 1))) & 0xF;
+        // bit k of qh into bit 0 of byte k % 4 of hb[k / 4]; then one byte permute puts two
+        // entries' 9-bit indices side by side (low byte from qs, high byte from hb)
+        const uint32_t hb[2] = {((qh & 0xF) * 0x00204081u) & 0x01010101u,
+                                ((qh >> 4) * 0x00204081u) & 0x01010101u};
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const uint32_t idx = ((qs[k >> 2] >> (8 * (k & 3))) & 0xFF) | (((qh >> k) & 1) << 8);
-            q[k] = apply_signs4(tab.iq3s[idx * tab.iq3s_stride], (sg >> (4 * k)) & 0xF);
+        for (int k = 0; k < 8; k += 2) {
+            const uint32_t b = k & 3;  // bytes b, b + 1 of qs[k / 4] and of hb[k / 4]
+            const uint32_t sel = b | ((b + 4) << 4) | ((b + 1) << 8) | ((b + 5) << 12);
+            const uint32_t two = prmt(qs[k >> 2], hb[k >> 2], sel);
+            q[k] = apply_signs4(tab.iq3s[two & 0xFFFF], (sg >> (4 * k)) & 0xF);
+            q[k + 1] = apply_signs4(tab.iq3s[two >> 16], (sg >> (4 * k + 4)) & 0xF);
         }
         d0 = d1 = half_bits_to_f32(ld16(blk)) * float(1 + 2 * int(sc));
         m = 0.f;
@@ -301,21 +309,26 @@ template <QType T> struct Q8Policy {
     static constexpr int kAlign = U::kAlign;
     Q8Tables tab;
 
-    // Block-cooperative: `copies` interleaved copies of the table this type reads (entry i of
-    // copy c at word i * copies + c) into shared memory `dst`.
+    // Block-cooperative: `copies` copies of the table this type reads into shared memory `dst`,
+    // copy c from word c * (entries + 1): entry i of copy c sits in bank (i + c) % 32, so lanes
+    // reading different copies spread their lookups over the banks, and a lookup is one add.
+    static constexpr int kTableWords = kTableBytes / 4;
     __device__ static void load_tables(uint8_t* dst, const Grids& g, int copies) {
         if constexpr (kTableBytes > 0) {
             static_assert(T == QType::IQ3_S, "only IQ3_S keeps a table in shared memory");
             uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-            int sh = 0;  // copies is a power of two
-            while ((1 << sh) < copies) ++sh;
-            for (int i = threadIdx.x; i < (kTableBytes / 4) << sh; i += blockDim.x)
-                d[i] = __ldg(g.iq3s + (i >> sh));
+            for (int i = threadIdx.x; i < kTableWords * copies; i += blockDim.x) {
+                const int c = i / kTableWords, e = i - c * kTableWords;
+                d[c * (kTableWords + 1) + e] = __ldg(g.iq3s + e);
+            }
         }
     }
+    // Shared memory for `copies` copies of the table.
+    static constexpr size_t table_bytes(int copies) {
+        return kTableBytes ? size_t(copies) * (kTableWords + 1) * 4 : 0;
+    }
     __device__ Q8Policy(const uint8_t* tables, const Grids& g, int copies, int lane) {
-        tab.iq3s = reinterpret_cast<const uint32_t*>(tables) + (lane & (copies - 1));
-        tab.iq3s_stride = copies;
+        tab.iq3s = reinterpret_cast<const uint32_t*>(tables) + (lane & (copies - 1)) * (kTableWords + 1);
         if (g.kvalues_iq4nl) {
             const uint32_t* kv = reinterpret_cast<const uint32_t*>(g.kvalues_iq4nl);
 #pragma unroll
@@ -368,6 +381,7 @@ template <QType T> struct F32Policy {
     Grids grids;
 
     __device__ static void load_tables(uint8_t*, const Grids&, int) {}
+    static constexpr size_t table_bytes(int) { return 0; }
     __device__ F32Policy(const uint8_t*, const Grids& g, int, int) : grids(g) {}
 
     template <int NT, bool kCompact>
