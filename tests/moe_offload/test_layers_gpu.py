@@ -113,13 +113,17 @@ def _delta_inputs(g, n, T, hk=2, hv=4, dk=32, dv=64, kc=4):
     return (mix, z, br, ar), weights, conv, ssm
 
 
-@pytest.mark.parametrize("T", [2, 3, 8])
-def test_delta_net_tokens_in_one_launch_equal_one_at_a_time(T):
+# (2, 4, 32, 64): rows of 4 a thread, the guarded loops; (16, 32, 128, 128): the 35B-A3B's heads,
+# the kernel's unrolled form
+@pytest.mark.parametrize("dims", [(2, 4, 32, 64), (16, 32, 128, 128)])
+@pytest.mark.parametrize("T", [2, 3, 8, 11])   # 11: two batches of tokens in one launch
+def test_delta_net_tokens_in_one_launch_equal_one_at_a_time(T, dims):
     """A verify step's T tokens go through one launch each of the conv and the delta rule; outputs,
     final states and the states kept after each token equal T one-token steps bit for bit (a
     verify step must compute what decode computes)."""
     g = torch.Generator(DEV).manual_seed(T)
-    proj, w, conv, ssm = _delta_inputs(g, 1, T)
+    hk, hv, dk, dv = dims
+    proj, w, conv, ssm = _delta_inputs(g, 1, T, hk, hv, dk, dv)
     conv_1, ssm_1 = conv.clone(), ssm.clone()
     outs, kept = [], []
     for t in range(T):
@@ -134,12 +138,13 @@ def test_delta_net_tokens_in_one_launch_equal_one_at_a_time(T):
         assert torch.equal(steps[0][t], kept[t][0]) and torch.equal(steps[1][t], kept[t][1])
 
 
+@pytest.mark.parametrize("dims", [(2, 4, 32, 64), (16, 32, 128, 128)])
 @pytest.mark.parametrize("n", [3, 10])   # 10: two launches of at most 8 sequences
-def test_delta_net_many_sequences_equal_each_alone(n):
+def test_delta_net_many_sequences_equal_each_alone(n, dims):
     """decode_many's delta-net: one token of n sequences whose states are separate tensors, in one
     launch each, equals each sequence stepped alone bit for bit, and against the torch reference."""
     g = torch.Generator(DEV).manual_seed(n)
-    proj, w, conv, ssm = _delta_inputs(g, n, 1)
+    proj, w, conv, ssm = _delta_inputs(g, n, 1, *dims)
     convs = [conv[b:b + 1].clone() for b in range(n)]
     ssms = [ssm[b:b + 1].clone() for b in range(n)]
     alone_c, alone_s = [c.clone() for c in convs], [s.clone() for s in ssms]

@@ -116,96 +116,164 @@ __global__ void conv_silu_kernel(const float* x, int64_t ldx, SeqPtrs states, in
 }
 
 // ---- gated delta rule over n_tok tokens of each sequence, each followed by the gated RMS norm ------
-// Block (vh, sequence): dv x R threads; thread (c, r) owns value column c of S for key rows
-// [r*rows, (r+1)*rows), rows = dk/R <= CAP, and holds them in registers from the first token to
-// the last: S is read once and written once a launch however many tokens it runs (a verify step's
-// 2-4 tokens, or a decode step's one). Rows of y, z, beta, alpha and out are s * n_tok + t; `keep`
-// as in conv_silu_kernel, a state of hv * dk * dv per sequence.
-template <int CAP>
+// Block (vh, sequence): dv x R threads; thread (c, r) = threadIdx.x = r + R * c owns value column c
+// of S for key rows [r*rows, (r+1)*rows), rows = dk/R <= CAP, and holds them in registers from the
+// first token to the last: S is read once and written once a launch however many tokens it runs (a
+// verify step's 2-4 tokens, or a decode step's one). The tokens' inputs come in batches of `tb`:
+// their loads issued together, their q and k norms taken a warp a vector, then the recurrence runs
+// token after token with no barrier (a column's R threads are adjacent lanes: they add their
+// partial sums by shuffles), and the gated norms of the batch follow, a warp a token. Each token's
+// arithmetic is the same whatever the batch, so T tokens in one launch equal T launches of one.
+// kExact: rows == CAP = 32 and dv == 128 (the 35B-A3B's heads): the loops over a thread's rows
+// unroll with no guard, and the strides are constants.
+// Rows of y, z, beta, alpha and out are s * n_tok + t; `keep` as in conv_silu_kernel, a state of
+// hv * dk * dv per sequence.
+
+// Sum of v over the warp, the same value (added in the same order) in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Shared memory: norm_w [dv], then for a batch of tb tokens q and k [tb][R * seg], v, z, o
+// [tb][dv], decay and beta [tb]. Key rows [r*rows, (r+1)*rows) start at r * seg, seg = rows
+// rounded up to 4, plus 4: each thread reads its rows 16 bytes at a time, and the R threads of a
+// column, at r * seg + j, fall in distinct banks.
+__host__ __device__ inline int delta_seg(int rows) { return ((rows + 3) & ~3) + 4; }
+__host__ __device__ inline size_t delta_smem_floats(int tb, int dk, int dv, int R) {
+    return size_t(dv) + size_t(tb) * (2 * R * delta_seg(dk / R) + 3 * dv + 2);
+}
+
+template <int CAP, bool kExact>
 __global__ void __launch_bounds__(512) delta_step_kernel(const float* y, int64_t ldy, const float* z, int64_t ldz,
                                   const float* beta_raw, const float* alpha_raw, int64_t ldg,
                                   const float* ssm_a, const float* dt_bias, SeqPtrs S,
-                                  const float* norm_w, int hk, int hv, int dk, int dv, float eps,
-                                  int n_tok, float* out, float* keep, int64_t keep_t) {
+                                  const float* norm_w, int hk, int hv, int dk, int dv, int R, float eps,
+                                  int n_tok, int tb_max, float* out, float* keep, int64_t keep_t) {
     extern __shared__ float sm[];
-    float* qs = sm;               // [dk]
-    float* ks = qs + dk;          // [dk]
-    float* part = ks + dk;        // [R, dv]
-    __shared__ float red[32];
+    if (kExact) dv = 128;
+    const int rows = kExact ? CAP : dk / R, seg = delta_seg(rows), dkp = R * seg;
+    float* const nw_s = sm;                  // [dv]
+    float* const qs = nw_s + dv;             // [tb_max][dkp]
+    float* const ks = qs + tb_max * dkp;     // [tb_max][dkp]
+    float* const vs = ks + tb_max * dkp;     // [tb_max][dv]
+    float* const zs = vs + tb_max * dv;      // [tb_max][dv]
+    float* const os = zs + tb_max * dv;      // [tb_max][dv]
+    float* const dec = os + tb_max * dv;     // [tb_max]
+    float* const bet = dec + tb_max;         // [tb_max]
     const int vh = blockIdx.x, si = blockIdx.y, kh = vh % hk;
-    const int c = threadIdx.x, r = threadIdx.y, R = blockDim.y;
-    const int tid = c + r * dv, nthreads = dv * R;
-    const int rows = dk / R, i0 = r * rows;
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    const int r = tid % R, c = tid / R;
+    const int warp = tid >> 5, lane = tid & 31, nw = nthreads >> 5;
+    const int i0 = r * rows, k0 = r * seg;  // k0: key row i0 in qs / ks
     const int64_t head = int64_t(vh) * dk * dv;
     float* Sh = S.p[si] + head + c;
     float s[CAP];
 #pragma unroll
     for (int j = 0; j < CAP; ++j)
-        if (j < rows) s[j] = Sh[int64_t(i0 + j) * dv];
+        if (kExact || j < rows) s[j] = Sh[int64_t(i0 + j) * dv];
+    for (int j = tid; j < dv; j += nthreads) nw_s[j] = norm_w[j];
+    const float qscale = rsqrtf(float(dk));
 
-    for (int t = 0; t < n_tok; ++t) {
-        const int64_t row = int64_t(si) * n_tok + t;
-        const float* yb = y + row * ldy;
-        float sq = 0.f, sk = 0.f;
+    for (int t0 = 0; t0 < n_tok; t0 += tb_max) {
+        const int tb = min(tb_max, n_tok - t0);
+        const int64_t row0 = int64_t(si) * n_tok + t0;
+        // the batch's inputs: every load issued before any is used
         for (int i = tid; i < dk; i += nthreads) {
-            const float qv = yb[kh * dk + i], kv = yb[hk * dk + kh * dk + i];
-            qs[i] = qv;
-            ks[i] = kv;
-            sq += qv * qv;
-            sk += kv * kv;
-        }
-        const float nq = rsqrtf(block_sum(sq, red) + eps), nk = rsqrtf(block_sum(sk, red) + eps);
-        const float qscale = rsqrtf(float(dk));
-        for (int i = tid; i < dk; i += nthreads) {
-            qs[i] = qs[i] * nq * qscale;
-            ks[i] = ks[i] * nk;
-        }
-        __syncthreads();
-
-        const float graw = alpha_raw[row * ldg + vh] + dt_bias[vh];
-        const float decay = expf(ssm_a[vh] * (graw > 20.f ? graw : log1pf(expf(graw))));
-        const float beta = sigmoid(beta_raw[row * ldg + vh]);
-
-        float kvp = 0.f;  // (S^T k)[c] over this thread's rows, S already decayed
-#pragma unroll
-        for (int j = 0; j < CAP; ++j)
-            if (j < rows) kvp += ks[i0 + j] * (s[j] * decay);
-        part[r * dv + c] = kvp;
-        __syncthreads();
-        float kv = 0.f;
-        for (int j = 0; j < R; ++j) kv += part[j * dv + c];
-        const float u = beta * (yb[2 * hk * dk + vh * dv + c] - kv);
-        __syncthreads();  // every thread has read `part`
-
-        float op = 0.f;
-#pragma unroll
-        for (int j = 0; j < CAP; ++j) {
-            if (j < rows) {
-                const float sv = s[j] * decay + ks[i0 + j] * u;
-                s[j] = sv;
-                op += qs[i0 + j] * sv;
+            const int at = (i / rows) * (seg - rows) + i;
+            for (int t = 0; t < tb; ++t) {
+                const float* yb = y + (row0 + t) * ldy;
+                qs[t * dkp + at] = yb[kh * dk + i];
+                ks[t * dkp + at] = yb[hk * dk + kh * dk + i];
             }
         }
-        part[r * dv + c] = op;
+        for (int j = tid; j < dv; j += nthreads) {
+            for (int t = 0; t < tb; ++t) {
+                vs[t * dv + j] = y[(row0 + t) * ldy + 2 * hk * dk + vh * dv + j];
+                zs[t * dv + j] = z[(row0 + t) * ldz + vh * dv + j];
+            }
+        }
+        if (tid < tb) {
+            const int64_t row = row0 + tid;
+            const float graw = alpha_raw[row * ldg + vh] + dt_bias[vh];
+            dec[tid] = expf(ssm_a[vh] * (graw > 20.f ? graw : log1pf(expf(graw))));
+            bet[tid] = sigmoid(beta_raw[row * ldg + vh]);
+        }
         __syncthreads();
-        float o = 0.f;
-        for (int j = 0; j < R; ++j) o += part[j * dv + c];
+        for (int job = warp; job < 2 * tb; job += nw) {  // L2 norms: a warp each q and k
+            const bool is_q = (job & 1) == 0;
+            float* x = (is_q ? qs : ks) + (job >> 1) * dkp;
+            float sq = 0.f;
+            for (int rr = 0; rr < R; ++rr)
+                for (int j = lane; j < rows; j += 32) sq += x[rr * seg + j] * x[rr * seg + j];
+            const float n = rsqrtf(warp_sum(sq) + eps);
+            for (int rr = 0; rr < R; ++rr)
+                for (int j = lane; j < rows; j += 32) {
+                    float* e = x + rr * seg + j;
+                    *e = is_q ? *e * n * qscale : *e * n;
+                }
+        }
+        __syncthreads();
 
-        const float ss = block_sum(r == 0 ? o * o : 0.f, red);  // its barriers also end this
-        if (r == 0) {                                            // token's reads of qs, ks, part
-            const float zv = z[row * ldz + vh * dv + c];
-            out[(row * hv + vh) * dv + c] = o * rsqrtf(ss / float(dv) + eps) * norm_w[c] * silu(zv);
-        }
-        if (keep && t + 1 < n_tok) {
-            float* kp = keep + t * keep_t + int64_t(si) * hv * dk * dv + head + c;
+        for (int t = 0; t < tb; ++t) {  // the recurrence: no barrier from token to token
+            const float* qt = qs + t * dkp + k0;
+            const float* kt = ks + t * dkp + k0;
+            const float decay = dec[t];
+            float kv = 0.f;  // (S^T k)[c] over this thread's rows, S already decayed
 #pragma unroll
-            for (int j = 0; j < CAP; ++j)
-                if (j < rows) kp[int64_t(i0 + j) * dv] = s[j];
+            for (int j = 0; j < CAP; j += 4) {
+                if (kExact || j < rows) {
+                    const float4 k4 = *reinterpret_cast<const float4*>(kt + j);
+                    const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (kExact || j + e < rows) kv += kk[e] * (s[j + e] * decay);
+                }
+            }
+            for (int o = 1; o < R; o <<= 1) kv += __shfl_xor_sync(0xffffffffu, kv, o);
+            const float u = bet[t] * (vs[t * dv + c] - kv);
+            float o = 0.f;
+#pragma unroll
+            for (int j = 0; j < CAP; j += 4) {
+                if (kExact || j < rows) {
+                    const float4 k4 = *reinterpret_cast<const float4*>(kt + j);
+                    const float4 q4 = *reinterpret_cast<const float4*>(qt + j);
+                    const float kk[4] = {k4.x, k4.y, k4.z, k4.w}, qq[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (kExact || j + e < rows) {
+                            const float sv = s[j + e] * decay + kk[e] * u;
+                            s[j + e] = sv;
+                            o += qq[e] * sv;
+                        }
+                    }
+                }
+            }
+            for (int m = 1; m < R; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+            if (r == 0) os[t * dv + c] = o;
+            if (keep && t0 + t + 1 < n_tok) {
+                float* kp = keep + (t0 + t) * keep_t + int64_t(si) * hv * dk * dv + head + c +
+                            int64_t(i0) * dv;
+#pragma unroll
+                for (int j = 0; j < CAP; ++j)
+                    if (kExact || j < rows) kp[int64_t(j) * dv] = s[j];
+            }
         }
+        __syncthreads();
+        for (int t = warp; t < tb; t += nw) {  // the gated RMS norm, a warp a token
+            const float* ot = os + t * dv;
+            float ss = 0.f;
+            for (int j = lane; j < dv; j += 32) ss += ot[j] * ot[j];
+            const float scale = rsqrtf(warp_sum(ss) / float(dv) + eps);
+            float* ob = out + ((row0 + t) * hv + vh) * dv;
+            for (int j = lane; j < dv; j += 32) ob[j] = ot[j] * scale * nw_s[j] * silu(zs[t * dv + j]);
+        }
+        __syncthreads();  // the next batch overwrites shared memory
     }
 #pragma unroll
     for (int j = 0; j < CAP; ++j)
-        if (j < rows) Sh[int64_t(i0 + j) * dv] = s[j];
+        if (kExact || j < rows) Sh[int64_t(i0 + j) * dv] = s[j];
 }
 
 // ---- router: softmax over E, top-k, renormalised weights -----------------------------------------
@@ -652,23 +720,27 @@ void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, 
     require(rows <= 64, "delta_rule_steps: key head dim " + std::to_string(dk) + " is more than 64 x " +
                             std::to_string(R) + " threads a value column can hold");
     if (n_seq <= 0 || n_tok <= 0) return;
-    const size_t smem = size_t(2 * dk + R * dv) * sizeof(float);
+    // tokens a batch: up to 8, as many as fit in 48 KB of shared memory
+    int tb = int(n_tok < 8 ? n_tok : 8);
+    while (tb > 1 && delta_smem_floats(tb, int(dk), int(dv), R) * sizeof(float) > 48 * 1024) --tb;
+    const size_t smem = delta_smem_floats(tb, int(dk), int(dv), R) * sizeof(float);
     require(smem <= 48 * 1024, "delta_rule_steps: head dims too large for shared memory");
     const int64_t state = hv * dk * dv, keep_t = n_seq * state;
     by_groups(n_seq, [&](int64_t s0, int ns) {
         SeqPtrs p{};
         for (int i = 0; i < ns; ++i) p.p[i] = S[s0 + i];
         const int64_t r0 = s0 * n_tok;  // first row of this group
-        auto go = [&](auto cap) {
-            delta_step_kernel<decltype(cap)::value>
-                <<<dim3(unsigned(hv), unsigned(ns)), dim3(unsigned(dv), unsigned(R)), smem, to_stream(stream)>>>(
+        auto go = [&](auto cap, auto exact) {
+            delta_step_kernel<decltype(cap)::value, decltype(exact)::value>
+                <<<dim3(unsigned(hv), unsigned(ns)), unsigned(dv * R), smem, to_stream(stream)>>>(
                     y + r0 * ldy, ldy, z + r0 * ldz, ldz, beta_raw + r0 * ldg, alpha_raw + r0 * ldg, ldg,
-                    ssm_a, dt_bias, p, norm_w, int(hk), int(hv), int(dk), int(dv), eps, int(n_tok),
+                    ssm_a, dt_bias, p, norm_w, int(hk), int(hv), int(dk), int(dv), R, eps, int(n_tok), tb,
                     out + r0 * hv * dv, keep ? keep + s0 * state : nullptr, keep_t);
         };
-        if (rows <= 8) go(std::integral_constant<int, 8>{});
-        else if (rows <= 32) go(std::integral_constant<int, 32>{});
-        else go(std::integral_constant<int, 64>{});
+        if (rows == 32 && dv == 128) go(std::integral_constant<int, 32>{}, std::true_type{});  // 35B-A3B
+        else if (rows <= 8) go(std::integral_constant<int, 8>{}, std::false_type{});
+        else if (rows <= 32) go(std::integral_constant<int, 32>{}, std::false_type{});
+        else go(std::integral_constant<int, 64>{}, std::false_type{});
         FT_CUDA_CHECK(cudaGetLastError());
     });
 }
