@@ -36,11 +36,17 @@ struct SeqKV {
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
+// Sum of v over the warp, the same value (added in the same order) in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Sum over the block (blockDim a multiple of 32, <= 1024); every thread gets the same value,
 // added in the same order. `red` holds 32 floats of shared memory.
 __device__ float block_sum(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum(v);
     const int tid = threadIdx.x + threadIdx.y * blockDim.x;
     const int nw = (blockDim.x * blockDim.y) >> 5;
     __syncthreads();  // `red` may still be read from a previous call
@@ -128,13 +134,6 @@ __global__ void conv_silu_kernel(const float* x, int64_t ldx, SeqPtrs states, in
 // unroll with no guard, and the strides are constants.
 // Rows of y, z, beta, alpha and out are s * n_tok + t; `keep` as in conv_silu_kernel, a state of
 // hv * dk * dv per sequence.
-
-// Sum of v over the warp, the same value (added in the same order) in every lane.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Shared memory: norm_w [dv], then for a batch of tb tokens q and k [tb][R * seg], v, z, o
 // [tb][dv], decay and beta [tb]. Key rows [r*rows, (r+1)*rows) start at r * seg, seg = rows
@@ -372,8 +371,7 @@ __global__ void route_warp_kernel(const float* logits, int64_t ld, int64_t rows,
         p[j] = lane + 32 * j < E ? expf(p[j] - mx) : -1.f;  // -1: never selected
         sum += p[j] > 0.f ? p[j] : 0.f;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    sum = warp_sum(sum);
     const float inv = 1.f / sum;
 #pragma unroll
     for (int j = 0; j < V; ++j)
