@@ -396,8 +396,7 @@ class SpeculativeDecoder:
         p = state.mtp_past
         # the tokens in one copy, queued (from pageable memory each chunk's copy would wait for
         # the work already queued: a plain step queued ahead, the chunk before)
-        ids = torch.tensor([self.ids[p + 1:p + 1 + n]], pin_memory=self.device.type == "cuda")
-        ids = ids.to(self.device, non_blocking=True)
+        ids = self._ids_on_device(self.ids[p + 1:p + 1 + n])[None]
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             if rows is not None:
@@ -436,7 +435,7 @@ class SpeculativeDecoder:
         greedy = sampler.p.temperature <= 0
         # greedy without penalties: drafts and checks stay on the device until one read-back
         on_device = greedy and recent([]) is None
-        tok_t = None if ahead is not None else torch.tensor([tok], device=self.device)
+        tok_t = None if ahead is not None else self._ids_on_device([tok])
         if not k:   # (a queued step fed tok already: no input)
             drafts, q = (torch.empty(0, dtype=torch.int64, device=self.device) if on_device
                          else []), []
@@ -528,7 +527,13 @@ class SpeculativeDecoder:
         them [1, T]; the State owes nothing after (the caller writes them)."""
         owed, p = state.mtp_hidden, state.mtp_past
         state.mtp_hidden = None
-        return owed[None], torch.tensor([self.ids[p + 1:p + 1 + owed.shape[0]]], device=self.device)
+        return owed[None], self._ids_on_device(self.ids[p + 1:p + 1 + owed.shape[0]])[None]
+
+    def _ids_on_device(self, ids: list[int]) -> torch.Tensor:
+        """ids [n] on the device, queued without waiting: a copy from pageable memory first
+        waits for the work already queued (the last step's rewind), with the GPU idle meanwhile."""
+        t = torch.tensor(ids, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
     def _first_draft(self, state: State):
         """The MTP head on the trunk's hidden states it is owed -> (its last logits, its normed

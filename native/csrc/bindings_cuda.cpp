@@ -292,6 +292,8 @@ PYBIND11_MODULE(_cuda, m) {
     m.def("device_limits", &cuda::device_limits);
     m.def("rows_min_chunks", &cuda::rows_min_chunks);
     m.def("set_rows_min_chunks", &cuda::set_rows_min_chunks, py::arg("n"));
+    m.def("row_blocking", &cuda::row_blocking);
+    m.def("set_row_blocking", &cuda::set_row_blocking, py::arg("mode"));
 
     // ---- offload runtime: decode-step kernels (csrc/cuda/offload.cu; protocol and tables in
     // csrc/offload_exchange.h; Python side native/offload_native.py) ---------------------------------

@@ -153,6 +153,52 @@ def test_matmul_shapes(ext, name, units):
     _run_matmul(ext, name, n_out=33, units=units, n_tok=3, seed=7 * units)
 
 
+@pytest.fixture(params=[0, 2], ids=["blocks-where-they-pay", "blocks-always"])
+def row_blocking(request, ext):
+    """The rows engine's row blocking for several tokens: where it pays (the default), or
+    always, so that small shapes take the blocked kernels too."""
+    before = ext.row_blocking()
+    ext.set_row_blocking(request.param)
+    yield request.param
+    ext.set_row_blocking(before)
+
+
+# Rows of 3 units (packed 8 a chunk), 40 (a partial second chunk) and 72; 67 rows leave a partial
+# last row block, 4500 rows of 72 units are enough that blocking pays on an H200.
+@pytest.mark.parametrize("units,rows", [(3, 67), (40, 67), (72, 67), (72, 4500)])
+@pytest.mark.parametrize("name", HOT + ["Q8_0", "Q3_K", "F16"])
+def test_matmul_tokens_equal_each_alone(ext, name, units, rows, row_blocking):
+    """T tokens in one launch give each token bit for bit what a launch of it alone gives,
+    whatever T (several tokens may decode a unit for two rows at once): a verify step's and a
+    batch's products agree with decode's."""
+    if rows > 100 and DEVICE != "cuda":
+        pytest.skip("the large shape is for a GPU's own blocking rule")
+    q = quant_type(name)
+    rng = np.random.default_rng(units)
+    h = _cols(name, units)
+    blocks = random_tensor(q, (rows, h), rng)
+    wd = _dev(blocks)
+    x = _dev(rng.standard_normal((8, h), dtype=np.float32))
+    alone = _nan(8, rows)
+    for t in range(8):
+        ext.matmul(q.type_id, wd.data_ptr(), rows, h, blocks.shape[1], x[t:t + 1].data_ptr(), 1,
+                   alone[t:t + 1].data_ptr(), _stream())
+    for n_tok in (2, 3, 5, 8):
+        y = _nan(n_tok, rows)
+        ext.matmul(q.type_id, wd.data_ptr(), rows, h, blocks.shape[1], x.data_ptr(), n_tok,
+                   y.data_ptr(), _stream())
+        _sync()
+        assert torch.equal(y, alone[:n_tok]), \
+            f"{name} T={n_tok}: {(y - alone[:n_tok]).abs().max().item():.3g} from single-token launches"
+
+
+def test_row_blocking_setting_is_checked(ext):
+    before = ext.row_blocking()
+    with pytest.raises(Exception, match="row blocking"):
+        ext.set_row_blocking(3)
+    assert ext.row_blocking() == before
+
+
 @pytest.mark.parametrize("name", HOT + ["Q8_0", "F16"])
 def test_matmul_many_tokens_and_large(ext, name):
     _run_matmul(ext, name, n_out=19, units=64, n_tok=13, seed=3)      # 8 + 5 token groups

@@ -175,11 +175,21 @@ def test_moe_ffn_pool(ext, combo, n_tok):
     _check(y.cpu().numpy(), x, gate, up, down, ids, weights, ext, f"{combo} T={n_tok}")
 
 
+@pytest.mark.parametrize("blocking", [0, 2], ids=["blocks-where-they-pay", "blocks-always"])
 @pytest.mark.parametrize("combo", [COMBOS[0], COMBOS[4]], ids="-".join)
-def test_moe_ffn_pool_tokens_equal_each_alone(ext, combo):
+def test_moe_ffn_pool_tokens_equal_each_alone(ext, combo, blocking):
     """8 tokens over 6 experts (each expert chosen by several tokens, read once for all of them)
     give each token bit for bit what it gets alone: a verify step's or a batch's tokens agree
-    with decode steps."""
+    with decode steps (also where each lane decodes its unit for two rows at once)."""
+    before = ext.row_blocking()
+    ext.set_row_blocking(blocking)
+    try:
+        _tokens_equal_each_alone(ext, combo)
+    finally:
+        ext.set_row_blocking(before)
+
+
+def _tokens_equal_each_alone(ext, combo):
     gate, up, down, rng = _banks(combo, seed=41)
     n_tok = 8
     pools = _pools(gate, up, down)

@@ -159,5 +159,9 @@ std::string matmul_accum(int type_id);       // "q8" or "f32" (see matmul); "" i
 std::map<std::string, int> device_limits();  // sms, smem_optin, of the current device
 int rows_min_chunks();          // fewest chunks a warp of the rows engine streams (rows.cuh)
 void set_rows_min_chunks(int n);
+// Row blocking of the rows engine's several-token launches (rows.cuh, blocked_rows_pay):
+// 0 = where it pays (default), 1 = never, 2 = always; FTPATCH_ROW_BLOCKS sets it at start.
+int row_blocking();
+void set_row_blocking(int mode);
 
 }  // namespace ft::cuda

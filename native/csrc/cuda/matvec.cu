@@ -14,7 +14,7 @@
 namespace ft::cuda {
 namespace {
 
-// Tile = G consecutive output rows (G = 1 unless rows are shorter than 32 units).
+// Tile = G consecutive output rows (the chunk's rows: Geom G * RB).
 struct PlainMap {
     static constexpr bool kCompactX = false;
     const uint8_t* w;
@@ -47,9 +47,20 @@ struct PlainMap {
     __device__ XView xview(const uint8_t* xs) const { return {xs, ng, T}; }
 };
 
+template <class Pol, int NT, int RB>
+void launch_plain_rb(PlainMap m, int64_t nkb, int ng, cudaStream_t stream) {
+    const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(m.T, ng), RB);
+    m.G = geo.G * RB;
+    launch_rows<Pol, NT, RB>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
+}
+
 template <class Pol, int NT>
-void launch_plain(PlainMap m, const Geom& geo, cudaStream_t stream) {
-    launch_rows<Pol, NT>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
+void launch_plain(const PlainMap& m, int64_t nkb, int ng, cudaStream_t stream) {
+    if constexpr (max_row_blocks<Pol, NT>() == 2) {
+        const int G = make_geom<Pol>(nkb, 0).G;
+        if (blocked_rows_pay(cdiv(m.O, 2 * G))) return launch_plain_rb<Pol, NT, 2>(m, nkb, ng, stream);
+    }
+    launch_plain_rb<Pol, NT, 1>(m, nkb, ng, stream);
 }
 
 template <QType QT>
@@ -67,20 +78,19 @@ void matmul_typed(const uint8_t* w, int64_t n_out, int64_t n_in, int64_t stride,
     if (n_tok <= 0 || n_out <= 0) return;
 
     const int ng = int(n_in / 32);
-    const int per_launch = fit_vectors<Pol>(nkb, ng, int(n_tok < 8 ? n_tok : 8));
+    const int per_launch = fit_vectors<Pol>(nkb, ng, int(n_tok < 8 ? n_tok : 8), max_row_blocks<Pol, 8>());
     const uintptr_t lo = reinterpret_cast<uintptr_t>(w);
     const uintptr_t hi = lo + uintptr_t((n_out - 1) * stride + nkb * Tr::kb_bytes);
     for (int64_t t0 = 0; t0 < n_tok; t0 += per_launch) {
         const int T = int(n_tok - t0 < per_launch ? n_tok - t0 : per_launch);
-        const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(T, ng));
         const float* xt = x + t0 * n_in;
         const bool aligned = reinterpret_cast<uintptr_t>(xt) % 16 == 0 && n_in % 4 == 0;
-        PlainMap m{w, stride, lo, hi, int(n_out), geo.G, T, ng, GlobalX{xt, n_in, aligned},
+        PlainMap m{w, stride, lo, hi, int(n_out), 1, T, ng, GlobalX{xt, n_in, aligned},
                    y + t0 * n_out, n_out};
-        if (T == 1) launch_plain<Pol, 1>(m, geo, stream);
-        else if (T == 2) launch_plain<Pol, 2>(m, geo, stream);
-        else if (T <= 4) launch_plain<Pol, 4>(m, geo, stream);
-        else launch_plain<Pol, 8>(m, geo, stream);
+        if (T == 1) launch_plain<Pol, 1>(m, nkb, ng, stream);
+        else if (T == 2) launch_plain<Pol, 2>(m, nkb, ng, stream);
+        else if (T <= 4) launch_plain<Pol, 4>(m, nkb, ng, stream);
+        else launch_plain<Pol, 8>(m, nkb, ng, stream);
     }
 }
 
@@ -135,6 +145,28 @@ int rows_min_chunks() {
 void set_rows_min_chunks(int n) {
     require(n >= 1 && n <= 1024, "rows min chunks must be 1..1024");
     g_min_chunks.store(n);
+}
+
+namespace {
+std::atomic<int> g_row_blocking{-1};   // -1: not yet read from the environment
+}
+
+int row_blocking() {
+    int v = g_row_blocking.load();
+    if (v >= 0) return v;
+    v = 0;
+    if (const char* env = std::getenv("FTPATCH_ROW_BLOCKS")) {
+        const std::string s(env);
+        require(s == "auto" || s == "1" || s == "2", "FTPATCH_ROW_BLOCKS must be auto, 1 or 2");
+        v = s == "auto" ? 0 : std::atoi(env);
+    }
+    g_row_blocking.store(v);
+    return v;
+}
+
+void set_row_blocking(int mode) {
+    require(mode >= 0 && mode <= 2, "row blocking must be 0 (where it pays), 1 (never) or 2 (always)");
+    g_row_blocking.store(mode);
 }
 
 int ctas_per_sm(const void* kernel, size_t smem) {

@@ -292,14 +292,27 @@ template <QType QT> int64_t proj_row_bytes(const Pool& p, int64_t rows, int64_t 
     return rb;
 }
 
-// The rows engine at the fewest token slots that hold T tokens (1 or 8: a mask skips the rest).
+// The rows engine at the fewest token slots that hold T tokens (1 or 8: a mask skips the rest),
+// over `groups` groups (an upper bound: the device knows how many) of `rows` rows. A tile is the
+// chunk's rows (m.G = Geom G * RB): each map splits tile indices by the tiles of a group.
+template <class Pol, int NT, int RB, class Map>
+void launch_grouped_rb(Map m, int64_t nkb, int64_t rows, int64_t groups, cudaStream_t st) {
+    const Geom geo = make_geom<Pol>(nkb, 0, RB);
+    m.G = geo.G * RB;
+    m.tiles_per = FastDiv(uint32_t(cdiv(rows, m.G)));
+    launch_rows<Pol, NT, RB>(m, geo, groups * cdiv(rows, m.G), m.G, 1, st);
+}
+// Row blocks from 4 tokens on: at 2 and 3 the 8-slot kernel's registers cost more than the
+// shared x reads save (moe_pool_bench.py: T = 2 51.6 -> 54.8 us, T = 4 86.3 -> 81.4, distinct).
 template <class Pol, class Map>
-void launch_grouped(const Map& m, const Geom& geo, int64_t n_tiles, int64_t rows_per_tile, int T,
-                    cudaStream_t st) {
-    if (T == 1)
-        launch_rows<Pol, 1>(m, geo, n_tiles, rows_per_tile, 1, st);
-    else
-        launch_rows<Pol, kMaxTok>(m, geo, n_tiles, rows_per_tile, 1, st);
+void launch_grouped(const Map& m, int64_t nkb, int64_t rows, int64_t groups, int T, cudaStream_t st) {
+    if (T == 1) return launch_grouped_rb<Pol, 1, 1>(m, nkb, rows, groups, st);
+    if constexpr (max_row_blocks<Pol, kMaxTok>() == 2) {
+        const int G = make_geom<Pol>(nkb, 0).G;
+        if (T >= 4 && blocked_rows_pay(groups * cdiv(rows, int64_t(2) * G)))
+            return launch_grouped_rb<Pol, kMaxTok, 2>(m, nkb, rows, groups, st);
+    }
+    launch_grouped_rb<Pol, kMaxTok, 1>(m, nkb, rows, groups, st);
 }
 
 // A call's device pointers.
@@ -317,7 +330,6 @@ void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Call& c, int6
     const int64_t rb = proj_row_bytes<QT>(a, F, H, proj0 == 0 ? "gate" : "up");
     if (b) proj_row_bytes<QT>(*b, F, H, "up");
     const int ng = int(H / 32);
-    const Geom geo = make_geom<Pol>(H / Traits<QT>::kb_elems, 0);
     GateUpMap m{};
     m.pool0 = pool_view(a, n_slots, F, rb);
     m.pool1 = b ? pool_view(*b, n_slots, F, rb) : m.pool0;
@@ -326,11 +338,9 @@ void launch_gate_up(const Pool& a, const Pool* b, int proj0, const Call& c, int6
     m.grp = c.view();
     m.row_bytes = rb;
     m.F = int(F);
-    m.G = geo.G;
-    m.tiles_per = FastDiv(uint32_t(cdiv(F, geo.G)));
     m.x = Pol::kQ8 ? XView{c.xq8, ng, T} : XView{reinterpret_cast<const uint8_t*>(c.xf32), ng, T};
     m.gu = c.gu;
-    launch_grouped<Pol>(m, geo, int64_t(T) * K * m.NP * cdiv(F, geo.G), geo.G, T, st);
+    launch_grouped<Pol>(m, H / Traits<QT>::kb_elems, F, int64_t(T) * K * m.NP, T, st);
 }
 
 template <QType QT>
@@ -342,17 +352,14 @@ void launch_act_down(const Pool& d, const Call& c, int64_t n_slots, int T, int K
     auto act_k = act_kernel<Pol::kQ8>;
     FT_LAUNCH(act_k, dim3(unsigned(T)), kThreads, 0, st, c.gu, c.g.count, int(F), K, T * K, c.act);
     check_launch("act_kernel");
-    const Geom geo = make_geom<Pol>(F / Traits<QT>::kb_elems, 0);
     DownMap m{};
     m.pool = pool_view(d, n_slots, H, rb);
     m.grp = c.view();
     m.row_bytes = rb;
     m.H = int(H);
-    m.G = geo.G;
-    m.tiles_per = FastDiv(uint32_t(cdiv(H, geo.G)));
     m.act = XView{c.act, ng, T * K};
     m.part = c.part;
-    launch_grouped<Pol>(m, geo, int64_t(T) * K * cdiv(H, geo.G), geo.G, T, st);
+    launch_grouped<Pol>(m, F / Traits<QT>::kb_elems, H, int64_t(T) * K, T, st);
 }
 
 int type_of(int id, const char* what) {

@@ -9,8 +9,12 @@
 // (110-byte IQ3_S blocks included). A chunk is 32 units of 32 weights: 32/subs blocks of one row,
 // or, for rows shorter than 32 units, G whole rows side by side (P = 32/G lanes each). Lane l
 // decodes unit l of the chunk from shared memory and dots it with each masked token's x; lanes
-// reduce with shuffles at the end of a row. x is either converted once per CTA into shared memory
-// (matmul) or read where a previous kernel left it, already in the policy's layout (moe).
+// reduce with shuffles at the end of a row. With row blocking (Geom::RB = 2: several tokens, many
+// rows) a chunk holds two such sets of rows, and a lane decodes its unit in both before it reads
+// each token's x once for the two; every row still sums its units in the same lanes and order, so
+// its bits do not depend on RB or on the other tokens. x is either converted once per CTA into
+// shared memory (matmul) or read where a previous kernel left it, already in the policy's layout
+// (moe).
 //
 // Launch: kThreads threads, dynamic shared memory = tables | x | kWarps * S stages (+16 bytes of
 // slack for the 2-aligned word loads), grid = min(tiles / warps, occupancy * SMs) CTAs. The tile
@@ -28,6 +32,12 @@ namespace ft::cuda {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
+
+// Row blocking (Geom::RB): with several tokens each token's x is the same for every row, so a
+// lane may decode its unit in RB = 2 rows and read each token's x once for both. It halves the
+// tiles, and with them the warps a small matrix keeps busy, and costs registers (IQ3_S: 48 ->
+// 64-80), so it pays only with enough rows (blocked_rows_pay); q8 policies only.
+template <class Pol, int NT> constexpr int max_row_blocks() { return Pol::kQ8 && NT > 1 ? 2 : 1; }
 
 // ---- cp.async (sm_80+) -------------------------------------------------------------------------------
 #if !defined(FT_CUDA_EMULATE)
@@ -168,8 +178,9 @@ struct Geom {
     int cpr;           // chunks per row
     int G;             // rows (segments) per chunk
     int P;             // lanes per segment: a power of two, G * P <= 32
+    int RB;            // row blocks a chunk holds: rows G*RB, a lane's unit in RB of them
     int seg_stride;    // bytes of shared memory per segment (multiple of 16)
-    int stage_stride;  // G * seg_stride
+    int stage_stride;  // G * RB * seg_stride
     int grid_copies;   // copies of the policy's lookup table in shared memory (power of two)
     int x_off, stage_off;  // shared memory offsets (tables at 0)
 };
@@ -177,11 +188,11 @@ struct Geom {
 // Position of a chunk in a warp's sequence: tile, first row of the chunk, chunk within the row.
 struct ChunkPos {
     int tile, ri0, ck;
-    // The next chunk (rows advance after cpr chunks, tiles after ceil(R / G) rows).
+    // The next chunk (rows advance after cpr chunks, tiles after ceil(R / (G * RB)) row blocks).
     __device__ __forceinline__ void next(const Geom& geo, int R, int W) {
         if (++ck == geo.cpr) {
             ck = 0;
-            ri0 += geo.G;
+            ri0 += geo.G * geo.RB;
             if (ri0 >= R) {
                 ri0 = 0;
                 tile += W;
@@ -195,7 +206,7 @@ struct ChunkPos {
 // tokens' vectors are consecutive from xvec, in bit order); row(tile, i, Seg&) -> false if the row
 // contributes nothing; store(tile, i, acc) (acc[t] for t in the mask); prep<Pol>(x shared memory);
 // xview(smem).
-template <class Pol, int NT, class Map>
+template <class Pol, int NT, int RB, class Map>
 __global__ void __launch_bounds__(kThreads)
 rows_kernel(const Map map, const Geom geo, const Grids grids) {
     FT_DYNAMIC_SMEM(smem);
@@ -206,7 +217,8 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
     const int gw = blockIdx.x * kWarps + warp, W = gridDim.x * kWarps;
     const int n_tiles = map.n_tiles(), R = map.rows_per_tile();
     if (int(blockIdx.x) * kWarps >= n_tiles) return;  // the whole CTA: no barrier is left waiting
-    const int cpt = (R + geo.G - 1) / geo.G * geo.cpr;  // chunks per tile
+    const int GR = geo.G * RB;                          // rows a chunk holds
+    const int cpt = (R + GR - 1) / GR * geo.cpr;       // chunks per tile
     const int n_my = gw < n_tiles ? (n_tiles - 1 - gw) / W + 1 : 0;
     const int n_chunks = n_my * cpt;
     const int np_max = geo.seg_stride >> 4;
@@ -215,8 +227,8 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
     auto issue = [&](const ChunkPos& p, int slot) {
         uint8_t* buf = ring + slot * geo.stage_stride;
         const int b0 = p.ck * geo.bpc, n = min(geo.bpc, geo.nkb - b0) * kbB;
-        for (int l = lane; l < geo.G * np_max; l += 32) {
-            const int j = geo.G == 1 ? 0 : l / np_max, pc = l - j * np_max;
+        for (int l = lane; l < GR * np_max; l += 32) {
+            const int j = GR == 1 ? 0 : l / np_max, pc = l - j * np_max;
             Seg sg;
             if (p.ri0 + j >= R || !map.row(p.tile, p.ri0 + j, sg)) continue;
             const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
@@ -241,16 +253,20 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
     const Pol pol(smem, grids, geo.grid_copies, lane);
     const XView xv = map.xview(smem + geo.x_off);
-    const int j = lane / geo.P, u = lane - j * geo.P;  // segment and unit of this lane
-    float acc[NT];
+    // Lane: unit u of segment j of each of the chunk's RB row blocks (rows j, j + G, ...).
+    const int j = lane / geo.P, u = lane - j * geo.P;
+    float acc[RB][NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+    for (int b = 0; b < RB; ++b)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[b][t] = 0.f;
 
     ChunkPos cp{gw, 0, 0};  // chunk to compute
     int cslot = 0;
     uint32_t tmask = 0;
-    Seg sg{};
-    bool have = false;
+    const uint8_t* row_ptr[RB] = {};
+    bool have[RB] = {};
+    int xvec = 0;
 #pragma unroll 1
     for (int c = 0; c < n_chunks; ++c) {
         if (c + S - 1 < n_chunks) issue(ip, islot);
@@ -262,26 +278,41 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 
         const uint8_t* buf = ring + cslot * geo.stage_stride;
         const int b0 = cp.ck * geo.bpc, nb = min(geo.bpc, geo.nkb - b0);
-        if (cp.ck == 0) {  // a new row (and maybe tile): what the map says holds for its chunks
+        if (cp.ck == 0) {  // new rows (and maybe a new tile): what the map says holds for their chunks
             tmask = map.tile_mask(cp.tile);  // the same for the whole warp
-            have = j < geo.G && cp.ri0 + j < R && map.row(cp.tile, cp.ri0 + j, sg);
-        }
-        if (have && u < nb * subs) {
-            const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
-            const uint8_t* blk = buf + j * geo.seg_stride + (a & 15) + (u / subs) * kbB;
-            pol.template dot<NT, Map::kCompactX>(blk, u % subs, xv, sg.xvec, tmask, b0 * subs + u, acc);
-        }
-        if (cp.ck == geo.cpr - 1) {  // end of a row: reduce over its P lanes
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                if (!((tmask >> t) & 1)) continue;
-                float v = acc[t];
-                for (int o = geo.P >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-                acc[t] = v;
+            for (int b = 0; b < RB; ++b) {
+                const int ri = cp.ri0 + j + b * geo.G;
+                Seg sg;
+                have[b] = j < geo.G && ri < R && map.row(cp.tile, ri, sg);
+                row_ptr[b] = have[b] ? sg.ptr : nullptr;
+                if (have[b]) xvec = sg.xvec;  // the tile's: the same for each of its rows
             }
-            if (have && u == 0) map.store(cp.tile, cp.ri0 + j, acc);
+        }
+        if (u < nb * subs && (RB > 1 || have[0])) {  // (one row: skip it where it is missing)
+            const uint8_t* blk[RB];
 #pragma unroll
-            for (int t = 0; t < NT; ++t) acc[t] = 0.f;
+            for (int b = 0; b < RB; ++b) {
+                const uintptr_t a = reinterpret_cast<uintptr_t>(row_ptr[b]) + uintptr_t(b0) * kbB;
+                blk[b] = buf + (j + b * geo.G) * geo.seg_stride + (a & 15) + (u / subs) * kbB;
+            }
+            pol.template dot<NT, RB, Map::kCompactX>(blk, have, u % subs, xv, xvec, tmask, b0 * subs + u,
+                                                     acc);
+        }
+        if (cp.ck == geo.cpr - 1) {  // end of the rows: reduce each over its P lanes
+#pragma unroll
+            for (int b = 0; b < RB; ++b) {
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (!((tmask >> t) & 1)) continue;
+                    float v = acc[b][t];
+                    for (int o = geo.P >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                    acc[b][t] = v;
+                }
+                if (have[b] && u == 0) map.store(cp.tile, cp.ri0 + j + b * geo.G, acc[b]);
+#pragma unroll
+                for (int t = 0; t < NT; ++t) acc[b][t] = 0.f;
+            }
         }
         cp.next(geo, R, W);
         cslot = cslot + 1 == S ? 0 : cslot + 1;
@@ -299,10 +330,11 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 int grid_copies();
 
 // Chunking for rows of nkb kernel blocks and the shared memory layout for `x_bytes` of x.
-template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes) {
+template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes, int RB = 1) {
     constexpr int kbB = Pol::kKbBytes, subs = Pol::kSubs;
     Geom g{};
     g.nkb = int(nkb);
+    g.RB = RB;
     const int64_t upr = nkb * subs;  // units per row
     if (upr >= 32) {
         g.G = 1;
@@ -316,7 +348,7 @@ template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes) {
         g.cpr = 1;
     }
     g.seg_stride = int(16 * cdiv(15 + int64_t(g.bpc) * kbB, 16));
-    g.stage_stride = g.G * g.seg_stride;
+    g.stage_stride = g.G * RB * g.seg_stride;
     g.grid_copies = Pol::kTableBytes ? grid_copies() : 1;
     g.x_off = int(cdiv(int64_t(Pol::table_bytes(g.grid_copies)), 16) * 16);
     g.stage_off = int(g.x_off + cdiv(int64_t(x_bytes), 16) * 16);
@@ -330,6 +362,17 @@ template <class Pol> size_t smem_bytes(const Geom& g) {
 // CTAs per SM for a kernel at a dynamic shared memory size (cached per device and size).
 int ctas_per_sm(const void* kernel, size_t smem);
 
+// Whether a launch of `blocked_tiles` tiles of two row blocks each is worth blocking: when they
+// still give every warp slot of the device two tiles. On the H200 (IQ3_S, docs/BENCHMARKS.md,
+// rows engine) blocking took 2048x8192 from 21.5 to 19.1 us at T = 4 and the output head from 336
+// to 312, but 4096x2048 from 17.5 to 18.2 and 2048x512 from 9.0 to 10.8.
+// (row_blocking(), api.h, overrides: 1 never, 2 always.)
+inline bool blocked_rows_pay(int64_t blocked_tiles) {
+    const int mode = row_blocking();
+    if (mode) return mode == 2;
+    return blocked_tiles >= int64_t(2) * kWarps * device_info().sms;
+}
+
 // The fewest chunks a warp streams when there is enough work (1: a warp per tile, as many CTAs
 // as occupancy allows). Every CTA first converts x into shared memory and loads the lookup
 // table; on decode's small matrices (an expert's 512 rows of 8 IQ3_S blocks: 2 chunks a row)
@@ -337,14 +380,15 @@ int ctas_per_sm(const void* kernel, size_t smem);
 // FTPATCH_ROWS_MIN_CHUNKS overrides the default; set_rows_min_chunks for same-process A/B
 // (both declared in api.h, defined in matvec.cu beside grid_copies).
 
-// Enqueue rows_kernel<Pol, NT, Map> over `n_tiles` tiles of `rows_per_tile` rows (per
-// blockIdx.y of `grid_y`).
-template <class Pol, int NT, class Map>
+// Enqueue rows_kernel<Pol, NT, RB, Map> over `n_tiles` tiles of `rows_per_tile` rows (per
+// blockIdx.y of `grid_y`); geo.RB must be RB.
+template <class Pol, int NT, int RB, class Map>
 void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int64_t rows_per_tile, int grid_y,
                  cudaStream_t stream) {
     const Grids& grids = device_grids(UsesGrids<Pol::kType>::value);
     if (n_tiles <= 0 || grid_y <= 0) return;
-    auto kernel = rows_kernel<Pol, NT, Map>;
+    require(geo.RB == RB, "launch_rows: geometry made for another row blocking");
+    auto kernel = rows_kernel<Pol, NT, RB, Map>;
     const size_t smem = smem_bytes<Pol>(geo);
     const DeviceInfo& dev = device_info();
     require(smem <= size_t(dev.smem_optin),
@@ -354,7 +398,7 @@ void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int64_t rows_
         FT_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     const int per_sm = ctas_per_sm(reinterpret_cast<const void*>(kernel), smem);
-    const int64_t chunks_per_tile = cdiv(rows_per_tile, geo.G) * geo.cpr;
+    const int64_t chunks_per_tile = cdiv(rows_per_tile, int64_t(geo.G) * RB) * geo.cpr;
     const int64_t tiles_per_warp = cdiv(rows_min_chunks(), chunks_per_tile);
     const int64_t one_each = cdiv(n_tiles, kWarps);   // a tile a warp
     int64_t want = cdiv(n_tiles, kWarps * (tiles_per_warp > 1 ? tiles_per_warp : 1));
@@ -369,10 +413,10 @@ void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int64_t rows_
 }
 
 // Largest number of x vectors (<= want) whose shared memory fits next to the stages.
-template <class Pol> int fit_vectors(int64_t nkb, int ng, int want) {
+template <class Pol> int fit_vectors(int64_t nkb, int ng, int want, int RB) {
     const size_t limit = size_t(device_info().smem_optin);
     for (int n = want; n > 1; --n)
-        if (smem_bytes<Pol>(make_geom<Pol>(nkb, x_bytes<Pol>(n, ng))) <= limit) return n;
+        if (smem_bytes<Pol>(make_geom<Pol>(nkb, x_bytes<Pol>(n, ng), RB)) <= limit) return n;
     return 1;
 }
 

@@ -336,13 +336,17 @@ template <QType T> struct Q8Policy {
         }
     }
 
-    // acc[t] += dot(unit, x of token t) for the tokens t of tmask; g = the unit's group.
-    template <int NT, bool kCompact>
-    __device__ __forceinline__ void dot(const uint8_t* blk, int sub, const XView& xv, int xvec,
-                                        uint32_t tmask, int g, float (&acc)[NT]) const {
-        uint32_t q[8];
-        float d0, d1, m;
-        U::load(blk, sub, tab, q, d0, d1, m);
+    // acc[b][t] += dot(unit b, x of token t) for the tokens t of tmask and the units b that are
+    // `on` (RB rows' units of one group g, decoded first, so each token's x is read once for all
+    // of them; each (b, t) gets the same arithmetic whatever RB and the other tokens are).
+    template <int NT, int RB, bool kCompact>
+    __device__ __forceinline__ void dot(const uint8_t* const (&blk)[RB], const bool (&on)[RB], int sub,
+                                        const XView& xv, int xvec, uint32_t tmask, int g,
+                                        float (&acc)[RB][NT]) const {
+        uint32_t q[RB][8];
+        float d0[RB], d1[RB], m[RB];
+#pragma unroll
+        for (int b = 0; b < RB; ++b) U::load(blk[b], sub, tab, q[b], d0[b], d1[b], m[b]);
         const float2* ds = reinterpret_cast<const float2*>(xv.base + size_t(xv.nvec) * xv.ng * 32);
         const int sw = (g >> 2) & 1;
 #pragma unroll
@@ -350,19 +354,24 @@ template <QType T> struct Q8Policy {
             if ((tmask >> t) & 1) {
                 const size_t vg = size_t(x_vector<kCompact>(xvec, tmask, t)) * xv.ng + g;
                 const int4* xp = reinterpret_cast<const int4*>(xv.base + vg * 32);
-                const int4 a = xp[sw], b = xp[sw ^ 1];
-                int s0 = dp4a(q[0], a.x, 0);
-                s0 = dp4a(q[1], a.y, s0);
-                s0 = dp4a(q[2], a.z, s0);
-                s0 = dp4a(q[3], a.w, s0);
-                int s1 = dp4a(q[4], b.x, 0);
-                s1 = dp4a(q[5], b.y, s1);
-                s1 = dp4a(q[6], b.z, s1);
-                s1 = dp4a(q[7], b.w, s1);
+                const int4 a = xp[sw], c = xp[sw ^ 1];
                 const float2 dx = ds[vg];
-                const float v = U::kTwoScales ? d0 * float(s0) + d1 * float(s1) : d0 * float(s0 + s1);
-                const float part = U::kMin ? dx.x * v - m * dx.y : dx.x * v;
-                acc[t] += part;
+#pragma unroll
+                for (int b = 0; b < RB; ++b) {
+                    if (RB > 1 && !on[b]) continue;  // (the caller skips a single missing row)
+                    int s0 = dp4a(q[b][0], a.x, 0);
+                    s0 = dp4a(q[b][1], a.y, s0);
+                    s0 = dp4a(q[b][2], a.z, s0);
+                    s0 = dp4a(q[b][3], a.w, s0);
+                    int s1 = dp4a(q[b][4], c.x, 0);
+                    s1 = dp4a(q[b][5], c.y, s1);
+                    s1 = dp4a(q[b][6], c.z, s1);
+                    s1 = dp4a(q[b][7], c.w, s1);
+                    const float v = U::kTwoScales ? d0[b] * float(s0) + d1[b] * float(s1)
+                                                  : d0[b] * float(s0 + s1);
+                    const float part = U::kMin ? dx.x * v - m[b] * dx.y : dx.x * v;
+                    acc[b][t] += part;
+                }
             }
         }
     }
@@ -384,9 +393,18 @@ template <QType T> struct F32Policy {
     static constexpr size_t table_bytes(int) { return 0; }
     __device__ F32Policy(const uint8_t*, const Grids& g, int, int) : grids(g) {}
 
+    template <int NT, int RB, bool kCompact>
+    __device__ __forceinline__ void dot(const uint8_t* const (&blk)[RB], const bool (&on)[RB], int sub,
+                                        const XView& xv, int xvec, uint32_t tmask, int g,
+                                        float (&acc)[RB][NT]) const {
+#pragma unroll
+        for (int b = 0; b < RB; ++b)
+            if (RB == 1 || on[b]) dot_unit<NT, kCompact>(blk[b], sub, xv, xvec, tmask, g, acc[b]);
+    }
+
     template <int NT, bool kCompact>
-    __device__ __forceinline__ void dot(const uint8_t* blk, int sub, const XView& xv, int xvec,
-                                        uint32_t tmask, int g, float (&acc)[NT]) const {
+    __device__ __forceinline__ void dot_unit(const uint8_t* blk, int sub, const XView& xv, int xvec,
+                                             uint32_t tmask, int g, float (&acc)[NT]) const {
         float w[32];
         decode32<T>(blk, sub, grids, w);
 #pragma unroll
