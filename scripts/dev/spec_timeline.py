@@ -12,6 +12,7 @@ callees both count). Prints the step count, the busy and idle time a step, and t
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -49,7 +50,7 @@ def main() -> None:
         for _ in generate(rt, st, rng.integers(0, c.n_vocab, 16).tolist(), params, draft=dec):
             pass
         torch.cuda.synchronize()
-        rt.release(st) if hasattr(rt, "release") else None
+        rt.release(st)
 
     run()
     run()
@@ -86,7 +87,6 @@ def main() -> None:
     by = collections.Counter()
     gaps.sort()
     starts = [a for a, _ in gaps]
-    import bisect
     for e in host:
         s, t = e["ts"], e["ts"] + e["dur"]
         i = max(0, bisect.bisect_right(starts, s) - 1)
