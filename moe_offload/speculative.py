@@ -37,6 +37,13 @@ caller wants another token, it is queued on the device's argmax before the host 
 back, so the GPU does not wait for the host's turn between steps. When the generation ends, that
 queued step's token stays in the cache (`finish`), as with generate()'s own pipelining.
 
+Drafted steps are pipelined too: once a step's tokens are read back, the next step's k is
+chosen and its drafts queued on the device before the delta-net rewind and before the tokens go
+back to the caller (the draft needs only the MTP head's state and the ids just accepted), so the
+GPU drafts while the host rewinds, hands the tokens out and comes back to queue the verify step.
+A draft queued so and not used (the generation ended, or stopped inside the step) is dropped:
+the MTP head's count and owed rows go back to what they were before it (`_undraft`).
+
 Phase timing (`phases=True`, or FTPATCH_SPEC_PHASES=1): the device is synchronised between the
 phases of a step (draft, verify of T tokens, accept, rewind; and "mtp_rows" when plain steps'
 owed rows are written to the MTP head) and their wall times are kept in `SpecStats.phases`.
@@ -310,6 +317,19 @@ class DraftPolicy:
         self._moved_at[k] = self._steps
 
 
+@dataclass
+class _Drafted:
+    """The next step's drafts, queued at the end of the step before (SpeculativeDecoder.step)."""
+    state: State
+    k: int
+    drafts: torch.Tensor              # [k] ids on the device
+    tok: int                          # the t_n they follow
+    t0: float                         # the next step's clock starts here: before queueing them
+    captures: int                     # the runtime's graph captures then
+    mtp_past: int                     # the MTP head's count and owed rows before them (_undraft)
+    mtp_hidden: torch.Tensor | None
+
+
 def _owe(state: State, hidden: torch.Tensor) -> None:
     """The trunk's final hidden states of positions now in the cache [n, H]: owed to the MTP head
     (written by its next call) after those already owed."""
@@ -343,6 +363,8 @@ class SpeculativeDecoder:
         # pipelining, for k = 0): on a GPU by default; `pipeline` forces it (tests on the CPU)
         self.pipeline = self.device.type == "cuda" if pipeline is None else pipeline
         self._ahead = None                # (logits, hidden) of the plain step queued last
+        self._drafted: _Drafted | None = None   # the next step's drafts, queued by the last step
+        self._chosen: int | None = None   # the next step's k, chosen by the last step
         self._readback = TokenReadback(self.device)
 
     def _lap(self, name: str | None = None) -> None:
@@ -414,23 +436,34 @@ class SpeculativeDecoder:
         this step's (no stop strings, max_tokens not reached), so a plain greedy step may feed
         its token before the host reads it (the cache then holds it too: `finish`)."""
         ahead, self._ahead = self._ahead, None
+        drafted, self._drafted = self._drafted, None
+        chosen, self._chosen = self._chosen, None
         n = state.n_past - (ahead is not None)   # a queued step fed tok already
+        if drafted is not None and (drafted.state is not state or drafted.tok != tok
+                                    or len(self.ids) != n + 1):
+            self._undraft(drafted)               # (not the step it was drafted for)
+            drafted = None
         if len(self.ids) == n:
             self.ids.append(tok)
         else:
             self.ids[n:] = [tok]
-        k = 0 if ahead is not None else min(self.policy.choose(), state.n_free - 1)
-        if k < 0:
-            raise OffloadError("the context is full")
-        if k and state.mtp_hidden is not None and state.mtp_hidden.shape[0] > k + 1:
-            # rows that plain steps owe the MTP head (up to MTP_BACKLOG): written before this
-            # step and its clock, since plain steps already pay for them in their own catch-ups;
-            # counted here they would make a probe after plain steps look dearer than drafting is
-            self._catch_up(state, BACKLOG_CHUNK)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        captures = getattr(self.model, "captures", 0)
-        t0 = time.perf_counter()
+        if drafted is not None:
+            k, captures, t0 = drafted.k, drafted.captures, drafted.t0
+        else:
+            k = 0 if ahead is not None else min(self.policy.choose() if chosen is None else chosen,
+                                                state.n_free - 1)
+            if k < 0:
+                raise OffloadError("the context is full")
+            if k and state.mtp_hidden is not None and state.mtp_hidden.shape[0] > k + 1:
+                # rows that plain steps owe the MTP head (up to MTP_BACKLOG): written before this
+                # step and its clock, since plain steps already pay for them in their own
+                # catch-ups; counted here they would make a probe after plain steps look dearer
+                # than drafting is
+                self._catch_up(state, BACKLOG_CHUNK)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            captures = getattr(self.model, "captures", 0)
+            t0 = time.perf_counter()
         self._lap()
         greedy = sampler.p.temperature <= 0
         # greedy without penalties: drafts and checks stay on the device until one read-back
@@ -441,7 +474,7 @@ class SpeculativeDecoder:
                          else []), []
             inp = None if tok_t is None else tok_t[None]
         elif on_device:
-            drafts, q = self._draft_device(state, k), []
+            drafts, q = drafted.drafts if drafted is not None else self._draft_device(state, k), []
             inp = torch.cat((tok_t, drafts))[None]
         else:
             drafts, q = self._draft(state, k, sampler, recent, greedy)
@@ -458,10 +491,8 @@ class SpeculativeDecoder:
         else:
             new, accepted = self._accept(logits[0], drafts, q, sampler, recent, greedy)
         self._lap("accept")
-        state.rewind(k - accepted)
         _owe(state, hidden[0, :accepted + 1])
         self.ids[n + 1:] = new
-        self._lap("rewind")
         # a step that captured a graph, or the first with this k, says little of the next ones;
         # where plain steps are queued behind each other, a plain one tells plain decoding's
         # cost only in the stream: queued behind the last and queueing the next (the first
@@ -470,23 +501,54 @@ class SpeculativeDecoder:
         counted = (k in self._timed_k and getattr(self.model, "captures", 0) == captures
                    and (k > 0 or steady))
         seconds = time.perf_counter() - t0
-        if state.mtp_hidden.shape[0] > MTP_BACKLOG:
+        self._record(k, accepted, len(new), seconds if counted else None)
+        if on_device and self.pipeline and not self.phases and self._ahead is None:
+            self._draft_ahead(state, tok=new[-1], n_free=state.n_free + k - accepted)
+        state.rewind(k - accepted)
+        self._lap("rewind")
+        owed = state.mtp_hidden
+        if owed is not None and owed.shape[0] > MTP_BACKLOG:
             # plain steps: keep the MTP head in step, off the step's clock (a step in 64 would
             # carry the other 63's rows, and one such sample moves the plain cost's EMA for long)
             self._catch_up(state, BACKLOG_CHUNK)
             self._lap("mtp_rows")
         self._last = len(new)
+        return new
+
+    def _record(self, k: int, accepted: int, tokens: int, seconds: float | None) -> None:
+        """A step's figures to the statistics and the policy (seconds: None when not counted)."""
         st = self.stats
         self._timed_k.add(k)
-        st.uncounted += not counted
-        self.policy.observe(k, accepted, seconds if counted else None)
+        st.uncounted += seconds is None
+        self.policy.observe(k, accepted, seconds)
         st.steps += 1
         st.drafted += k
         st.accepted += accepted
-        st.tokens += len(new)
+        st.tokens += tokens
         st.by_k[k] = st.by_k.get(k, 0) + 1
         st.by_accepted[k, accepted] = st.by_accepted.get((k, accepted), 0) + 1
-        return new
+
+    def _draft_ahead(self, state: State, tok: int, n_free: int) -> None:
+        """The next step's k, chosen now, and where it drafts, its drafts queued now, after
+        `tok` (that step's t_n, its id already in self.ids): the device drafts while the host
+        finishes this step. n_free: the context left once this step's rewind is done."""
+        if n_free < 2:
+            return
+        t0 = time.perf_counter()   # the next step's clock: the queueing is its work
+        captures = getattr(self.model, "captures", 0)
+        k = self._chosen = min(self.policy.choose(), n_free - 1)
+        owed = state.mtp_hidden
+        if not k or owed is None or owed.shape[0] > k + 1:   # (a backlog: written first, then)
+            return
+        self._chosen = None
+        past = state.mtp_past
+        drafts = self._draft_device(state, k)
+        self._drafted = _Drafted(state, k, drafts, tok, t0, captures, past, owed)
+
+    def _undraft(self, drafted: "_Drafted") -> None:
+        """Drop drafts queued for a step that does not come: the MTP head's count and owed rows
+        as they were before them (the KV rows they wrote lie past its count: provisional)."""
+        drafted.state.mtp_past, drafted.state.mtp_hidden = drafted.mtp_past, drafted.mtp_hidden
 
     def _plain_ahead(self, logits: torch.Tensor, state: State) -> list[int]:
         """A plain greedy step's token, with the next plain step queued on it before the host
@@ -498,6 +560,10 @@ class SpeculativeDecoder:
     def finish(self, state: State) -> None:
         """The generation ended: a plain step queued on the last token stays in the cache (its
         token was fed), and its hidden state is owed to the MTP head like any other."""
+        self._chosen = None
+        if self._drafted is not None:
+            self._undraft(self._drafted)
+            self._drafted = None
         if self._ahead is None:
             return
         hidden = self._ahead[1]
@@ -507,6 +573,9 @@ class SpeculativeDecoder:
     def truncate(self, state: State, used: int) -> None:
         """Only the first `used` tokens of the last step's return were taken (a stop condition,
         or the consumer left): the cache keeps what precedes the last one taken."""
+        if self._drafted is not None:      # drafted after the last token, which goes
+            self._undraft(self._drafted)
+            self._drafted, self._chosen = None, None
         drop = self._last - used
         if drop <= 0:
             return

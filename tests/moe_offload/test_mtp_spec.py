@@ -135,6 +135,59 @@ def test_session_left_mid_step_keeps_a_consistent_cache(tiny):
     assert more == ref[6:14]
 
 
+class Counting(DraftPolicy):
+    """A fixed k that counts its choices: one a step, whether made in the step or the one before."""
+
+    def __init__(self, k):
+        super().__init__(k)
+        self.chosen = 0
+
+    def choose(self):
+        self.chosen += 1
+        return super().choose()
+
+
+def test_drafts_queued_ahead_equal_plain_and_are_dropped_when_unused(tiny):
+    """Pipelined (as on a GPU), a step queues the next step's drafts before it returns its
+    tokens: the output is plain greedy's, every step but the first drafts from a queued draft,
+    the policy chooses once a step, and a draft queued for a step that never comes (the
+    caller left inside a step, or the generation ended) leaves the MTP head as it was."""
+    _, model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    ref = _tokens(model, params)
+    ids = PROMPT + ref
+    wrong = lambda p: p % 3 == 0                          # noqa: E731  (rejections at every depth)
+    queued = []
+    draft = SpeculativeDecoder(model, ForcedDrafts(head, ids, wrong), policy=Counting(3),
+                               pipeline=True)
+    inner = draft._draft_ahead
+    draft._draft_ahead = lambda *a, **kw: inner(*a, **kw) or queued.append(draft._drafted)
+    st = model.new_state(1, 256)
+    evs = list(generate(model, st, PROMPT, params, draft=draft))
+    assert list(evs[-1].tokens) == ref
+    steps = draft.stats.steps
+    assert sum(d is not None for d in queued) == len(queued) == steps and steps > 5
+    assert draft.policy.chosen == steps + 1               # the last choice: for no step
+    assert draft._drafted is None and st.mtp_past + st.mtp_hidden.shape[0] == st.n_past
+    assert 0 < draft.stats.accepted < draft.stats.drafted
+
+    # left inside a step: the cache keeps what was taken, and goes on as plain decoding
+    s = Session(model, model.new_state(1, 256),
+                draft=SpeculativeDecoder(model, ForcedDrafts(head, ids, lambda p: False), 3,
+                                         pipeline=True))
+    got = []
+    for ev in s.generate(PROMPT, GREEDY):
+        got.append(ev.token)
+        if len(got) == 6:      # inside the second step of 4 tokens
+            break
+    st = s.state
+    assert got == ref[:6] and st.n_past == len(s.tokens) == len(PROMPT) + 5
+    assert st.mtp_past + st.mtp_hidden.shape[0] == st.n_past
+    more = [e.token for e in s.generate([ref[5]], SamplingParams(temperature=0.0, max_tokens=8))
+            if not isinstance(e, DoneEvent)]
+    assert more == ref[6:14]
+
+
 # ---- sampling ---------------------------------------------------------------------------------
 
 class MarkovTrunk:
