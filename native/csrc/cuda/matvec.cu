@@ -49,8 +49,12 @@ struct PlainMap {
 
 template <class Pol, int NT, int RB>
 void launch_plain_rb(PlainMap m, int64_t nkb, int ng, cudaStream_t stream) {
-    const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(m.T, ng), RB);
+    const bool two = NT == 1 && two_units_pay(m.O);
+    const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(m.T, ng), RB, two);
     m.G = geo.G * RB;
+    if constexpr (NT == 1) {
+        if (two) return launch_rows<Pol, NT, RB, PlainMap, 2>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
+    }
     launch_rows<Pol, NT, RB>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
 }
 

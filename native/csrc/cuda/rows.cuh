@@ -6,10 +6,11 @@
 // grid) and streams their rows through its own ring of S shared-memory stages with 16-byte
 // cp.async copies (coalesced: lane l copies bytes [16l, 16l+16) of a chunk), so every weight byte
 // crosses DRAM once, in full sectors, with S-1 chunks in flight per warp, whatever the block size
-// (110-byte IQ3_S blocks included). A chunk is 32 units of 32 weights: 32/subs blocks of one row,
-// or, for rows shorter than 32 units, G whole rows side by side (P = 32/G lanes each). Lane l
-// decodes unit l of the chunk from shared memory and dots it with each masked token's x; lanes
-// reduce with shuffles at the end of a row. With row blocking (Geom::RB = 2: several tokens, many
+// (110-byte IQ3_S blocks included). A chunk is 32 units of 32 weights: 32/subs blocks of one row
+// (64 units for long rows of small blocks: make_geom), or, for rows shorter than 32 units, G whole
+// rows side by side (P = 32/G lanes each). Lane l decodes unit l of the chunk (and l + 32) from
+// shared memory and dots it with each masked token's x; lanes reduce with shuffles at the end of
+// a row. With row blocking (Geom::RB = 2: several tokens, many
 // rows) a chunk holds two such sets of rows, and a lane decodes its unit in both before it reads
 // each token's x once for the two; every row still sums its units in the same lanes and order, so
 // its bits do not depend on RB or on the other tokens. x is either converted once per CTA into
@@ -205,8 +206,10 @@ struct ChunkPos {
 // -> acc[t]; at most NT bits), kCompactX (false: token t's x is vector xvec + t; true: the masked
 // tokens' vectors are consecutive from xvec, in bit order); row(tile, i, Seg&) -> false if the row
 // contributes nothing; store(tile, i, acc) (acc[t] for t in the mask); prep<Pol>(x shared memory);
-// xview(smem).
-template <class Pol, int NT, int RB, class Map>
+// xview(smem). U = 2: a chunk may hold 64 units of a row, two a lane (make_geom's two_units); a
+// kernel of its own, so that the others compile as they did without it (a loop over a lane's
+// units took the 8-token expert kernels from 57 to 80 registers, 78 to 104 with two row blocks).
+template <class Pol, int NT, int RB, class Map, int U>
 __global__ void __launch_bounds__(kThreads)
 rows_kernel(const Map map, const Geom geo, const Grids grids) {
     FT_DYNAMIC_SMEM(smem);
@@ -227,6 +230,17 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
     auto issue = [&](const ChunkPos& p, int slot) {
         uint8_t* buf = ring + slot * geo.stage_stride;
         const int b0 = p.ck * geo.bpc, n = min(geo.bpc, geo.nkb - b0) * kbB;
+        if constexpr (U == 2) {
+            if (GR == 1) {  // one row a chunk: its segment found once, not once a piece
+                Seg sg;
+                if (!map.row(p.tile, p.ri0, sg)) return;
+                const uintptr_t a = reinterpret_cast<uintptr_t>(sg.ptr) + uintptr_t(b0) * kbB;
+                const int np = int(((a & 15) + n + 15) >> 4);
+                for (int pc = lane; pc < np; pc += 32)
+                    copy_piece(buf + 16 * pc, (a & ~uintptr_t(15)) + 16 * pc, sg.lo, sg.hi);
+                return;
+            }
+        }
         for (int l = lane; l < GR * np_max; l += 32) {
             const int j = GR == 1 ? 0 : l / np_max, pc = l - j * np_max;
             Seg sg;
@@ -289,15 +303,30 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
                 if (have[b]) xvec = sg.xvec;  // the tile's: the same for each of its rows
             }
         }
-        if (u < nb * subs && (RB > 1 || have[0])) {  // (one row: skip it where it is missing)
-            const uint8_t* blk[RB];
+        if constexpr (U == 1) {
+            if (u < nb * subs && (RB > 1 || have[0])) {  // (one row: skip it where it is missing)
+                const uint8_t* blk[RB];
 #pragma unroll
-            for (int b = 0; b < RB; ++b) {
-                const uintptr_t a = reinterpret_cast<uintptr_t>(row_ptr[b]) + uintptr_t(b0) * kbB;
-                blk[b] = buf + (j + b * geo.G) * geo.seg_stride + (a & 15) + (u / subs) * kbB;
+                for (int b = 0; b < RB; ++b) {
+                    const uintptr_t a = reinterpret_cast<uintptr_t>(row_ptr[b]) + uintptr_t(b0) * kbB;
+                    blk[b] = buf + (j + b * geo.G) * geo.seg_stride + (a & 15) + (u / subs) * kbB;
+                }
+                pol.template dot<NT, RB, Map::kCompactX>(blk, have, u % subs, xv, xvec, tmask,
+                                                         b0 * subs + u, acc);
             }
-            pol.template dot<NT, RB, Map::kCompactX>(blk, have, u % subs, xv, xvec, tmask, b0 * subs + u,
-                                                     acc);
+        } else if (RB > 1 || have[0]) {
+            // units u and u + 32 of a 64-unit chunk, in the order chunks of 32 would bring them
+#pragma unroll 1
+            for (int uu = u; uu < nb * subs; uu += geo.P) {
+                const uint8_t* blk[RB];
+#pragma unroll
+                for (int b = 0; b < RB; ++b) {
+                    const uintptr_t a = reinterpret_cast<uintptr_t>(row_ptr[b]) + uintptr_t(b0) * kbB;
+                    blk[b] = buf + (j + b * geo.G) * geo.seg_stride + (a & 15) + (uu / subs) * kbB;
+                }
+                pol.template dot<NT, RB, Map::kCompactX>(blk, have, uu % subs, xv, xvec, tmask,
+                                                         b0 * subs + uu, acc);
+            }
         }
         if (cp.ck == geo.cpr - 1) {  // end of the rows: reduce each over its P lanes
 #pragma unroll
@@ -329,8 +358,21 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 // FTPATCH_IQ_GRID_COPIES (1, 2, 4, 8, 16 or 32) overrides, for tuning.
 int grid_copies();
 
+// Bytes of a chunk of 64 units at most: IQ3_S (880), Q4_K (1152), IQ4_XS, Q2_K, Q3_K, the IQ2
+// types; wider blocks (Q5_K 1408, Q6_K 1680, Q8_0 2176, f16 4096) keep chunks of 32 units.
+constexpr int kMaxChunkBytes = 1152;
+
+// Whether a launch of one token over `rows` rows should take chunks of 64 units (make_geom's
+// `two_units`): where every warp slot of the device still streams four rows or more. With one
+// token a lane's unit is a short dot, so a chunk's fixed work weighs; on the H200 (IQ3_S,
+// docs/BENCHMARKS.md, rows engine) the output head went from 207 to 175 us and 2048x8192 from
+// 11.8 to 11.1, but 4096x2048 (a row a warp) from 8.8 to 9.4, and with several tokens (two row
+// blocks: twice the stage memory) 2048x8192 at T = 4 from 19.1 to 24.3.
+inline bool two_units_pay(int64_t rows) { return rows >= int64_t(4) * kWarps * device_info().sms; }
+
 // Chunking for rows of nkb kernel blocks and the shared memory layout for `x_bytes` of x.
-template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes, int RB = 1) {
+// two_units: chunks of 64 units (two a lane) where the rows are that long and the blocks small.
+template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes, int RB = 1, bool two_units = false) {
     constexpr int kbB = Pol::kKbBytes, subs = Pol::kSubs;
     Geom g{};
     g.nkb = int(nkb);
@@ -339,7 +381,10 @@ template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes, int RB = 1) {
     if (upr >= 32) {
         g.G = 1;
         g.P = 32;
-        g.bpc = 32 / subs;
+        // two units a lane: a chunk's fixed work (finding the row, the copies' set-up, the
+        // waits, the next position) is paid once for both
+        const bool two = two_units && upr >= 64 && 64 / subs * kbB <= kMaxChunkBytes;
+        g.bpc = (two ? 64 : 32) / subs;
         g.cpr = int(cdiv(nkb, g.bpc));
     } else {
         g.P = ceil_pow2(int(upr));
@@ -380,15 +425,16 @@ inline bool blocked_rows_pay(int64_t blocked_tiles) {
 // FTPATCH_ROWS_MIN_CHUNKS overrides the default; set_rows_min_chunks for same-process A/B
 // (both declared in api.h, defined in matvec.cu beside grid_copies).
 
-// Enqueue rows_kernel<Pol, NT, RB, Map> over `n_tiles` tiles of `rows_per_tile` rows (per
-// blockIdx.y of `grid_y`); geo.RB must be RB.
-template <class Pol, int NT, int RB, class Map>
+// Enqueue rows_kernel<Pol, NT, RB, Map, U> over `n_tiles` tiles of `rows_per_tile` rows (per
+// blockIdx.y of `grid_y`); geo.RB must be RB, and chunks of 64 units need U = 2.
+template <class Pol, int NT, int RB, class Map, int U = 1>
 void launch_rows(const Map& map, const Geom& geo, int64_t n_tiles, int64_t rows_per_tile, int grid_y,
                  cudaStream_t stream) {
     const Grids& grids = device_grids(UsesGrids<Pol::kType>::value);
     if (n_tiles <= 0 || grid_y <= 0) return;
     require(geo.RB == RB, "launch_rows: geometry made for another row blocking");
-    auto kernel = rows_kernel<Pol, NT, RB, Map>;
+    require(U == 2 || geo.G > 1 || geo.bpc * Pol::kSubs <= 32, "launch_rows: chunks of 64 units need U = 2");
+    auto kernel = rows_kernel<Pol, NT, RB, Map, U>;
     const size_t smem = smem_bytes<Pol>(geo);
     const DeviceInfo& dev = device_info();
     require(smem <= size_t(dev.smem_optin),
