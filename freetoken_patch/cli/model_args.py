@@ -246,7 +246,7 @@ def add_draft_arg(s: argparse.ArgumentParser, note: str = "") -> None:
                         "(1..3), or auto (chosen each step from the measured acceptance and "
                         "cost, plain decoding where drafting does not pay); the output is the "
                         "same as without. With --vram, auto is the one to try (measured on an "
-                        "8 GiB cap: 1.33-1.39x at 0.8 acceptance with realistic routing, "
+                        "8 GiB cap: 1.45-1.49x at 0.8 acceptance with realistic routing, "
                         "0.98-1.00x where drafts rarely match; docs/BENCHMARKS.md). Default 0: "
                         "off (on "
                         "the CPU engine drafting costs more than it saves)" + note)
