@@ -316,6 +316,8 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
             }
         } else if (RB > 1 || have[0]) {
             // units u and u + 32 of a 64-unit chunk, in the order chunks of 32 would bring them
+            // (the body is the branch above's: shared as a lambda, it changed the code of every
+            // U = 1 kernel, which is kept instruction for instruction as measured)
 #pragma unroll 1
             for (int uu = u; uu < nb * subs; uu += geo.P) {
                 const uint8_t* blk[RB];
