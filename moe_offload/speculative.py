@@ -42,7 +42,7 @@ chosen and its drafts queued on the device before the delta-net rewind and befor
 back to the caller (the draft needs only the MTP head's state and the ids just accepted), so the
 GPU drafts while the host rewinds, hands the tokens out and comes back to queue the verify step.
 A draft queued so and not used (the generation ended, or stopped inside the step) is dropped:
-the MTP head's count and owed rows go back to what they were before it (`_undraft`).
+the MTP head's count and owed rows go back to what they were before it (`_drop_queued`).
 
 Phase timing (`phases=True`, or FTPATCH_SPEC_PHASES=1): the device is synchronised between the
 phases of a step (draft, verify of T tokens, accept, rewind; and "mtp_rows" when plain steps'
@@ -326,7 +326,7 @@ class _Drafted:
     tok: int                          # the t_n they follow
     t0: float                         # the next step's clock starts here: before queueing them
     captures: int                     # the runtime's graph captures then
-    mtp_past: int                     # the MTP head's count and owed rows before them (_undraft)
+    mtp_past: int                     # the MTP head's count and owed rows before them
     mtp_hidden: torch.Tensor | None
 
 
@@ -436,13 +436,12 @@ class SpeculativeDecoder:
         this step's (no stop strings, max_tokens not reached), so a plain greedy step may feed
         its token before the host reads it (the cache then holds it too: `finish`)."""
         ahead, self._ahead = self._ahead, None
+        n = state.n_past - (ahead is not None)   # a queued step fed tok already
+        d = self._drafted
+        if d is not None and (d.state is not state or d.tok != tok or len(self.ids) != n + 1):
+            self._drop_queued()                  # (not the step it was drafted for)
         drafted, self._drafted = self._drafted, None
         chosen, self._chosen = self._chosen, None
-        n = state.n_past - (ahead is not None)   # a queued step fed tok already
-        if drafted is not None and (drafted.state is not state or drafted.tok != tok
-                                    or len(self.ids) != n + 1):
-            self._undraft(drafted)               # (not the step it was drafted for)
-            drafted = None
         if len(self.ids) == n:
             self.ids.append(tok)
         else:
@@ -545,10 +544,13 @@ class SpeculativeDecoder:
         drafts = self._draft_device(state, k)
         self._drafted = _Drafted(state, k, drafts, tok, t0, captures, past, owed)
 
-    def _undraft(self, drafted: "_Drafted") -> None:
-        """Drop drafts queued for a step that does not come: the MTP head's count and owed rows
-        as they were before them (the KV rows they wrote lie past its count: provisional)."""
-        drafted.state.mtp_past, drafted.state.mtp_hidden = drafted.mtp_past, drafted.mtp_hidden
+    def _drop_queued(self) -> None:
+        """Forget what the last step queued for a next step that does not come: its k, and its
+        drafts, with the MTP head's count and owed rows as they were before them (the KV rows
+        they wrote lie past its count: provisional)."""
+        d, self._drafted, self._chosen = self._drafted, None, None
+        if d is not None:
+            d.state.mtp_past, d.state.mtp_hidden = d.mtp_past, d.mtp_hidden
 
     def _plain_ahead(self, logits: torch.Tensor, state: State) -> list[int]:
         """A plain greedy step's token, with the next plain step queued on it before the host
@@ -560,10 +562,7 @@ class SpeculativeDecoder:
     def finish(self, state: State) -> None:
         """The generation ended: a plain step queued on the last token stays in the cache (its
         token was fed), and its hidden state is owed to the MTP head like any other."""
-        self._chosen = None
-        if self._drafted is not None:
-            self._undraft(self._drafted)
-            self._drafted = None
+        self._drop_queued()
         if self._ahead is None:
             return
         hidden = self._ahead[1]
@@ -573,9 +572,7 @@ class SpeculativeDecoder:
     def truncate(self, state: State, used: int) -> None:
         """Only the first `used` tokens of the last step's return were taken (a stop condition,
         or the consumer left): the cache keeps what precedes the last one taken."""
-        if self._drafted is not None:      # drafted after the last token, which goes
-            self._undraft(self._drafted)
-            self._drafted, self._chosen = None, None
+        self._drop_queued()                # (queued after the last token, which goes)
         drop = self._last - used
         if drop <= 0:
             return
