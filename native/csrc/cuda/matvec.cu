@@ -49,11 +49,11 @@ struct PlainMap {
 
 template <class Pol, int NT, int RB>
 void launch_plain_rb(PlainMap m, int64_t nkb, int ng, cudaStream_t stream) {
-    const bool two = NT == 1 && two_units_pay(m.O);
-    const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(m.T, ng), RB, two);
+    const Geom geo = make_geom<Pol>(nkb, x_bytes<Pol>(m.T, ng), RB, NT == 1 && two_units_pay(m.O));
     m.G = geo.G * RB;
-    if constexpr (NT == 1) {
-        if (two) return launch_rows<Pol, NT, RB, PlainMap, 2>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
+    if constexpr (NT == 1 && two_units_fit<Pol>()) {   // the geometry says whether it took 64 units
+        if (geo.G == 1 && geo.bpc * Pol::kSubs > 32)
+            return launch_rows<Pol, NT, RB, PlainMap, 2>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
     }
     launch_rows<Pol, NT, RB>(m, geo, cdiv(m.O, m.G), m.G, 1, stream);
 }

@@ -360,9 +360,10 @@ rows_kernel(const Map map, const Geom geo, const Grids grids) {
 // FTPATCH_IQ_GRID_COPIES (1, 2, 4, 8, 16 or 32) overrides, for tuning.
 int grid_copies();
 
-// Bytes of a chunk of 64 units at most: IQ3_S (880), Q4_K (1152), IQ4_XS, Q2_K, Q3_K, the IQ2
-// types; wider blocks (Q5_K 1408, Q6_K 1680, Q8_0 2176, f16 4096) keep chunks of 32 units.
-constexpr int kMaxChunkBytes = 1152;
+// Whether 64 units of the policy's type fit a chunk of 1152 bytes: IQ3_S (880), Q4_K (1152),
+// IQ4_XS, Q2_K, Q3_K, the IQ2 types, Q4_0; wider blocks (Q5_K 1408, Q6_K 1680, Q8_0 2176, f16
+// 4096) keep chunks of 32 units, and no U = 2 kernel is built for them.
+template <class Pol> constexpr bool two_units_fit() { return 64 / Pol::kSubs * Pol::kKbBytes <= 1152; }
 
 // Whether a launch of one token over `rows` rows should take chunks of 64 units (make_geom's
 // `two_units`): where every warp slot of the device still streams four rows or more. With one
@@ -385,7 +386,7 @@ template <class Pol> Geom make_geom(int64_t nkb, size_t x_bytes, int RB = 1, boo
         g.P = 32;
         // two units a lane: a chunk's fixed work (finding the row, the copies' set-up, the
         // waits, the next position) is paid once for both
-        const bool two = two_units && upr >= 64 && 64 / subs * kbB <= kMaxChunkBytes;
+        const bool two = two_units && upr >= 64 && two_units_fit<Pol>();
         g.bpc = (two ? 64 : 32) / subs;
         g.cpr = int(cdiv(nkb, g.bpc));
     } else {
