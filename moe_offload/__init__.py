@@ -25,13 +25,13 @@ The model on one device, no cap:
   TokenEvent, DoneEvent, Timings    what the stream yields
 """
 from .errors import OffloadError
-from .generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, Timings, TokenEvent,
+from .gen.generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, Timings, TokenEvent,
                        continue_ids, generate)
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
-from .policy import OffloadPolicy
-from .readback import TokenReadback
-from .report import LoadReport, RoutingRecorder, RuntimeStats
-from .runtime import OffloadRuntime, RuntimeOptions, open_runtime
+from .config import OffloadPolicy
+from .gen.readback import TokenReadback
+from .offload.report import LoadReport, RoutingRecorder, RuntimeStats
+from .offload.runtime import OffloadRuntime, RuntimeOptions, open_runtime
 from .state import Snapshot, State
 
 __all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",

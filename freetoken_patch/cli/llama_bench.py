@@ -6,7 +6,7 @@
 llama.cpp keeps the experts of the first N layers on the CPU (`--n-cpu-moe N`, every layer
 otherwise on the GPU with `-ngl 99`). The N for a cap is the smallest whose estimated GPU part
 (`llama_gpu_bytes`: dense weights, experts of layers N.., KV and state, compute buffer, CUDA
-context; moe_offload.placement's arithmetic) is under the cap. nvidia-smi is polled while it runs
+context; moe_offload.offload.placement's arithmetic) is under the cap. nvidia-smi is polled while it runs
 (`VramPoll`); a peak over the cap retries with N + 1, and every attempt is kept. On the H200 the
 estimate picks the N of the measured anchors (23 / 29 / 35 at 8 / 6 / 4 GiB, docs/BENCHMARKS.md).
 """
@@ -42,7 +42,7 @@ def llama_gpu_bytes(model, n_cpu_moe: int, n_ctx: int, n_ubatch: int = LLAMA_UBA
     first `n_cpu_moe` layers on the CPU. The token embedding stays in host RAM (llama.cpp keeps
     the input embedding on the CPU); the compute buffer is the logits of one micro-batch plus its
     activations. Bytes by part, and their "total"."""
-    from moe_offload import placement as pl
+    from moe_offload.offload import placement as pl
     c = model.config
     dense = sum(w.nbytes for w in model.weights.values()
                 if not pl.is_expert_tensor(w.name) and w.name != "token_embd.weight")
@@ -71,7 +71,7 @@ def fit_n_cpu_moe(model, cap: int, n_ctx: int, n_ubatch: int = LLAMA_UBATCH) -> 
 
 
 def _expert_layers(model) -> list[int]:
-    from moe_offload.placement import expert_bytes_per_layer
+    from moe_offload.offload.placement import expert_bytes_per_layer
     return sorted(expert_bytes_per_layer(model))
 
 

@@ -64,7 +64,7 @@ def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
 
 def sampling_params(args: argparse.Namespace):
     """The SamplingParams the flags of `add_sampling_args` ask for, each checked."""
-    from moe_offload.generate import SamplingParams
+    from moe_offload.gen.generate import SamplingParams
     n = args.max_tokens
     check("-n", n, n >= 1 or n == -1,
           "give 1 or more tokens, or -1 for no limit (until the end of text or a full context)")
@@ -258,7 +258,7 @@ def speculative_for(args, loaded, model):
     draft = getattr(args, "draft", 0)
     if not draft:
         return None
-    from moe_offload.speculative import SpeculativeDecoder
+    from moe_offload.spec.decoder import SpeculativeDecoder
     mtp = getattr(model, "mtp", None)
     if mtp is None and not hasattr(model, "engine"):
         from moe_offload.models.mtp import MtpHead
@@ -336,7 +336,7 @@ def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None 
     try:
         from moe_offload import open_runtime
     except ImportError as e:
-        raise CLIError(f"--vram needs the offload runtime (moe_offload.runtime), which does not "
+        raise CLIError(f"--vram needs the offload runtime (moe_offload.offload.runtime), which does not "
                        f"import here ({e}); run without --vram") from None
     return open_runtime(loaded, vram, ctx=n_ctx, device=str(dev), **(placement or {}))
 

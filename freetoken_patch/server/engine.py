@@ -126,7 +126,7 @@ class _Seq:
 
 
 class Engine:
-    """The queue, the engine thread and its sequences. `generate_fn` (moe_offload.generate by
+    """The queue, the engine thread and its sequences. `generate_fn` (moe_offload.gen.generate by
     default) can be replaced by a scripted stream in tests (the interleaved mode); `batch`:
     None picks the batched mode wherever the model has `decode_many` and generate_fn is
     generate(), False keeps the interleaved one; `draft` (moe_offload SpeculativeDecoder) makes

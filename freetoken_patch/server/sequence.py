@@ -12,7 +12,7 @@ import torch
 
 from moe_offload import DoneEvent, Sampler, SamplingParams, Timings, TokenEvent
 # generate()'s stop scanner, penalty window and text decoder: one definition of those rules
-from moe_offload.generate import _recent, _stream_decoder, _StopScanner
+from moe_offload.gen.generate import _recent, _stream_decoder, _StopScanner
 
 
 class TokenStream:

@@ -28,7 +28,7 @@ from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
-from . import decode_loop
+from . import cpu_plan as decode_loop
 from .layers import embed_rows, residual_rms_norm, rms_norm
 from .weights import Experts, upload_mtp
 

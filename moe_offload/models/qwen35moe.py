@@ -19,7 +19,7 @@ from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
-from . import decode_loop
+from . import cpu_plan as decode_loop
 from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
                      embed_rows, residual_rms_norm, rms_norm, route_topk, swiglu)
 from .weights import Experts

@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     loaded = open_model(args.model)
     model = build_model(loaded, "cpu")
-    from moe_offload.models import decode_loop
+    from moe_offload.models import cpu_plan as decode_loop
     decode_loop.ENABLED = False   # the per-op path: the native decode loop has no op calls to time
     if args.torch_steps:
         from moe_offload.models import layers

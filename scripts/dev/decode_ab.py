@@ -42,9 +42,9 @@ import torch
 
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
-from moe_offload.budget import SmiPeak
+from moe_offload.offload.budget import SmiPeak
 from moe_offload import RoutingRecorder, open_runtime
-from moe_offload.trace import TraceParams, make_trace
+from moe_offload.instrument.trace import TraceParams, make_trace
 from native import ops
 from native.ops import _cpu, _cuda
 

@@ -45,7 +45,7 @@ def _memory_poll(old, kind: str):
     """Stop the runtime's GPU-memory poller `old`; start the one named `kind` (see --memory-polls)."""
     import threading
 
-    from moe_offload import budget
+    from moe_offload.offload import budget
     old.stop()
     new = budget.SmiPeak()
     if kind == "runtime":
@@ -106,7 +106,7 @@ def main() -> None:
         [(None, m) for f in fractions if f is None for m in leasts]
     rt = open_runtime(args.model, args.vram, ctx=1024, max_sequences=max(batches),
                       policy=OffloadPolicy(prefetch=not args.no_prefetch), cpu_repack=args.cpu_repack)
-    from moe_offload.scheduler import measure_rates
+    from moe_offload.offload.scheduler import measure_rates
     from native.ops import _cpu
     threads = [int(t) for t in args.threads.split(",") if t] or [_cpu.threads()]
     dev, c = rt.device, rt.config
@@ -117,7 +117,7 @@ def main() -> None:
     out = {"model": args.model, "vram": args.vram, "steps": args.steps, "rows": [],
            "regime": "model"}
     if args.trace:
-        from moe_offload.trace import TraceParams, make_trace, trace_stats
+        from moe_offload.instrument.trace import TraceParams, make_trace, trace_stats
         tr = make_trace(512 * rt.engine.max_tok, c.n_layer, c.n_expert, c.n_expert_used,
                         TraceParams())
         rt.replay(tr)
@@ -200,7 +200,7 @@ def main() -> None:
             spent.clear()
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
-    from moe_offload import budget
+    from moe_offload.offload import budget
     try:
         nvml = budget.Nvml().used()
     except OSError as e:

@@ -25,7 +25,7 @@ def open_mtp_runtime(model: str, vram: str, trace: bool):
     c = loaded.config
     rt = open_runtime(loaded, vram, ctx=4096, mtp=True)
     if trace:
-        from moe_offload.trace import TraceParams, make_trace
+        from moe_offload.instrument.trace import TraceParams, make_trace
         rt.replay(make_trace(160, c.n_layer, c.n_expert, c.n_expert_used, TraceParams()),
                   by_position=True)
     return rt, c

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from moe_offload.policy import OffloadPolicy
+from moe_offload.config import OffloadPolicy
 from native.offload_native import (LayerTablesRef, plan_reference, prefetch_reference,
                                    score_decay_table)
 
@@ -35,7 +35,7 @@ args = ap.parse_args()
 
 ids = np.load(os.path.join(args.dir, "ids.npy")).astype(np.int64)
 if args.trace:   # the bench's realistic-locality trace instead of the recorded routing
-    from moe_offload.trace import make_trace
+    from moe_offload.instrument.trace import make_trace
     ids = make_trace(len(ids), ids.shape[1], 256, ids.shape[2]).astype(np.int64)
 if args.tokens:
     ids = ids[:args.tokens]

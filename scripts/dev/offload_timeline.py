@@ -20,7 +20,7 @@ import torch
 from freetoken_patch.cli.model_args import size_arg
 from loaders import open_model
 from moe_offload import OffloadPolicy, open_runtime
-from moe_offload.trace import TraceParams, make_trace
+from moe_offload.instrument.trace import TraceParams, make_trace
 
 ap = argparse.ArgumentParser()
 ap.add_argument("model")

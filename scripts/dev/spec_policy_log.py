@@ -20,7 +20,7 @@ import torch
 def main() -> None:
     from draft_guess_ab import open_mtp_runtime   # beside this script
     from freetoken_patch.cli.bench_spec import speculative_tg
-    from moe_offload import speculative as spec
+    from moe_offload.spec import decoder as spec
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("out")

@@ -102,7 +102,7 @@ def main() -> None:
         rt.prefill(torch.from_numpy(rng.integers(0, c.n_vocab, (1, 24))).to(dev), st)
     regime = "model routing"
     if args.trace:
-        from moe_offload.trace import TraceParams, make_trace
+        from moe_offload.instrument.trace import TraceParams, make_trace
         rt.replay(make_trace(512 * rt.engine.max_tok, c.n_layer, c.n_expert, c.n_expert_used,
                              TraceParams()))
         regime = TraceParams().label()

@@ -39,7 +39,7 @@ def test_the_cpu_model_decodes_the_same_with_repacked_experts(iq3s):
 
 
 def test_host_banks_give_the_cpu_a_repacked_copy_with_the_same_products(iq3s):
-    from moe_offload.host_bank import HostExpertBank
+    from moe_offload.offload.host_bank import HostExpertBank
     from native import offload_native as on
     c = iq3s.config
     bank = HostExpertBank(iq3s, pin=False, threads=2)
@@ -67,8 +67,8 @@ def test_host_banks_give_the_cpu_a_repacked_copy_with_the_same_products(iq3s):
 
 def test_auto_keeps_the_files_form_where_host_ram_is_short(iq3s, monkeypatch):
     """auto repacks only where host RAM keeps room beside the copy; on repacks regardless."""
-    from moe_offload import host_bank
-    from moe_offload.host_bank import HostExpertBank
+    from moe_offload.offload import host_bank
+    from moe_offload.offload.host_bank import HostExpertBank
     from moe_offload.models import build_model
     monkeypatch.setattr(host_bank, "host_ram_available", lambda: 1 << 30)
     m = build_model(iq3s, "cpu", cpu_repack="auto")

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from loaders import open_model
-from moe_offload.generate import GREEDY, TokenEvent, generate
-from moe_offload.models import Qwen35Moe, build_model, decode_loop, layers, upload_weights
+from moe_offload.gen.generate import GREEDY, TokenEvent, generate
+from moe_offload.models import Qwen35Moe, build_model, layers, upload_weights
+from moe_offload.models import cpu_plan as decode_loop
 from native import ops
 
 pytestmark = pytest.mark.skipif(ops._cpu is None or not hasattr(ops._cpu, "DecodePlan"),
@@ -342,7 +343,7 @@ def test_speculative_decoding_takes_the_loop(synth_model, tokens_calls):
     and final state are the per-op path's."""
     from moe_offload.models import build_model as build
     from moe_offload.models.mtp import MtpHead
-    from moe_offload.speculative import SpeculativeDecoder
+    from moe_offload.spec.decoder import SpeculativeDecoder
 
     loaded = open_model(synth_model(mtp=True, mtp_agree=0.7, type="Q4_K", seed=3))
     model = build(loaded, "cpu")

@@ -6,7 +6,7 @@ import torch
 
 from loaders import open_model
 from moe_offload.errors import OffloadError
-from moe_offload.generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, TokenEvent,
+from moe_offload.gen.generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, TokenEvent,
                                   _StopScanner, generate)
 from moe_offload.models import build_model
 

@@ -1,11 +1,11 @@
-"""The GPU-memory poller behind the nvidia-smi peak (moe_offload.budget): NVML in-process, the
+"""The GPU-memory poller behind the nvidia-smi peak (moe_offload.offload.budget): NVML in-process, the
 nvidia-smi program where NVML is missing."""
 import ctypes
 
 import pytest
 import torch
 
-from moe_offload import budget
+from moe_offload.offload import budget
 
 
 def test_nvml_row_layout():

@@ -24,7 +24,7 @@ def _runtime(loaded, graphs):
 
 
 def _greedy(rt, draft=None, n=48):
-    from moe_offload.generate import SamplingParams, generate
+    from moe_offload.gen.generate import SamplingParams, generate
     evs = list(generate(rt, rt.new_state(1, 256), PROMPT,
                         SamplingParams(temperature=0.0, max_tokens=n, ignore_eog=True), draft=draft))
     return list(evs[-1].tokens)
@@ -32,7 +32,7 @@ def _greedy(rt, draft=None, n=48):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_speculative_greedy_equals_plain_under_a_cap(loaded, graphs):
-    from moe_offload.speculative import SpeculativeDecoder
+    from moe_offload.spec.decoder import SpeculativeDecoder
     rt = _runtime(loaded, graphs)
     try:
         assert rt.mtp is not None
@@ -95,7 +95,7 @@ def test_mtp_experts_are_resident_and_counted_under_the_cap(loaded):
     try:
         assert "MTP experts" not in rt.report.budget
         assert rt.report.budget["expert cache"] >= resident_cache
-        assert _greedy(rt, n=24) == _greedy(rt, __import__("moe_offload.speculative", fromlist=[
+        assert _greedy(rt, n=24) == _greedy(rt, __import__("moe_offload.spec.decoder", fromlist=[
             "SpeculativeDecoder"]).SpeculativeDecoder(rt, rt.mtp, 2), n=24)
     finally:
         rt.close()
@@ -105,7 +105,7 @@ def test_resident_pool_matches_the_reference_experts(loaded):
     """ResidentPool (the decode pool kernel over the whole bank) against ops.moe_ffn on the CPU
     banks, for the T a draft step gives it."""
     from moe_offload.models.weights import mtp_experts
-    from moe_offload.offload_experts import ResidentPool
+    from moe_offload.offload.experts import ResidentPool
     c = loaded.config
     cpu = mtp_experts(loaded, "cpu")
     pool = ResidentPool(mtp_experts(loaded, "cuda"), top_k=c.n_expert_used, ff=c.n_ff_exp, max_tok=8)
@@ -149,8 +149,8 @@ def test_verify_equals_decode_bit_for_bit_with_every_expert_resident(loaded):
 def test_speculative_equals_plain_under_a_trace_by_position(loaded):
     """Replaying a routing trace by position, verify steps route each token as the decode step
     at its position: speculative greedy = plain greedy, and the phases are timed."""
-    from moe_offload.speculative import SpeculativeDecoder
-    from moe_offload.trace import TraceParams, make_trace
+    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.instrument.trace import TraceParams, make_trace
     c = loaded.config
     rt = _runtime(loaded, True)
     try:
@@ -246,7 +246,7 @@ def test_guesses_while_drafting_are_used_and_change_no_token(loaded, layers):
     guessed copies and its plans use them; at draft_guess_layers 0 it gets none (the per-layer
     guesses never reach layer 0)."""
     from moe_offload import OffloadPolicy, open_runtime
-    from moe_offload.speculative import SpeculativeDecoder
+    from moe_offload.spec.decoder import SpeculativeDecoder
     rt = open_runtime(loaded, 2 << 30, ctx=256, cache_slots=10, mtp=True,
                       policy=OffloadPolicy(prefetch_k=3, draft_guess_layers=layers))
     try:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from loaders import open_model
-from moe_offload.generate import GREEDY, DoneEvent, SamplingParams, Session, generate
+from moe_offload.gen.generate import GREEDY, DoneEvent, SamplingParams, Session, generate
 from moe_offload.models import build_model
 from moe_offload.models.mtp import MtpHead
-from moe_offload.speculative import DraftPolicy, SpeculativeDecoder
+from moe_offload.spec.decoder import DraftPolicy, SpeculativeDecoder
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
@@ -268,7 +268,7 @@ def test_first_two_tokens_of_the_tiny_model_follow_plain_sampling(tiny):
     """(t1, t2) over many seeds against the exact distribution of plain sampling."""
     _, model, head = tiny
     params = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0, max_tokens=2)
-    from moe_offload.generate import Sampler
+    from moe_offload.gen.generate import Sampler
     sp = Sampler(params)
     st = model.new_state(1, 64)
     p1 = sp.probs(model.prefill(torch.tensor([PROMPT]), st), None)[0]
@@ -468,7 +468,7 @@ def test_a_slow_start_of_the_best_k_is_outgrown():
 
 
 def test_judged_acceptance_counts_drafts_after_kept_ones_only():
-    from moe_offload.speculative import SpecStats
+    from moe_offload.spec.decoder import SpecStats
     st = SpecStats(drafted=9, accepted=6, by_accepted={(2, 0): 1, (2, 1): 1, (2, 2): 2, (1, 1): 1})
     assert st.acceptance == pytest.approx(6 / 9)
     assert st.judged_acceptance == pytest.approx(6 / 8)   # (2, 0) judged one draft, not two
@@ -671,7 +671,7 @@ def test_plain_steps_write_their_backlog_in_small_calls_off_the_clock(tiny):
     """Past MTP_BACKLOG owed rows a plain step writes them to the MTP head, in calls of at most
     BACKLOG_CHUNK rows (on a GPU more take the prompt path), and after its time was taken: one
     step in 64 carrying the others' rows would read as a slow plain step to the policy."""
-    from moe_offload.speculative import BACKLOG_CHUNK, MTP_BACKLOG
+    from moe_offload.spec.decoder import BACKLOG_CHUNK, MTP_BACKLOG
     import time as _time
     _, model, head = tiny
     calls, seen = [], []
@@ -703,7 +703,7 @@ def test_owed_rows_written_through_the_models_mtp_rows_match_the_heads_own(tiny)
     """Where the model writes the MTP rows itself (the runtime's captured mtp_rows), the
     decoder hands it each chunk with the tokens that follow its rows: the MTP KV ends as the
     head's own calls leave it."""
-    from moe_offload.speculative import BACKLOG_CHUNK, MTP_BACKLOG
+    from moe_offload.spec.decoder import BACKLOG_CHUNK, MTP_BACKLOG
     _, model, head = tiny
     chunks = []
 

@@ -6,12 +6,12 @@ import torch
 
 from loaders import open_model
 from loaders.quants import dequantize_reference
-from moe_offload.budget import VramLedger
+from moe_offload.offload.budget import VramLedger
 from moe_offload.errors import OffloadError
-from moe_offload.expert_cache import ExpertCache, load_profile, save_profile
-from moe_offload.host_bank import HostExpertBank
-from moe_offload.scheduler import Rates, Scheduler
-from moe_offload.trace import TraceParams, make_trace, trace_stats
+from moe_offload.offload.expert_cache import ExpertCache, load_profile, save_profile
+from moe_offload.offload.host_bank import HostExpertBank
+from moe_offload.offload.scheduler import Rates, Scheduler
+from moe_offload.instrument.trace import TraceParams, make_trace, trace_stats
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_host_buffer_is_one_aligned_range():
     advise huge pages (fewer translations for the GPU's reads), writable end to end."""
     import mmap
 
-    from moe_offload.host_bank import HUGE_PAGE, host_buffer
+    from moe_offload.offload.host_bank import HUGE_PAGE, host_buffer
     buf = host_buffer(5 * HUGE_PAGE + 4096)
     assert buf.dtype == torch.uint8 and buf.numel() == 5 * HUGE_PAGE + 4096
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -274,7 +274,7 @@ def test_host_bank_layers_share_one_buffer(mixed):
 def test_prefill_choices_and_a_profile_join_the_eviction_scores(mixed):
     """A prefill chunk weighs as many decode steps as it has tokens (decayed); a warm start from
     a routing profile starts each expert at the score its rate would settle at."""
-    from moe_offload.policy import OffloadPolicy
+    from moe_offload.config import OffloadPolicy
     from native.offload_native import SCORE_ONE, score_decay_table
     SCORE_DECAY = OffloadPolicy().score_decay
     bank = HostExpertBank(mixed, pin=False, threads=2)
@@ -321,7 +321,7 @@ def test_dense_weights_pack_into_one_allocation(mixed):
 def test_short_prompts_need_no_dequantized_expert_group(mixed, monkeypatch):
     """A prompt of at most ops.PREFILL_MOE_MIN_TOKENS tokens runs the experts through the decode
     kernels, so its workspace estimate (what the elastic cache lends it) has no bf16 group."""
-    from moe_offload.placement import prefill_workspace_bytes
+    from moe_offload.offload.placement import prefill_workspace_bytes
     from native import ops
     c = mixed.config
     short = prefill_workspace_bytes(c, 16, 16)

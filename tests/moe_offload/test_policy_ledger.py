@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from moe_offload import OffloadError, OffloadPolicy
-from moe_offload.budget import VramLedger
+from moe_offload.offload.budget import VramLedger
 
 MiB = 1 << 20
 
@@ -37,7 +37,7 @@ def test_policy_numbers_and_derived_sizes():
 
 def test_every_policy_field_has_its_comment():
     import inspect
-    import moe_offload.policy as mod
+    import moe_offload.config as mod
     src = inspect.getsource(mod.OffloadPolicy)
     for f in dataclasses.fields(OffloadPolicy):
         line = next(ln for ln in src.splitlines() if ln.strip().startswith(f"{f.name}:"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_offload.readback import TokenReadback
+from moe_offload.gen.readback import TokenReadback
 
 
 def _order_of(device):

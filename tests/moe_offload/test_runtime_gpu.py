@@ -251,7 +251,7 @@ def test_elastic_cache_lends_its_memory_to_prefill_and_takes_it_back(loaded, ref
     expert streams); the next decode step grows it back; a shrink in the middle of decoding keeps
     the experts of highest score, then the most recent (moved with their bytes). The prefill
     staging is freed after the prompt (lent to the cache). Logits stay the all-on-GPU ones."""
-    import moe_offload.elastic as elastic
+    import moe_offload.offload.elastic as elastic
     from native import offload_native as on
     prompt, toks, ref = reference
     rt = _runtime(loaded, cache_slots=10)
@@ -383,7 +383,7 @@ def test_graphs_equal_eager(loaded, reference):
 
 def test_cache_evolves_and_keeps_pinned_hot_set(loaded, reference, tmp_path):
     import numpy as np
-    from moe_offload.expert_cache import save_profile
+    from moe_offload.offload.expert_cache import save_profile
     c = loaded.config
     counts = np.zeros((c.n_layer, c.n_expert), np.int64)
     counts[:, 5] = 1000
@@ -407,7 +407,7 @@ def test_cache_evolves_and_keeps_pinned_hot_set(loaded, reference, tmp_path):
 
 def test_cap_too_small_is_refused_with_numbers(loaded):
     from moe_offload.errors import OffloadError
-    from moe_offload.runtime import OffloadRuntime, RuntimeOptions
+    from moe_offload.offload.runtime import OffloadRuntime, RuntimeOptions
     with pytest.raises(OffloadError, match=r"--vram .* is too small: .* needs .* but only"):
         OffloadRuntime(loaded, RuntimeOptions(vram=64 << 20, n_ctx=256))
 

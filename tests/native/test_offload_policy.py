@@ -3,7 +3,7 @@
 the GPU in test_offload_policy_gpu.py."""
 import numpy as np
 
-from moe_offload.policy import OffloadPolicy
+from moe_offload.config import OffloadPolicy
 from native.offload_native import (SCORE_ONE, SCORE_STEPS, LayerTablesRef, decayed_scores,
                                    plan_reference, prefetch_reference, score_decay_table)
 

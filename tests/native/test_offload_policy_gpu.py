@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_offload.policy import OffloadPolicy
+from moe_offload.config import OffloadPolicy
 from native import offload_native as on
 
 pytestmark = pytest.mark.gpu

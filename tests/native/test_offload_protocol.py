@@ -51,7 +51,7 @@ def test_the_cuda_extension_states_the_same_protocol():
 
 
 def test_cache_stats_read_the_columns_by_name():
-    from moe_offload.expert_cache import STATS, CacheStats
+    from moe_offload.offload.expert_cache import STATS, CacheStats
     assert STATS == on.STATS_COLUMNS
     assert set(CacheStats.__dataclass_fields__) == set(on.STATS_COLUMNS)
 

@@ -25,7 +25,7 @@ keys: Enter sends | Alt-Enter or Esc Enter: new line | Ctrl-C: stop the answer, 
 
 @dataclass
 class Conversation:
-    session: object                      # moe_offload.generate.Session
+    session: object                      # moe_offload.gen.generate.Session
     params: object                       # SamplingParams
     system: str | None = None
     think: bool | None = None            # enable_thinking for the template (None: its default)
@@ -49,7 +49,7 @@ class Answer:
         self.on_text = None               # the plain screen writes each piece as it comes
 
     def add(self, ev) -> None:
-        from moe_offload.generate import DoneEvent
+        from moe_offload.gen.generate import DoneEvent
         self.pieces.append(ev.text)
         self.timings = ev.timings
         if isinstance(ev, DoneEvent):

@@ -17,10 +17,10 @@ import torch
 from native import offload_native as on
 
 from .budget import SmiPeak, VramLedger, cap_allocator
-from .errors import OffloadError
+from ..errors import OffloadError
 from .expert_cache import ExpertCache
 from .placement import prefill_workspace_bytes
-from .policy import OffloadPolicy
+from ..config import OffloadPolicy
 
 
 class ElasticVram:

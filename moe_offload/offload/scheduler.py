@@ -26,7 +26,7 @@ import torch
 
 from native.offload_native import MAX_SELECTIONS
 
-from .policy import OffloadPolicy
+from ..config import OffloadPolicy
 
 
 @dataclass

@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import OffloadError
-from .readback import TokenReadback
-from .models.mtp import greedy_drafts
-from .state import State
+from ..errors import OffloadError
+from ..gen.readback import TokenReadback
+from ..models.mtp import greedy_drafts
+from ..state import State
 
 K_MAX = 3            # drafts a step at most (a verify step of 4 positions)
 MTP_BACKLOG = 64     # trunk hidden states the MTP head may owe before they are written

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 from loaders import LoadedModel
 from native import ops
 
-from .models.qwen35moe import DELTA_CHUNK
-from .policy import OffloadPolicy
+from ..models.qwen35moe import DELTA_CHUNK
+from ..config import OffloadPolicy
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight",
                    "ffn_down_exps.weight")

@@ -33,18 +33,18 @@ from native import offload_native as on
 
 from .budget import SmiPeak, VramLedger, allocator_peaks, cap_allocator
 from .elastic import ElasticVram
-from .errors import OffloadError
+from ..errors import OffloadError
 from .expert_cache import ExpertCache, load_profile
 from .host_bank import HostExpertBank
-from .models import MODELS
-from .models.weights import upload_weights
-from .offload_experts import LayerExperts, OffloadEngine, ResidentPool
+from ..models import MODELS
+from ..models.weights import upload_weights
+from .experts import LayerExperts, OffloadEngine, ResidentPool
 from .placement import gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes, staging_bytes
-from .policy import OffloadPolicy
+from ..config import OffloadPolicy
 from .report import LoadReport, RoutingRecorder, RuntimeStats
 from .scheduler import Rates, Scheduler, measure_rates
-from .speculative import K_MAX
-from .state import Snapshot, State
+from ..spec.decoder import K_MAX
+from ..state import Snapshot, State
 
 
 @dataclass
@@ -162,7 +162,7 @@ class OffloadRuntime:
             rep.host_weights[name] = tensors[name].data.numel()
         mtp_up = None
         if opts.mtp:   # its dense weights on the GPU (inside the cap), its experts in host RAM
-            from .models.weights import upload_mtp
+            from ..models.weights import upload_mtp
             mtp_up = upload_mtp(loaded, dev, experts_device="cpu")
             if mtp_up is None:
                 raise OffloadError("this model has no MTP block (nextn_predict_layers = 0): "
@@ -241,7 +241,7 @@ class OffloadRuntime:
                                     link_gbps=opts.link_gbps)
         self.model = model_cls(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
         # the MTP head: eager; its routed experts by the pool kernel, from VRAM or pinned RAM
-        from .models.mtp import MtpHead
+        from ..models.mtp import MtpHead
         self.mtp = None if mtp_up is None else MtpHead(
             self.model, mtp_up[0], ResidentPool(mtp_experts, top_k=c.n_expert_used,
                                                 ff=c.n_ff_exp, max_tok=self.engine.max_tok))
@@ -283,7 +283,7 @@ class OffloadRuntime:
         price is VRAM the cache does not get: 256 x 1.35 MB = 346 MB on a 35B-A3B at IQ3_S (as
         much as one trunk layer's experts). "host" costs no VRAM and reads a draft token's 8
         experts (~11 MB) over PCIe instead."""
-        from .models.weights import ResidentExperts, mtp_experts
+        from ..models.weights import ResidentExperts, mtp_experts
         if where not in ("gpu", "host"):
             raise OffloadError(f"mtp_experts {where!r}: 'gpu' (resident) or 'host' (pinned RAM)")
         if where == "host":
@@ -648,7 +648,7 @@ class OffloadRuntime:
         if p + T + k - 1 > state.n_ctx:
             raise OffloadError(f"the MTP layer's KV holds {state.n_ctx} positions; "
                                f"{p + T + k - 1} needed")
-        from .models.mtp import greedy_drafts
+        from ..models.mtp import greedy_drafts
         n_attn = state.rows_attended(p + T + k - 1)
         guess = self._draft_guesses(k)
 

@@ -28,7 +28,7 @@ import torch
 from loaders import LoadedModel, Weight
 from loaders.quants import QuantType
 
-from .errors import OffloadError
+from ..errors import OffloadError
 
 ALIGN = 256
 HUGE_PAGE = 2 << 20

@@ -21,9 +21,9 @@ import torch
 
 from native import offload_native as on
 
-from .errors import OffloadError
+from ..errors import OffloadError
 from .host_bank import ExpertLayout, HostExpertBank
-from .policy import OffloadPolicy
+from ..config import OffloadPolicy
 
 STATS = on.STATS_COLUMNS   # the stats table's columns, as the kernels write them
 

@@ -13,10 +13,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .errors import OffloadError
+from ..errors import OffloadError
 from .readback import TokenReadback
-from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder
-from .state import State
+from ..spec.decoder import DraftPolicy, SpecStats, SpeculativeDecoder
+from ..state import State
 
 
 @dataclass(frozen=True)
@@ -328,7 +328,7 @@ class Session:
         from loaders import open_model
         from loaders.chat_template import ChatTemplate
         from loaders.tokenizer import Tokenizer
-        from .models import build_model
+        from ..models import build_model
         loaded = open_model(path)
         model = build_model(loaded, device, experts_device)
         md = loaded.metadata

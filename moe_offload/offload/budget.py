@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import OffloadError
+from ..errors import OffloadError
 
 
 def _gib(n: float) -> str:

@@ -30,12 +30,12 @@ from native import offload_native as on
 from native import ops
 from native.ops import QTensor, _cuda
 
-from .errors import OffloadError
+from ..errors import OffloadError
 from .expert_cache import ExpertCache
 from .host_bank import HostExpertBank
-from .models.layers import route_topk
+from ..models.layers import route_topk
 from .placement import staging_bytes as two_staging_buffers
-from .policy import OffloadPolicy
+from ..config import OffloadPolicy
 from .scheduler import Scheduler
 
 MAX_FETCH = on.MAX_SELECTIONS  # the plan kernel's selection limit (T * K); fetch lists hold it

@@ -1,0 +1,1 @@
+"""Generation: sampling, the token stream, the chat session, prefix reuse, token read-back."""

@@ -1,0 +1,1 @@
+"""Instruments kept out of the hot code: routing traces, phase timers, A/B switches."""
