@@ -25,11 +25,11 @@ The model on one device, no cap:
   TokenEvent, DoneEvent, Timings    what the stream yields
 """
 from .errors import OffloadError
-from .gen.generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, Timings, TokenEvent,
-                       continue_ids, generate)
+from .gen import (GREEDY, Cached, DoneEvent, PrefixIndex, Sampler, SamplingParams, Session, Timings,
+                  TokenEvent, TokenStream, continue_ids, generate)
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
 from .config import OffloadPolicy
-from .gen.readback import TokenReadback
+from .gen import TokenReadback
 from .offload.report import LoadReport, RoutingRecorder, RuntimeStats
 from .offload.runtime import OffloadRuntime, RuntimeOptions, open_runtime
 from .state import Snapshot, State
@@ -37,4 +37,4 @@ from .state import Snapshot, State
 __all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",
            "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
            "TokenReadback", "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
-           "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings", "continue_ids"]
+           "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings", "continue_ids", "TokenStream", "PrefixIndex", "Cached"]

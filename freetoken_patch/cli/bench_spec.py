@@ -44,7 +44,7 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
     even `reps` cancels the cache's favour to the second run) -> bench's "speculative" object.
     phases: one more speculative run after the timed ones with the device synchronised between
     the phases of each step (SpecStats.phases), so that the timed rates stay unsynchronised."""
-    from moe_offload.gen.generate import SamplingParams, generate
+    from moe_offload import SamplingParams, generate
     from moe_offload.spec.decoder import SpeculativeDecoder
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eog=True)

@@ -64,7 +64,7 @@ def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
 
 def sampling_params(args: argparse.Namespace):
     """The SamplingParams the flags of `add_sampling_args` ask for, each checked."""
-    from moe_offload.gen.generate import SamplingParams
+    from moe_offload import SamplingParams
     n = args.max_tokens
     check("-n", n, n >= 1 or n == -1,
           "give 1 or more tokens, or -1 for no limit (until the end of text or a full context)")

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from loaders.tokenizer import Tokenizer
-    from moe_offload.gen.generate import DoneEvent, Session
+    from moe_offload import DoneEvent, Session
     device = device_for(args.device, args.vram)
     params = sampling_params(args)
     if not args.prompt:

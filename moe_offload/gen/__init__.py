@@ -1,1 +1,21 @@
-"""Generation: sampling, the token stream, the chat session, prefix reuse, token read-back."""
+"""Generation: sampling, the token stream, the chat session, prefix reuse, token read-back.
+
+  SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem   sampling and its ranges
+  TokenStream, TokenEvent, DoneEvent, Timings, StopScanner             the one token stream
+  generate                                                             it, driven for one sequence
+  Session                                                              a chat on one State
+  PrefixIndex, Cached, continue_ids, usable_prefix                     prefix reuse
+  TokenReadback                                                        an id read while the next step runs
+"""
+from .generate import generate
+from .prefix import Cached, PrefixIndex, continue_ids, usable_prefix
+from .readback import TokenReadback
+from .sampling import (DEFAULTS, GREEDY, SAMPLING_RULES, Sampler, SamplingParams, default_of,
+                       recent_ids, sampling_problem)
+from .session import Session
+from .stream import DoneEvent, StopScanner, Timings, TokenEvent, TokenStream, text_decoder
+
+__all__ = ["generate", "Cached", "PrefixIndex", "continue_ids", "usable_prefix", "TokenReadback",
+           "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Sampler", "SamplingParams", "default_of",
+           "recent_ids", "sampling_problem", "Session", "DoneEvent", "StopScanner", "Timings",
+           "TokenEvent", "TokenStream", "text_decoder"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loaders import open_model
-from moe_offload.gen.generate import GREEDY, TokenEvent, generate
+from moe_offload.gen import GREEDY, TokenEvent, generate
 from moe_offload.models import Qwen35Moe, build_model, layers, upload_weights
 from moe_offload.models import cpu_plan as decode_loop
 from native import ops

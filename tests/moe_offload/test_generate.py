@@ -6,8 +6,8 @@ import torch
 
 from loaders import open_model
 from moe_offload.errors import OffloadError
-from moe_offload.gen.generate import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, TokenEvent,
-                                  _StopScanner, generate)
+from moe_offload.gen import (GREEDY, DoneEvent, Sampler, SamplingParams, Session, TokenEvent,
+                                  StopScanner, generate)
 from moe_offload.models import build_model
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
@@ -92,13 +92,13 @@ def test_penalties():
 
 
 def test_stop_scanner_holds_back_partial_matches():
-    s = _StopScanner(["</end>", "STOP"])
+    s = StopScanner(["</end>", "STOP"])
     assert s.push("hello </") == ("hello ", False)
     assert s.push("en") == ("", False)
     assert s.push("x more") == ("</enx more", False)
     assert s.push(" ST") == (" ", False)
     assert s.push("OP tail") == ("", True)
-    assert _StopScanner([]).push("abc") == ("abc", False)
+    assert StopScanner([]).push("abc") == ("abc", False)
 
 
 # ---- the loop --------------------------------------------------------------------------------------

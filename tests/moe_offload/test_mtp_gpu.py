@@ -24,7 +24,7 @@ def _runtime(loaded, graphs):
 
 
 def _greedy(rt, draft=None, n=48):
-    from moe_offload.gen.generate import SamplingParams, generate
+    from moe_offload.gen import SamplingParams, generate
     evs = list(generate(rt, rt.new_state(1, 256), PROMPT,
                         SamplingParams(temperature=0.0, max_tokens=n, ignore_eog=True), draft=draft))
     return list(evs[-1].tokens)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loaders import open_model
-from moe_offload.gen.generate import GREEDY, DoneEvent, SamplingParams, Session, generate
+from moe_offload.gen import GREEDY, DoneEvent, SamplingParams, Session, generate
 from moe_offload.models import build_model
 from moe_offload.models.mtp import MtpHead
 from moe_offload.spec.decoder import DraftPolicy, SpeculativeDecoder
@@ -268,7 +268,7 @@ def test_first_two_tokens_of_the_tiny_model_follow_plain_sampling(tiny):
     """(t1, t2) over many seeds against the exact distribution of plain sampling."""
     _, model, head = tiny
     params = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0, max_tokens=2)
-    from moe_offload.gen.generate import Sampler
+    from moe_offload.gen import Sampler
     sp = Sampler(params)
     st = model.new_state(1, 64)
     p1 = sp.probs(model.prefill(torch.tensor([PROMPT]), st), None)[0]

@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     """The model, its session and the banner lines; bad input raises one clear error."""
     from loaders.synth import default_model_path, ensure_default_model
-    from moe_offload.gen.generate import Session
+    from moe_offload import Session
     dev = device_for(args.device, args.vram)
     embedded = args.model is None
     if args.max_tokens is None:

@@ -49,7 +49,7 @@ class Answer:
         self.on_text = None               # the plain screen writes each piece as it comes
 
     def add(self, ev) -> None:
-        from moe_offload.gen.generate import DoneEvent
+        from moe_offload import DoneEvent
         self.pieces.append(ev.text)
         self.timings = ev.timings
         if isinstance(ev, DoneEvent):

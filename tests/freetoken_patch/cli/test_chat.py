@@ -80,7 +80,7 @@ def test_piped_messages_and_commands(monkeypatch, capsys):
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(monkeypatch, capsys):
-    from moe_offload.gen.generate import Session
+    from moe_offload.gen import Session
     original, calls = Session.chat, []
 
     def chat_with_ctrl_c(self, messages, params, enable_thinking=None):
