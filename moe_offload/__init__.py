@@ -1,40 +1,49 @@
-"""moe_offload: the runtime — model execution, caches, expert placement, generation.
+"""moe_offload: the runtime -- model execution, caches, expert placement, generation.
 
-The offload runtime (a MoE model under a VRAM cap), the API the CLI, the server and the
-FreeToken patch use:
-  open_runtime(model, vram, policy=, ctx=, **options) -> OffloadRuntime
-      .new_state(batch) / .prefill(tokens, state) / .decode(tokens, state) -> logits
-      .decode_many(tokens, states) -> logits   one token for each of several sequences, one step
-      .release(state)                               (max_sequences > 1) a state handed back
-      .snapshot(state) / .restore(state, snap)      rewind points (prefix reuse; host RAM)
-      .stats() -> RuntimeStats, .reset_stats(), .vram_peaks(), .report (LoadReport)
-      .attach_recorder(RoutingRecorder) / .replay(trace)   routing recorded, or replayed
-      .routing_counts(), .close() (or `with open_runtime(...) as rt:`)
-  OffloadPolicy                every number of the offload policy (frozen; printed by bench)
-  RuntimeOptions               where it runs and what it holds (vram, n_ctx, profile, ...)
-  RuntimeStats, LoadReport, RoutingRecorder   what it reports
-  OffloadError                 the package's exception (says what went wrong and the fix)
-The model on one device, no cap:
-  build_model, MODELS          LoadedModel -> model on a device; the registry of runnable archs
-  Qwen35Moe                    the qwen35moe forward pass (forward / prefill / decode / new_state)
-  ResidentExperts              the default experts[layer](x, ids, weights) -> y implementation
-  State, Snapshot              per-sequence KV + conv + recurrent caches
-  generate, Session            the token stream; model + state + tokenizer + chat template
-  continue_ids                 a prompt's ids on top of a cache whose text it extends
-  SamplingParams, GREEDY, Sampler   sampling (temperature, top-k/p, min-p, penalties, seed)
-  TokenEvent, DoneEvent, Timings    what the stream yields
+What the CLI, the server and the FreeToken patch use (nothing else of this package):
+
+Running a model (backend.py):
+  open_backend(loaded, device=, vram=, n_ctx=, mtp=, ...) -> Backend   the plain model on one
+                          device, or the offload runtime under a VRAM cap; one interface
+  Backend, Capabilities, as_backend                 new_state / release / prefill / decode /
+                          decode_many / verify / draft / snapshot / restore / stats; `caps` says
+                          what it can do
+  open_runtime, OffloadRuntime, RuntimeOptions      the offload runtime itself (offload/runtime.py)
+  RuntimeStats, LoadReport, RoutingRecorder         what the runtime reports
+  OffloadError                                      the package's exception (says what and the fix)
+Generation (gen/) and speculative decoding (spec/):
+  generate, Session, TokenStream, TokenEvent, DoneEvent, Timings, TokenReadback
+  SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem, default_of
+  PrefixIndex, Cached, continue_ids                 prefix reuse (the chat session's rule too)
+  SpeculativeDecoder, DraftPolicy, SpecStats
+Policy and defaults (config.py): OffloadPolicy, DRAFT, SERVING, PREFILL, DEFAULT_N_CTX, settings_dict
+Planning (offload/placement.py): plan_sketch, expert_bytes_per_layer, is_expert_tensor
+Routing traces (instrument/trace.py): TraceParams, make_trace, routing_stats, trace_stats;
+  save_profile (a routing profile for a warm start)
+The model on one device: build_model, MODELS, Qwen35Moe, ResidentExperts, State, Snapshot
 """
+from .backend import Backend, Capabilities, PlainBackend, as_backend, open_backend
+from .config import DEFAULT_N_CTX, DRAFT, PREFILL, SERVING, OffloadPolicy, settings_dict
 from .errors import OffloadError
-from .gen import (GREEDY, Cached, DoneEvent, PrefixIndex, Sampler, SamplingParams, Session, Timings,
-                  TokenEvent, TokenStream, continue_ids, generate)
+from .gen import (DEFAULTS, GREEDY, SAMPLING_RULES, Cached, DoneEvent, PrefixIndex, Sampler,
+                  SamplingParams, Session, Timings, TokenEvent, TokenReadback, TokenStream,
+                  continue_ids, default_of, generate, sampling_problem)
+from .instrument.trace import TraceParams, make_trace, routing_stats, trace_stats
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
-from .config import OffloadPolicy
-from .gen import TokenReadback
+from .offload.expert_cache import save_profile
+from .offload.placement import expert_bytes_per_layer, is_expert_tensor, plan_sketch
 from .offload.report import LoadReport, RoutingRecorder, RuntimeStats
 from .offload.runtime import OffloadRuntime, RuntimeOptions, open_runtime
+from .spec import DraftPolicy, SpecStats, SpeculativeDecoder
 from .state import Snapshot, State
 
-__all__ = ["OffloadError", "open_runtime", "OffloadRuntime", "OffloadPolicy", "RuntimeOptions",
-           "RuntimeStats", "LoadReport", "RoutingRecorder", "MODELS", "build_model", "Qwen35Moe",
-           "TokenReadback", "ResidentExperts", "State", "Snapshot", "generate", "Session", "SamplingParams",
-           "GREEDY", "Sampler", "TokenEvent", "DoneEvent", "Timings", "continue_ids", "TokenStream", "PrefixIndex", "Cached"]
+__all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backend",
+           "DEFAULT_N_CTX", "DRAFT", "PREFILL", "SERVING", "OffloadPolicy", "settings_dict",
+           "OffloadError", "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Cached", "DoneEvent",
+           "PrefixIndex", "Sampler", "SamplingParams", "Session", "Timings", "TokenEvent",
+           "TokenReadback", "TokenStream", "continue_ids", "default_of", "generate",
+           "sampling_problem", "TraceParams", "make_trace", "routing_stats", "trace_stats",
+           "MODELS", "Qwen35Moe", "ResidentExperts", "build_model", "save_profile",
+           "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "LoadReport",
+           "RoutingRecorder", "RuntimeStats", "OffloadRuntime", "RuntimeOptions", "open_runtime",
+           "DraftPolicy", "SpecStats", "SpeculativeDecoder", "Snapshot", "State"]

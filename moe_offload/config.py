@@ -1,10 +1,14 @@
-"""Every number of the offload policy, in one frozen object.
+"""Every policy number and default of moe_offload, in frozen objects, each with its reason.
 
-The runtime, the engine, the cache, the scheduler and placement read their choices from an
-`OffloadPolicy`; `ftpatch bench --json` prints it and `bench --help` takes its defaults from it.
-What a number means and why it is what it is stays beside it; how each was measured belongs in
-docs/BENCHMARKS.md. Protocol constants shared with the kernels (selection limit, score fixed
-point, stats columns) are not policy: they come from the native extension (native.offload_native).
+  OffloadPolicy     the offload runtime: where misses go, guesses, eviction, memory under the cap
+  DraftSettings     speculative decoding: drafts a step, the MTP head's backlog, the adaptive policy
+  ServingSettings   a server's engine: rewind points, prompt chunks between decode steps
+  PREFILL           the model's own prefill numbers (the delta rule's chunk), DEFAULT_N_CTX
+
+`ftpatch bench --json` prints them (`as_dict`); `bench --help` takes its defaults from them. How a
+number was measured belongs in docs/BENCHMARKS.md, not here. Protocol constants shared with the
+kernels (selection limit, score fixed point, stats columns, a decode step's most tokens) are not
+policy: they come from the native extension (native.offload_native, native.ops).
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from .errors import OffloadError
 
 MiB = 1 << 20
 
+DEFAULT_N_CTX = 4096   # a context when none is asked for (capped by the model's trained length)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -21,12 +27,12 @@ class OffloadPolicy:
     fetch_fraction: float | None = None  # share of misses fetched over PCIe; None: q = p/(p+c) from rates
     cpu_rate_ema: float = 0.2            # weight of each new measurement of the CPU's expert rate
     cpu_spare_cores: int = 2             # cores the CPU pool leaves to the thread that launches GPU
-                                         # work and to the driver: a pool on every core stalls each
-                                         # call on a preempted thread (its rate fell 3-5x)
+                                         # work and to the driver (a pool on every core stalls each
+                                         # call on a preempted thread)
     guesses_in_split: bool = True        # a layer's guessed copies count in the link's share q:
                                          # the plan fetches q*(misses + guesses) - guesses of its
-                                         # misses, the CPU takes the rest (without, four sequences'
-                                         # guesses filled the link and left the CPU idle)
+                                         # misses, the CPU takes the rest (else guesses can fill
+                                         # the link and leave the CPU idle)
     observe_every: int = 16              # decode steps between folds of the worker's timings
     observe_min_experts: int = 8         # CPU experts a window needs before its rate is trusted
     # -- decode: guesses and copies (offload_experts.py) -------------------------------------------
@@ -35,12 +41,9 @@ class OffloadPolicy:
     prefetch_share: float = 6 / 8        # default guesses a token, as a share of the top-k
     prefetch_min_fetch_share: float = 0.5  # guess only if the link takes >= this share of misses:
                                          # guesses put bytes on the link that the CPU could have
-                                         # taken, which pays while the link has room (q 0.5-0.9 on
-                                         # a PCIe gen5 host, by how fast the CPU measures), not
-                                         # when it is the bottleneck (q ~0.37 at a laptop's 11.8
-                                         # GB/s); decided at start-up and again whenever the CPU's
-                                         # rate is re-measured: alone at start-up the CPU reads
-                                         # faster than beside decode's copies
+                                         # taken, which pays while the link has room, not when it
+                                         # is the bottleneck; decided again whenever the CPU's
+                                         # rate is re-measured
     prefetch_hysteresis: float = 0.05    # once guessing, it stops only below that share less this
     draft_guess_layers: int = 1          # while the MTP head drafts, the link idles: guess the verify
                                          # step's experts in this many first layers for its tokens
@@ -50,7 +53,6 @@ class OffloadPolicy:
     overlap_misses: bool = True          # resident experts compute while the misses cross PCIe
     fetch_blocks: int = 16               # grid of a PCIe copy: each block takes SM room from compute
     steps_in_flight: int = 2             # decode steps launched before the host waits for the oldest
-    decode_tokens: int = 8               # most tokens a decode step (the pool kernel's limit)
     worker_timeout_s: float = 30.0       # the GPU gives up on the CPU's share of a layer after this
     # -- eviction (expert_cache.py; the kernels' score: native.offload_native.decayed_scores) -------
     score_decay: float = 0.99            # each choice of an expert weighs score_decay^age (decode steps)
@@ -62,7 +64,7 @@ class OffloadPolicy:
                                          # several sequences make a key per lengths' combination)
     prefill_chunk: int = 2048            # tokens per prefill chunk
     short_prompt: int = 64               # prompts of at most this many tokens run as decode steps of
-                                         # decode_tokens each (experts fetched into the cache by the
+                                         # 8 tokens each (experts fetched into the cache by the
                                          # plan kernel, no host sync) instead of the prefill path, whose
                                          # fixed host cost (a sync and a copy call per run of experts a
                                          # layer) dominates a short prompt; 0 turns it off
@@ -116,3 +118,66 @@ class OffloadPolicy:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """Speculative decoding (spec/). The adaptive policy's numbers: spec/policy.py's DraftPolicy
+    docstring says how each estimate moves."""
+
+    k_max: int = 3              # drafts a step at most (a verify step of 4 positions)
+    backlog: int = 64           # trunk hidden states the MTP head may owe before they are written
+    backlog_chunk: int = 8      # owed rows written a call: one decode-sized step of the head
+    ema: float = 0.1            # a step cost's weight per step since it last moved
+    accept_ema: float = 0.03    # the acceptance's EMA, slow: a fast one dips below break-even by chance
+    a0: float = 0.6             # the acceptance assumed before any draft was judged
+    a0_weight: int = 8          # ... counted as this many judged drafts
+    prior_slope: float = 0.25   # an unmeasured k's cost: plain's x (1 + prior_slope k) ...
+    prior_draft: float = 0.05   # ... + k draft calls of this share of a plain step (optimistic)
+    probe_every: int = 16       # plain steps before a k = 1 probe while drafting does not pay
+    probe_max: int = 256        # the probes' gap doubles while they are refused, up to this
+    warm: int = 4               # a cost is the median of its first `warm` samples
+    fold: int = 3               # then moves by the median of each `fold` samples
+    plain_every: int = 64       # drafted steps between re-measures of plain decoding
+    stale_weight: float = 0.5   # the most a rarely measured cost moves at once
+    remeasure_steps: int = 5    # plain steps a re-measure takes (queued steps count from the 2nd)
+    min_gain: float = 0.02      # drafting must be expected to beat plain decoding by this much
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """A server's engine (freetoken_patch.server)."""
+
+    snapshots: int = 4          # rewind points kept per cached sequence (each copies the recurrent state)
+    prefill_chunk: int = 256    # prompt tokens a newcomer feeds between two batched decode steps
+    prefill_chunk_under_cap: int = 1024   # ... under a VRAM cap, where each chunk streams the cold experts
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """The model's prompt path."""
+
+    delta_chunk: int = 128      # tokens a chunk of the delta rule: its loop over chunks is
+                                # sequential, so fewer, larger chunks launch less
+    default_chunk: int = 512    # tokens a prompt chunk of the plain model
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+DRAFT = DraftSettings()
+SERVING = ServingSettings()
+PREFILL = PrefillSettings()
+
+
+def settings_dict(policy: "OffloadPolicy | None" = None) -> dict:
+    """Every number of this file (the offload policy given, or the default one), for JSON."""
+    return {"offload": (policy or OffloadPolicy()).as_dict(), "draft": DRAFT.as_dict(),
+            "serving": SERVING.as_dict(), "prefill": PREFILL.as_dict(),
+            "default_n_ctx": DEFAULT_N_CTX}

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .config import DEFAULT_N_CTX
 from .errors import OffloadError
 
-DEFAULT_N_CTX = 4096
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

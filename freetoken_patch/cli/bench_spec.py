@@ -17,7 +17,8 @@ import torch
 def parse_draft(text: str) -> int | str:
     """'0'..'3' or 'auto' (argparse type of --draft)."""
     import argparse
-    from moe_offload.spec.decoder import K_MAX
+    from moe_offload import DRAFT
+    K_MAX = DRAFT.k_max
     if text == "auto":
         return "auto"
     try:
@@ -45,7 +46,7 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
     phases: one more speculative run after the timed ones with the device synchronised between
     the phases of each step (SpecStats.phases), so that the timed rates stay unsynchronised."""
     from moe_offload import SamplingParams, generate
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload import SpeculativeDecoder
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eog=True)
     prompts = [rng.integers(0, n_vocab, prompt_len).tolist() for _ in range(reps + 1)]

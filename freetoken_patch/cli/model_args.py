@@ -127,7 +127,7 @@ def parse_device(name: str):
 def context_size(ctx: int | None, n_ctx_train: int, allow_long: bool = False) -> int:
     """--ctx, checked against the model's training context (unless allow_long), or by default
     that context capped at DEFAULT_N_CTX."""
-    from moe_offload.state import DEFAULT_N_CTX
+    from moe_offload import DEFAULT_N_CTX
     if ctx is None:
         return min(n_ctx_train, DEFAULT_N_CTX)
     check("--ctx", ctx, ctx >= 1, "the context needs at least one token")
@@ -258,7 +258,7 @@ def speculative_for(args, loaded, model):
     draft = getattr(args, "draft", 0)
     if not draft:
         return None
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload import SpeculativeDecoder
     mtp = getattr(model, "mtp", None)
     if mtp is None and not hasattr(model, "engine"):
         from moe_offload.models.mtp import MtpHead

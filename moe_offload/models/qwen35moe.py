@@ -17,16 +17,13 @@ import torch
 from native import ops
 from native.ops import QTensor
 
+from ..config import PREFILL
 from ..errors import OffloadError
 from ..state import State
 from . import cpu_plan as decode_loop
 from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
                      embed_rows, residual_rms_norm, rms_norm, route_topk, swiglu)
 from .weights import Experts
-
-# Tokens a chunk of the delta rule in prefill: the loop over chunks is sequential, so fewer,
-# larger chunks launch less (pp2048 at 8 GiB on the H200: 4426 tok/s against 4148 at 64).
-DELTA_CHUNK = 128
 
 # Projections that read the same input. Uploaded to a GPU as one weight when their types match
 # (weights.upload_weights(fuse=FUSED_PROJECTIONS)), they cost one matmul launch instead of 2-4.
@@ -156,7 +153,7 @@ class Qwen35Moe:
         mix, z, beta_raw, alpha_raw = self._proj(L, SSM_IN, a)  # [B, T, C | Hv*dv | Hv | Hv]
         o = gated_delta_net(mix, z, beta_raw, alpha_raw, conv_state, ssm_state,
                             L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
-                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, DELTA_CHUNK, steps)
+                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, PREFILL.delta_chunk, steps)
         return _mm(o, L["ssm_out.weight"])
 
     # -- experts ------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class OffloadEngine:
         self.cache, self.bank, self.scheduler = cache, bank, scheduler
         dev = cache.device
         self.device, self.top_k, self.hidden, self.ff = dev, top_k, hidden, ff
-        self.max_tok = max(1, min(policy.decode_tokens, MAX_FETCH // top_k))
+        self.max_tok = max(1, min(ops.DECODE_MAX_TOKENS, MAX_FETCH // top_k))
         self.timeout_s = policy.worker_timeout_s
         L = cache.n_layer
         self.step = torch.zeros((), dtype=torch.int32, device=dev)

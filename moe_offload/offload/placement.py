@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from loaders import LoadedModel
 from native import ops
 
-from ..models.qwen35moe import DELTA_CHUNK
+from ..config import PREFILL
 from ..config import OffloadPolicy
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight",
@@ -93,7 +93,7 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     live = T * H * 4 * 4                                       # residual stream, norms, mixer out
     proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
     attn = (T * 6 + kv_len * 4) * c.n_head * c.head_dim * 4 + T * kv_len * 4   # fused kernel
-    delta = c.ssm_n_v_heads * T * DELTA_CHUNK * 4 * 4 + T * fused_ssm_in * 4 * 2  # chunk blocks
+    delta = c.ssm_n_v_heads * T * PREFILL.delta_chunk * 4 * 4 + T * fused_ssm_in * 4 * 2  # chunk blocks
     # routed experts (native.ops.cuda_prefill_moe): a group of 32 experts dequantized to bf16,
     # the T*K token copies (bf16 in, f32 out), their gate/up/activation rows; a short prompt
     # runs the decode kernels instead (no dequantized copy)

@@ -30,6 +30,7 @@ import torch
 from loaders import LoadedModel
 
 from native import offload_native as on
+from native import ops
 
 from .budget import SmiPeak, VramLedger, allocator_peaks, cap_allocator
 from .elastic import ElasticVram
@@ -40,10 +41,11 @@ from ..models import MODELS
 from ..models.weights import upload_weights
 from .experts import LayerExperts, OffloadEngine, ResidentPool
 from .placement import gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes, staging_bytes
+from ..backend import Backend, Capabilities
 from ..config import OffloadPolicy
 from .report import LoadReport, RoutingRecorder, RuntimeStats
 from .scheduler import Rates, Scheduler, measure_rates
-from ..spec.decoder import K_MAX
+from ..config import DRAFT
 from ..state import Snapshot, State
 
 
@@ -103,7 +105,9 @@ def open_runtime(model: LoadedModel | str | Path, vram: int | str, *,
     return OffloadRuntime(model, opts, progress)
 
 
-class OffloadRuntime:
+class OffloadRuntime(Backend):
+    """A MoE model under a VRAM cap (module docstring), a Backend."""
+
     def __init__(self, loaded: LoadedModel, opts: RuntimeOptions,
                  progress: Callable[[str, int, int], None] | None = None):
         try:
@@ -183,7 +187,7 @@ class OffloadRuntime:
         elastic = pol.elastic and on.elastic_supported()
         probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
         plan.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
-        most = min(pol.decode_tokens, on.MAX_SELECTIONS // c.n_expert_used)   # a step's tokens
+        most = min(ops.DECODE_MAX_TOKENS, on.MAX_SELECTIONS // c.n_expert_used)   # a step's tokens
         if not 1 <= opts.max_sequences <= most:
             raise OffloadError(f"max_sequences {opts.max_sequences}: a decode step takes 1 to "
                                f"{most} tokens, one a sequence; hold 1 to {most} (--parallel)")
@@ -228,7 +232,7 @@ class OffloadRuntime:
                                 proc0, dev_used0, opts.cache_slots)
         # the sampler's rows at once: every sequence of a batched step, or a verify step's
         self.vram.sampling = pol.sampling_workspace(c.n_vocab, max(opts.max_sequences,
-                                                                   1 + K_MAX if opts.mtp else 1))
+                                                                   1 + DRAFT.k_max if opts.mtp else 1))
         self.vram.cap_torch()
 
         # 6. scheduler rates, engine, model
@@ -311,6 +315,12 @@ class OffloadRuntime:
         return QTensor(on.host_view(host), q.qtype, q.shape, q.name, q.parts)
 
     # -- sequences ---------------------------------------------------------------------------------
+    @property
+    def caps(self) -> Capabilities:
+        n = self.opts.max_sequences
+        return Capabilities(max_sequences=n, batched=n > 1, speculative=self.mtp is not None,
+                            shared_state=n == 1, offload=True)
+
     @property
     def max_sequences(self) -> int:
         return self.opts.max_sequences

@@ -18,7 +18,7 @@ import argparse
 import ast
 import random
 
-from moe_offload.spec.decoder import DraftPolicy
+from moe_offload.spec import DraftPolicy
 
 # ms a step by k (the H200 runs' policy estimates and fixed-k runs) and the first-draft acceptance
 REGIMES = {

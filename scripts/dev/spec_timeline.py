@@ -27,7 +27,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from draft_guess_ab import open_mtp_runtime   # beside this script
     from moe_offload.gen import SamplingParams, generate
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.spec import SpeculativeDecoder
     from torch.profiler import ProfilerActivity, profile
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")

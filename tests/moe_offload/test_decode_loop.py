@@ -343,7 +343,7 @@ def test_speculative_decoding_takes_the_loop(synth_model, tokens_calls):
     and final state are the per-op path's."""
     from moe_offload.models import build_model as build
     from moe_offload.models.mtp import MtpHead
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.spec import SpeculativeDecoder
 
     loaded = open_model(synth_model(mtp=True, mtp_agree=0.7, type="Q4_K", seed=3))
     model = build(loaded, "cpu")

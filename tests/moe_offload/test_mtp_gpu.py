@@ -32,7 +32,7 @@ def _greedy(rt, draft=None, n=48):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_speculative_greedy_equals_plain_under_a_cap(loaded, graphs):
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.spec import SpeculativeDecoder
     rt = _runtime(loaded, graphs)
     try:
         assert rt.mtp is not None
@@ -149,7 +149,7 @@ def test_verify_equals_decode_bit_for_bit_with_every_expert_resident(loaded):
 def test_speculative_equals_plain_under_a_trace_by_position(loaded):
     """Replaying a routing trace by position, verify steps route each token as the decode step
     at its position: speculative greedy = plain greedy, and the phases are timed."""
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.spec import SpeculativeDecoder
     from moe_offload.instrument.trace import TraceParams, make_trace
     c = loaded.config
     rt = _runtime(loaded, True)
@@ -246,7 +246,7 @@ def test_guesses_while_drafting_are_used_and_change_no_token(loaded, layers):
     guessed copies and its plans use them; at draft_guess_layers 0 it gets none (the per-layer
     guesses never reach layer 0)."""
     from moe_offload import OffloadPolicy, open_runtime
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.spec import SpeculativeDecoder
     rt = open_runtime(loaded, 2 << 30, ctx=256, cache_slots=10, mtp=True,
                       policy=OffloadPolicy(prefetch_k=3, draft_guess_layers=layers))
     try:

@@ -13,7 +13,8 @@ from loaders import open_model
 from moe_offload.gen import GREEDY, DoneEvent, SamplingParams, Session, generate
 from moe_offload.models import build_model
 from moe_offload.models.mtp import MtpHead
-from moe_offload.spec.decoder import DraftPolicy, SpeculativeDecoder
+from moe_offload.backend import PlainBackend
+from moe_offload.spec import DraftPolicy, SpeculativeDecoder
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
@@ -253,7 +254,7 @@ def test_speculative_sampling_keeps_the_target_distribution(k):
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7,
                             max_tokens=6000)
     draft = SpeculativeDecoder(MarkovTrunk(P), MarkovDraft(Q), k)
-    toks = list(generate(draft.model, CountingState(10**6), [0], params, draft=draft))[-1].tokens
+    toks = list(generate(draft.backend, CountingState(10**6), [0], params, draft=draft))[-1].tokens
     seq = [0] + list(toks)
     counts = torch.zeros(V, V)
     for a, b in zip(seq, seq[1:]):
@@ -468,7 +469,7 @@ def test_a_slow_start_of_the_best_k_is_outgrown():
 
 
 def test_judged_acceptance_counts_drafts_after_kept_ones_only():
-    from moe_offload.spec.decoder import SpecStats
+    from moe_offload.spec import SpecStats
     st = SpecStats(drafted=9, accepted=6, by_accepted={(2, 0): 1, (2, 1): 1, (2, 2): 2, (1, 1): 1})
     assert st.acceptance == pytest.approx(6 / 9)
     assert st.judged_acceptance == pytest.approx(6 / 8)   # (2, 0) judged one draft, not two
@@ -532,18 +533,15 @@ def test_policy_ignores_costs_of_captures_and_first_steps(tiny):
     first step of each k, leave DraftPolicy's cost alone; acceptance still counts."""
     _, model, head = tiny
 
-    class Capturing:    # the CPU model with a runtime's captures counter, bumped every 3rd verify
-        def __init__(self, m):
-            self.m, self.captures, self.calls = m, 0, 0
-            self.device = m.device
+    class Capturing(PlainBackend):   # the CPU model as a backend whose captures move every 3rd verify
+        def __init__(self, m, head):
+            super().__init__(m, head)
+            self.calls = 0
 
-        def forward(self, tokens, state, hidden=False):
+        def verify(self, tokens, state):
             self.calls += 1
             self.captures += self.calls % 3 == 0
-            return self.m.forward(tokens, state, hidden=hidden)
-
-        def __getattr__(self, name):
-            return getattr(self.m, name)
+            return super().verify(tokens, state)
 
     seen = []
 
@@ -552,8 +550,8 @@ def test_policy_ignores_costs_of_captures_and_first_steps(tiny):
             seen.append(seconds)
             super().observe(k, accepted, seconds)
 
-    wrapped = Capturing(model)
-    draft = SpeculativeDecoder(wrapped, head, policy=Spy(1))
+    wrapped = Capturing(model, head)
+    draft = SpeculativeDecoder(wrapped, policy=Spy(1))
     _tokens(wrapped, SamplingParams(temperature=0.0, max_tokens=16), draft)
     assert seen[0] is None                                  # the first step of k = 1
     assert all((s is None) == (i % 3 == 2 or i == 0) for i, s in enumerate(seen)), seen
@@ -671,7 +669,8 @@ def test_plain_steps_write_their_backlog_in_small_calls_off_the_clock(tiny):
     """Past MTP_BACKLOG owed rows a plain step writes them to the MTP head, in calls of at most
     BACKLOG_CHUNK rows (on a GPU more take the prompt path), and after its time was taken: one
     step in 64 carrying the others' rows would read as a slow plain step to the policy."""
-    from moe_offload.spec.decoder import BACKLOG_CHUNK, MTP_BACKLOG
+    from moe_offload.config import DRAFT
+    BACKLOG_CHUNK, MTP_BACKLOG = DRAFT.backlog_chunk, DRAFT.backlog
     import time as _time
     _, model, head = tiny
     calls, seen = [], []
@@ -703,23 +702,18 @@ def test_owed_rows_written_through_the_models_mtp_rows_match_the_heads_own(tiny)
     """Where the model writes the MTP rows itself (the runtime's captured mtp_rows), the
     decoder hands it each chunk with the tokens that follow its rows: the MTP KV ends as the
     head's own calls leave it."""
-    from moe_offload.spec.decoder import BACKLOG_CHUNK, MTP_BACKLOG
+    from moe_offload.config import DRAFT
+    BACKLOG_CHUNK, MTP_BACKLOG = DRAFT.backlog_chunk, DRAFT.backlog
     _, model, head = tiny
     chunks = []
 
-    class WithRows:   # the model, with a mtp_rows of its own
-        def __init__(self, m):
-            self.m = m
-
-        def __getattr__(self, name):
-            return getattr(self.m, name)
-
+    class WithRows(PlainBackend):   # a backend that writes the rows with a mtp_rows of its own
         def mtp_rows(self, hidden, tokens, state):
             chunks.append(tokens.shape[1])
             head.forward(hidden, tokens, state, logits="none")
 
     kv = []
-    for m in (model, WithRows(model)):
+    for m in (model, WithRows(model, head)):
         st = m.new_state(1, 256)
         draft = SpeculativeDecoder(m, head, 0, pipeline=False)
         params = SamplingParams(temperature=0.0, max_tokens=MTP_BACKLOG + 12)

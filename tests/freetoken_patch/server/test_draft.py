@@ -37,7 +37,7 @@ def mtp_parts(synth_model):
 def _engine(parts, draft=None, pipeline=None, **kw):
     from freetoken_patch.server.engine import Engine
     from freetoken_patch.server.metrics import Metrics
-    from moe_offload.spec.decoder import SpeculativeDecoder
+    from moe_offload.spec import SpeculativeDecoder
     model, tok, _, head, _ = parts
     dec = None if draft is None else SpeculativeDecoder(model, head, draft, pipeline=pipeline)
     return Engine(model, tok, 256, parallel=1, metrics=Metrics(), draft=dec, **kw)
@@ -176,7 +176,7 @@ def test_plain_server_has_no_draft_series(tiny_parts, kit):
 def test_engine_refuses_several_sequences(mtp_parts):
     with pytest.raises(ValueError, match="use parallel=1"):
         from freetoken_patch.server.engine import Engine
-        from moe_offload.spec.decoder import SpeculativeDecoder
+        from moe_offload.spec import SpeculativeDecoder
         model, tok, _, head, _ = mtp_parts
         Engine(model, tok, 256, parallel=2, draft=SpeculativeDecoder(model, head, 2))
 
