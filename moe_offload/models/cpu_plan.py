@@ -1,4 +1,4 @@
-"""CPU decode tokens in one native call (native/csrc/cpu/decode_loop.cpp).
+"""CPU forwards of a few tokens in one native call (native/csrc/cpu/decode_loop.cpp).
 
 Qwen35Moe.forward on the CPU makes about ten kernel calls a layer from Python, with tensors
 allocated between them. For a few tokens of one sequence (B = 1, T <= MAX_TOKENS: a decode
@@ -13,32 +13,32 @@ first T-1 written to State.steps. A plan is built once per (model, State) from t
 of the weights and of the State's conv/ssm/KV tensors, and kept while the State lives; the kept
 steps' pointers follow State.steps (set_steps when it is another dict).
 Qwen35Moe.decode_many (a token for each of B single-sequence States) runs in one call as well:
-`DecodePlan.run_many` over the States' plans mirrors its per-op path (`loop_many_for`). So does
-the MTP draft head's block after its input projection (`mtp_loop_for`: a one-layer plan of the
+`DecodePlan.run_many` over the States' plans mirrors its per-op path (`plan_many_for`). So does
+the MTP draft head's block after its input projection (`mtp_plan_for`: a one-layer plan of the
 MTP block over the State's MTP KV, `DecodePlan.run_hidden` from the residual stream MtpHead
 computes; its norms and eh_proj stay torch's).
 
-`loop_for` returns None wherever the per-op path must run: another device, a batch, step
-kernels off (`layers.STEP_KERNELS`), native kernels off, experts other than the plain
+`plan_for` returns None wherever the per-op path must run: another device, a batch, step
+kernels off (`instrument.switches.STEP_KERNELS`), native kernels off, experts other than the plain
 host-resident `ResidentExperts`, a weight or state the CPU kernels do not take as they stand
 (then the per-op path would not call them either); Qwen35Moe.forward takes the per-op path for
 T > MAX_TOKENS as well.
-`ENABLED = False` (env FTPATCH_DECODE_LOOP=0) forces the per-op path: tests and A/B timings.
+`instrument.switches.CPU_PLAN = False` (env FTPATCH_DECODE_LOOP=0) forces the per-op path: tests
+and A/B timings.
 """
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 
 from native import ops
 from native.ops import QTensor
 
+from ..instrument import switches
 from . import layers
+from .names import ATTN_IN, ROUTER, SHEXP_IN, SSM_IN
 from .weights import ResidentExperts
-
-ENABLED = os.environ.get("FTPATCH_DECODE_LOOP", "1") != "0"
 
 
 def max_tokens() -> int:
@@ -109,11 +109,11 @@ class MtpLoop:
         return lg, g
 
 
-def mtp_loop_for(head, state) -> MtpLoop | None:
+def mtp_plan_for(head, state) -> MtpLoop | None:
     """The plan of MtpHead `head`'s block on `state`'s MTP KV (state.add_mtp_kv first), built on
     first use; None: use the per-op path."""
     model = head.model
-    if not (ENABLED and layers.STEP_KERNELS and max_tokens()
+    if not (switches.CPU_PLAN and switches.STEP_KERNELS and max_tokens()
             and hasattr(ops._cpu.DecodePlan, "run_hidden") and model.device.type == "cpu"
             and state.batch == 1 and state.mtp_k is not None):
         return None
@@ -136,23 +136,23 @@ class ManyLoop:
         return logits
 
 
-def loop_many_for(model, states) -> ManyLoop | None:
+def plan_many_for(model, states) -> ManyLoop | None:
     """decode_many's loop over `states` (one plan each, see loop_for); None: use the per-op path
     (also where any state's token would take it, or for more states than a call takes)."""
     plan = getattr(ops._cpu, "DecodePlan", None)
     if not (hasattr(plan, "run_many") and len(states) <= plan.MAX_SEQUENCES):
         return None
-    loops = [loop_for(model, st) for st in states]
+    loops = [plan_for(model, st) for st in states]
     return None if any(loop is None for loop in loops) else ManyLoop(loops)
 
 
-def loop_for(model, state) -> DecodeLoop | None:
+def plan_for(model, state) -> DecodeLoop | None:
     """The decode loop of (model, state), built on first use; None: use the per-op path."""
-    if not (ENABLED and layers.STEP_KERNELS and max_tokens() and model.device.type == "cpu"
+    if not (switches.CPU_PLAN and switches.STEP_KERNELS and max_tokens() and model.device.type == "cpu"
             and state.batch == 1):
         return None
     key = (ops._cpu, *model.experts)   # a plan holds this extension's and these experts' pointers
-    loop = _plan_of(model._decode_loops, state, key, lambda: _build(model, state))
+    loop = _plan_of(model._cpu_plans, state, key, lambda: _build(model, state))
     return loop if loop is not None and loop.follow_steps(state.steps) else None
 
 
@@ -171,7 +171,6 @@ def _plan_of(loops, state, key: tuple, build):
 
 def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:
     """The trunk's plan on `state`, or with `mtp` (an MtpHead) its block's on the State's MTP KV."""
-    from .qwen35moe import ATTN_IN, ROUTER, SHEXP_IN, SSM_IN
     c, keep = model.config, []
     H, d = c.n_embd, c.head_dim
     if mtp is None:

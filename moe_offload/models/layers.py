@@ -2,7 +2,7 @@
 
 Plain device-agnostic torch in float32; no host syncs (no `.item()`, no data-dependent shapes),
 so a decode step built from these can be captured in a CUDA graph. Formulas follow
-shared/docs/qwen35moe.md §4. Legend: B batch, T new tokens, L attended positions, H heads,
+Legend: B batch, T new tokens, L attended positions, H heads,
 d head dim, C conv channels, Kc conv kernel.
 
 A few of them (`residual_rms_norm`, `gated_delta_net` and `gated_attention` for one token,
@@ -13,7 +13,7 @@ launches for each, and launches, not bytes, bound a decode step. On CPU tensors
 attention mixer run in native._cpu (native.ops.step_* / cpu_*; a token or a whole prompt a
 call): torch's ~40 passes over the state a token (or its chunked form's small matmuls) cost
 more than the layer's weights, and its per-operation overhead more than a norm's arithmetic.
-The torch code here is their reference; `STEP_KERNELS = False` forces it everywhere (the GPU
+The torch code here is their reference; `instrument.switches.STEP_KERNELS = False` forces it everywhere (the GPU
 tests compare the two, tests/native/test_cpu_step.py the CPU ones).
 """
 from __future__ import annotations
@@ -23,16 +23,17 @@ import torch.nn.functional as F
 
 from native import ops
 
+from ..instrument import switches
+
 EXPERT_WEIGHT_FLOOR = 6.103515625e-5  # llama.cpp clamps the top-k renormalisation denominator
-STEP_KERNELS = True
 
 
 def _kernel_for(t: torch.Tensor) -> bool:
-    return STEP_KERNELS and ops.step_kernels_available(t)
+    return switches.STEP_KERNELS and ops.step_kernels_available(t)
 
 
 def _cpu_kernel_for(t: torch.Tensor) -> bool:
-    return STEP_KERNELS and ops.cpu_step_kernels_available(t)
+    return switches.STEP_KERNELS and ops.cpu_step_kernels_available(t)
 
 
 def embed_rows(table, tokens: torch.Tensor) -> torch.Tensor:

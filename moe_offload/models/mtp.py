@@ -1,4 +1,4 @@
-"""The MTP (NextN) draft head of qwen35moe (shared/docs/qwen35moe.md §2.5, §4.7).
+"""The MTP (NextN) draft head of qwen35moe.
 
 From the trunk's final-normed hidden state h_t of token t and the embedding of token t+1, one
 full-attention + MoE block with its own weights (blk.{n_layer}) and its own KV cache guesses
@@ -13,9 +13,9 @@ rows written): RoPE only sees differences of positions, so any fixed offset woul
 further than one token the head is chained on itself: g (the same kind of vector as the trunk's
 final-normed hidden state) stands in for h of the drafted token.
 
-The block's attention and MoE are the trunk model's own code (`_attention`, `_moe`), and its
-routed experts are an injected callable like any layer's: the offload runtime can put them where
-it likes.
+The block is the trunk model's own block stack (`Qwen35Moe.blocks`, one layer with attention
+over the MTP KV), and its routed experts are an injected callable like any layer's: the
+offload runtime can put them where it likes.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from native.ops import QTensor
 
 from ..errors import OffloadError
 from ..state import State
-from . import cpu_plan as decode_loop
-from .layers import embed_rows, residual_rms_norm, rms_norm
+from . import cpu_plan
+from .layers import embed_rows, rms_norm
 from .weights import Experts, upload_mtp
 
 
@@ -38,8 +38,8 @@ def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 
 class MtpHead:
-    """The NextN block beside a trunk model (Qwen35Moe or anything with its `_attention`,
-    `_moe`, `embd`, `head`, `out_norm`). tensors: the block's weights keyed by the name after
+    """The NextN block beside a trunk model (Qwen35Moe or anything with its `blocks`,
+    `_attention`, `embd`, `head`, `out_norm`). tensors: the block's weights keyed by the name after
     "blk.N." ("attn_q.weight", "nextn.eh_proj.weight", ...)."""
 
     def __init__(self, model, tensors: dict, experts: Experts):
@@ -52,7 +52,7 @@ class MtpHead:
         self.head: QTensor = tensors.get("nextn.shared_head_head.weight", model.head)
         self.norm: torch.Tensor = tensors.get("nextn.shared_head_norm.weight", model.out_norm)
         self.device = model.device
-        self._loops = weakref.WeakKeyDictionary()   # State -> its CPU plan (decode_loop.mtp_loop_for)
+        self._loops = weakref.WeakKeyDictionary()   # State -> its CPU plan (cpu_plan.mtp_plan_for)
 
     @classmethod
     def load(cls, loaded, model, experts_device: torch.device | str | None = None
@@ -82,18 +82,19 @@ class MtpHead:
         z = torch.cat((rms_norm(e.float(), L["nextn.enorm.weight"], eps),
                        rms_norm(hidden.reshape(B * T, H).float(), L["nextn.hnorm.weight"], eps)), -1)
         x = _mm(z, L["nextn.eh_proj.weight"]).contiguous()          # the residual stream [N, H]
-        loop = decode_loop.mtp_loop_for(self, state) \
-            if B == 1 and at is None and 1 <= T <= decode_loop.max_tokens() else None
+        loop = cpu_plan.mtp_plan_for(self, state) \
+            if B == 1 and at is None and 1 <= T <= cpu_plan.max_tokens() else None
         if loop is not None:   # the rest in one native call on the CPU, the same bits
             lg, g = loop(x, p, n_attn or p + T, logits)
             state.mtp_past = p + T
             return lg, g
         pos = torch.arange(T, device=self.device) + (p if at is None else at)
-        a = residual_rms_norm(x, L["attn_norm.weight"], eps).view(B, T, H)
-        m = self.model._attention(L, a, state.mtp_k, state.mtp_v, pos, n_attn or p + T)
-        f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.reshape(B * T, H))
-        moe_out = self.model._moe(L, self.experts, f)
-        g = residual_rms_norm(x, self.norm, eps, *moe_out).view(B, T, H)
+        n = n_attn or p + T
+
+        def attention(L_, a):
+            return self.model._attention(L_, a, state.mtp_k, state.mtp_v, pos, n)
+
+        g = self.model.blocks(x, [(L, attention, self.experts)], self.norm, B, T).view(B, T, H)
         state.mtp_past = p + T
         if logits == "none":
             return None, g

@@ -1,7 +1,13 @@
-"""qwen35moe (Qwen3.5 / 3.6 MoE) forward pass, written in terms of what the GGUF stores
-(shared/docs/qwen35moe.md §4). Gated delta-net and gated full-attention mixers, routed + shared
-experts. Ignorant of offload and quantization: every matmul weight is a `QTensor` that carries
-its own type, and the routed experts are an injected callable per layer (see `weights.py`).
+"""qwen35moe (Qwen3.5 / 3.6 MoE) forward pass, written in terms of what the GGUF stores.
+Gated delta-net and gated full-attention mixers, routed + shared experts. Ignorant of offload
+and quantization: every matmul weight is a `QTensor` that carries its own type, the routed
+experts are an injected callable per layer (see `weights.py`), and how the routed and shared
+experts of a layer are ordered is an injected function (`moe_pair`; the offload runtime runs the
+shared one on a side stream while the routed ones wait on PCIe).
+
+One block stack (`blocks`) serves every entry point: a prompt or verify step of one State
+(`forward`), one token of each of B States (`decode_many`) and the MTP head's block (mtp.py);
+they differ only in the mixer each layer runs.
 
 Legend: B batch, T new tokens, N = B*T, H hidden, E experts, K top-k, V vocab,
 Hq/Hkv attention heads, d head dim, Hk/Hv delta-net key/value heads, dk/dv their dims.
@@ -20,18 +26,11 @@ from native.ops import QTensor
 from ..config import PREFILL
 from ..errors import OffloadError
 from ..state import State
-from . import cpu_plan as decode_loop
+from . import cpu_plan
 from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
                      embed_rows, residual_rms_norm, rms_norm, route_topk, swiglu)
+from .names import ATTN_IN, FUSED_PROJECTIONS, ROUTER, SHEXP_IN, SSM_IN
 from .weights import Experts
-
-# Projections that read the same input. Uploaded to a GPU as one weight when their types match
-# (weights.upload_weights(fuse=FUSED_PROJECTIONS)), they cost one matmul launch instead of 2-4.
-SSM_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
-ATTN_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
-SHEXP_IN = ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")
-ROUTER = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
-FUSED_PROJECTIONS = {"+".join(g): g for g in (SSM_IN, ATTN_IN, SHEXP_IN, ROUTER)}
 
 
 def _pool_held(fn):
@@ -49,13 +48,18 @@ def _mm(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return ops.matmul(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
 
 
+def serial_pair(experts, f: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, shared):
+    """A layer's routed experts, then its shared expert: (routed [N, H], shared [N, H])."""
+    return experts(f, ids, w), shared()
+
+
 class Qwen35Moe:
     """The model: config + {GGUF name: weight} + experts[layer](x, ids, weights) -> y."""
 
     FUSED_PROJECTIONS = FUSED_PROJECTIONS   # what weights.upload_weights may fuse on a GPU
 
     def __init__(self, config, tensors: Mapping[str, QTensor | torch.Tensor],
-                 experts: Sequence[Experts]):
+                 experts: Sequence[Experts], moe_pair=serial_pair):
         self.config = c = config
         self.experts = list(experts)
         if len(self.experts) != c.n_layer:
@@ -66,12 +70,28 @@ class Qwen35Moe:
         self.blk = [{k[len(p):]: v for k, v in tensors.items() if k.startswith(p)}
                     for p in (f"blk.{i}." for i in range(c.n_layer))]
         self.device = self.out_norm.device
-        self._side: torch.cuda.Stream | None = None   # for experts that ask for overlap_shared
-        self._decode_loops = weakref.WeakKeyDictionary()   # State -> its CPU decode loop (decode_loop)
+        self.moe_pair = moe_pair   # (experts, f, ids, w, shared) -> (routed, shared): their order
+        self._cpu_plans = weakref.WeakKeyDictionary()   # State -> its CPU plan (cpu_plan.py)
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None,
                   kv_dtype: torch.dtype = torch.float32, attn_bucket: int = 1) -> State:
         return State(self.config, batch, n_ctx, self.device, kv_dtype, attn_bucket)
+
+    # -- the block stack ----------------------------------------------------------------------------
+
+    def blocks(self, x: torch.Tensor, layers, out_norm: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """The residual stream x [B*T, H] (updated in place) through `layers`, a sequence of
+        (weights L, mixer(L, a [B, T, H]) -> [B, T, ...], experts); each layer: norm -> mixer ->
+        norm -> routed + shared experts (their sum joins the stream at the next norm). Returns
+        the final-normed hidden states [B*T, H]."""
+        H, eps = self.config.n_embd, self.config.rms_eps
+        moe_out: tuple = ()   # the previous layer's (routed, shared, shared gate), added by the next norm
+        for L, mixer, experts in layers:
+            a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, T, H)
+            m = mixer(L, a)
+            f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.reshape(B * T, H))
+            moe_out = self._moe(L, experts, f)
+        return residual_rms_norm(x, out_norm, eps, *moe_out)
 
     # -- entry points -------------------------------------------------------------------------------
 
@@ -84,38 +104,34 @@ class Qwen35Moe:
         kept (state.rewind)."""
         c = self.config
         B, T = tokens.shape
-        H, eps = c.n_embd, c.rms_eps
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
         keep = bool(state.steps) and 1 < T <= next(iter(state.steps.values()))[0].shape[0] + 1
-        loop = decode_loop.loop_for(self, state) if 1 <= T <= decode_loop.max_tokens() else None
-        if loop is not None:   # the whole forward in one native call, the same bits
-            logits, h = loop(tokens, state, keep, last_only, hidden)
+        plan = cpu_plan.plan_for(self, state) if 1 <= T <= cpu_plan.max_tokens() else None
+        if plan is not None:   # the whole forward in one native call, the same bits
+            logits, h = plan(tokens, state, keep, last_only, hidden)
             state.advance(T)
             state.steps_taken = T if keep else 0
             return (logits, h) if hidden else logits
         pos = state.pos + torch.arange(T, device=self.device)               # [T]
         n_attn = state.attn_len(T)
-        # the residual stream [B*T, H], a fresh tensor updated in place
-        x = embed_rows(self.embd, tokens)                                    # [B*T, H]
-        moe_out: tuple = ()   # the previous layer's (routed, shared, shared gate), added by the next norm
-        for i, L in enumerate(self.blk):
-            a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, T, H)
+
+        def mixer(i: int):
             if c.recurrent[i]:
-                m = self._delta_net(L, a, state.conv[i], state.ssm[i],
-                                    state.steps[i] if keep else None)
-            else:
-                m = self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
-            f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B * T, H))
-            moe_out = self._moe(L, self.experts[i], f)
-        h = residual_rms_norm(x, self.out_norm, eps, *moe_out).view(B, T, H)
+                return lambda L, a: self._delta_net(L, a, state.conv[i], state.ssm[i],
+                                                    state.steps[i] if keep else None)
+            return lambda L, a: self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
+
+        x = embed_rows(self.embd, tokens)                                    # [B*T, H]
+        h = self.blocks(x, [(L, mixer(i), self.experts[i]) for i, L in enumerate(self.blk)],
+                        self.out_norm, B, T).view(B, T, c.n_embd)
         state.advance(T)
         state.steps_taken = T if keep else 0
         logits = _mm(h[:, -1:] if last_only else h, self.head)
         return (logits, h) if hidden else logits
 
-    def prefill(self, tokens: torch.Tensor, state: State, chunk: int = 512,
+    def prefill(self, tokens: torch.Tensor, state: State, chunk: int = PREFILL.default_chunk,
                 all_logits: bool = False, hidden: bool = False):
         """A long prompt in chunks of `chunk` tokens -> last logits [B, V] (or all [B, T, V]);
         hidden: -> (those logits, every position's final-normed hidden state [B, T, H])."""
@@ -128,40 +144,103 @@ class Qwen35Moe:
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, 0]
 
     def decode_path(self, state: State) -> str:
-        """How a decode token of `state` runs: "native loop" (one native call, decode_loop.py)
+        """How a decode token of `state` runs: "native loop" (one native call, cpu_plan.py)
         or "per-op" (a kernel call at a time from Python). decode_many takes the native loop
         when every one of its states does."""
-        return "native loop" if decode_loop.loop_for(self, state) is not None else "per-op"
+        return "native loop" if cpu_plan.plan_for(self, state) is not None else "per-op"
 
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """One token per sequence: tokens [B] -> logits [B, V]. No host syncs."""
         return self.forward(tokens[:, None], state)[:, 0]
 
+    @_pool_held
+    def decode_many(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
+        """One token for each of B single-sequence states, each at its own position: tokens [B]
+        -> logits [B, V]; advances every state by one. Norms, projections, router and experts
+        run on the [B, H] batch (a layer's experts read once for all B, grouped by expert);
+        only the mixer's core runs per sequence, on that sequence's KV or conv/ssm state."""
+        c = self.config
+        B = tokens.shape[0]
+        if len(states) != B or any(st.batch != 1 for st in states):
+            raise OffloadError(f"decode_many takes one single-sequence state per token; got "
+                               f"{B} tokens and {len(states)} states")
+        for st in states:
+            st.check_room(1)
+        plan = cpu_plan.plan_many_for(self, states)
+        if plan is not None:   # on the CPU the whole step in one native call, the same bits
+            logits = plan(tokens, states)
+        else:
+            one = torch.arange(1, device=self.device)
+            pos = [st.pos + one for st in states]                               # B x [1]
+            n_attn = [st.attn_len(1) for st in states]
+
+            def mixer(i: int):
+                if c.recurrent[i]:
+                    return lambda L, a: self._delta_net_many(
+                        L, a, [st.conv[i] for st in states], [st.ssm[i] for st in states])
+                return lambda L, a: self._attention_many(
+                    L, a, [st.k[i] for st in states], [st.v[i] for st in states], pos, n_attn)
+
+            x = embed_rows(self.embd, tokens)                                   # [B, H]
+            h = self.blocks(x, [(L, mixer(i), self.experts[i]) for i, L in enumerate(self.blk)],
+                            self.out_norm, B, 1)                                # [B, H]
+            logits = _mm(h, self.head)
+        for st in states:
+            st.advance(1)
+            st.steps_taken = 0   # no per-token states kept: nothing to rewind into
+        return logits
+
     # -- mixers -------------------------------------------------------------------------------------
 
     def _attention(self, L, a, k_cache, v_cache, pos, n_attn) -> torch.Tensor:
-        """Gated full attention (doc §4.3). a [B, T, H]; caches [B, n_ctx, Hkv, d]."""
+        """Gated full attention. a [B, T, H]; caches [B, n_ctx, Hkv, d]."""
         c = self.config
         qg, k, v = self._attention_in(L, a)
         o = gated_attention(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"], c.rms_eps,
                             pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn)
         return _mm(o, L["attn_output.weight"])
 
+    def _attention_many(self, L, a, k_caches, v_caches, pos, n_attn) -> torch.Tensor:
+        """Gated full attention of one token of each of B sequences, each on its own cache."""
+        c = self.config
+        qg, k, v = self._attention_in(L, a)                                     # [B, 1, ...]
+        o = gated_attention_many(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"],
+                                 c.rms_eps, pos, c.n_rot, c.rope_base, k_caches, v_caches, n_attn)
+        return _mm(o, L["attn_output.weight"])
+
     def _delta_net(self, L, a, conv_state, ssm_state, steps=None) -> torch.Tensor:
-        """Gated delta-net (doc §4.4). a [B, T, H]; value head j reads q/k head j mod Hk."""
+        """Gated delta-net. a [B, T, H]; value head j reads q/k head j mod Hk."""
         c = self.config
         mix, z, beta_raw, alpha_raw = self._proj(L, SSM_IN, a)  # [B, T, C | Hv*dv | Hv | Hv]
         o = gated_delta_net(mix, z, beta_raw, alpha_raw, conv_state, ssm_state,
                             L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
-                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, PREFILL.delta_chunk, steps)
+                            L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps, PREFILL.delta_chunk,
+                            steps)
         return _mm(o, L["ssm_out.weight"])
+
+    def _delta_net_many(self, L, a, conv_states, ssm_states) -> torch.Tensor:
+        """The delta-net of one token of each of B sequences, each on its own conv/ssm state."""
+        c = self.config
+        mix, z, beta, alpha = self._proj(L, SSM_IN, a)                          # [B, 1, ...]
+        o = gated_delta_net_many(mix, z, beta, alpha, conv_states, ssm_states,
+                                 L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
+                                 L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps)
+        return _mm(o, L["ssm_out.weight"])
+
+    def _attention_in(self, L, a) -> list[torch.Tensor]:
+        """Attention's input projections of a [B, T, H] -> qg [.., 2*Hq*d], k, v [.., Hkv*d]."""
+        c = self.config
+        if "attn_qkv.weight" in L:  # fused variant: rows [q|gate interleaved, k, v]
+            hq, hkv, d = c.n_head, c.n_head_kv, c.head_dim
+            return list(_mm(a, L["attn_qkv.weight"]).split([2 * hq * d, hkv * d, hkv * d], -1))
+        return self._proj(L, ATTN_IN, a)
 
     # -- experts ------------------------------------------------------------------------------------
 
     def _moe(self, L, experts: Experts, f: torch.Tensor) -> tuple:
-        """Routed top-k experts + sigmoid-gated shared expert (doc §4.5). f [N, H] ->
-        (routed [N, H],) or (routed, shared [N, H], shared gate logit [N, 1]): the residual
-        stream gets routed + sigmoid(logit) * shared (added by the next residual_rms_norm)."""
+        """Routed top-k experts + sigmoid-gated shared expert. f [N, H] -> (routed [N, H],) or
+        (routed, shared [N, H], shared gate logit [N, 1]): the residual stream gets routed +
+        sigmoid(logit) * shared (added by the next residual_rms_norm)."""
         E = self.config.n_expert
         shared = SHEXP_IN[0] in L or "+".join(SHEXP_IN) in L
         if shared and not f.is_cuda and ROUTER[0] in L and SHEXP_IN[0] in L:
@@ -174,21 +253,8 @@ class Qwen35Moe:
         ids, w = route_topk(logits[0][:, :E], self.config.n_expert_used)
         if not shared:
             return (experts(f, ids, w),)
-        if f.is_cuda and getattr(experts, "overlap_shared", False):
-            # the routed experts wait on PCIe and the CPU: run the shared expert meanwhile
-            main = torch.cuda.current_stream(f.device)
-            if self._side is None:
-                self._side = torch.cuda.Stream(f.device)
-            self._side.wait_stream(main)
-            f.record_stream(self._side)   # f's memory stays f's until the side stream is done
-            with torch.cuda.stream(self._side):
-                s = self._shared_expert(L, f)
-            y = experts(f, ids, w)
-            main.wait_stream(self._side)
-            s.record_stream(main)
-            return y, s, logits[1]
-        y = experts(f, ids, w)
-        return y, self._shared_expert(L, f), logits[1]
+        y, s = self.moe_pair(experts, f, ids, w, lambda: self._shared_expert(L, f))
+        return y, s, logits[1]
 
     def _shared_expert(self, L, f: torch.Tensor) -> torch.Tensor:
         gate, up = self._proj(L, SHEXP_IN, f)
@@ -218,64 +284,3 @@ class Qwen35Moe:
         if fused is not None:
             return list(_mm(a, fused).split(fused.parts, dim=-1))
         return ops.matmul_many(a, [L[n] for n in names])
-
-    # -- many sequences, each at its own position ------------------------------------------------
-
-    @_pool_held
-    def decode_many(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
-        """One token for each of B single-sequence states, each at its own position: tokens [B]
-        -> logits [B, V]; advances every state by one. Norms, projections, router and experts
-        run on the [B, H] batch (a layer's experts read once for all B, grouped by expert);
-        only the mixer's core runs per sequence, on that sequence's KV or conv/ssm state."""
-        c = self.config
-        B, H, eps = tokens.shape[0], c.n_embd, c.rms_eps
-        if len(states) != B or any(st.batch != 1 for st in states):
-            raise OffloadError(f"decode_many takes one single-sequence state per token; got "
-                               f"{B} tokens and {len(states)} states")
-        for st in states:
-            st.check_room(1)
-        loop = decode_loop.loop_many_for(self, states)
-        # on the CPU the whole step in one native call, the same bits
-        logits = loop(tokens, states) if loop is not None else self._decode_many_per_op(tokens, states)
-        for st in states:
-            st.advance(1)
-            st.steps_taken = 0   # no per-token states kept: nothing to rewind into
-        return logits
-
-    def _decode_many_per_op(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
-        """decode_many a kernel call at a time (what DecodePlan.run_many mirrors) -> logits [B, V];
-        the caller advances the states."""
-        c = self.config
-        B, H, eps = tokens.shape[0], c.n_embd, c.rms_eps
-        one = torch.arange(1, device=self.device)
-        pos = [st.pos + one for st in states]                                   # B x [1]
-        n_attn = [st.attn_len(1) for st in states]
-        x = embed_rows(self.embd, tokens)                                       # [B, H]
-        moe_out: tuple = ()
-        for i, L in enumerate(self.blk):
-            a = residual_rms_norm(x, L["attn_norm.weight"], eps, *moe_out).view(B, 1, H)
-            if c.recurrent[i]:
-                mix, z, beta, alpha = self._proj(L, SSM_IN, a)                # [B, 1, ...]
-                o = gated_delta_net_many(
-                    mix, z, beta, alpha, [st.conv[i] for st in states], [st.ssm[i] for st in states],
-                    L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"], L["ssm_norm.weight"],
-                    c.ssm_n_k_heads, eps)
-                m = _mm(o, L["ssm_out.weight"])
-            else:
-                qg, k, v = self._attention_in(L, a)                             # [B, 1, ...]
-                o = gated_attention_many(
-                    qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"], eps, pos, c.n_rot,
-                    c.rope_base, [st.k[i] for st in states], [st.v[i] for st in states], n_attn)
-                m = _mm(o, L["attn_output.weight"])
-            f = residual_rms_norm(x, L["post_attention_norm.weight"], eps, m.view(B, H))
-            moe_out = self._moe(L, self.experts[i], f)
-        h = residual_rms_norm(x, self.out_norm, eps, *moe_out)                  # [B, H]
-        return _mm(h, self.head)
-
-    def _attention_in(self, L, a) -> list[torch.Tensor]:
-        """Attention's input projections of a [B, T, H] -> qg [.., 2*Hq*d], k, v [.., Hkv*d]."""
-        c = self.config
-        if "attn_qkv.weight" in L:  # fused variant: rows [q|gate interleaved, k, v]
-            hq, hkv, d = c.n_head, c.n_head_kv, c.head_dim
-            return list(_mm(a, L["attn_qkv.weight"]).split([2 * hq * d, hkv * d, hkv * d], -1))
-        return self._proj(L, ATTN_IN, a)

@@ -85,7 +85,7 @@ def repack_cpu_weights(tensors: dict, experts: Sequence[ResidentExperts], mode: 
     if mode == "off" or not (dense or banks):
         return tensors, list(experts)
     if mode == "auto":
-        from ..offload.host_bank import host_ram_keeps
+        from ..memory import host_ram_keeps
         todo = [tensors[k] for k in dense] + [q for _, _, q in banks]
         need = sum(int(np.prod(q.shape[:-1])) * ops.cpu_form(q.qtype).row_bytes(q.shape[-1]) for q in todo)
         if not host_ram_keeps(need, 2 << 30):

@@ -429,12 +429,6 @@ class OffloadEngine:
 class LayerExperts:
     """experts[layer](x, ids, w) for the model: decode path inside a step, else prefill."""
 
-    @property
-    def overlap_shared(self) -> bool:
-        """Decode: the model may run its shared expert on a side stream while the routed ones
-        wait for PCIe and the CPU."""
-        return self.engine.in_step
-
     def __init__(self, engine: OffloadEngine, layer: int):
         self.engine, self.layer = engine, layer
 
@@ -443,6 +437,29 @@ class LayerExperts:
         if e.in_step and x.shape[0] <= e.max_tok:
             return e.decode_layer(self.layer, x, ids, w)
         return e.prefill_layer(self.layer, x, ids, w)
+
+
+class SharedBeside:
+    """The model's moe_pair under the runtime: inside a decode step a layer's shared expert runs
+    on a side stream while its routed experts wait on PCIe and the CPU; elsewhere in order."""
+
+    def __init__(self):
+        self._side: torch.cuda.Stream | None = None
+
+    def __call__(self, experts, f: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, shared):
+        if not (f.is_cuda and isinstance(experts, LayerExperts) and experts.engine.in_step):
+            return experts(f, ids, w), shared()
+        main = torch.cuda.current_stream(f.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(f.device)
+        self._side.wait_stream(main)
+        f.record_stream(self._side)   # f's memory stays f's until the side stream is done
+        with torch.cuda.stream(self._side):
+            s = shared()
+        y = experts(f, ids, w)
+        main.wait_stream(self._side)
+        s.record_stream(main)
+        return y, s
 
 
 class ResidentPool:

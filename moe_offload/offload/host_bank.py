@@ -29,6 +29,7 @@ from loaders import LoadedModel, Weight
 from loaders.quants import QuantType
 
 from ..errors import OffloadError
+from .. import memory
 
 ALIGN = 256
 HUGE_PAGE = 2 << 20
@@ -120,25 +121,6 @@ def _layout(projs: list[tuple[QuantType, int, int]]) -> ExpertLayout:
     return ExpertLayout(*parts, expert_bytes=off)
 
 
-def host_ram_keeps(nbytes: int, keep: int) -> bool:
-    """Whether host RAM keeps `keep` bytes available once `nbytes` more are taken (True where
-    the available figure is unknown)."""
-    avail = host_ram_available()
-    return avail is None or avail - nbytes >= keep
-
-
-def host_ram_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class HostExpertBank:
     """All layers' expert banks in host RAM (pinned where possible)."""
 
@@ -152,7 +134,7 @@ class HostExpertBank:
             srcs.append(s)
             self.layouts.append(lay)
         self.nbytes = sum(lay.expert_bytes * self.n_expert for lay in self.layouts)
-        avail = host_ram_available()
+        avail = memory.host_ram_available()
         if avail is not None and self.nbytes > avail * 0.9:
             raise OffloadError(
                 f"the expert banks need {self.nbytes / 2**30:.1f} GiB of host RAM but only "
@@ -232,7 +214,7 @@ class HostExpertBank:
                    for lay, fs in zip(self.layouts, forms)]
         nbytes = sum(lay.expert_bytes * self.n_expert for lay in layouts)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if mode == "auto" and not host_ram_keeps(nbytes, max(4 << 30, total // 10)):
+        if mode == "auto" and not memory.host_ram_keeps(nbytes, max(4 << 30, total // 10)):
             return False
         flat = host_buffer(nbytes)
         banks, at, done = [], 0, 0

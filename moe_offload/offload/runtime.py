@@ -39,7 +39,7 @@ from .expert_cache import ExpertCache, load_profile
 from .host_bank import HostExpertBank
 from ..models import MODELS
 from ..models.weights import upload_weights
-from .experts import LayerExperts, OffloadEngine, ResidentPool
+from .experts import LayerExperts, OffloadEngine, ResidentPool, SharedBeside
 from .placement import gpu_workspace_bytes, host_weight_names, prefill_workspace_bytes, staging_bytes
 from ..backend import Backend, Capabilities
 from ..config import OffloadPolicy
@@ -243,7 +243,8 @@ class OffloadRuntime(Backend):
         self.engine = OffloadEngine(self.cache, self.bank, self.scheduler, top_k=c.n_expert_used,
                                     hidden=c.n_embd, ff=c.n_ff_exp, policy=pol,
                                     link_gbps=opts.link_gbps)
-        self.model = model_cls(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)])
+        self.model = model_cls(c, tensors, [LayerExperts(self.engine, i) for i in range(c.n_layer)],
+                               moe_pair=SharedBeside())
         # the MTP head: eager; its routed experts by the pool kernel, from VRAM or pinned RAM
         from ..models.mtp import MtpHead
         self.mtp = None if mtp_up is None else MtpHead(

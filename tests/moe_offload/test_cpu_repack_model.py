@@ -67,10 +67,10 @@ def test_host_banks_give_the_cpu_a_repacked_copy_with_the_same_products(iq3s):
 
 def test_auto_keeps_the_files_form_where_host_ram_is_short(iq3s, monkeypatch):
     """auto repacks only where host RAM keeps room beside the copy; on repacks regardless."""
-    from moe_offload.offload import host_bank
+    from moe_offload import memory
     from moe_offload.offload.host_bank import HostExpertBank
     from moe_offload.models import build_model
-    monkeypatch.setattr(host_bank, "host_ram_available", lambda: 1 << 30)
+    monkeypatch.setattr(memory, "host_ram_available", lambda: 1 << 30)
     m = build_model(iq3s, "cpu", cpu_repack="auto")
     assert m.experts[0].gate.qtype.name == "IQ3_S"
     assert build_model(iq3s, "cpu", cpu_repack="on").experts[0].gate.qtype.name == "IQ3_S_N4"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_offload.models import layers
+from moe_offload.instrument import switches
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -27,12 +28,12 @@ def _need_kernels():
 
 
 def _reference(fn, *args, **kw):
-    old = layers.STEP_KERNELS
-    layers.STEP_KERNELS = False
+    old = switches.STEP_KERNELS
+    switches.STEP_KERNELS = False
     try:
         return fn(*args, **kw)
     finally:
-        layers.STEP_KERNELS = old
+        switches.STEP_KERNELS = old
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-5) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from kernel_oracle import SEED, rng_for
 from moe_offload.models import layers
+from moe_offload.instrument import switches
 from native import ops
 
 pytestmark = pytest.mark.skipif(not ops.cpu_step_kernels_available(torch.zeros(1)),
@@ -34,12 +35,12 @@ def test_delta_net_matches_the_torch_reference(batch, hk, hv, dk, dv, n_tok):
     outs = {}
     for kernels in (True, False):
         conv, S = conv0.clone(), S0.clone()
-        layers.STEP_KERNELS = kernels
+        switches.STEP_KERNELS = kernels
         try:
             for _ in range(3):   # a few calls: the states carry over
                 o = layers.gated_delta_net(mix, z, beta, alpha, conv, S, conv_w, *args[:3], args[3], args[4], 16)
         finally:
-            layers.STEP_KERNELS = True
+            switches.STEP_KERNELS = True
         outs[kernels] = (o, conv, S)
     for got, want, what in zip(outs[True], outs[False], ("output", "conv state", "ssm state")):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5,
@@ -89,11 +90,11 @@ def test_residual_rms_norm_matches_the_torch_reference(rows, parts):
     outs = {}
     for kernels in (True, False):
         x = x0.clone()
-        layers.STEP_KERNELS = kernels
+        switches.STEP_KERNELS = kernels
         try:
             outs[kernels] = (layers.residual_rms_norm(x, w, 1e-6, a, b, s), x)
         finally:
-            layers.STEP_KERNELS = True
+            switches.STEP_KERNELS = True
     for got, want, what in zip(outs[True], outs[False], ("output", "residual")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{what} rows={rows} {parts}: {m} (seed {SEED})")
@@ -104,11 +105,11 @@ def test_route_topk_matches_the_torch_reference(rows, e, k):
     logits = _t(rng_for("topk", rows, e, k), rows, e, scale=3.0)
     ids, w = layers.route_topk(logits, k)
     assert ids.dtype == torch.int32 and w.shape == (rows, k)
-    layers.STEP_KERNELS = False
+    switches.STEP_KERNELS = False
     try:
         ref_ids, ref_w = layers.route_topk(logits, k)
     finally:
-        layers.STEP_KERNELS = True
+        switches.STEP_KERNELS = True
     assert torch.equal(ids.long(), ref_ids), f"seed {SEED}"
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{m} (seed {SEED})")
 
@@ -161,11 +162,11 @@ def test_gated_attention_on_the_cpu_uses_the_kernel_and_matches_torch(start):
     outs = {}
     for kernels in (True, False):
         kc, vc = _t(rng_for("cache"), 1, n_ctx, hkv, d), _t(rng_for("cache"), 1, n_ctx, hkv, d)
-        layers.STEP_KERNELS = kernels
+        switches.STEP_KERNELS = kernels
         try:
             outs[kernels] = [layers.gated_attention(qg, k, v, q_norm, k_norm, 1e-6, pos, 16, 1e4, kc, vc,
                                                     int(pos[-1]) + 1) for qg, k, v, pos in steps] + [kc, vc]
         finally:
-            layers.STEP_KERNELS = True
+            switches.STEP_KERNELS = True
     for got, want in zip(outs[True], outs[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{m} (seed {SEED})")

@@ -41,8 +41,8 @@ def test_bench_cpu_records_the_cpus_repacked_form(synth_model, tmp_path, mode, f
 
 
 def test_bench_cpu_says_when_decode_took_the_per_op_path(tiny_model, tmp_path, monkeypatch):
-    from moe_offload.models import cpu_plan as decode_loop
-    monkeypatch.setattr(decode_loop, "ENABLED", False)
+    from moe_offload.instrument import switches
+    monkeypatch.setattr(switches, "CPU_PLAN", False)
     out = tmp_path / "cpu.json"
     assert main(["bench", str(tiny_model), "--device", "cpu", "-p", "8", "-n", "2", "--reps", "1",
                  "--ctx", "64", "--out", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""The CPU decode loop (models/decode_loop.py, native/csrc/cpu/decode_loop.cpp): a B = 1, T = 1
+"""The CPU decode loop (models/cpu_plan.py, native/csrc/cpu/decode_loop.cpp): a B = 1, T = 1
 token, a few tokens of one sequence (a speculative verify step, with or without kept delta-net
 steps, hidden states too), or a decode_many step of B sequences, in one native call gives the
 per-op path's logits bit for bit (torch.equal) and leaves the same state, on every weight type
@@ -14,8 +14,9 @@ import torch
 
 from loaders import open_model
 from moe_offload.gen import GREEDY, TokenEvent, generate
+from moe_offload.instrument import switches
 from moe_offload.models import Qwen35Moe, build_model, layers, upload_weights
-from moe_offload.models import cpu_plan as decode_loop
+from moe_offload.models import cpu_plan
 from native import ops
 
 pytestmark = pytest.mark.skipif(ops._cpu is None or not hasattr(ops._cpu, "DecodePlan"),
@@ -30,7 +31,7 @@ PROMPT = [5, 17, 99, 3, 42, 7]
 
 @pytest.fixture(autouse=True)
 def loop_on(monkeypatch):
-    monkeypatch.setattr(decode_loop, "ENABLED", True)   # whatever FTPATCH_DECODE_LOOP says
+    monkeypatch.setattr(switches, "CPU_PLAN", True)   # whatever FTPATCH_DECODE_LOOP says
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +57,21 @@ def _counted(monkeypatch, cls) -> list:
 @pytest.fixture
 def loop_calls(monkeypatch):
     """How many tokens the native loop ran."""
-    return _counted(monkeypatch, decode_loop.DecodeLoop)
+    return _counted(monkeypatch, cpu_plan.DecodeLoop)
 
 
 @pytest.fixture
 def many_calls(monkeypatch):
     """How many decode_many steps the native loop ran."""
-    return _counted(monkeypatch, decode_loop.ManyLoop)
+    return _counted(monkeypatch, cpu_plan.ManyLoop)
 
 
 def _per_op(fn, *args):
-    decode_loop.ENABLED = False
+    switches.CPU_PLAN = False
     try:
         return fn(*args)
     finally:
-        decode_loop.ENABLED = True
+        switches.CPU_PLAN = True
 
 
 def _assert_same_states(on, off):
@@ -145,23 +146,23 @@ def test_greedy_generation_is_the_same(models, loop_calls):
                 if isinstance(e, TokenEvent)]
     with_loop = tokens()
     assert loop_calls
-    decode_loop.ENABLED = False
+    switches.CPU_PLAN = False
     try:
         assert tokens() == with_loop
     finally:
-        decode_loop.ENABLED = True
+        switches.CPU_PLAN = True
 
 
 def test_the_per_op_path_runs_where_the_loop_does_not_mirror_it(models, loop_calls, monkeypatch):
     model = models["Q4_K"]
     tok = torch.tensor([[3]])
     st = model.new_state(1, 64)
-    model.forward(torch.tensor([list(range(decode_loop.max_tokens() + 1))]), st)   # a longer prompt
+    model.forward(torch.tensor([list(range(cpu_plan.max_tokens() + 1))]), st)   # a longer prompt
     model.forward(torch.tensor([[3], [4]]), model.new_state(2, 64))   # a batch
     model.forward(tok, model.new_state(1, 64, kv_dtype=torch.float16))
-    monkeypatch.setattr(layers, "STEP_KERNELS", False)
+    monkeypatch.setattr(switches, "STEP_KERNELS", False)
     model.forward(tok, model.new_state(1, 64))
-    monkeypatch.setattr(layers, "STEP_KERNELS", True)
+    monkeypatch.setattr(switches, "STEP_KERNELS", True)
     wrapped = Qwen35Moe(model.config, {**{f"blk.{i}.{k}": v for i, L in enumerate(model.blk)
                                           for k, v in L.items()},
                                        "token_embd.weight": model.embd, "output.weight": model.head,
@@ -186,10 +187,10 @@ def test_a_plan_follows_the_experts_it_was_built_for(models, loop_calls):
     old = model.experts[0]
     try:
         model.experts[0] = dataclasses.replace(old)          # the same banks, another object
-        first = decode_loop.loop_for(model, st)
-        assert first is not None and decode_loop.loop_for(model, st) is first
+        first = cpu_plan.plan_for(model, st)
+        assert first is not None and cpu_plan.plan_for(model, st) is first
         model.experts[0] = lambda x, ids, w: old(x, ids, w)
-        assert decode_loop.loop_for(model, st) is None
+        assert cpu_plan.plan_for(model, st) is None
     finally:
         model.experts[0] = old
 
@@ -223,7 +224,7 @@ def test_decode_many_takes_the_per_op_path_unless_every_state_takes_the_loop(mod
 def test_run_many_takes_one_models_plans(models):
     a, b = models["Q4_K"], models["Q8_0"]
     sa, sb = a.new_state(1, 64), b.new_state(1, 64)
-    plans = [decode_loop.loop_for(a, sa).plan, decode_loop.loop_for(b, sb).plan]
+    plans = [cpu_plan.plan_for(a, sa).plan, cpu_plan.plan_for(b, sb).plan]
     logits = torch.empty(2, a.head.shape[0])
     with pytest.raises(ValueError, match="not of one model's weights"):
         ops._cpu.DecodePlan.run_many(plans, [3, 4], [0, 0], [1, 1], logits.data_ptr())
@@ -278,8 +279,8 @@ def _verify_lockstep(model, prompt, depth, rewinds=True):
 def tokens_calls(monkeypatch):
     """The token counts of the native loop's calls."""
     calls = []
-    run = decode_loop.DecodeLoop.__call__
-    monkeypatch.setattr(decode_loop.DecodeLoop, "__call__",
+    run = cpu_plan.DecodeLoop.__call__
+    monkeypatch.setattr(cpu_plan.DecodeLoop, "__call__",
                         lambda self, tokens, *a: (calls.append(tokens.shape[-1]), run(self, tokens, *a))[1])
     return calls
 
@@ -361,11 +362,11 @@ def test_speculative_decoding_takes_the_loop(synth_model, tokens_calls):
         # the prompt, then every step: verify steps of T = k+1 (and plain ones of T = 1)
         assert tokens_calls[0] == len(PROMPT) and k + 1 in tokens_calls[1:]
         assert all(1 <= t <= k + 1 for t in tokens_calls[1:]) and sum(tokens_calls[1:]) >= 23
-        decode_loop.ENABLED = False
+        switches.CPU_PLAN = False
         try:
             want, st_off = run(k)
         finally:
-            decode_loop.ENABLED = True
+            switches.CPU_PLAN = True
         assert got == want
         _assert_same_states(st, st_off)
         assert st.mtp_past == st_off.mtp_past and torch.equal(st.mtp_k, st_off.mtp_k)
@@ -385,10 +386,10 @@ def mtp_models(synth_model):
 @pytest.mark.parametrize("isa_name", ISAS)
 @pytest.mark.parametrize("types", ["Q4_K", "IQ3_S"])
 def test_mtp_head_is_the_per_op_path_bit_for_bit(mtp_models, types, isa_name, isa, monkeypatch):
-    """The MTP block after its eh_proj in one native call (decode_loop.mtp_loop_for): its
+    """The MTP block after its eh_proj in one native call (cpu_plan.mtp_plan_for): its
     logits (all, last, none), normed states g and MTP KV rows equal the per-op path's."""
     isa(isa_name)
-    calls = _counted(monkeypatch, decode_loop.MtpLoop)
+    calls = _counted(monkeypatch, cpu_plan.MtpLoop)
     model, head = mtp_models[types]
     on, off = model.new_state(1, 64), model.new_state(1, 64)
     gen = torch.Generator().manual_seed(0)
