@@ -17,7 +17,8 @@ Generation (gen/) and speculative decoding (spec/):
   PrefixIndex, Cached, continue_ids                 prefix reuse (the chat session's rule too)
   SpeculativeDecoder, DraftPolicy, SpecStats
 Policy and defaults (config.py): OffloadPolicy, DRAFT, SERVING, PREFILL, DEFAULT_N_CTX, settings_dict
-Planning (offload/placement.py): plan_sketch, expert_bytes_per_layer, is_expert_tensor
+Planning (offload/placement.py): plan_sketch, expert_bytes_per_layer, is_expert_tensor,
+  kv_bytes_per_token, recurrent_state_bytes, CUDA_CONTEXT_MEASURED
 Routing traces (instrument/trace.py): TraceParams, make_trace, routing_stats, trace_stats;
   save_profile (a routing profile for a warm start)
 The model on one device: build_model, MODELS, Qwen35Moe, ResidentExperts, State, Snapshot
@@ -31,7 +32,8 @@ from .gen import (DEFAULTS, GREEDY, SAMPLING_RULES, Cached, DoneEvent, PrefixInd
 from .instrument.trace import TraceParams, make_trace, routing_stats, trace_stats
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
 from .offload.expert_cache import save_profile
-from .offload.placement import expert_bytes_per_layer, is_expert_tensor, plan_sketch
+from .offload.placement import (CUDA_CONTEXT_MEASURED, expert_bytes_per_layer, is_expert_tensor,
+                                kv_bytes_per_token, plan_sketch, recurrent_state_bytes)
 from .offload.report import LoadReport, RoutingRecorder, RuntimeStats
 from .offload.runtime import OffloadRuntime, RuntimeOptions, open_runtime
 from .spec import DraftPolicy, SpecStats, SpeculativeDecoder
@@ -44,6 +46,7 @@ __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backen
            "TokenReadback", "TokenStream", "continue_ids", "default_of", "generate",
            "sampling_problem", "TraceParams", "make_trace", "routing_stats", "trace_stats",
            "MODELS", "Qwen35Moe", "ResidentExperts", "build_model", "save_profile",
-           "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "LoadReport",
+           "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "CUDA_CONTEXT_MEASURED",
+           "kv_bytes_per_token", "recurrent_state_bytes", "LoadReport",
            "RoutingRecorder", "RuntimeStats", "OffloadRuntime", "RuntimeOptions", "open_runtime",
            "DraftPolicy", "SpecStats", "SpeculativeDecoder", "Snapshot", "State"]

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from loaders import GGUFError
-    from moe_offload.errors import OffloadError
+    from moe_offload import OffloadError
     from native.errors import NativeError
     from ..errors import CLIError
     return (GGUFError, NativeError, OffloadError, CLIError, OSError)

@@ -25,7 +25,7 @@ from .bench_spec import parse_drafts
 from .inputs import check, check_fraction, check_positive
 from .model_args import add_placement_args, placement_options, size_arg
 
-from moe_offload.config import OffloadPolicy
+from moe_offload import OffloadPolicy
 
 POLICY = OffloadPolicy()   # the defaults --help states and a run starts from
 
@@ -203,7 +203,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     """One cap (args.vram, bytes): prefill and decode measured, as one JSON object."""
     from loaders import open_model
     from moe_offload import RoutingRecorder, open_runtime
-    from moe_offload.instrument.trace import TraceParams, make_trace, routing_stats, trace_stats
+    from moe_offload import TraceParams, make_trace, routing_stats, trace_stats
     if args.prefetch_k is not None and args.prefetch_k < 1:
         raise CLIError(f"--prefetch-k {args.prefetch_k}: guess at least 1 expert a token, or "
                        "turn guessing off with --no-prefetch")
@@ -329,7 +329,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         for draft in args.draft:
             rt.reset_stats()
             runs.append(speculative_tg(
-                rt, rt.mtp, draft, gen=args.gen, reps=args.reps, n_vocab=c.n_vocab,
+                rt, draft, gen=args.gen, reps=args.reps, n_vocab=c.n_vocab,
                 new_state=lambda: rt.new_state(1, args.ctx), sync=_sync,
                 phases=args.phase_times))
             runs[-1]["draft_guesses"] = draft_guess_stats(rt)
@@ -350,7 +350,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
     console.print(f"VRAM peak: allocator {v['reserved_peak'] / 2**30:.2f} GiB reserved ({cache}; "
                   f"{stats['cache_slots'][0]} slots a layer now), nvidia-smi {(v['nvidia_smi_peak'] or 0) / 2**30:.2f} GiB (cap {vram / 2**30:.2f} GiB)")
     if args.save_profile:
-        from moe_offload.offload.expert_cache import save_profile
+        from moe_offload import save_profile
         save_profile(args.save_profile, rt.routing_counts(), str(loaded.metadata.get("general.name")))
     rt.close()
     return result

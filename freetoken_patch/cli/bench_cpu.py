@@ -42,7 +42,7 @@ def _repacked(model) -> list[str]:
 def run_one(args, sizes: list[int], console) -> dict:
     """Prefill at each size and decode, on the CPU, as one JSON object (bench.py's shape)."""
     from loaders import open_model
-    from moe_offload.models import build_model
+    from moe_offload import open_backend
     from native import ops
     if ops._cpu is None:
         raise CLIError("bench --device cpu needs the CPU extension (native._cpu), which is not built")
@@ -60,7 +60,10 @@ def run_one(args, sizes: list[int], console) -> dict:
     if max(sizes + [16 + args.gen]) > args.ctx:
         raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
     with console.status("loading (weights stay memory-mapped in host RAM)..."):
-        model = build_model(loaded, "cpu", cpu_repack=getattr(args, "cpu_repack", "auto"))
+        backend = open_backend(loaded, device="cpu", n_ctx=args.ctx,
+                               cpu_repack=getattr(args, "cpu_repack", "auto"),
+                               mtp=any(d != 0 for d in getattr(args, "draft", [])))
+        model = backend.model
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     result: dict = {
@@ -112,25 +115,20 @@ def run_one(args, sizes: list[int], console) -> dict:
                   f"{result['decode_path']} decode)")
     drafts = [d for d in getattr(args, "draft", []) if d != 0]   # 0: the plain run beside anyway
     if drafts:
-        result.update(_speculative(args, loaded, model, drafts, console))
+        result.update(_speculative(args, loaded, backend, drafts, console))
     return result
 
 
-def _speculative(args, loaded, model, drafts: list, console) -> dict:
+def _speculative(args, loaded, backend, drafts: list, console) -> dict:
     """--draft on the CPU: plain against speculative greedy decoding with the file's MTP head,
     as the GPU bench reports it (bench_spec.speculative_tg)."""
-    from moe_offload.models.mtp import MtpHead
     from .bench_spec import speculative_tg, summary
-    head = MtpHead.load(loaded, model)
-    if head is None:
-        raise CLIError("--draft needs an MTP block and this model has none (nextn_predict_layers "
-                       "= 0); `ftpatch synth --mtp` makes test models with one")
     runs = []
     with torch.inference_mode():
         for draft in drafts:
-            runs.append(speculative_tg(model, head, draft, gen=args.gen, reps=args.reps,
+            runs.append(speculative_tg(backend, draft, gen=args.gen, reps=args.reps,
                                        n_vocab=loaded.config.n_vocab,
-                                       new_state=lambda: model.new_state(1, args.ctx),
+                                       new_state=lambda: backend.new_state(1, args.ctx),
                                        phases=getattr(args, "phase_times", False)))
             console.print(summary(runs[-1]))
     return {"speculative": runs[0] if len(runs) == 1 else runs}

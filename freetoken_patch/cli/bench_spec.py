@@ -37,20 +37,21 @@ def parse_drafts(text: str) -> list:
         [parse_draft(text)]
 
 
-def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab: int,
+def speculative_tg(backend, draft: int | str, *, gen: int, reps: int, n_vocab: int,
                    new_state: Callable[[], object], sync: Callable[[], None] = lambda: None,
                    prompt_len: int = 16, seed: int = 0, phases: bool = False) -> dict:
     """Plain and speculative greedy decoding of `gen` tokens after random prompts (one warm-up,
     then `reps` timed; the same prompts for both, each pair in the other order than the last: an
     even `reps` cancels the cache's favour to the second run) -> bench's "speculative" object.
     phases: one more speculative run after the timed ones with the device synchronised between
-    the phases of each step (SpecStats.phases), so that the timed rates stay unsynchronised."""
-    from moe_offload import SamplingParams, generate
-    from moe_offload import SpeculativeDecoder
+    the phases of each step (SpecStats.phases), so that the timed rates stay unsynchronised.
+    `backend`: a moe_offload Backend opened with its MTP head."""
+    from moe_offload import SamplingParams, SpeculativeDecoder, generate
+    model = backend
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eog=True)
     prompts = [rng.integers(0, n_vocab, prompt_len).tolist() for _ in range(reps + 1)]
-    dec = SpeculativeDecoder(model, mtp, draft, phases=False)
+    dec = SpeculativeDecoder(backend, draft=draft)
     plain_tps, spec_tps, diffs = [], [], []
     # graph captures inside the timed runs (a new k, T or attention bucket captures a step:
     # ~0.1 s each, which a 128-token run does not amortise): counted apart so a slow rate says why
@@ -72,13 +73,13 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
         for d in ((None, dec) if r % 2 else (dec, None)):
             if d is not None and r == 1:
                 d.reset_stats()            # statistics of the timed repetitions
-            n0, s0 = getattr(model, "captures", 0), getattr(model, "capture_s", 0.0)
+            n0, s0 = backend.captures, backend.capture_s
             done = run(prompt, d)
             if r:
                 (plain_tps if d is None else spec_tps).append(done.timings.decode_tps)
                 cap = captured[d is not None]
-                cap[0] += getattr(model, "captures", 0) - n0
-                cap[1] += getattr(model, "capture_s", 0.0) - s0
+                cap[0] += backend.captures - n0
+                cap[1] += backend.capture_s - s0
             outs[d is not None] = list(done.tokens)
         if outs[False] != outs[True]:
             diffs.append(_divergence(model, new_state, prompt, outs[False], outs[True]))
@@ -96,7 +97,7 @@ def speculative_tg(model, mtp, draft: int | str, *, gen: int, reps: int, n_vocab
     if diffs:
         out["divergence"] = diffs
     if phases:   # the breakdown, from a run of its own (its syncs slow it down)
-        timed = SpeculativeDecoder(model, mtp, draft, policy=dec.policy, phases=True)
+        timed = SpeculativeDecoder(backend, draft=draft, policy=dec.policy, phases=True)
         run(prompts[-1], timed)
         out["phases_ms"] = timed.stats.phases_ms()
     return out
@@ -110,7 +111,7 @@ def _divergence(model, new_state, prompt: list[int], plain: list[int], spec: lis
     res = {"index": i, "plain": plain[i:i + 3], "speculative": spec[i:i + 3]}
     if i < len(plain) and i < len(spec):
         st = new_state()
-        dev = getattr(model, "device", "cpu")
+        dev = model.device
         logits = model.prefill(torch.tensor([prompt + plain[:i]], device=dev), st)[0].float()
         top = logits.topk(2)
         res.update({"top2_logits": [round(float(v), 6) for v in top.values],
@@ -147,20 +148,18 @@ def _spread(xs: list[float]) -> dict:
             "max": round(max(xs), 3)}
 
 
-def measure_verify_cost(model, new_state, n_vocab: int, max_t: int = 4, reps: int = 5,
+def measure_verify_cost(backend, new_state, n_vocab: int, max_t: int = 4, reps: int = 5,
                         sync: Callable[[], None] = lambda: None) -> dict:
     """Wall time of one trunk forward of T = 1..max_t tokens (the verify step) relative to T = 1,
     and of the alternative rollback (recompute the kept tokens from a snapshot) -> JSON."""
+    model = backend
     st = new_state()
     rng = np.random.default_rng(1)
-    dev = getattr(model, "device", "cpu")
+    dev = model.device
     prompt = torch.tensor([rng.integers(0, n_vocab, 16).tolist()], device=dev)
     model.prefill(prompt, st)
-    if hasattr(model, "keep_steps"):
-        model.keep_steps(st, max_t - 1)
-    else:
-        st.keep_steps(max_t - 1)
-    fwd = getattr(model, "verify", None) or (lambda t, s: model.forward(t, s, hidden=True))
+    model.keep_steps(st, max_t - 1)
+    fwd = model.verify
     times: dict[int, list[float]] = {T: [] for T in range(1, max_t + 1)}
     for _ in range(reps + 1):
         for T in times:

@@ -206,7 +206,7 @@ def host_ram() -> dict[str, Any]:
 
 def model_plan(path: str, n_ctx: int, gpu: dict[str, Any] | None, ram: dict[str, Any]) -> dict[str, Any]:
     """The plan for this machine's GPU (inspect --vram's) and a suggested command line."""
-    from moe_offload.offload.placement import expert_bytes_per_layer, plan_sketch
+    from moe_offload import expert_bytes_per_layer, plan_sketch
 
     from .model_args import open_model_named
     model = open_model_named(path, strict=False)

@@ -9,7 +9,7 @@ from typing import Any
 
 from loaders import LoadedModel
 from loaders.quants import QUANT_TYPES
-from moe_offload.offload.placement import is_expert_tensor, plan_sketch
+from moe_offload import is_expert_tensor, plan_sketch
 
 from .inputs import check_positive
 from .model_args import open_model_named, size_arg

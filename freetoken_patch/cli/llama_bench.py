@@ -42,17 +42,18 @@ def llama_gpu_bytes(model, n_cpu_moe: int, n_ctx: int, n_ubatch: int = LLAMA_UBA
     first `n_cpu_moe` layers on the CPU. The token embedding stays in host RAM (llama.cpp keeps
     the input embedding on the CPU); the compute buffer is the logits of one micro-batch plus its
     activations. Bytes by part, and their "total"."""
-    from moe_offload.offload import placement as pl
+    from moe_offload import (CUDA_CONTEXT_MEASURED, expert_bytes_per_layer, is_expert_tensor,
+                             kv_bytes_per_token, recurrent_state_bytes)
     c = model.config
     dense = sum(w.nbytes for w in model.weights.values()
-                if not pl.is_expert_tensor(w.name) and w.name != "token_embd.weight")
-    per_expert = pl.expert_bytes_per_layer(model)                  # layer -> bytes of one expert
+                if not is_expert_tensor(w.name) and w.name != "token_embd.weight")
+    per_expert = expert_bytes_per_layer(model)                  # layer -> bytes of one expert
     experts = sum(b * c.n_expert for layer, b in per_expert.items() if layer >= n_cpu_moe)
-    kv = pl.kv_bytes_per_token(model) * n_ctx
-    state = pl.recurrent_state_bytes(model)
+    kv = kv_bytes_per_token(model) * n_ctx
+    state = recurrent_state_bytes(model)
     ub = min(n_ubatch, n_ctx)
     compute = c.n_vocab * ub * 4 + 24 * ub * c.n_embd * 4 + 4 * ub * c.n_expert_used * c.n_ff_exp * 4
-    context = getattr(pl, "CUDA_CONTEXT_MEASURED", None) or LLAMA_CONTEXT_FALLBACK
+    context = CUDA_CONTEXT_MEASURED or LLAMA_CONTEXT_FALLBACK
     parts = {"dense": dense, "experts": experts, "kv": kv, "state": state, "compute": compute,
              "context": context}
     parts["total"] = sum(parts.values())
@@ -71,7 +72,7 @@ def fit_n_cpu_moe(model, cap: int, n_ctx: int, n_ubatch: int = LLAMA_UBATCH) -> 
 
 
 def _expert_layers(model) -> list[int]:
-    from moe_offload.offload.placement import expert_bytes_per_layer
+    from moe_offload import expert_bytes_per_layer
     return sorted(expert_bytes_per_layer(model))
 
 

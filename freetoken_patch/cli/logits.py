@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from loaders.tokenizer import Tokenizer
-    from moe_offload.models import build_model
+    from moe_offload import build_model
     device = parse_device(args.device)
     loaded = open_model_named(args.model)
     c = loaded.config

@@ -139,7 +139,7 @@ def context_size(ctx: int | None, n_ctx_train: int, allow_long: bool = False) ->
 
 def check_fits(ids: list[int], args: argparse.Namespace, n_ctx_train: int) -> int:
     """The context size of --ctx; fails when the prompt `ids` is empty or does not fit it."""
-    from moe_offload.errors import OffloadError
+    from moe_offload import OffloadError
     if not ids:
         raise CLIError("the prompt is empty (0 tokens); give some text or token ids")
     n_ctx = context_size(args.ctx, n_ctx_train, args.allow_long_ctx)
@@ -162,7 +162,7 @@ def open_model_named(path, *, strict: bool = True):
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_params", "stop_reason", "size_arg",
            "parse_device", "context_size", "check_fits", "open_model_named", "add_template_arg",
-           "chat_template_for", "load_for_text"]
+           "chat_template_for", "load_for_text", "open_for", "speculative_for"]
 
 
 def add_template_arg(s: argparse.ArgumentParser) -> None:
@@ -202,8 +202,7 @@ def load_for_text(args, path, dev, what: str):
     tok = Tokenizer.from_metadata(md, str(path))
     template = chat_template_for(args, md, path)
     n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
-    model = build_for(loaded, dev, n_ctx, args.vram, placement_options(args))
-    return loaded, tok, template, n_ctx, model
+    return loaded, tok, template, n_ctx, open_for(args, loaded, dev, n_ctx)
 
 
 def add_vram_arg(s: argparse.ArgumentParser) -> None:
@@ -252,21 +251,14 @@ def add_draft_arg(s: argparse.ArgumentParser, note: str = "") -> None:
                         "the CPU engine drafting costs more than it saves)" + note)
 
 
-def speculative_for(args, loaded, model):
-    """The SpeculativeDecoder --draft asks for (None when off); the model's MTP head (the
-    runtime loads it with mtp=True, see placement_options)."""
+def speculative_for(args, backend):
+    """The SpeculativeDecoder --draft asks for (None when off); `backend` was opened with the
+    MTP head (open_for does so when --draft is given)."""
     draft = getattr(args, "draft", 0)
     if not draft:
         return None
     from moe_offload import SpeculativeDecoder
-    mtp = getattr(model, "mtp", None)
-    if mtp is None and not hasattr(model, "engine"):
-        from moe_offload.models.mtp import MtpHead
-        mtp = MtpHead.load(loaded, model)
-    if mtp is None:
-        raise CLIError("--draft needs an MTP block (nextn_predict_layers = 1) and this model "
-                       "has none; run without --draft")
-    return SpeculativeDecoder(model, mtp, draft)
+    return SpeculativeDecoder(backend, draft=draft)
 
 
 def placement_options(args) -> dict:
@@ -305,46 +297,35 @@ def device_for(device: str | None, vram: int | None):
     return parse_device(device or ("cuda" if vram is not None else "cpu"))
 
 
-def build_for(loaded, dev, n_ctx: int, vram: int | None, placement: dict | None = None):
-    """The plain model on one device, or (with --vram) the offload runtime, which presents the
-    same interface (new_state / prefill / decode) plus stats()."""
+def open_for(args, loaded, dev, n_ctx: int):
+    """The Backend the flags ask for: the plain model on `dev`, or (with --vram) the offload
+    runtime; with --draft the model's MTP head too."""
+    from loaders.model import mtp_weights
+    from moe_offload import open_backend
+    placement = placement_options(args)
+    vram = getattr(args, "vram", None)
+    if placement.pop("mtp") and not mtp_weights(loaded):
+        raise CLIError("--draft needs an MTP block (nextn_predict_layers = 1) and this model "
+                       "has none; run without --draft")
     if vram is None:
-        placement = {k: v for k, v in (placement or {}).items()
-                     if k not in ("mtp", "max_sequences")}
-        cpu_repack = placement.pop("cpu_repack", "auto")
-        if placement.get("host_head") or not placement.get("host_embedding", True):
+        if placement["host_head"] or not placement["host_embedding"]:
             raise CLIError("--host-head and --gpu-embedding place weights for the offload "
                            "runtime; add --vram SIZE")
-        if placement.get("link_gbps") is not None:
+        if placement["link_gbps"] is not None:
             raise CLIError("--link-gbps emulates the link the offload runtime copies experts "
                            "over; add --vram SIZE")
-        import torch
-        if dev.type == "cpu":
-            # torch runs only glue here (RoPE, casts); its own threads would spin on the cores of
-            # the kernels' pool between its calls (measured: slower decode and prefill)
-            torch.set_num_threads(1)
-        if placement.get("cpu_threads"):
-            from native.ops import _cpu
-            if dev.type != "cpu":
-                torch.set_num_threads(placement["cpu_threads"])
-            if _cpu is not None:
-                _cpu.set_threads(placement["cpu_threads"])
-        from moe_offload.models import build_model
-        return build_model(loaded, dev, cpu_repack=cpu_repack)
+        return open_backend(loaded, device=dev, n_ctx=n_ctx, mtp=bool(getattr(args, "draft", 0)),
+                            cpu_repack=placement["cpu_repack"], cpu_threads=placement["cpu_threads"])
     if dev.type != "cuda":
         raise CLIError(f"--vram caps GPU memory, so it needs a CUDA device, not --device {dev}")
-    try:
-        from moe_offload import open_runtime
-    except ImportError as e:
-        raise CLIError(f"--vram needs the offload runtime (moe_offload.offload.runtime), which does not "
-                       f"import here ({e}); run without --vram") from None
-    return open_runtime(loaded, vram, ctx=n_ctx, device=str(dev), **(placement or {}))
+    return open_backend(loaded, device=dev, vram=vram, n_ctx=n_ctx,
+                        mtp=bool(getattr(args, "draft", 0)), **placement)
 
 
 def offload_stats_lines(m) -> list[str]:
     """The offload runtime's stats() (RuntimeStats, or its dict) as lines for people (chat's
     /stats, run's summary)."""
-    if hasattr(m, "as_dict"):
+    if not isinstance(m, dict):
         m = m.as_dict()
     fetched, cpu = int(m.get("fetched", 0)), int(m.get("cpu", 0))
     lines = [f"expert cache: hit rate {100 * m.get('hit_rate', 0.0):.1f}%, {m.get('hits', 0)} "

@@ -7,8 +7,8 @@ import sys
 
 from ..errors import CLIError
 from .model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
-                         add_vram_arg, build_for, chat_template_for, check_fits, device_for,
-                         offload_stats_lines, open_model_named, placement_options,
+                         add_vram_arg, chat_template_for, check_fits, device_for,
+                         offload_stats_lines, open_for, open_model_named,
                          sampling_params, speculative_for, stop_reason)
 
 DESCRIPTION = """\
@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
     n_ctx = check_fits(ids, args, loaded.config.n_ctx_train)
-    model = build_for(loaded, device, n_ctx, args.vram, placement_options(args))
+    model = open_for(args, loaded, device, n_ctx)
     try:
         session = Session(model, model.new_state(1, n_ctx), tok, template,
-                          draft=speculative_for(args, loaded, model))
+                          draft=speculative_for(args, model))
         with torch.inference_mode():
             for ev in session.generate(ids, params):
                 sys.stdout.write(ev.text)
@@ -80,12 +80,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         if session.draft is not None:
             print(session.draft.stats.summary(), file=sys.stderr)
-        if callable(getattr(model, "stats", None)):
+        if model.caps.offload:
             for line in offload_stats_lines(model.stats()):
                 print(line, file=sys.stderr)
     finally:
-        if callable(getattr(model, "close", None)):
-            model.close()   # the offload runtime gives back pinned pages and the allocator cap
+        model.close()   # the offload runtime gives back pinned pages and the allocator cap
     return 0
 
 

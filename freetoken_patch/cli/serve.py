@@ -154,7 +154,7 @@ def load(args: argparse.Namespace):
                     prefill_chunk=getattr(args, "prefill_chunk", None)
                     or (PREFILL_CHUNK_UNDER_CAP if args.vram is not None else PREFILL_CHUNK),
                     batch=False if getattr(args, "no_batch", False) else None,
-                    draft=speculative_for(args, loaded, model))
+                    draft=speculative_for(args, model))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import OffloadError
-from .qwen35moe import Qwen35Moe, serial_pair
+from .qwen35moe import Qwen35Moe
 from .weights import Experts, ResidentExperts, repack_cpu_weights, split_gate_up, upload_weights
 
 MODELS = {"qwen35moe": Qwen35Moe}

@@ -40,6 +40,7 @@ class ElasticVram:
         self.capture_need: int | None = None   # torch memory a decode capture needs (measured)
         self.cache_peak = cache.nbytes
         self.sampling = 0               # torch memory sampling needs beside a decode step
+        self.torch_peak = 0             # torch's reserved peak before the last reset (vram_peaks)
 
     # -- the ledger's live entries -----------------------------------------------------------------
     @property
@@ -139,6 +140,12 @@ class ElasticVram:
         if self.grow_pending:
             self.grow_pending = False
             self.fit("decode", self.decode_headroom, grow=True)
+
+    def reset_torch_peak(self) -> None:
+        """Fold torch's reserved peak into torch_peak and start measuring anew (before a
+        measured prompt or capture, which reads the peak above what was held before it)."""
+        self.torch_peak = max(self.torch_peak, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def before_capture(self) -> None:
         """A later capture that finds less room than the first one measured shrinks the cache."""

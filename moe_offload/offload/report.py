@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -51,6 +52,32 @@ class RuntimeStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def collect(cls, rt, busy0: np.ndarray, experts0: np.ndarray) -> "RuntimeStats":
+        """An OffloadRuntime's counters since the worker read busy0 / experts0 (settled first)."""
+        s = rt.cache.read_stats()
+        eng, sch = rt.engine, rt.scheduler
+        busy = (np.asarray(eng.worker.busy_ns()) - busy0) / 1e9
+        cpu_experts = np.asarray(eng.worker.experts()) - experts0
+        eb = rt.bank.layouts[0].expert_bytes
+        return cls(
+            selections=s.selections, hits=int(s.hits.sum()), fetched=int(s.fetched.sum()),
+            cpu=int(s.cpu.sum()), hit_rate=s.hit_rate, prefetched=int(s.prefetched.sum()),
+            prefetch_hits=int(s.prefetch_hits.sum()), prefetch_precision=s.prefetch_precision,
+            prefetch_recall=s.prefetch_recall,
+            pcie_bytes=int(s.fetched.sum() + s.prefetched.sum()) * eb,
+            cpu_expert_s=float(busy.sum()), cpu_experts=int(cpu_experts.sum()),
+            prefill_streamed=int(eng.prefill_streamed.sum()),
+            cache_slots=rt.cache.slots, cache_bytes=rt.cache.nbytes,
+            kv_bytes=rt.vram.kv_mapped(), fetch_fraction=sch.q(), min_fetch=sch.min_fetch(),
+            rates={"link_GBps": sch.rates.link_bytes_per_s / 1e9,
+                   "cpu_GBps": sch.rates.cpu_bytes_per_s / 1e9,
+                   **({"link_emulated_GBps": eng.link.gbps} if eng.link else {})},
+            per_layer=[{"layer": i, "hits": int(s.hits[i]), "fetched": int(s.fetched[i]),
+                        "cpu": int(s.cpu[i]), "cpu_s": float(busy[i]),
+                        "prefetched": int(s.prefetched[i]), "prefetch_hits": int(s.prefetch_hits[i])}
+                       for i in range(len(s.hits))])
 
 
 class RoutingRecorder:

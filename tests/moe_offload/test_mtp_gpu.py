@@ -105,7 +105,7 @@ def test_resident_pool_matches_the_reference_experts(loaded):
     """ResidentPool (the decode pool kernel over the whole bank) against ops.moe_ffn on the CPU
     banks, for the T a draft step gives it."""
     from moe_offload.models.weights import mtp_experts
-    from moe_offload.offload.experts import ResidentPool
+    from moe_offload.offload.model_hooks import ResidentPool
     c = loaded.config
     cpu = mtp_experts(loaded, "cpu")
     pool = ResidentPool(mtp_experts(loaded, "cuda"), top_k=c.n_expert_used, ff=c.n_ff_exp, max_tok=8)

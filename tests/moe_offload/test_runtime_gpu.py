@@ -186,7 +186,7 @@ def test_guessing_starts_and_stops_as_the_links_share_crosses_the_line(loaded, r
     def share(q):   # the CPU rate that gives the link a share q, as a re-measure would
         sch.rates.cpu_bytes_per_s = sch.rates.link_bytes_per_s * (1 - q) / q
         sch.apply()
-        rt._recheck_guessing()
+        rt.guessing.recheck()
 
     try:
         st = rt.new_state(1, 256)
@@ -351,7 +351,7 @@ def test_embedding_and_head_in_host_ram_give_the_same_logits(loaded, reference):
     try:
         names = {"token_embd.weight"} | ({"output.weight"} if "output.weight" in loaded.weights else set())
         assert set(rt.report.host_weights) == names
-        host = rt._pinned_weights[0]
+        host = rt.pinned.tensors[0]
         assert rt.model.embd.data.data_ptr() == host.data_ptr()   # the GPU reads host memory
         for i, (a, b) in enumerate(zip(_follow(rt, prompt, toks), ref)):
             _close(a, b, f"step {i} (embedding + head in host RAM)")

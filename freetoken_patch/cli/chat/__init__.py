@@ -90,7 +90,7 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
         loaded, tok, template, n_ctx, model = load_for_text(args, path, dev, "chat")
         md = loaded.metadata
         session = Session(model, model.new_state(1, n_ctx), tok, template,
-                          draft=speculative_for(args, loaded, model))
+                          draft=speculative_for(args, model))
     conv = Conversation(session, params, args.system, False if args.no_think else None)
     where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"
                         if args.vram is not None else "")

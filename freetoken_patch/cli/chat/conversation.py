@@ -9,6 +9,8 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from moe_offload import as_backend
+
 from ..model_args import offload_stats_lines, stop_reason
 
 HELP = """\
@@ -25,7 +27,7 @@ keys: Enter sends | Alt-Enter or Esc Enter: new line | Ctrl-C: stop the answer, 
 
 @dataclass
 class Conversation:
-    session: object                      # moe_offload.gen.generate.Session
+    session: object                      # moe_offload.Session
     params: object                       # SamplingParams
     system: str | None = None
     think: bool | None = None            # enable_thinking for the template (None: its default)
@@ -85,7 +87,7 @@ def answer(conv: Conversation, screen, text: str) -> None:
     """Send `text` as the user's message and show the reply; errors become one line."""
     import torch
     from loaders import GGUFError
-    from moe_offload.errors import OffloadError
+    from moe_offload import OffloadError
     from native.errors import NativeError
     conv.turns.append({"role": "user", "content": text})
     ans, stop = Answer(), threading.Event()
@@ -154,11 +156,11 @@ def stats_text(conv: Conversation) -> str:
                  f"{rate(total('n_decode'), total('decode_s'))} tok/s")
     st = conv.session.state
     lines.append(f"context: {st.n_past} of {st.n_ctx} tokens in use")
-    if getattr(conv.session, "draft", None) is not None:
+    if conv.session.draft is not None:
         lines.append(conv.session.draft.stats.summary())
-    model_stats = getattr(conv.session.model, "stats", None)
-    if callable(model_stats):
-        lines += offload_stats_lines(model_stats())
+    stats = as_backend(conv.session.model).stats()
+    if stats is not None:
+        lines += offload_stats_lines(stats)
     return "\n".join(lines)
 
 
