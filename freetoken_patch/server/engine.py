@@ -31,98 +31,24 @@ sequence hands out one State, so the engine then runs one sequence at a time and
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from moe_offload import (DoneEvent, OffloadError, SamplingParams, TokenEvent, TokenReadback,
-                         generate)
+from moe_offload import DoneEvent, OffloadError, TokenEvent, TokenReadback, generate
 
+from .jobs import Active, Failure, Job, QueueFull, ShuttingDown, with_snapshot
 from .prefix_cache import Cached, PrefixCache
 from .sequence import TokenStream
 
-MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
 PREFILL_CHUNK = 256  # prompt tokens a newcomer feeds between two batched decode steps
 PREFILL_CHUNK_UNDER_CAP = 1024   # ... under a VRAM cap, where each chunk streams the cold experts
-
-
-class QueueFull(Exception):
-    """The queue holds --queue requests already."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining and takes no new requests."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What a job receives instead of a DoneEvent when its sequence failed."""
-    message: str
-    status: int = 500
-
-
-@dataclass(eq=False)
-class Job:
-    """One request: its prompt ids and sampling, and where its events go (an asyncio queue of
-    the loop that waits for them: TokenEvent*, then DoneEvent or Failure)."""
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-    cancelled: bool = False
-    n_cached: int = 0                 # prompt tokens taken from a cached prefix
-    text: str | None = None           # the prompt's text (chat), when its ids encode it whole
-    head_s: float = 0.0               # time to prefill the first turn apart (see _admit)
-
-    def __post_init__(self):
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        if self.events is None:
-            self.events = asyncio.Queue()
-
-    def cancel(self) -> None:
-        """The client left: the engine drops the sequence at its next step."""
-        self.cancelled = True
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:              # the loop is closed: nobody is listening
-            self.cancelled = True
-
-
-@dataclass(eq=False)
-class _Seq:
-    job: Job
-    state: object
-    history: list[int]                # ids already in the state when it started
-    feed: list[int]                   # prompt ids this sequence prefills
-    snaps: list
-    gen: object = None                # interleaved: the generate() stream
-    stream: TokenStream | None = None  # batched: sampling and stops, fed logits from outside
-    fed: int = 0                      # batched: prompt ids of `feed` already prefilled
-    cut: int = 0                      # batched: keep a snapshot once `fed` reaches it (0: none)
-    sampled: list[int] = field(default_factory=list)
-    done: bool = False
-
-    def cached_tokens(self) -> list[int]:
-        """The ids the state holds now (the last sampled id is never fed)."""
-        return (self.history + self.feed + self.sampled)[:self.state.n_past]
-
-    def cached_text(self, tokenizer) -> str | None:
-        """The text of cached_tokens(): the prompt's and the fed reply ids' (None: unknown)."""
-        fed = self.state.n_past - len(self.job.prompt)
-        if self.job.text is None or tokenizer is None or fed < 0:
-            return None
-        return self.job.text + tokenizer.decode(self.sampled[:fed])
 
 
 class Engine:
@@ -254,7 +180,7 @@ class Engine:
 
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        ring: deque[_Seq] = deque()
+        ring: deque[Active] = deque()
         while True:
             with self._cv:
                 while not self._pending and not ring and not self._stopping:
@@ -391,7 +317,7 @@ class Engine:
                 if not s.done:
                     self._ahead[s] = ahead[i:i + 1]
 
-    def _prefill_chunk(self, seq: _Seq, alone: bool = False) -> None:
+    def _prefill_chunk(self, seq: Active, alone: bool = False) -> None:
         """Feed the next chunk of a newcomer's prompt (ending at its first-turn cut if that
         comes first); at the prompt's end, sample its first token. `alone`: no other sequence
         is waiting for a decode step, so the rest of the prompt goes in at once, in the
@@ -416,11 +342,11 @@ class Engine:
         self.prefilled_tokens += end - start
         if end == seq.cut or end == len(seq.feed):   # a rewind point: the first turn, the prompt
             if not (seq.snaps and seq.snaps[-1].n_past == seq.state.n_past):
-                seq.snaps = (seq.snaps + [seq.state.snapshot()])[-MAX_SNAPSHOTS:]
+                seq.snaps = with_snapshot(seq.snaps, seq.state)
         if end == len(seq.feed):
             self._push(seq, logits)
 
-    def _push(self, seq: _Seq, logits: torch.Tensor) -> None:
+    def _push(self, seq: Active, logits: torch.Tensor) -> None:
         """Sample the sequence's next token from its logits [1, V] and pass on what follows."""
         try:
             events = seq.stream.push(logits, seq.state.n_free)
@@ -429,7 +355,7 @@ class Engine:
             return
         self._emit(seq, events)
 
-    def _emit(self, seq: _Seq, events: list) -> None:
+    def _emit(self, seq: Active, events: list) -> None:
         for ev in events:
             if isinstance(ev, TokenEvent):
                 seq.sampled.append(ev.token)
@@ -439,18 +365,18 @@ class Engine:
                 self._finished(seq, ev)        # holds if a step ran ahead on it
             seq.job.put(ev)
 
-    def _fail(self, seq: _Seq, e: BaseException) -> None:
+    def _fail(self, seq: Active, e: BaseException) -> None:
         seq.job.put(Failure(_message(e)))
         seq.done, seq.state = True, self._broken(seq.state)
 
-    def _finished(self, seq: _Seq, ev: DoneEvent) -> None:
+    def _finished(self, seq: Active, ev: DoneEvent) -> None:
         if self.metrics is not None:
             t = ev.timings
             self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
                                   seq.job.head_s + t.ttft_s, t.decode_tps)
         self._publish_draft()    # before the reply goes out: a client then reads both together
 
-    def _admit(self, job: Job) -> _Seq | None:
+    def _admit(self, job: Job) -> Active | None:
         if job.cancelled:
             return None
         state = None
@@ -472,7 +398,7 @@ class Engine:
             self.reused_tokens += len(history)
             cut = self._first_turn_end(job.prompt)
             if self.batched:     # the prompt goes in by chunks, between decode steps
-                seq = _Seq(job, state, history, job.prompt[len(history):], snaps,
+                seq = Active(job, state, history, job.prompt[len(history):], snaps,
                            cut=max(0, cut - len(history)))
                 seq.stream = TokenStream(job.params, self.model.device, self.tokenizer,
                                          job.prompt, len(seq.feed))
@@ -490,9 +416,9 @@ class Engine:
                 job.head_s = time.perf_counter() - t0
                 self.busy_s["prefill"] += job.head_s
                 self.prefilled_tokens += len(head)
-                snaps = (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
+                snaps = with_snapshot(snaps, state)
                 history = job.prompt[:cut]
-            seq = _Seq(job, state, history, job.prompt[len(history):], snaps)
+            seq = Active(job, state, history, job.prompt[len(history):], snaps)
             kw = {} if self.draft is None else {"draft": self.draft}
             seq.gen = self.generate_fn(self.model, state, seq.feed, job.params,
                                        tokenizer=self.tokenizer, history=history, **kw)
@@ -518,7 +444,7 @@ class Engine:
         ends = [i + 1 for i, t in enumerate(prompt) if t in eot]
         return ends[0] if len(ends) >= 2 else 0
 
-    def _step(self, seq: _Seq) -> bool:
+    def _step(self, seq: Active) -> bool:
         """Advance one sequence by one event; False when it is finished."""
         try:
             ev = next(seq.gen)
@@ -530,7 +456,7 @@ class Engine:
             return False
         if isinstance(ev, TokenEvent):
             if not seq.sampled and seq.state.n_past:
-                seq.snaps = (seq.snaps + [seq.state.snapshot()])[-MAX_SNAPSHOTS:]
+                seq.snaps = with_snapshot(seq.snaps, seq.state)
             seq.sampled.append(ev.token)
             seq.job.put(ev)
             return True
@@ -541,7 +467,7 @@ class Engine:
         seq.job.put(ev)
         return False
 
-    def _retire(self, seq: _Seq) -> None:
+    def _retire(self, seq: Active) -> None:
         if not seq.done and seq.gen is not None:
             seq.gen.close()
         if seq.state is None:
