@@ -1,21 +1,16 @@
-"""The FastAPI app: OpenAI-compatible routes and Anthropic's /v1/messages, their pydantic
-request/response models, the checks that turn a bad request into one 4xx error object naming
-the field and the fix (in the wire format of the route's API), API-key auth and per-route
-request counts (a plain ASGI wrapper, so streams are not buffered)."""
+"""The FastAPI app: OpenAI-compatible routes and Anthropic's /v1/messages (their request models
+and checks are validate.py's), errors in the wire format of the route's API, API-key auth and
+per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import math
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,124 +22,16 @@ from .engine import Engine, Failure, Job, QueueFull, ShuttingDown
 from .metrics import Metrics
 from .openai_format import (ApiError, OutputParser, collect, error_body, forced_call_prefix,
                             new_id, now, sse, template_messages, tool_call_object)
+from .validate import (ChatChoice, ChatCompletion, ChatMessageOut, ChatRequest, Completion,
+                       CompletionChoice, CompletionRequest, Usage, anthropic_sampling_params,
+                       bad_value, check_model, check_no_echo, check_response_format, forced_tool,
+                       sampling_params, validation_message)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
              *anthropic.ROUTES)
 DISCONNECT_POLL_S = 1.0   # how often a non-streamed request checks that its client is there
 PING_S = 5.0              # an Anthropic stream sends `ping` while its prompt is prefilled
 RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
-
-
-# ---- request models ---------------------------------------------------------------------------
-
-class _Strict(BaseModel):
-    # strict: "0.5" is not a number and 1.0 is not an integer; unknown fields are ignored
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-
-class FunctionDef(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    model: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    n: int | None = None
-    logprobs: Union[bool, int, None] = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int]]
-    echo: bool = False
-    suffix: str | None = None
-
-
-# ---- response models ----------------------------------------------------------------------------
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] = {}
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    finish_reason: str
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str
-    logprobs: None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
 
 
 # ---- what the app serves -------------------------------------------------------------------------
@@ -182,7 +69,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        msg, param = _validation_message(e.errors())
+        msg, param = validation_message(e.errors())
         return _error(request, ApiError(400, msg, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
@@ -219,13 +106,11 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        _check_model(served, req.model)
-        params = _sampling(req, req.max_completion_tokens)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format other than text is not supported yet; leave it "
-                                "out", param="response_format", code="unsupported")
+        check_model(req.model, served.model_id)
+        params = sampling_params(req, req.max_completion_tokens)
+        check_response_format(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        forced = _forced_tool(req.tool_choice, tools)
+        forced = forced_tool(req.tool_choice, tools)
         use_tools = bool(tools) and req.tool_choice != "none"
         text, ids, prefix = await run_in_threadpool(_render_chat, served, req,
                                                     tools if use_tools else None, forced)
@@ -233,8 +118,7 @@ def create_app(served: Served) -> FastAPI:
         parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
         rid = new_id("chatcmpl")
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _stream(_chat_chunks(served, job, parser, rid, usage))
+            return _stream(_chat_chunks(served, job, parser, rid, req.include_usage))
         done, parts = await _collect(job, parser, request)
         reasoning, content, calls = collect(parts)
         msg = ChatMessageOut(content=content if content or not calls else None,
@@ -247,8 +131,8 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
-        _check_model(served, req.model, anthropic=True)
-        params = _anthropic_sampling(req)
+        check_model(req.model, served.model_id, anthropic=True)
+        params = anthropic_sampling_params(req)
         text, ids, tools, prefix = await run_in_threadpool(_render_messages, served, req)
         job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
@@ -265,23 +149,20 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
-        _check_model(served, req.model, anthropic=True)
+        check_model(req.model, served.model_id, anthropic=True)
         _, ids, _, _ = await run_in_threadpool(_render_messages, served, req, False)
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        _check_model(served, req.model)
-        params = _sampling(req, None)
-        if req.echo or req.suffix:
-            raise ApiError(400, "echo and suffix are not supported; leave them out",
-                           param="echo" if req.echo else "suffix", code="unsupported")
+        check_model(req.model, served.model_id)
+        params = sampling_params(req, None)
+        check_no_echo(req)
         ids = await run_in_threadpool(_encode_prompt, served, req.prompt)
         job = _submit(served, ids, params)
         rid = new_id("cmpl")
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _stream(_completion_chunks(served, job, rid, usage))
+            return _stream(_completion_chunks(served, job, rid, req.include_usage))
         done, parts = await _collect(job, None, request)
         text = "".join(t for _, t in parts)
         return Completion(id=rid, created=now(), model=served.model_id,
@@ -291,46 +172,7 @@ def create_app(served: Served) -> FastAPI:
     return _Observe(app, served)
 
 
-# ---- checks -------------------------------------------------------------------------------------
-
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    # the deepest error names the most specific field (stop[0], not stop, for [1])
-    e = max(errors, key=lambda x: len(x.get("loc", ())), default={"msg": "invalid", "loc": ()})
-    if e.get("type") == "json_invalid":
-        return (f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}); "
-                "send a JSON object", None)
-    where = _field(e)
-    if where == "body":
-        return ("the request body must be a JSON object, sent with the header 'Content-Type: "
-                "application/json'"), None
-    if e.get("type") == "missing":
-        return f"{where} is required; add it to the request", where
-    got = e.get("input")
-    shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) \
-        else type(got).__name__
-    if sum(_field(x) == where for x in errors) > 1:      # a union: no member accepted it
-        return f"{where} has the wrong type (got {shown}); see the OpenAI API for its types", where
-    return f"{where}: {e.get('msg', 'invalid')} (got {shown}); fix its value", where
-
-
-def _field(e: dict) -> str:
-    """An error's location as the client spells it (messages[0].role), union tags dropped."""
-    loc = [p for p in e.get("loc", ()) if p != "body"
-           and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _check_model(served: Served, name: str | None, anthropic: bool = False) -> None:
-    if name not in (None, "", "default", served.model_id):
-        how = (" (Claude Code: set ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL to it)"
-               if anthropic else " (\"default\" or no model field also work)")
-        raise ApiError(404, f"model {name!r} is not served here; this server serves "
-                            f"{served.model_id!r}, or \"default\"" + how,
-                       param="model", code="model_not_found")
-
+# ---- errors, prompts, the queue ------------------------------------------------------------------
 
 def _error(request: Request, e: ApiError) -> JSONResponse:
     """An error in the wire format of the route's API (Anthropic's on /v1/messages)."""
@@ -339,91 +181,6 @@ def _error(request: Request, e: ApiError) -> JSONResponse:
                             status_code=anthropic.error_status(e.status, e.code),
                             headers=e.headers)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _bad(param: str, value: Any, fix: str) -> ApiError:
-    shown = (f"{value:g}" if isinstance(value, float)      # 0, not 0.0, as the client wrote it
-             else json.dumps(value) if _jsonable(value) else repr(value))
-    return ApiError(400, f"{param}={shown}: {fix}", param=param, code="invalid_value")
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v, allow_nan=False)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-def _finite(x: float | None) -> bool:
-    return x is None or math.isfinite(x)
-
-
-def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingParams:
-    """The request's sampling fields, each range-checked, as SamplingParams."""
-    if req.n not in (None, 1):
-        raise _bad("n", req.n, "this server returns one choice per request; leave n out or "
-                               "send 1 (send several requests for several answers)")
-    if req.logprobs:
-        raise _bad("logprobs", req.logprobs, "log probabilities are not supported yet; leave "
-                                             "logprobs out")
-    n_max = max_completion_tokens if max_completion_tokens is not None else req.max_tokens
-    which = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
-    if n_max is not None and not 1 <= n_max <= 1 << 31:
-        raise _bad(which, n_max, "give 1 or more (leave it out to generate until the end of "
-                                 "the text or a full context)")
-    t = req.temperature
-    if t is not None and not (_finite(t) and 0 <= t <= 2):
-        raise _bad("temperature", t, "give a number from 0 (greedy) to 2")
-    if req.top_p is not None and not (_finite(req.top_p) and 0 < req.top_p <= 1):
-        raise _bad("top_p", req.top_p, "give a number above 0 and at most 1 (1 = off)")
-    if req.top_k is not None and req.top_k < 0:
-        raise _bad("top_k", req.top_k, "give 0 (off) or more")
-    if req.min_p is not None and not (_finite(req.min_p) and 0 <= req.min_p <= 1):
-        raise _bad("min_p", req.min_p, "give a number from 0 (off) to 1")
-    if req.repeat_penalty is not None and not (_finite(req.repeat_penalty)
-                                               and 0 < req.repeat_penalty <= 10):
-        raise _bad("repeat_penalty", req.repeat_penalty, "give a number above 0 (1 = off)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v is not None and not (_finite(v) and -2 <= v <= 2):
-            raise _bad(name, v, "give a number from -2 to 2 (0 = off)")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 16 or any(len(s) > 1000 for s in stop):
-        raise _bad("stop", f"{len(stop)} strings", "give at most 16 stop strings of at most "
-                                                    "1000 characters")
-    if req.seed is not None and not -(1 << 63) <= req.seed < 1 << 64:
-        raise _bad("seed", req.seed, "give an integer that fits 64 bits")
-    d = SamplingParams()
-    return SamplingParams(
-        temperature=d.temperature if t is None else t,
-        top_k=d.top_k if req.top_k is None else req.top_k,
-        top_p=d.top_p if req.top_p is None else req.top_p,
-        min_p=d.min_p if req.min_p is None else req.min_p,
-        repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        seed=None if req.seed is None else req.seed % (1 << 64),
-        max_tokens=sys.maxsize if n_max is None else n_max,
-        stop=tuple(s for s in stop if s))
-
-
-def _forced_tool(choice, tools: list[dict]) -> tuple[bool, str | None]:
-    """tool_choice -> (whether the reply must be a tool call, the tool it must call or None)."""
-    if choice is None or choice in ("auto", "none"):
-        return False, None
-    names = {t.get("function", {}).get("name") for t in tools}
-    if choice == "required":
-        if not tools:
-            raise _bad("tool_choice", choice, "required needs tools; send some, or use auto")
-        return True, None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
-        if name not in names:
-            raise _bad("tool_choice.function.name", name, "name one of the request's tools")
-        return True, name
-    raise _bad("tool_choice", choice, 'give "none", "auto", "required" or '
-                                      '{"type": "function", "function": {"name": ...}}')
 
 
 def _render_chat(served: Served, req: ChatRequest, tools: list | None,
@@ -444,7 +201,7 @@ def _render_chat(served: Served, req: ChatRequest, tools: list | None,
                             "it out", param="chat_template_kwargs", code="invalid_value")
     think = kwargs.pop("enable_thinking", None)
     if think is not None and not isinstance(think, bool):
-        raise _bad("chat_template_kwargs.enable_thinking", think, "give true or false")
+        raise bad_value("chat_template_kwargs.enable_thinking", think, "give true or false")
     prefix = forced_call_prefix(served.template.source, forced[1]) if forced[0] else ""
     if prefix:
         think = False   # a forced call is the reply's first text: no reasoning block before it
@@ -483,17 +240,6 @@ def _render_messages(served: Served, req: MessagesRequest, check: bool = True
     return text, ids, tools, prefix
 
 
-def _anthropic_sampling(req: MessagesRequest) -> SamplingParams:
-    if req.max_tokens < 1:
-        raise _bad("max_tokens", req.max_tokens, "give 1 or more")
-    stops = req.stop_sequences or []
-    if len(stops) > 16 or any(len(s) > 1000 for s in stops):
-        raise _bad("stop_sequences", f"{len(stops)} strings", "give at most 16 stop sequences "
-                                                              "of at most 1000 characters")
-    return _sampling(_Sampling(max_tokens=req.max_tokens, temperature=req.temperature,
-                               top_p=req.top_p, top_k=req.top_k, stop=stops), None)
-
-
 def _encode_prompt(served: Served, prompt: str | list[int]) -> list[int]:
     tok = served.tokenizer
     if isinstance(prompt, str):
@@ -501,7 +247,7 @@ def _encode_prompt(served: Served, prompt: str | list[int]) -> list[int]:
     else:
         bad = [i for i in prompt if not 0 <= i < len(tok)]
         if bad:
-            raise _bad("prompt", bad[0], f"token ids run from 0 to {len(tok) - 1}")
+            raise bad_value("prompt", bad[0], f"token ids run from 0 to {len(tok) - 1}")
         ids = list(prompt)
     if not ids:
         raise ApiError(400, "prompt is empty; give some text", param="prompt",
