@@ -1,12 +1,11 @@
 """The FastAPI app: OpenAI-compatible routes and Anthropic's /v1/messages (their request models
-and checks are validate.py's), errors in the wire format of the route's API, API-key auth and
-per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
+and checks are validate.py's, their prompts prompt.py's), errors in the wire format of the
+route's API, API-key auth and per-route request counts (a plain ASGI wrapper, so streams are
+not buffered)."""
 from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,36 +16,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_offload import DoneEvent, SamplingParams, TokenEvent
 
 from . import anthropic_format as anthropic
+from . import prompt
 from .anthropic_format import CountTokensRequest, MessagesRequest
-from .engine import Engine, Failure, Job, QueueFull, ShuttingDown
-from .metrics import Metrics
-from .openai_format import (ApiError, OutputParser, collect, error_body, forced_call_prefix,
-                            new_id, now, sse, template_messages, tool_call_object)
+from .engine import Failure, Job, QueueFull, ShuttingDown
+from .openai_format import (ApiError, OutputParser, collect, error_body, new_id, now, sse,
+                            tool_call_object)
+from .served import Served
 from .validate import (ChatChoice, ChatCompletion, ChatMessageOut, ChatRequest, Completion,
                        CompletionChoice, CompletionRequest, Usage, anthropic_sampling_params,
-                       bad_value, check_model, check_no_echo, check_response_format, forced_tool,
+                       check_model, check_no_echo, check_response_format, forced_tool,
                        sampling_params, validation_message)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
              *anthropic.ROUTES)
 DISCONNECT_POLL_S = 1.0   # how often a non-streamed request checks that its client is there
 PING_S = 5.0              # an Anthropic stream sends `ping` while its prompt is prefilled
-RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
-
-
-# ---- what the app serves -------------------------------------------------------------------------
-
-@dataclass
-class Served:
-    """The model behind the app: its engine, tokenizer, chat template and names."""
-    engine: Engine
-    tokenizer: Any
-    template: Any
-    model_id: str
-    n_ctx: int
-    api_key: str | None = None
-    metrics: Metrics = field(default_factory=Metrics)
-    created: int = field(default_factory=now)
 
 
 def create_app(served: Served) -> FastAPI:
@@ -112,7 +96,7 @@ def create_app(served: Served) -> FastAPI:
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         forced = forced_tool(req.tool_choice, tools)
         use_tools = bool(tools) and req.tool_choice != "none"
-        text, ids, prefix = await run_in_threadpool(_render_chat, served, req,
+        text, ids, prefix = await run_in_threadpool(prompt.render_chat, served, req,
                                                     tools if use_tools else None, forced)
         job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
@@ -133,7 +117,7 @@ def create_app(served: Served) -> FastAPI:
     async def messages(req: MessagesRequest, request: Request):
         check_model(req.model, served.model_id, anthropic=True)
         params = anthropic_sampling_params(req)
-        text, ids, tools, prefix = await run_in_threadpool(_render_messages, served, req)
+        text, ids, tools, prefix = await run_in_threadpool(prompt.render_messages, served, req)
         job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
         mid = anthropic.new_message_id()
@@ -150,7 +134,7 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
         check_model(req.model, served.model_id, anthropic=True)
-        _, ids, _, _ = await run_in_threadpool(_render_messages, served, req, False)
+        _, ids, _, _ = await run_in_threadpool(prompt.render_messages, served, req, False)
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions")
@@ -158,7 +142,7 @@ def create_app(served: Served) -> FastAPI:
         check_model(req.model, served.model_id)
         params = sampling_params(req, None)
         check_no_echo(req)
-        ids = await run_in_threadpool(_encode_prompt, served, req.prompt)
+        ids = await run_in_threadpool(prompt.encode_prompt, served, req.prompt)
         job = _submit(served, ids, params)
         rid = new_id("cmpl")
         if req.stream:
@@ -172,7 +156,7 @@ def create_app(served: Served) -> FastAPI:
     return _Observe(app, served)
 
 
-# ---- errors, prompts, the queue ------------------------------------------------------------------
+# ---- errors, the queue ---------------------------------------------------------------------------
 
 def _error(request: Request, e: ApiError) -> JSONResponse:
     """An error in the wire format of the route's API (Anthropic's on /v1/messages)."""
@@ -181,87 +165,6 @@ def _error(request: Request, e: ApiError) -> JSONResponse:
                             status_code=anthropic.error_status(e.status, e.code),
                             headers=e.headers)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _render_chat(served: Served, req: ChatRequest, tools: list | None,
-                 forced: tuple[bool, str | None] = (False, None)) -> tuple[str, list[int], str]:
-    """Render the conversation with the chat template and tokenize it (in a worker thread):
-    (prompt text, ids, the forced tool call's opening the prompt ends with, or "")."""
-    if not req.messages:
-        raise ApiError(400, "messages is empty; send at least one message", param="messages",
-                       code="invalid_value")
-    msgs = template_messages(m.model_dump(exclude_none=True) for m in req.messages)
-    for m in msgs:
-        if m["role"] == "developer":
-            m["role"] = "system"
-    kwargs = dict(req.chat_template_kwargs or {})
-    bad = RESERVED_TEMPLATE_KEYS & kwargs.keys()
-    if bad:
-        raise ApiError(400, f"chat_template_kwargs.{sorted(bad)[0]} is set by the server; leave "
-                            "it out", param="chat_template_kwargs", code="invalid_value")
-    think = kwargs.pop("enable_thinking", None)
-    if think is not None and not isinstance(think, bool):
-        raise bad_value("chat_template_kwargs.enable_thinking", think, "give true or false")
-    prefix = forced_call_prefix(served.template.source, forced[1]) if forced[0] else ""
-    if prefix:
-        think = False   # a forced call is the reply's first text: no reasoning block before it
-    text, ids = _render(served, msgs, tools, think, kwargs, prefix)
-    return text, ids, prefix
-
-
-def _render(served: Served, msgs: list[dict], tools: list | None, think: bool | None,
-            kwargs: dict, prefill: str = "", check: bool = True) -> tuple[str, list[int]]:
-    """Template messages -> (prompt text, ids), the generation prompt (and a prefill) last."""
-    from loaders import GGUFError
-    tok = served.tokenizer
-    try:
-        text = served.template.render(msgs, add_generation_prompt=True, enable_thinking=think,
-                                      bos_token=tok.bos_token, eos_token=tok.eos_token,
-                                      tools=tools, **kwargs) + prefill
-    except GGUFError as e:
-        raise ApiError(400, f"the chat template could not render these messages: {e}",
-                       param="messages", code="template_error") from None
-    ids = tok.encode(text, add_special=False, parse_special=True)
-    if check:
-        _check_fits(served, ids, "messages")
-    return text, ids
-
-
-def _render_messages(served: Served, req: MessagesRequest, check: bool = True
-                     ) -> tuple[str, list[int], list | None, str]:
-    """An Anthropic request's prompt: (text, ids, the tools the template saw or None, the
-    forced tool call's opening the prompt ends with, or "")."""
-    msgs, prefill = anthropic.template_messages(req)
-    tools = anthropic.tools_for_template(req)
-    force, name = anthropic.forced_tool(req) if tools else (False, None)
-    prefix = forced_call_prefix(served.template.source, name) if force else ""
-    think = False if prefix else anthropic.enable_thinking(req)
-    text, ids = _render(served, template_messages(msgs), tools, think, {}, prefill + prefix, check)
-    return text, ids, tools, prefix
-
-
-def _encode_prompt(served: Served, prompt: str | list[int]) -> list[int]:
-    tok = served.tokenizer
-    if isinstance(prompt, str):
-        ids = tok.encode(prompt, add_special=True, parse_special=True)
-    else:
-        bad = [i for i in prompt if not 0 <= i < len(tok)]
-        if bad:
-            raise bad_value("prompt", bad[0], f"token ids run from 0 to {len(tok) - 1}")
-        ids = list(prompt)
-    if not ids:
-        raise ApiError(400, "prompt is empty; give some text", param="prompt",
-                       code="invalid_value")
-    _check_fits(served, ids, "prompt")
-    return ids
-
-
-def _check_fits(served: Served, ids: list[int], param: str) -> None:
-    if len(ids) >= served.n_ctx:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens and the context holds "
-                            f"{served.n_ctx} (the reply needs at least one more); shorten the "
-                            "{} or restart the server with a larger --ctx".format(param),
-                       param=param, code="context_length_exceeded")
 
 
 def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | None = None
