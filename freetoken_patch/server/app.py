@@ -1,36 +1,31 @@
-"""The FastAPI app: OpenAI-compatible routes and Anthropic's /v1/messages (their request models
-and checks are validate.py's, their prompts prompt.py's), errors in the wire format of the
-route's API, API-key auth and per-route request counts (a plain ASGI wrapper, so streams are
-not buffered)."""
+"""The FastAPI app: the routes, each the same four steps (validate the request, render its
+prompt, submit a job to the engine, send the reply streamed or whole), and the handlers that
+turn any error into one error object in the wire format of the route's API; API-key auth and
+per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
 from __future__ import annotations
 
-import asyncio
 import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_offload import DoneEvent, SamplingParams, TokenEvent
+from moe_offload import SamplingParams
 
 from . import anthropic_format as anthropic
-from . import prompt
+from . import prompt, streams
 from .anthropic_format import CountTokensRequest, MessagesRequest
-from .engine import Failure, Job, QueueFull, ShuttingDown
-from .openai_format import (ApiError, OutputParser, collect, error_body, new_id, now, sse,
-                            tool_call_object)
+from .jobs import Job, QueueFull, ShuttingDown
+from .openai_format import ApiError, OutputParser, error_body, new_id
 from .served import Served
-from .validate import (ChatChoice, ChatCompletion, ChatMessageOut, ChatRequest, Completion,
-                       CompletionChoice, CompletionRequest, Usage, anthropic_sampling_params,
-                       check_model, check_no_echo, check_response_format, forced_tool,
-                       sampling_params, validation_message)
+from .validate import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
+                       anthropic_sampling_params, check_model, check_no_echo,
+                       check_response_format, forced_tool, sampling_params, validation_message)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
              *anthropic.ROUTES)
-DISCONNECT_POLL_S = 1.0   # how often a non-streamed request checks that its client is there
-PING_S = 5.0              # an Anthropic stream sends `ping` while its prompt is prefilled
 
 
 def create_app(served: Served) -> FastAPI:
@@ -102,16 +97,9 @@ def create_app(served: Served) -> FastAPI:
         parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
         rid = new_id("chatcmpl")
         if req.stream:
-            return _stream(_chat_chunks(served, job, parser, rid, req.include_usage))
-        done, parts = await _collect(job, parser, request)
-        reasoning, content, calls = collect(parts)
-        msg = ChatMessageOut(content=content if content or not calls else None,
-                             reasoning_content=reasoning or None,
-                             tool_calls=[tool_call_object(c) for c in calls] or None)
-        return ChatCompletion(id=rid, created=now(), model=served.model_id,
-                              choices=[ChatChoice(message=msg,
-                                                  finish_reason=_finish(done, bool(calls)))],
-                              usage=_usage(job, done)).model_dump(exclude_none=True)
+            return streams.chat_stream(served, job, parser, rid, req.include_usage)
+        done, parts = await streams.await_reply(job, parser, request)
+        return streams.chat_reply(served, job, rid, done, parts)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
@@ -122,14 +110,9 @@ def create_app(served: Served) -> FastAPI:
         parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
         mid = anthropic.new_message_id()
         if req.stream:
-            return _stream(_message_events(served, job, parser, mid, req))
-        done, parts = await _collect(job, parser, request)
-        blocks = anthropic.Blocks()
-        blocks.events(parts)
-        return {"id": mid, "type": "message", "role": "assistant", "model": served.model_id,
-                "content": blocks.content,
-                **_stop_fields(served, req, done, blocks.has_tool_use),
-                "usage": anthropic.usage(len(job.prompt), job.n_cached, len(done.tokens))}
+            return streams.message_stream(served, job, parser, mid, req)
+        done, parts = await streams.await_reply(job, parser, request)
+        return streams.message_reply(served, req, job, mid, done, parts)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
@@ -146,17 +129,12 @@ def create_app(served: Served) -> FastAPI:
         job = _submit(served, ids, params)
         rid = new_id("cmpl")
         if req.stream:
-            return _stream(_completion_chunks(served, job, rid, req.include_usage))
-        done, parts = await _collect(job, None, request)
-        text = "".join(t for _, t in parts)
-        return Completion(id=rid, created=now(), model=served.model_id,
-                          choices=[CompletionChoice(text=text, finish_reason=_finish(done, False))],
-                          usage=_usage(job, done)).model_dump(exclude_none=True)
+            return streams.completion_stream(served, job, rid, req.include_usage)
+        done, parts = await streams.await_reply(job, None, request)
+        return streams.completion_reply(served, job, rid, done, parts)
 
     return _Observe(app, served)
 
-
-# ---- errors, the queue ---------------------------------------------------------------------------
 
 def _error(request: Request, e: ApiError) -> JSONResponse:
     """An error in the wire format of the route's API (Anthropic's on /v1/messages)."""
@@ -181,177 +159,6 @@ def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | 
     except ShuttingDown:
         raise ApiError(503, "the server is shutting down", code="shutting_down") from None
     return job
-
-
-# ---- replies -------------------------------------------------------------------------------------
-
-async def _collect(job: Job, parser: OutputParser | None, request: Request):
-    """Wait for the whole reply: (DoneEvent, parts). A client that hangs up is noticed within
-    a second and its sequence dropped."""
-    parts: list = []
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
-    try:
-        while True:
-            try:
-                ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                ev = None
-            if loop.time() - checked >= DISCONNECT_POLL_S:
-                checked = loop.time()
-                if await request.is_disconnected():
-                    raise ApiError(499, "the client closed the connection") from None
-            if ev is None:
-                continue
-            if isinstance(ev, Failure):
-                raise ApiError(ev.status, ev.message)
-            text = ev.text
-            parts += parser.push(text) if parser else [("content", text)] if text else []
-            if isinstance(ev, DoneEvent):
-                if parser:
-                    parts += parser.finish()
-                return ev, parts
-    finally:
-        job.cancel()     # a no-op once done; frees the slot when the client went away
-
-
-def _finish(done: DoneEvent, tool_calls: bool) -> str:
-    if done.reason in ("length", "context"):
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
-
-
-def _usage(job: Job, done: DoneEvent | None) -> Usage:
-    n_gen = len(done.tokens) if done is not None else 0
-    return Usage(prompt_tokens=len(job.prompt), completion_tokens=n_gen,
-                 total_tokens=len(job.prompt) + n_gen,
-                 prompt_tokens_details={"cached_tokens": job.n_cached})
-
-
-def _stream(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _events(job: Job):
-    """The job's events until its end; cancels the job if the consumer leaves first."""
-    try:
-        while True:
-            ev = await job.events.get()
-            yield ev
-            if not isinstance(ev, TokenEvent):
-                return
-    finally:
-        job.cancel()
-
-
-async def _chat_chunks(served: Served, job: Job, parser: OutputParser, rid: str, usage: bool):
-    created = now()
-
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": served.model_id,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                 "finish_reason": finish}]})
-
-    def deltas(parts) -> list[str]:
-        out = []
-        for kind, val in parts:
-            if kind == "tool_call":
-                out.append(chunk({"tool_calls": [tool_call_object(val, n_calls[0])]}))
-                n_calls[0] += 1
-            elif kind == "reasoning":
-                out.append(chunk({"reasoning_content": val}))
-            else:
-                out.append(chunk({"content": val}))
-        return out
-
-    n_calls = [0]
-    yield chunk({"role": "assistant", "content": ""})
-    async for ev in _events(job):
-        if isinstance(ev, Failure):
-            yield sse(error_body(ev.message, "server_error"))
-            return
-        for c in deltas(parser.push(ev.text)):
-            yield c
-        if isinstance(ev, DoneEvent):
-            for c in deltas(parser.finish()):
-                yield c
-            yield chunk({}, _finish(ev, n_calls[0] > 0))
-            if usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": served.model_id, "choices": [],
-                           "usage": _usage(job, ev).model_dump()})
-            yield sse("[DONE]")
-
-
-def _stop_fields(served: Served, req: MessagesRequest, done: DoneEvent, tool_use: bool) -> dict:
-    reason = anthropic.stop_reason(done.reason, tool_use)
-    seq = (anthropic.matched_stop(served.tokenizer.decode(done.tokens), req.stop_sequences or [])
-           if reason == "stop_sequence" else None)
-    return {"stop_reason": reason, "stop_sequence": seq}
-
-
-async def _message_events(served: Served, job: Job, parser: OutputParser, mid: str,
-                          req: MessagesRequest):
-    """Anthropic's stream: pings while the prompt is prefilled, message_start, the content
-    blocks' events, message_delta (stop reason, usage), message_stop."""
-    ev = None
-    try:
-        while ev is None:
-            try:
-                ev = await asyncio.wait_for(job.events.get(), PING_S)
-            except asyncio.TimeoutError:
-                yield anthropic.event("ping", {})
-        start_usage = anthropic.usage(len(job.prompt), job.n_cached, 0)
-        if not isinstance(ev, Failure):
-            yield anthropic.event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": served.model_id,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": start_usage}})
-        blocks = anthropic.Blocks()
-        while True:
-            if isinstance(ev, Failure):
-                yield anthropic.event("error", {"error": {"type": "api_error",
-                                                          "message": ev.message}})
-                return
-            for e in blocks.events(parser.push(ev.text)):
-                yield e
-            if isinstance(ev, DoneEvent):
-                for e in blocks.events(parser.finish()) + blocks.finish():
-                    yield e
-                yield anthropic.event("message_delta", {
-                    "delta": _stop_fields(served, req, ev, blocks.has_tool_use),
-                    "usage": anthropic.usage(len(job.prompt), job.n_cached, len(ev.tokens))})
-                yield anthropic.event("message_stop", {})
-                return
-            ev = await job.events.get()
-    finally:
-        job.cancel()
-
-
-async def _completion_chunks(served: Served, job: Job, rid: str, usage: bool):
-    created = now()
-
-    def chunk(text: str, finish: str | None = None) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created,
-                    "model": served.model_id,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": finish}]})
-
-    async for ev in _events(job):
-        if isinstance(ev, Failure):
-            yield sse(error_body(ev.message, "server_error"))
-            return
-        if ev.text:
-            yield chunk(ev.text)
-        if isinstance(ev, DoneEvent):
-            yield chunk("", _finish(ev, False))
-            if usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": served.model_id, "choices": [],
-                           "usage": _usage(job, ev).model_dump()})
-            yield sse("[DONE]")
 
 
 # ---- auth and counts --------------------------------------------------------------------------
