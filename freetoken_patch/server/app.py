@@ -1,10 +1,7 @@
 """The FastAPI app: the routes, each the same four steps (validate the request, render its
 prompt, submit a job to the engine, send the reply streamed or whole), and the handlers that
-turn any error into one error object in the wire format of the route's API; API-key auth and
-per-route request counts (a plain ASGI wrapper, so streams are not buffered)."""
+turn any error into one error object in the wire format of the route's API."""
 from __future__ import annotations
-
-import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +14,9 @@ from moe_offload import SamplingParams
 from . import anthropic_format as anthropic
 from . import prompt, streams
 from .anthropic_format import CountTokensRequest, MessagesRequest
+from .auth import Guarded
 from .jobs import Job, QueueFull, ShuttingDown
-from .openai_format import ApiError, OutputParser, error_body, new_id
+from .openai_format import ApiError, OutputParser, new_id
 from .served import Served
 from .validate import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
                        anthropic_sampling_params, check_model, check_no_echo,
@@ -28,7 +26,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
              *anthropic.ROUTES)
 
 
-def create_app(served: Served) -> FastAPI:
+def create_app(served: Served) -> Guarded:
     """The app; its lifespan starts the engine thread and, at shutdown, drains it."""
     from contextlib import asynccontextmanager
 
@@ -133,7 +131,7 @@ def create_app(served: Served) -> FastAPI:
         done, parts = await streams.await_reply(job, None, request)
         return streams.completion_reply(served, job, rid, done, parts)
 
-    return _Observe(app, served)
+    return Guarded(app, served, ENDPOINTS)
 
 
 def _error(request: Request, e: ApiError) -> JSONResponse:
@@ -159,55 +157,6 @@ def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | 
     except ShuttingDown:
         raise ApiError(503, "the server is shutting down", code="shutting_down") from None
     return job
-
-
-# ---- auth and counts --------------------------------------------------------------------------
-
-class _Observe:
-    """ASGI wrapper: the API key on every route but /health, and requests counted by route
-    and status (a plain wrapper, so streamed bodies pass through unbuffered)."""
-
-    def __init__(self, app: FastAPI, served: Served):
-        self.app, self.served = app, served
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
-        status = [500]
-
-        async def sending(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-            await send(msg)
-
-        try:
-            key = self.served.api_key
-            if key and path != "/health" and not _authorized(scope, key):
-                msg = ("a valid API key is required: send the header 'Authorization: Bearer KEY' "
-                       "or 'x-api-key: KEY' with the key the server was started with (--api-key)")
-                body = (anthropic.error_body(401, msg) if path.startswith("/v1/messages")
-                        else error_body(msg, code="invalid_api_key"))
-                resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                return await resp(scope, receive, sending)
-            return await self.app(scope, receive, sending)
-        finally:
-            self.served.metrics.request(endpoint, status[0])
-
-
-def _authorized(scope, key: str) -> bool:
-    """'Authorization: Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                   key.encode()):
-                return True
-        elif name == b"x-api-key" and hmac.compare_digest(value.strip(), key.encode()):
-            return True
-    return False
 
 
 __all__ = ["create_app", "Served", "ChatRequest", "CompletionRequest", "ChatCompletion",
