@@ -1,10 +1,23 @@
 """The OpenAI- and Anthropic-compatible server behind `ftpatch serve` (FastAPI + uvicorn).
 
-  app.py            routes, pydantic request/response models, checks, auth, request counts
-  engine.py         the bounded queue and the one thread that owns the model: active sequences
-                    advanced together (batched, newcomers' prompts in chunks) or in turn
-                    (interleaved: the --vram runtime), a prefix cache of recent States
+A request's path: app.py's route -> validate.py (fields) -> prompt.py (template, ids, fits the
+context) -> engine.py (queue, thread) -> streams.py (SSE or the whole reply, in the route's API).
+
+  app.py            create_app(): the routes (validate -> prompt -> submit -> reply) and the
+                    exception handlers; re-exports Served
+  validate.py       the OpenAI routes' pydantic models and every field check (sampling ranges,
+                    tool_choice, the model's name, pydantic's errors as one line)
+  prompt.py         messages (+ tools) -> chat template -> text and ids; the context-fit check
+  streams.py        a job's events out: SSE in each dialect (one event loop), or one reply
+  auth.py           the API key and per-route request counts (an ASGI wrapper)
+  served.py         Served: the engine, tokenizer, template and names the routes read
+  jobs.py           Job (a request's ids, sampling and event queue), Failure, the submit
+                    refusals, Active (an admitted job: its State, ids, snapshots)
+  engine.py         the bounded queue and the one thread that owns the model: admission with
+                    prefix reuse, the interleaved and speculative modes, failures, the States
+  batcher.py        the batched mode's step: decode_many for all, prompts in chunks, run-ahead
   sequence.py       one request's sampling and stop rules fed logits from a batched step
+  prefix_cache.py   recent States by the tokens (and text) they hold, for prefix reuse
   openai_format.py  error objects, message content, SSE chunks, the reasoning and tool-call parsers
   anthropic_format.py  Anthropic's Messages API: its request, messages -> the template's,
                     content blocks whole or as named SSE events, stop reasons, usage, errors

@@ -1,168 +1,32 @@
-"""The FastAPI app: OpenAI-compatible routes and Anthropic's /v1/messages, their pydantic
-request/response models, the checks that turn a bad request into one 4xx error object naming
-the field and the fix (in the wire format of the route's API), API-key auth and per-route
-request counts (a plain ASGI wrapper, so streams are not buffered)."""
+"""The FastAPI app: the routes, each the same four steps (validate the request, render its
+prompt, submit a job to the engine, send the reply streamed or whole), and the handlers that
+turn any error into one error object in the wire format of the route's API."""
 from __future__ import annotations
-
-import asyncio
-import hmac
-import json
-import math
-import sys
-from dataclasses import dataclass, field
-from typing import Any, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_offload import DoneEvent, SamplingParams, TokenEvent
+from moe_offload import SamplingParams
 
 from . import anthropic_format as anthropic
+from . import prompt, streams
 from .anthropic_format import CountTokensRequest, MessagesRequest
-from .engine import Engine, Failure, Job, QueueFull, ShuttingDown
-from .metrics import Metrics
-from .openai_format import (ApiError, OutputParser, collect, error_body, forced_call_prefix,
-                            new_id, now, sse, template_messages, tool_call_object)
+from .auth import Guarded
+from .jobs import Job, QueueFull, ShuttingDown
+from .openai_format import ApiError, OutputParser, new_id
+from .served import Served
+from .validate import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
+                       anthropic_sampling_params, check_model, check_no_echo,
+                       check_response_format, forced_tool, sampling_params, validation_message)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
              *anthropic.ROUTES)
-DISCONNECT_POLL_S = 1.0   # how often a non-streamed request checks that its client is there
-PING_S = 5.0              # an Anthropic stream sends `ping` while its prompt is prefilled
-RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
-# ---- request models ---------------------------------------------------------------------------
-
-class _Strict(BaseModel):
-    # strict: "0.5" is not a number and 1.0 is not an integer; unknown fields are ignored
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-
-class FunctionDef(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    model: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    n: int | None = None
-    logprobs: Union[bool, int, None] = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int]]
-    echo: bool = False
-    suffix: str | None = None
-
-
-# ---- response models ----------------------------------------------------------------------------
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] = {}
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    finish_reason: str
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str
-    logprobs: None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-# ---- what the app serves -------------------------------------------------------------------------
-
-@dataclass
-class Served:
-    """The model behind the app: its engine, tokenizer, chat template and names."""
-    engine: Engine
-    tokenizer: Any
-    template: Any
-    model_id: str
-    n_ctx: int
-    api_key: str | None = None
-    metrics: Metrics = field(default_factory=Metrics)
-    created: int = field(default_factory=now)
-
-
-def create_app(served: Served) -> FastAPI:
+def create_app(served: Served) -> Guarded:
     """The app; its lifespan starts the engine thread and, at shutdown, drains it."""
     from contextlib import asynccontextmanager
 
@@ -182,7 +46,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        msg, param = _validation_message(e.errors())
+        msg, param = validation_message(e.errors())
         return _error(request, ApiError(400, msg, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
@@ -219,117 +83,55 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        _check_model(served, req.model)
-        params = _sampling(req, req.max_completion_tokens)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format other than text is not supported yet; leave it "
-                                "out", param="response_format", code="unsupported")
+        check_model(req.model, served.model_id)
+        params = sampling_params(req, req.max_completion_tokens)
+        check_response_format(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        forced = _forced_tool(req.tool_choice, tools)
+        forced = forced_tool(req.tool_choice, tools)
         use_tools = bool(tools) and req.tool_choice != "none"
-        text, ids, prefix = await run_in_threadpool(_render_chat, served, req,
+        text, ids, prefix = await run_in_threadpool(prompt.render_chat, served, req,
                                                     tools if use_tools else None, forced)
         job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
         rid = new_id("chatcmpl")
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _stream(_chat_chunks(served, job, parser, rid, usage))
-        done, parts = await _collect(job, parser, request)
-        reasoning, content, calls = collect(parts)
-        msg = ChatMessageOut(content=content if content or not calls else None,
-                             reasoning_content=reasoning or None,
-                             tool_calls=[tool_call_object(c) for c in calls] or None)
-        return ChatCompletion(id=rid, created=now(), model=served.model_id,
-                              choices=[ChatChoice(message=msg,
-                                                  finish_reason=_finish(done, bool(calls)))],
-                              usage=_usage(job, done)).model_dump(exclude_none=True)
+            return streams.chat_stream(served, job, parser, rid, req.include_usage)
+        done, parts = await streams.await_reply(job, parser, request)
+        return streams.chat_reply(served, job, rid, done, parts)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
-        _check_model(served, req.model, anthropic=True)
-        params = _anthropic_sampling(req)
-        text, ids, tools, prefix = await run_in_threadpool(_render_messages, served, req)
+        check_model(req.model, served.model_id, anthropic=True)
+        params = anthropic_sampling_params(req)
+        text, ids, tools, prefix = await run_in_threadpool(prompt.render_messages, served, req)
         job = _submit(served, ids, params, text)
         parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
         mid = anthropic.new_message_id()
         if req.stream:
-            return _stream(_message_events(served, job, parser, mid, req))
-        done, parts = await _collect(job, parser, request)
-        blocks = anthropic.Blocks()
-        blocks.events(parts)
-        return {"id": mid, "type": "message", "role": "assistant", "model": served.model_id,
-                "content": blocks.content,
-                **_stop_fields(served, req, done, blocks.has_tool_use),
-                "usage": anthropic.usage(len(job.prompt), job.n_cached, len(done.tokens))}
+            return streams.message_stream(served, job, parser, mid, req)
+        done, parts = await streams.await_reply(job, parser, request)
+        return streams.message_reply(served, req, job, mid, done, parts)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest):
-        _check_model(served, req.model, anthropic=True)
-        _, ids, _, _ = await run_in_threadpool(_render_messages, served, req, False)
+        check_model(req.model, served.model_id, anthropic=True)
+        _, ids, _, _ = await run_in_threadpool(prompt.render_messages, served, req, False)
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        _check_model(served, req.model)
-        params = _sampling(req, None)
-        if req.echo or req.suffix:
-            raise ApiError(400, "echo and suffix are not supported; leave them out",
-                           param="echo" if req.echo else "suffix", code="unsupported")
-        ids = await run_in_threadpool(_encode_prompt, served, req.prompt)
+        check_model(req.model, served.model_id)
+        params = sampling_params(req, None)
+        check_no_echo(req)
+        ids = await run_in_threadpool(prompt.encode_prompt, served, req.prompt)
         job = _submit(served, ids, params)
         rid = new_id("cmpl")
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _stream(_completion_chunks(served, job, rid, usage))
-        done, parts = await _collect(job, None, request)
-        text = "".join(t for _, t in parts)
-        return Completion(id=rid, created=now(), model=served.model_id,
-                          choices=[CompletionChoice(text=text, finish_reason=_finish(done, False))],
-                          usage=_usage(job, done)).model_dump(exclude_none=True)
+            return streams.completion_stream(served, job, rid, req.include_usage)
+        done, parts = await streams.await_reply(job, None, request)
+        return streams.completion_reply(served, job, rid, done, parts)
 
-    return _Observe(app, served)
-
-
-# ---- checks -------------------------------------------------------------------------------------
-
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    # the deepest error names the most specific field (stop[0], not stop, for [1])
-    e = max(errors, key=lambda x: len(x.get("loc", ())), default={"msg": "invalid", "loc": ()})
-    if e.get("type") == "json_invalid":
-        return (f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])}); "
-                "send a JSON object", None)
-    where = _field(e)
-    if where == "body":
-        return ("the request body must be a JSON object, sent with the header 'Content-Type: "
-                "application/json'"), None
-    if e.get("type") == "missing":
-        return f"{where} is required; add it to the request", where
-    got = e.get("input")
-    shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool, type(None))) \
-        else type(got).__name__
-    if sum(_field(x) == where for x in errors) > 1:      # a union: no member accepted it
-        return f"{where} has the wrong type (got {shown}); see the OpenAI API for its types", where
-    return f"{where}: {e.get('msg', 'invalid')} (got {shown}); fix its value", where
-
-
-def _field(e: dict) -> str:
-    """An error's location as the client spells it (messages[0].role), union tags dropped."""
-    loc = [p for p in e.get("loc", ()) if p != "body"
-           and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _check_model(served: Served, name: str | None, anthropic: bool = False) -> None:
-    if name not in (None, "", "default", served.model_id):
-        how = (" (Claude Code: set ANTHROPIC_MODEL and ANTHROPIC_SMALL_FAST_MODEL to it)"
-               if anthropic else " (\"default\" or no model field also work)")
-        raise ApiError(404, f"model {name!r} is not served here; this server serves "
-                            f"{served.model_id!r}, or \"default\"" + how,
-                       param="model", code="model_not_found")
+    return Guarded(app, served, ENDPOINTS)
 
 
 def _error(request: Request, e: ApiError) -> JSONResponse:
@@ -339,183 +141,6 @@ def _error(request: Request, e: ApiError) -> JSONResponse:
                             status_code=anthropic.error_status(e.status, e.code),
                             headers=e.headers)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _bad(param: str, value: Any, fix: str) -> ApiError:
-    shown = (f"{value:g}" if isinstance(value, float)      # 0, not 0.0, as the client wrote it
-             else json.dumps(value) if _jsonable(value) else repr(value))
-    return ApiError(400, f"{param}={shown}: {fix}", param=param, code="invalid_value")
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v, allow_nan=False)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-def _finite(x: float | None) -> bool:
-    return x is None or math.isfinite(x)
-
-
-def _sampling(req: _Sampling, max_completion_tokens: int | None) -> SamplingParams:
-    """The request's sampling fields, each range-checked, as SamplingParams."""
-    if req.n not in (None, 1):
-        raise _bad("n", req.n, "this server returns one choice per request; leave n out or "
-                               "send 1 (send several requests for several answers)")
-    if req.logprobs:
-        raise _bad("logprobs", req.logprobs, "log probabilities are not supported yet; leave "
-                                             "logprobs out")
-    n_max = max_completion_tokens if max_completion_tokens is not None else req.max_tokens
-    which = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
-    if n_max is not None and not 1 <= n_max <= 1 << 31:
-        raise _bad(which, n_max, "give 1 or more (leave it out to generate until the end of "
-                                 "the text or a full context)")
-    t = req.temperature
-    if t is not None and not (_finite(t) and 0 <= t <= 2):
-        raise _bad("temperature", t, "give a number from 0 (greedy) to 2")
-    if req.top_p is not None and not (_finite(req.top_p) and 0 < req.top_p <= 1):
-        raise _bad("top_p", req.top_p, "give a number above 0 and at most 1 (1 = off)")
-    if req.top_k is not None and req.top_k < 0:
-        raise _bad("top_k", req.top_k, "give 0 (off) or more")
-    if req.min_p is not None and not (_finite(req.min_p) and 0 <= req.min_p <= 1):
-        raise _bad("min_p", req.min_p, "give a number from 0 (off) to 1")
-    if req.repeat_penalty is not None and not (_finite(req.repeat_penalty)
-                                               and 0 < req.repeat_penalty <= 10):
-        raise _bad("repeat_penalty", req.repeat_penalty, "give a number above 0 (1 = off)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v is not None and not (_finite(v) and -2 <= v <= 2):
-            raise _bad(name, v, "give a number from -2 to 2 (0 = off)")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 16 or any(len(s) > 1000 for s in stop):
-        raise _bad("stop", f"{len(stop)} strings", "give at most 16 stop strings of at most "
-                                                    "1000 characters")
-    if req.seed is not None and not -(1 << 63) <= req.seed < 1 << 64:
-        raise _bad("seed", req.seed, "give an integer that fits 64 bits")
-    d = SamplingParams()
-    return SamplingParams(
-        temperature=d.temperature if t is None else t,
-        top_k=d.top_k if req.top_k is None else req.top_k,
-        top_p=d.top_p if req.top_p is None else req.top_p,
-        min_p=d.min_p if req.min_p is None else req.min_p,
-        repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        seed=None if req.seed is None else req.seed % (1 << 64),
-        max_tokens=sys.maxsize if n_max is None else n_max,
-        stop=tuple(s for s in stop if s))
-
-
-def _forced_tool(choice, tools: list[dict]) -> tuple[bool, str | None]:
-    """tool_choice -> (whether the reply must be a tool call, the tool it must call or None)."""
-    if choice is None or choice in ("auto", "none"):
-        return False, None
-    names = {t.get("function", {}).get("name") for t in tools}
-    if choice == "required":
-        if not tools:
-            raise _bad("tool_choice", choice, "required needs tools; send some, or use auto")
-        return True, None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
-        if name not in names:
-            raise _bad("tool_choice.function.name", name, "name one of the request's tools")
-        return True, name
-    raise _bad("tool_choice", choice, 'give "none", "auto", "required" or '
-                                      '{"type": "function", "function": {"name": ...}}')
-
-
-def _render_chat(served: Served, req: ChatRequest, tools: list | None,
-                 forced: tuple[bool, str | None] = (False, None)) -> tuple[str, list[int], str]:
-    """Render the conversation with the chat template and tokenize it (in a worker thread):
-    (prompt text, ids, the forced tool call's opening the prompt ends with, or "")."""
-    if not req.messages:
-        raise ApiError(400, "messages is empty; send at least one message", param="messages",
-                       code="invalid_value")
-    msgs = template_messages(m.model_dump(exclude_none=True) for m in req.messages)
-    for m in msgs:
-        if m["role"] == "developer":
-            m["role"] = "system"
-    kwargs = dict(req.chat_template_kwargs or {})
-    bad = RESERVED_TEMPLATE_KEYS & kwargs.keys()
-    if bad:
-        raise ApiError(400, f"chat_template_kwargs.{sorted(bad)[0]} is set by the server; leave "
-                            "it out", param="chat_template_kwargs", code="invalid_value")
-    think = kwargs.pop("enable_thinking", None)
-    if think is not None and not isinstance(think, bool):
-        raise _bad("chat_template_kwargs.enable_thinking", think, "give true or false")
-    prefix = forced_call_prefix(served.template.source, forced[1]) if forced[0] else ""
-    if prefix:
-        think = False   # a forced call is the reply's first text: no reasoning block before it
-    text, ids = _render(served, msgs, tools, think, kwargs, prefix)
-    return text, ids, prefix
-
-
-def _render(served: Served, msgs: list[dict], tools: list | None, think: bool | None,
-            kwargs: dict, prefill: str = "", check: bool = True) -> tuple[str, list[int]]:
-    """Template messages -> (prompt text, ids), the generation prompt (and a prefill) last."""
-    from loaders import GGUFError
-    tok = served.tokenizer
-    try:
-        text = served.template.render(msgs, add_generation_prompt=True, enable_thinking=think,
-                                      bos_token=tok.bos_token, eos_token=tok.eos_token,
-                                      tools=tools, **kwargs) + prefill
-    except GGUFError as e:
-        raise ApiError(400, f"the chat template could not render these messages: {e}",
-                       param="messages", code="template_error") from None
-    ids = tok.encode(text, add_special=False, parse_special=True)
-    if check:
-        _check_fits(served, ids, "messages")
-    return text, ids
-
-
-def _render_messages(served: Served, req: MessagesRequest, check: bool = True
-                     ) -> tuple[str, list[int], list | None, str]:
-    """An Anthropic request's prompt: (text, ids, the tools the template saw or None, the
-    forced tool call's opening the prompt ends with, or "")."""
-    msgs, prefill = anthropic.template_messages(req)
-    tools = anthropic.tools_for_template(req)
-    force, name = anthropic.forced_tool(req) if tools else (False, None)
-    prefix = forced_call_prefix(served.template.source, name) if force else ""
-    think = False if prefix else anthropic.enable_thinking(req)
-    text, ids = _render(served, template_messages(msgs), tools, think, {}, prefill + prefix, check)
-    return text, ids, tools, prefix
-
-
-def _anthropic_sampling(req: MessagesRequest) -> SamplingParams:
-    if req.max_tokens < 1:
-        raise _bad("max_tokens", req.max_tokens, "give 1 or more")
-    stops = req.stop_sequences or []
-    if len(stops) > 16 or any(len(s) > 1000 for s in stops):
-        raise _bad("stop_sequences", f"{len(stops)} strings", "give at most 16 stop sequences "
-                                                              "of at most 1000 characters")
-    return _sampling(_Sampling(max_tokens=req.max_tokens, temperature=req.temperature,
-                               top_p=req.top_p, top_k=req.top_k, stop=stops), None)
-
-
-def _encode_prompt(served: Served, prompt: str | list[int]) -> list[int]:
-    tok = served.tokenizer
-    if isinstance(prompt, str):
-        ids = tok.encode(prompt, add_special=True, parse_special=True)
-    else:
-        bad = [i for i in prompt if not 0 <= i < len(tok)]
-        if bad:
-            raise _bad("prompt", bad[0], f"token ids run from 0 to {len(tok) - 1}")
-        ids = list(prompt)
-    if not ids:
-        raise ApiError(400, "prompt is empty; give some text", param="prompt",
-                       code="invalid_value")
-    _check_fits(served, ids, "prompt")
-    return ids
-
-
-def _check_fits(served: Served, ids: list[int], param: str) -> None:
-    if len(ids) >= served.n_ctx:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens and the context holds "
-                            f"{served.n_ctx} (the reply needs at least one more); shorten the "
-                            "{} or restart the server with a larger --ctx".format(param),
-                       param=param, code="context_length_exceeded")
 
 
 def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | None = None
@@ -532,226 +157,6 @@ def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | 
     except ShuttingDown:
         raise ApiError(503, "the server is shutting down", code="shutting_down") from None
     return job
-
-
-# ---- replies -------------------------------------------------------------------------------------
-
-async def _collect(job: Job, parser: OutputParser | None, request: Request):
-    """Wait for the whole reply: (DoneEvent, parts). A client that hangs up is noticed within
-    a second and its sequence dropped."""
-    parts: list = []
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
-    try:
-        while True:
-            try:
-                ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                ev = None
-            if loop.time() - checked >= DISCONNECT_POLL_S:
-                checked = loop.time()
-                if await request.is_disconnected():
-                    raise ApiError(499, "the client closed the connection") from None
-            if ev is None:
-                continue
-            if isinstance(ev, Failure):
-                raise ApiError(ev.status, ev.message)
-            text = ev.text
-            parts += parser.push(text) if parser else [("content", text)] if text else []
-            if isinstance(ev, DoneEvent):
-                if parser:
-                    parts += parser.finish()
-                return ev, parts
-    finally:
-        job.cancel()     # a no-op once done; frees the slot when the client went away
-
-
-def _finish(done: DoneEvent, tool_calls: bool) -> str:
-    if done.reason in ("length", "context"):
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
-
-
-def _usage(job: Job, done: DoneEvent | None) -> Usage:
-    n_gen = len(done.tokens) if done is not None else 0
-    return Usage(prompt_tokens=len(job.prompt), completion_tokens=n_gen,
-                 total_tokens=len(job.prompt) + n_gen,
-                 prompt_tokens_details={"cached_tokens": job.n_cached})
-
-
-def _stream(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-async def _events(job: Job):
-    """The job's events until its end; cancels the job if the consumer leaves first."""
-    try:
-        while True:
-            ev = await job.events.get()
-            yield ev
-            if not isinstance(ev, TokenEvent):
-                return
-    finally:
-        job.cancel()
-
-
-async def _chat_chunks(served: Served, job: Job, parser: OutputParser, rid: str, usage: bool):
-    created = now()
-
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": served.model_id,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                 "finish_reason": finish}]})
-
-    def deltas(parts) -> list[str]:
-        out = []
-        for kind, val in parts:
-            if kind == "tool_call":
-                out.append(chunk({"tool_calls": [tool_call_object(val, n_calls[0])]}))
-                n_calls[0] += 1
-            elif kind == "reasoning":
-                out.append(chunk({"reasoning_content": val}))
-            else:
-                out.append(chunk({"content": val}))
-        return out
-
-    n_calls = [0]
-    yield chunk({"role": "assistant", "content": ""})
-    async for ev in _events(job):
-        if isinstance(ev, Failure):
-            yield sse(error_body(ev.message, "server_error"))
-            return
-        for c in deltas(parser.push(ev.text)):
-            yield c
-        if isinstance(ev, DoneEvent):
-            for c in deltas(parser.finish()):
-                yield c
-            yield chunk({}, _finish(ev, n_calls[0] > 0))
-            if usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": served.model_id, "choices": [],
-                           "usage": _usage(job, ev).model_dump()})
-            yield sse("[DONE]")
-
-
-def _stop_fields(served: Served, req: MessagesRequest, done: DoneEvent, tool_use: bool) -> dict:
-    reason = anthropic.stop_reason(done.reason, tool_use)
-    seq = (anthropic.matched_stop(served.tokenizer.decode(done.tokens), req.stop_sequences or [])
-           if reason == "stop_sequence" else None)
-    return {"stop_reason": reason, "stop_sequence": seq}
-
-
-async def _message_events(served: Served, job: Job, parser: OutputParser, mid: str,
-                          req: MessagesRequest):
-    """Anthropic's stream: pings while the prompt is prefilled, message_start, the content
-    blocks' events, message_delta (stop reason, usage), message_stop."""
-    ev = None
-    try:
-        while ev is None:
-            try:
-                ev = await asyncio.wait_for(job.events.get(), PING_S)
-            except asyncio.TimeoutError:
-                yield anthropic.event("ping", {})
-        start_usage = anthropic.usage(len(job.prompt), job.n_cached, 0)
-        if not isinstance(ev, Failure):
-            yield anthropic.event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": served.model_id,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": start_usage}})
-        blocks = anthropic.Blocks()
-        while True:
-            if isinstance(ev, Failure):
-                yield anthropic.event("error", {"error": {"type": "api_error",
-                                                          "message": ev.message}})
-                return
-            for e in blocks.events(parser.push(ev.text)):
-                yield e
-            if isinstance(ev, DoneEvent):
-                for e in blocks.events(parser.finish()) + blocks.finish():
-                    yield e
-                yield anthropic.event("message_delta", {
-                    "delta": _stop_fields(served, req, ev, blocks.has_tool_use),
-                    "usage": anthropic.usage(len(job.prompt), job.n_cached, len(ev.tokens))})
-                yield anthropic.event("message_stop", {})
-                return
-            ev = await job.events.get()
-    finally:
-        job.cancel()
-
-
-async def _completion_chunks(served: Served, job: Job, rid: str, usage: bool):
-    created = now()
-
-    def chunk(text: str, finish: str | None = None) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created,
-                    "model": served.model_id,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": finish}]})
-
-    async for ev in _events(job):
-        if isinstance(ev, Failure):
-            yield sse(error_body(ev.message, "server_error"))
-            return
-        if ev.text:
-            yield chunk(ev.text)
-        if isinstance(ev, DoneEvent):
-            yield chunk("", _finish(ev, False))
-            if usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": served.model_id, "choices": [],
-                           "usage": _usage(job, ev).model_dump()})
-            yield sse("[DONE]")
-
-
-# ---- auth and counts --------------------------------------------------------------------------
-
-class _Observe:
-    """ASGI wrapper: the API key on every route but /health, and requests counted by route
-    and status (a plain wrapper, so streamed bodies pass through unbuffered)."""
-
-    def __init__(self, app: FastAPI, served: Served):
-        self.app, self.served = app, served
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
-        status = [500]
-
-        async def sending(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-            await send(msg)
-
-        try:
-            key = self.served.api_key
-            if key and path != "/health" and not _authorized(scope, key):
-                msg = ("a valid API key is required: send the header 'Authorization: Bearer KEY' "
-                       "or 'x-api-key: KEY' with the key the server was started with (--api-key)")
-                body = (anthropic.error_body(401, msg) if path.startswith("/v1/messages")
-                        else error_body(msg, code="invalid_api_key"))
-                resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                return await resp(scope, receive, sending)
-            return await self.app(scope, receive, sending)
-        finally:
-            self.served.metrics.request(endpoint, status[0])
-
-
-def _authorized(scope, key: str) -> bool:
-    """'Authorization: Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                   key.encode()):
-                return True
-        elif name == b"x-api-key" and hmac.compare_digest(value.strip(), key.encode()):
-            return True
-    return False
 
 
 __all__ = ["create_app", "Served", "ChatRequest", "CompletionRequest", "ChatCompletion",

@@ -3,15 +3,9 @@ sequences are active, each with its own State. Three modes, chosen at start (`En
 by /health and the startup line):
 
   batched       the plain model (CPU, or a GPU without --vram), and the offload runtime opened
-                for several sequences (--vram: max_sequences = --parallel): every step advances
-                all the sequences that are decoding by one token in one `model.decode_many`
-                call (a layer's experts read, or fetched, once for the batch), and a newcomer's
-                prompt goes in by chunks of `prefill_chunk` tokens, one chunk between two decode
-                steps, so a long prompt does not stall the running streams. Each sequence
-                samples from its own row with its own TokenStream (sequence.py): seed,
-                penalties and stops as alone. A step's States go in one fixed order (one
-                captured graph per set of States), and on a GPU the next step is queued on the
-                drawn ids before the host reads them (run_ahead, as generate() does).
+                for several sequences (--vram: max_sequences = --parallel): one decode_many step
+                for all the sequences that are decoding, newcomers' prompts in chunks between
+                steps (batcher.py).
   interleaved   a custom generate_fn, or --no-batch: the active sequences take turns, one
                 generate() step each (round robin), a newcomer's prompt prefilled whole when it
                 is admitted.
@@ -31,98 +25,24 @@ sequence hands out one State, so the engine then runs one sequence at a time and
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from moe_offload import (DoneEvent, OffloadError, SamplingParams, TokenEvent, TokenReadback,
-                         generate)
+from moe_offload import DoneEvent, OffloadError, TokenEvent, generate
 
+from .batcher import Batcher
+from .jobs import Active, Failure, Job, QueueFull, ShuttingDown, with_snapshot
 from .prefix_cache import Cached, PrefixCache
-from .sequence import TokenStream
 
-MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
 PREFILL_CHUNK = 256  # prompt tokens a newcomer feeds between two batched decode steps
 PREFILL_CHUNK_UNDER_CAP = 1024   # ... under a VRAM cap, where each chunk streams the cold experts
-
-
-class QueueFull(Exception):
-    """The queue holds --queue requests already."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining and takes no new requests."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What a job receives instead of a DoneEvent when its sequence failed."""
-    message: str
-    status: int = 500
-
-
-@dataclass(eq=False)
-class Job:
-    """One request: its prompt ids and sampling, and where its events go (an asyncio queue of
-    the loop that waits for them: TokenEvent*, then DoneEvent or Failure)."""
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-    cancelled: bool = False
-    n_cached: int = 0                 # prompt tokens taken from a cached prefix
-    text: str | None = None           # the prompt's text (chat), when its ids encode it whole
-    head_s: float = 0.0               # time to prefill the first turn apart (see _admit)
-
-    def __post_init__(self):
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        if self.events is None:
-            self.events = asyncio.Queue()
-
-    def cancel(self) -> None:
-        """The client left: the engine drops the sequence at its next step."""
-        self.cancelled = True
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:              # the loop is closed: nobody is listening
-            self.cancelled = True
-
-
-@dataclass(eq=False)
-class _Seq:
-    job: Job
-    state: object
-    history: list[int]                # ids already in the state when it started
-    feed: list[int]                   # prompt ids this sequence prefills
-    snaps: list
-    gen: object = None                # interleaved: the generate() stream
-    stream: TokenStream | None = None  # batched: sampling and stops, fed logits from outside
-    fed: int = 0                      # batched: prompt ids of `feed` already prefilled
-    cut: int = 0                      # batched: keep a snapshot once `fed` reaches it (0: none)
-    sampled: list[int] = field(default_factory=list)
-    done: bool = False
-
-    def cached_tokens(self) -> list[int]:
-        """The ids the state holds now (the last sampled id is never fed)."""
-        return (self.history + self.feed + self.sampled)[:self.state.n_past]
-
-    def cached_text(self, tokenizer) -> str | None:
-        """The text of cached_tokens(): the prompt's and the fed reply ids' (None: unknown)."""
-        fed = self.state.n_past - len(self.job.prompt)
-        if self.job.text is None or tokenizer is None or fed < 0:
-            return None
-        return self.job.text + tokenizer.decode(self.sampled[:fed])
 
 
 class Engine:
@@ -165,16 +85,14 @@ class Engine:
                      "batched" if self.batched else "interleaved")
         self.batch_size = 0            # sequences in the last decode step
         # batched: queue the next step on the drawn ids before reading them (None: on a GPU)
-        dev = torch.device(getattr(model, "device", "cpu"))
-        self.run_ahead = dev.type == "cuda" if run_ahead is None else bool(run_ahead)
-        self._ahead: dict = {}         # sequence -> its logits [1, V] from the step queued ahead
-        self._readback = TokenReadback(dev).many
+        if run_ahead is None:
+            run_ahead = torch.device(getattr(model, "device", "cpu")).type == "cuda"
+        self.batcher = Batcher(self, bool(run_ahead)) if self.batched else None
         self.cache = PrefixCache(min(prefix_cache, 1) if self.single_state else prefix_cache)
         self._max_states = 1 if self.single_state else min(
             self.parallel + self.cache.size, getattr(model, "max_sequences", 1 << 30))
         self._free = [first]
         self._n_states = 1
-        self._state_order: dict[int, int] = {}
         self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -191,7 +109,7 @@ class Engine:
             metrics.counters = self.counters
         self._publish_draft()     # the series exist (at 0) before the first request
 
-    # -- the request side (any thread) -----------------------------------------------------------
+    # -- the request side (any thread) ------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ftpatch-engine", daemon=True)
@@ -237,14 +155,6 @@ class Engine:
                                                   "Time spent capturing decode graphs.")
         return out
 
-    @contextlib.contextmanager
-    def _timed(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.busy_s[phase] += time.perf_counter() - t0
-
     def draft_summary(self) -> dict | None:
         """--draft's setting and what it did (as last published), for /health; None when off."""
         if self.draft is None:
@@ -252,9 +162,9 @@ class Engine:
         fixed = self.draft.policy.fixed
         return {"setting": "auto" if fixed is None else fixed, **self.draft_stats}
 
-    # -- the engine thread -------------------------------------------------------------------------
+    # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        ring: deque[_Seq] = deque()
+        ring: deque[Active] = deque()
         while True:
             with self._cv:
                 while not self._pending and not ring and not self._stopping:
@@ -280,177 +190,66 @@ class Engine:
         """A step failed outside the guards of its parts: every sequence it held gets the error
         and leaves (its state emptied for the next request); the engine takes the next ones."""
         traceback.print_exc(file=sys.stderr)
-        self._ahead.clear()
+        if self.batcher is not None:
+            self.batcher.forget()
         while ring:
             seq = ring.popleft()
             if not seq.done:
-                self._fail(seq, e)
+                self.fail(seq, e)
             try:
-                self._retire(seq)
+                self.retire(seq)
             except Exception:   # noqa: BLE001 -- a state that cannot be kept is dropped
                 self._n_states -= 1
+
+    def _batch_step(self, ring: deque) -> None:
+        """Batched: one step of every active sequence (Batcher.step)."""
+        self.batcher.step(ring)
+
+    @property
+    def _readback(self):
+        """How the batcher reads a step's ids back (tests count its calls)."""
+        return self.batcher.readback
+
+    @_readback.setter
+    def _readback(self, fn) -> None:
+        self.batcher.readback = fn
 
     def _turn(self, ring: deque) -> None:
         """Interleaved: the sequence at the front takes one generate() step, then goes last."""
         seq = ring.popleft()
-        with self._timed("generate"):
+        with self.timed("generate"):
             going = not seq.job.cancelled and self._step(seq)
         if not going:
-            self._retire(seq)
+            self.retire(seq)
         else:
             ring.append(seq)
         self.batch_size = 1
 
-    def _batch_step(self, ring: deque) -> None:
-        """Batched: one prompt chunk of the first sequence still prefilling, then one decode
-        step of every sequence with a token to feed; finished and cancelled ones leave.
-
-        The step's sequences go in one fixed order (their States': a batch's graph is keyed by
-        its States in order, so the same batch is the same graph however its requests arrived).
-        With run_ahead, the step after this one is queued on the ids drawn here before the host
-        reads them, as generate() does for one sequence, whenever only an end-of-generation id
-        could end a sequence there; its logits wait in _ahead, and a sequence that did end
-        leaves with that id in its State (cached_tokens counts it)."""
-        pre = next((s for s in ring if not s.job.cancelled and s.fed < len(s.feed)), None)
-        if pre is not None:
-            alone = not any(s is not pre and not s.done and not s.job.cancelled
-                            and s.stream.pending is not None for s in ring)
-            self._prefill_chunk(pre, alone)
-        live = sorted((s for s in ring if not s.done and not s.job.cancelled
-                       and s.stream.pending is not None), key=lambda s: self._order(s.state))
-        if live:
-            with self._timed("decode"):
-                rows = self._logits(live)
-                if rows is not None:
-                    self._sample(live, rows)
-        for s in [s for s in ring if s.done or s.job.cancelled]:
-            self._ahead.pop(s, None)
-            ring.remove(s)
-            self._retire(s)
-
-    def _order(self, state) -> int:
-        """A State's place in every batch: the order it was first seen in."""
-        return self._state_order.setdefault(id(state), len(self._state_order))
-
-    def _logits(self, live: list) -> list | None:
-        """Each sequence's logits [1, V] for its pending id: from the step queued ahead where
-        there is one, else from one decode_many step of the others; None if that step failed."""
-        rows = {s: self._ahead.pop(s) for s in live if s in self._ahead}
-        feed = [s for s in live if s not in rows]
-        if feed:
-            self.batch_size = len(feed)
-            try:
-                ids = torch.tensor([s.stream.pending for s in feed], device=self.model.device)
-                logits = self.model.decode_many(ids, [s.state for s in feed])    # [B, V]
-            except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
-                for s in feed:
-                    self._fail(s, e)
-                return None
-            rows.update((s, logits[i:i + 1]) for i, s in enumerate(feed))
-        return [rows[s] for s in live]
-
-    def _sample(self, live: list, rows: list) -> None:
-        """Draw every sequence's next id on the device; queue the next step on them if all may
-        run ahead; then read the ids (one wait for all) and pass on what follows."""
-        drawn = []
-        for s, row in zip(live, rows):
-            try:
-                drawn.append(s.stream.draw(row))
-            except Exception as e:   # noqa: BLE001 -- this request fails, the others go on
-                self._fail(s, e)
-                drawn.append(None)
-        keep = [(s, t) for s, t in zip(live, drawn) if t is not None]
-        if not keep:
-            return
-        n_free = [s.state.n_free for s, _ in keep]   # before a step queued ahead takes a row
-        ids = torch.stack([t.reshape(1) for _, t in keep]).reshape(-1)
-        ahead = None
-        if self.run_ahead and all(s.stream.may_run_ahead(n) for (s, _), n in zip(keep, n_free)):
-            def queue_next():
-                try:
-                    self.batch_size = len(keep)
-                    return self.model.decode_many(ids, [s.state for s, _ in keep])
-                except Exception as e:   # noqa: BLE001 -- reported after this step's ids go out
-                    return e
-            host, ahead = self._readback(ids, queue_next)
-        else:
-            host = ids.tolist()
-        for (s, _), tok, n in zip(keep, host, n_free):
-            try:
-                events = s.stream.take(int(tok), n)
-            except Exception as e:   # noqa: BLE001
-                self._fail(s, e)
-                continue
-            self._emit(s, events)
-        if isinstance(ahead, Exception):   # every state of that step may be half-written
-            for s, _ in keep:
-                if not s.done:
-                    self._fail(s, ahead)
-        elif ahead is not None:
-            for i, (s, _) in enumerate(keep):
-                if not s.done:
-                    self._ahead[s] = ahead[i:i + 1]
-
-    def _prefill_chunk(self, seq: _Seq, alone: bool = False) -> None:
-        """Feed the next chunk of a newcomer's prompt (ending at its first-turn cut if that
-        comes first); at the prompt's end, sample its first token. `alone`: no other sequence
-        is waiting for a decode step, so the rest of the prompt goes in at once, in the
-        model's own prefill chunks (under a cap each chunk streams the cold experts once)."""
-        start = seq.fed
-        end = len(seq.feed) if alone else min(start + self.prefill_chunk, len(seq.feed))
-        if start < seq.cut < end:
-            end = seq.cut
-        t0 = time.perf_counter()
+    def _step(self, seq: Active) -> bool:
+        """Advance one sequence by one event; False when it is finished."""
         try:
-            ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
-            kw = {} if alone else {"chunk": self.prefill_chunk}
-            logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
-        except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
-            self._fail(seq, e)
-            return
-        finally:
-            took = time.perf_counter() - t0
-            self.busy_s["prefill"] += took
-        seq.stream.prefilled(end - start, took)
-        seq.fed = end
-        self.prefilled_tokens += end - start
-        if end == seq.cut or end == len(seq.feed):   # a rewind point: the first turn, the prompt
-            if not (seq.snaps and seq.snaps[-1].n_past == seq.state.n_past):
-                seq.snaps = (seq.snaps + [seq.state.snapshot()])[-MAX_SNAPSHOTS:]
-        if end == len(seq.feed):
-            self._push(seq, logits)
-
-    def _push(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Sample the sequence's next token from its logits [1, V] and pass on what follows."""
-        try:
-            events = seq.stream.push(logits, seq.state.n_free)
-        except Exception as e:   # noqa: BLE001 -- this request fails, the others go on
-            self._fail(seq, e)
-            return
-        self._emit(seq, events)
-
-    def _emit(self, seq: _Seq, events: list) -> None:
-        for ev in events:
-            if isinstance(ev, TokenEvent):
-                seq.sampled.append(ev.token)
-            else:
-                seq.done = True
-                seq.sampled = list(ev.tokens)   # with an end-of-generation id, which the State
-                self._finished(seq, ev)        # holds if a step ran ahead on it
+            ev = next(seq.gen)
+        except StopIteration:
+            seq.done = True
+            return False
+        except Exception as e:   # noqa: BLE001
+            self.fail(seq, e)
+            return False
+        if isinstance(ev, TokenEvent):
+            if not seq.sampled and seq.state.n_past:
+                seq.snaps = with_snapshot(seq.snaps, seq.state)
+            seq.sampled.append(ev.token)
             seq.job.put(ev)
+            return True
+        seq.done = True
+        if isinstance(ev, DoneEvent):
+            seq.sampled = list(ev.tokens)   # with an end-of-generation id: on a GPU generate()
+            self.finished(seq, ev)         # queued a step on it, and the State holds it
+        seq.job.put(ev)
+        return False
 
-    def _fail(self, seq: _Seq, e: BaseException) -> None:
-        seq.job.put(Failure(_message(e)))
-        seq.done, seq.state = True, self._broken(seq.state)
-
-    def _finished(self, seq: _Seq, ev: DoneEvent) -> None:
-        if self.metrics is not None:
-            t = ev.timings
-            self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
-                                  seq.job.head_s + t.ttft_s, t.decode_tps)
-        self._publish_draft()    # before the reply goes out: a client then reads both together
-
-    def _admit(self, job: Job) -> _Seq | None:
+    # -- admission: a cached prefix or a fresh State ----------------------------------------------
+    def _admit(self, job: Job) -> Active | None:
         if job.cancelled:
             return None
         state = None
@@ -472,11 +271,7 @@ class Engine:
             self.reused_tokens += len(history)
             cut = self._first_turn_end(job.prompt)
             if self.batched:     # the prompt goes in by chunks, between decode steps
-                seq = _Seq(job, state, history, job.prompt[len(history):], snaps,
-                           cut=max(0, cut - len(history)))
-                seq.stream = TokenStream(job.params, self.model.device, self.tokenizer,
-                                         job.prompt, len(seq.feed))
-                return seq
+                return self.batcher.admit(job, state, history, snaps, cut)
             if len(history) < cut:
                 # prefill the first turn (a system prompt, the tools) on its own and keep a
                 # rewind point there: other conversations that open the same way reuse it
@@ -490,9 +285,9 @@ class Engine:
                 job.head_s = time.perf_counter() - t0
                 self.busy_s["prefill"] += job.head_s
                 self.prefilled_tokens += len(head)
-                snaps = (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
+                snaps = with_snapshot(snaps, state)
                 history = job.prompt[:cut]
-            seq = _Seq(job, state, history, job.prompt[len(history):], snaps)
+            seq = Active(job, state, history, job.prompt[len(history):], snaps)
             kw = {} if self.draft is None else {"draft": self.draft}
             seq.gen = self.generate_fn(self.model, state, seq.feed, job.params,
                                        tokenizer=self.tokenizer, history=history, **kw)
@@ -518,30 +313,31 @@ class Engine:
         ends = [i + 1 for i, t in enumerate(prompt) if t in eot]
         return ends[0] if len(ends) >= 2 else 0
 
-    def _step(self, seq: _Seq) -> bool:
-        """Advance one sequence by one event; False when it is finished."""
+    # -- what the modes and the batcher report ----------------------------------------------------
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Adds the time the block takes to the engine thread's busy seconds of `phase`."""
+        t0 = time.perf_counter()
         try:
-            ev = next(seq.gen)
-        except StopIteration:
-            seq.done = True
-            return False
-        except Exception as e:   # noqa: BLE001
-            self._fail(seq, e)
-            return False
-        if isinstance(ev, TokenEvent):
-            if not seq.sampled and seq.state.n_past:
-                seq.snaps = (seq.snaps + [seq.state.snapshot()])[-MAX_SNAPSHOTS:]
-            seq.sampled.append(ev.token)
-            seq.job.put(ev)
-            return True
-        seq.done = True
-        if isinstance(ev, DoneEvent):
-            seq.sampled = list(ev.tokens)   # with an end-of-generation id: on a GPU generate()
-            self._finished(seq, ev)         # queued a step on it, and the State holds it
-        seq.job.put(ev)
-        return False
+            yield
+        finally:
+            self.busy_s[phase] += time.perf_counter() - t0
 
-    def _retire(self, seq: _Seq) -> None:
+    def fail(self, seq: Active, e: BaseException) -> None:
+        """The sequence failed: its job gets the error, its state is emptied."""
+        seq.job.put(Failure(_message(e)))
+        seq.done, seq.state = True, self._broken(seq.state)
+
+    def finished(self, seq: Active, ev: DoneEvent) -> None:
+        """The sequence ended: its figures go to the metrics."""
+        if self.metrics is not None:
+            t = ev.timings
+            self.metrics.finished(len(seq.job.prompt), seq.job.n_cached, len(ev.tokens),
+                                  seq.job.head_s + t.ttft_s, t.decode_tps)
+        self._publish_draft()    # before the reply goes out: a client then reads both together
+
+    def retire(self, seq: Active) -> None:
+        """The sequence leaves: its State is cached for prefix reuse or freed."""
         if not seq.done and seq.gen is not None:
             seq.gen.close()
         if seq.state is None:
@@ -566,6 +362,17 @@ class Engine:
         if self.metrics is not None:
             self.metrics.set_draft(self.draft_stats)
 
+    def _read_stats(self) -> None:
+        if self.stats_fn is None or self.metrics is None:
+            return
+        try:
+            from .metrics import runtime_gauges
+            s = self.stats_fn()
+            self.metrics.set_runtime(runtime_gauges(s.as_dict() if hasattr(s, "as_dict") else s))
+        except Exception:   # noqa: BLE001 -- statistics must never take the server down
+            pass
+
+    # -- States -----------------------------------------------------------------------------------
     def _fresh_state(self):
         if self._free:
             st = self._free.pop()
@@ -590,16 +397,6 @@ class Engine:
         except Exception:   # noqa: BLE001 -- a state that cannot even reset is dropped
             self._n_states -= 1
             return None
-
-    def _read_stats(self) -> None:
-        if self.stats_fn is None or self.metrics is None:
-            return
-        try:
-            from .metrics import runtime_gauges
-            s = self.stats_fn()
-            self.metrics.set_runtime(runtime_gauges(s.as_dict() if hasattr(s, "as_dict") else s))
-        except Exception:   # noqa: BLE001 -- statistics must never take the server down
-            pass
 
 
 def _message(e: BaseException) -> str:

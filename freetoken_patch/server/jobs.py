@@ -1,0 +1,89 @@
+"""What the routes and the engine pass each other -- a Job, the Failure it may receive, the two
+refusals of a submit -- and what the engine keeps for each job it admitted (Active)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from moe_offload import SamplingParams
+
+from .sequence import TokenStream
+
+MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
+
+
+class QueueFull(Exception):
+    """The queue holds --queue requests already."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a job receives instead of a DoneEvent when its sequence failed."""
+    message: str
+    status: int = 500
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its prompt ids and sampling, and where its events go (an asyncio queue of
+    the loop that waits for them: TokenEvent*, then DoneEvent or Failure)."""
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: bool = False
+    n_cached: int = 0                 # prompt tokens taken from a cached prefix
+    text: str | None = None           # the prompt's text (chat), when its ids encode it whole
+    head_s: float = 0.0               # time to prefill the first turn apart (Engine._admit)
+
+    def __post_init__(self):
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        if self.events is None:
+            self.events = asyncio.Queue()
+
+    def cancel(self) -> None:
+        """The client left: the engine drops the sequence at its next step."""
+        self.cancelled = True
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:              # the loop is closed: nobody is listening
+            self.cancelled = True
+
+
+@dataclass(eq=False)
+class Active:
+    """An admitted job: its State, the ids in it, rewind points, and how far it got."""
+    job: Job
+    state: object
+    history: list[int]                # ids already in the state when it started
+    feed: list[int]                   # prompt ids this sequence prefills
+    snaps: list
+    gen: object = None                # interleaved: the generate() stream
+    stream: TokenStream | None = None  # batched: sampling and stops, fed logits from outside
+    fed: int = 0                      # batched: prompt ids of `feed` already prefilled
+    cut: int = 0                      # batched: keep a snapshot once `fed` reaches it (0: none)
+    sampled: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def cached_tokens(self) -> list[int]:
+        """The ids the state holds now (the last sampled id is never fed)."""
+        return (self.history + self.feed + self.sampled)[:self.state.n_past]
+
+    def cached_text(self, tokenizer) -> str | None:
+        """The text of cached_tokens(): the prompt's and the fed reply ids' (None: unknown)."""
+        fed = self.state.n_past - len(self.job.prompt)
+        if self.job.text is None or tokenizer is None or fed < 0:
+            return None
+        return self.job.text + tokenizer.decode(self.sampled[:fed])
+
+
+def with_snapshot(snaps: list, state) -> list:
+    """`snaps` and a snapshot of `state` now, the oldest dropped past MAX_SNAPSHOTS."""
+    return (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]

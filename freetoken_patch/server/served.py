@@ -1,0 +1,23 @@
+"""What the app serves: the engine, the tokenizer and chat template, the model's name and
+context, the API key and the metrics. The CLI (and tests) build one; every route reads it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import Engine
+from .metrics import Metrics
+from .openai_format import now
+
+
+@dataclass
+class Served:
+    """The model behind the app: its engine, tokenizer, chat template and names."""
+    engine: Engine
+    tokenizer: Any
+    template: Any
+    model_id: str
+    n_ctx: int
+    api_key: str | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    created: int = field(default_factory=now)
