@@ -121,7 +121,7 @@ class PlainBackend(Backend):
 
     def prefill(self, tokens, state, chunk=None, all_logits=False, hidden=False):
         flags = {k: True for k, on in (("all_logits", all_logits), ("hidden", hidden)) if on}
-        return self.model.prefill(tokens, state, chunk or PREFILL.default_chunk, **flags)
+        return self.model.prefill(tokens, state, chunk=chunk or PREFILL.default_chunk, **flags)
 
     def forward(self, tokens, state, last_only=False, hidden=False):
         return self.model.forward(tokens, state, last_only=last_only, hidden=hidden)

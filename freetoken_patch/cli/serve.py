@@ -138,7 +138,8 @@ def check_draft_parallel(args: argparse.Namespace) -> None:
 def load(args: argparse.Namespace):
     """The model named by the flags (or the embedded default), its engine, and the app's Served."""
     from loaders.synth import default_model_path, ensure_default_model
-    from ..server.engine import PREFILL_CHUNK, PREFILL_CHUNK_UNDER_CAP, Engine
+    from moe_offload import SERVING
+    from ..server.engine import Engine
     from ..server.app import Served
     from ..server.metrics import Metrics
     dev = device_for(args.device, args.vram)
@@ -152,7 +153,8 @@ def load(args: argparse.Namespace):
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics,
                     prefill_chunk=getattr(args, "prefill_chunk", None)
-                    or (PREFILL_CHUNK_UNDER_CAP if args.vram is not None else PREFILL_CHUNK),
+                    or (SERVING.prefill_chunk_under_cap if args.vram is not None
+                        else SERVING.prefill_chunk),
                     batch=False if getattr(args, "no_batch", False) else None,
                     draft=speculative_for(args, model))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)

@@ -13,11 +13,11 @@ context) -> engine.py (queue, thread) -> streams.py (SSE or the whole reply, in 
   served.py         Served: the engine, tokenizer, template and names the routes read
   jobs.py           Job (a request's ids, sampling and event queue), Failure, the submit
                     refusals, Active (an admitted job: its State, ids, snapshots)
-  engine.py         the bounded queue and the one thread that owns the model: admission with
-                    prefix reuse, the interleaved and speculative modes, failures, the States
-  batcher.py        the batched mode's step: decode_many for all, prompts in chunks, run-ahead
-  sequence.py       one request's sampling and stop rules fed logits from a batched step
-  prefix_cache.py   recent States by the tokens (and text) they hold, for prefix reuse
+  engine.py         the bounded queue and the one thread that owns the backend: admission with
+                    prefix reuse (moe_offload.PrefixIndex), the interleaved and speculative
+                    modes, failures, the States
+  batcher.py        the batched mode's step: decode_many for all, prompts in chunks, run-ahead;
+                    each request's rules are moe_offload's TokenStream (generate()'s own)
   openai_format.py  error objects, message content, SSE chunks, the reasoning and tool-call parsers
   anthropic_format.py  Anthropic's Messages API: its request, messages -> the template's,
                     content blocks whole or as named SSE events, stop reasons, usage, errors

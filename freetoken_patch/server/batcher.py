@@ -2,7 +2,8 @@
 token in one `model.decode_many` call (a layer's experts read, or fetched, once for the batch),
 and a newcomer's prompt goes in by chunks of `prefill_chunk` tokens, one chunk between two
 decode steps, so a long prompt does not stall the running streams. Each sequence samples from
-its own row with its own TokenStream (sequence.py): seed, penalties and stops as alone.
+its own row with its own TokenStream (moe_offload's, generate()'s own): seed, penalties and
+stops as alone.
 
 A step's States go in one fixed order (one captured graph per set of States), and with
 run_ahead (on a GPU) the next step is queued on the drawn ids before the host reads them, as
@@ -15,10 +16,9 @@ from collections import deque
 
 import torch
 
-from moe_offload import TokenEvent, TokenReadback
+from moe_offload import TokenEvent, TokenReadback, TokenStream
 
 from .jobs import Active, Job, with_snapshot
-from .sequence import TokenStream
 
 
 class Batcher:
@@ -29,7 +29,7 @@ class Batcher:
         self.engine, self.model = engine, engine.model
         self.run_ahead = run_ahead
         self.ahead: dict = {}          # sequence -> its logits [1, V] from the step queued ahead
-        self.readback = TokenReadback(torch.device(getattr(self.model, "device", "cpu"))).many
+        self.readback = TokenReadback(self.model.device).many
         self._state_order: dict[int, int] = {}
 
     def admit(self, job: Job, state, history: list[int], snaps: list, cut: int) -> Active:

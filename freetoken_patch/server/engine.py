@@ -35,44 +35,38 @@ from typing import Callable
 
 import torch
 
-from moe_offload import DoneEvent, OffloadError, TokenEvent, generate
+from moe_offload import (SERVING, Cached, DoneEvent, OffloadError, PrefixIndex, TokenEvent,
+                         as_backend, generate)
 
 from .batcher import Batcher
 from .jobs import Active, Failure, Job, QueueFull, ShuttingDown, with_snapshot
-from .prefix_cache import Cached, PrefixCache
-
-PREFILL_CHUNK = 256  # prompt tokens a newcomer feeds between two batched decode steps
-PREFILL_CHUNK_UNDER_CAP = 1024   # ... under a VRAM cap, where each chunk streams the cold experts
 
 
 class Engine:
-    """The queue, the engine thread and its sequences. `generate_fn` (moe_offload.gen.generate by
-    default) can be replaced by a scripted stream in tests (the interleaved mode); `batch`:
-    None picks the batched mode wherever the model has `decode_many` and generate_fn is
-    generate(), False keeps the interleaved one; `draft` (moe_offload SpeculativeDecoder) makes
+    """The queue, the engine thread and its sequences. `model`: a moe_offload Backend (a bare
+    model is wrapped). `generate_fn` (moe_offload.generate by default) can be replaced by a
+    scripted stream in tests (the interleaved mode); `batch`: None picks the batched mode
+    wherever the backend batches (caps.batched) and generate_fn is generate(), False keeps the
+    interleaved one; `draft` (moe_offload SpeculativeDecoder) makes
     it speculative, one sequence at a time (parallel must be 1); `metrics`
     (server.metrics.Metrics) gets each finished sequence, the runtime's stats() and the
     draft's."""
 
     def __init__(self, model, tokenizer, n_ctx: int, *, parallel: int = 4, queue_size: int = 64,
-                 prefix_cache: int = 4, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache: int = 4, prefill_chunk: int = SERVING.prefill_chunk,
                  generate_fn: Callable = generate, batch: bool | None = None, metrics=None,
                  draft=None, run_ahead: bool | None = None):
-        self.model, self.tokenizer, self.n_ctx = model, tokenizer, n_ctx
+        self.model = be = as_backend(model)
+        self.tokenizer, self.n_ctx, caps = tokenizer, n_ctx, be.caps
         self.generate_fn, self.metrics, self.draft = generate_fn, metrics, draft
         self.draft_stats: dict = {}    # the decoder's SpecStats as last published
         self.queue_size = queue_size
         self.prefill_chunk = max(1, int(prefill_chunk))
-        first = model.new_state(1, n_ctx)
+        first = be.new_state(1, n_ctx)
         # an offload runtime opened for one sequence hands out the same State each time
-        probe = model.new_state(1, n_ctx)
-        self.single_state = probe is first
-        if not self.single_state and hasattr(model, "release"):
-            model.release(probe)   # a runtime counts the states it handed out
-        self.parallel = 1 if self.single_state else min(parallel, getattr(model, "max_sequences",
-                                                                          parallel))
-        can_batch = (hasattr(model, "decode_many") and generate_fn is generate
-                     and not self.single_state)
+        self.single_state = caps.shared_state
+        self.parallel = 1 if self.single_state else min(parallel, caps.max_sequences)
+        can_batch = caps.batched and generate_fn is generate and not self.single_state
         self.batched = can_batch if batch is None else bool(batch) and can_batch
         if draft is not None:
             # one decoder drafts for one sequence (its ids, its last step); a batched step of
@@ -86,11 +80,11 @@ class Engine:
         self.batch_size = 0            # sequences in the last decode step
         # batched: queue the next step on the drawn ids before reading them (None: on a GPU)
         if run_ahead is None:
-            run_ahead = torch.device(getattr(model, "device", "cpu")).type == "cuda"
+            run_ahead = be.device.type == "cuda"
         self.batcher = Batcher(self, bool(run_ahead)) if self.batched else None
-        self.cache = PrefixCache(min(prefix_cache, 1) if self.single_state else prefix_cache)
+        self.cache = PrefixIndex(min(prefix_cache, 1) if self.single_state else prefix_cache)
         self._max_states = 1 if self.single_state else min(
-            self.parallel + self.cache.size, getattr(model, "max_sequences", 1 << 30))
+            self.parallel + self.cache.size, caps.max_sequences)
         self._free = [first]
         self._n_states = 1
         self._pending: deque[Job] = deque()
@@ -103,7 +97,6 @@ class Engine:
         # the engine thread's wall time by what it ran: prompt chunks, decode steps (their
         # sampling and readback, a graph capture included), generate() turns (interleaved mode)
         self.busy_s = {"prefill": 0.0, "decode": 0.0, "generate": 0.0}
-        self.stats_fn = getattr(model, "stats", None)
         if metrics is not None:
             metrics.gauges = self.gauges
             metrics.counters = self.counters
@@ -149,9 +142,9 @@ class Engine:
     def counters(self) -> dict:
         out = {"engine_busy_seconds_total": (dict(self.busy_s), "Engine thread wall time by "
                                              "phase (decode includes graph captures).")}
-        if hasattr(self.model, "captures"):   # the offload runtime's CUDA graphs
+        if self.model.caps.offload:   # the offload runtime's CUDA graphs
             out["graph_captures_total"] = (self.model.captures, "Decode graphs captured.")
-            out["graph_capture_seconds_total"] = (getattr(self.model, "capture_s", 0.0),
+            out["graph_capture_seconds_total"] = (self.model.capture_s,
                                                   "Time spent capturing decode graphs.")
         return out
 
@@ -363,12 +356,13 @@ class Engine:
             self.metrics.set_draft(self.draft_stats)
 
     def _read_stats(self) -> None:
-        if self.stats_fn is None or self.metrics is None:
+        if self.metrics is None:
             return
         try:
             from .metrics import runtime_gauges
-            s = self.stats_fn()
-            self.metrics.set_runtime(runtime_gauges(s.as_dict() if hasattr(s, "as_dict") else s))
+            s = self.model.stats()
+            if s is not None:
+                self.metrics.set_runtime(runtime_gauges(s if isinstance(s, dict) else s.as_dict()))
         except Exception:   # noqa: BLE001 -- statistics must never take the server down
             pass
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from moe_offload import SamplingParams
+from moe_offload import SERVING, SamplingParams, TokenStream
 
-from .sequence import TokenStream
 
-MAX_SNAPSHOTS = 4   # rewind points kept per cached sequence (each copies the recurrent state)
 
 
 class QueueFull(Exception):
@@ -85,5 +83,5 @@ class Active:
 
 
 def with_snapshot(snaps: list, state) -> list:
-    """`snaps` and a snapshot of `state` now, the oldest dropped past MAX_SNAPSHOTS."""
-    return (snaps + [state.snapshot()])[-MAX_SNAPSHOTS:]
+    """`snaps` and a snapshot of `state` now, the oldest dropped past SERVING.snapshots."""
+    return (snaps + [state.snapshot()])[-SERVING.snapshots:]

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from moe_offload import SamplingParams, generate  # noqa: E402
+from moe_offload import Backend, Capabilities, SamplingParams, generate  # noqa: E402
 
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -140,9 +140,12 @@ def test_models_health_metrics(client, server):
         assert name in text
 
 
-class OneState:
+class OneState(Backend):
     """The tiny model as the offload runtime presents it: one State for every new_state()
     call, and stats()."""
+
+    caps = Capabilities(max_sequences=1, batched=False, speculative=False, shared_state=True,
+                        offload=True)
 
     def __init__(self, model):
         self.model, self.device = model, model.device
@@ -193,6 +196,8 @@ class FewStates(OneState):
 
     def __init__(self, model, n):
         self.model, self.device, self.max_sequences = model, model.device, n
+        self.caps = Capabilities(max_sequences=n, batched=True, speculative=False,
+                                 shared_state=False, offload=True)
         self.free = [model.new_state(1, 256) for _ in range(n)]
         self.in_use: list = []
 
@@ -221,7 +226,7 @@ def test_runtime_of_a_few_sequences_batches_within_them(tiny_parts, kit):
     served = kit.make_served((rt, tok, tmpl), parallel=4, prefix_cache=4)
     eng = served.engine
     assert (eng.mode, eng.parallel, eng.single_state) == ("batched", 2, False)
-    assert len(rt.in_use) == 1      # the engine's first state; the probe was released
+    assert len(rt.in_use) == 1      # the engine's first state
     asks = [[{"role": "user", "content": f"Count to {n}."}] for n in (3, 4, 5)]
     with kit.live(served) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -144,9 +144,10 @@ def test_a_failed_decode_step_fails_its_requests_and_caches_none_of_their_states
     first = _collect(eng, [(a, greedy), (b, greedy)])
     assert all(getattr(ev, "status", None) == 500 and "step boom" in ev.message for ev in first)
     assert eng.cache.entries == []        # half-written States are emptied, not kept for reuse
-    eng2 = _engine(FailsOnce(model), tok, parallel=2, run_ahead=run_ahead)
+    healthy = FailsOnce(model)
+    healthy.failed = True
+    eng2 = _engine(healthy, tok, parallel=2, run_ahead=run_ahead)
     eng2._free, eng2._n_states = eng._free, eng._n_states   # the same States, emptied
-    eng2.model.failed = True
     again = _collect(eng2, [(a, greedy), (b, greedy)])
     for p, ev in zip((a, b), again):
         assert isinstance(ev, DoneEvent) and ev.tokens == _alone(tiny_parts, p, greedy)[1].tokens

@@ -1,10 +1,10 @@
-"""The server's prefix cache on its own: the longest covered prefix wins, a partly matching entry
+"""The prefix index (the server's cache and the chat session's rule): the longest covered prefix wins, a partly matching entry
 falls back to its latest snapshot at or below the match, one prompt token is always left to
 feed, the oldest entry goes first, and a prompt whose text extends an entry's text continues
 from the entry's own ids."""
 from types import SimpleNamespace
 
-from freetoken_patch.server.prefix_cache import Cached, PrefixCache
+from moe_offload import Cached, PrefixIndex as PrefixCache
 
 
 def _snap(n):
