@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]synth[/] {task.description}"), BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                  transient=True) as bar:
+                  transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(Path(args.out).name, total=None)
 
         def progress(done: int, total: int, name: str) -> None:
