@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in paths)
     console.print(f"wrote {', '.join(str(p) for p in paths)}: {size / (1 << 30):.2f} GiB in "
-                  f"{dt:.1f} s ({size / dt / (1 << 20):.0f} MiB/s); random weights, seed {args.seed}")
+                  f"{dt:.1f} s ({size / dt / (1 << 20):.0f} MiB/s); random weights, seed {args.seed}",
+                  soft_wrap=True)
     return 0
 
 
