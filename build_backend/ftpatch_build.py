@@ -38,6 +38,7 @@ COMPILER_WHEELS = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia
                    "nvidia-cuda-cccl")
 OLDEST_CUDA = (13, 0)   # the first CUDA whose wheels carry nvcc itself
 MIN_CAPABILITY = (8, 0)  # cp.async (native/csrc/cuda/rows.cuh); CMakeLists.txt says the same
+CUDA_ERROR_NO_DEVICE = 100   # cuInit's answer where CUDA_VISIBLE_DEVICES hides every GPU
 # CMakeLists.txt's list when neither a GPU nor FTPATCH_CUDA_ARCHS names one, in words
 DEFAULT_ARCHS_TEXT = "sm_86, sm_89, sm_90, sm_120 and PTX compute_80"
 # Compile cost in core-seconds on the 2-core development machine (AMD EPYC, g++, nvcc 13.0; the
@@ -102,7 +103,12 @@ def driver_cuda_version() -> tuple[int, int] | None:
 def _gpus_from_driver() -> list[Gpu] | None:
     """The GPUs libcuda lists (None where it cannot be asked)."""
     lib = _libcuda()
-    if lib is None or lib.cuInit(0) != 0:
+    if lib is None:
+        return None
+    rc = lib.cuInit(0)
+    if rc == CUDA_ERROR_NO_DEVICE:   # a driver, and no GPU this process may use
+        return []
+    if rc != 0:
         return None
     n = ctypes.c_int(0)
     if lib.cuDeviceGetCount(ctypes.byref(n)) != 0:

@@ -209,3 +209,19 @@ def test_the_script_prints_the_decision_for_this_machine(tmp_path):
     assert lines[0].startswith("FTPATCH_CUDA=OFF")
     assert "compiling the CPU extension only: FTPATCH_CUDA=OFF was set at build time" in lines[1]
     assert lines[2] == "compiler wheels: none"
+
+
+def test_a_driver_that_sees_no_gpu_means_none_visible(monkeypatch):
+    """CUDA_VISIBLE_DEVICES="" on a GPU machine: cuInit answers 'no device', and nvidia-smi
+    (which ignores the variable) is not asked."""
+    spec = importlib.util.spec_from_file_location("ftpatch_build_v", ROOT / "build_backend" / "ftpatch_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+
+    class Lib:
+        def cuInit(self, flags):
+            return mod.CUDA_ERROR_NO_DEVICE
+    monkeypatch.setattr(mod, "_libcuda", lambda: Lib())
+    monkeypatch.setattr(mod, "_gpus_from_smi", lambda: pytest.fail("nvidia-smi asked"))
+    assert mod.visible_gpus() == [] and not mod.gpu_present()
