@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -32,10 +33,9 @@ def version_text() -> str:
     except ImportError as e:
         lines.append(f"CPU kernels: not built ({e}); the torch reference runs instead")
     from native import build_info
-    cuda = build_info.summary()["cuda"]
-    lines.append(f"CUDA kernels: built by nvcc {cuda['compiler']} for {', '.join(cuda['archs'])}"
-                 if cuda else "CUDA kernels: not built (no NVIDIA driver or nvcc at install time; "
-                              "docs/INSTALL.md)")
+
+    from .doctor import build_record, cuda_build_text
+    lines.append("CUDA kernels: " + cuda_build_text(build_info.summary()["cuda"], build_record()))
     return "\n".join(lines)
 
 
@@ -92,7 +92,33 @@ def _out_of_memory(e: BaseException) -> str | None:
     return f"out of memory{asked}; a smaller --ctx needs less"
 
 
+def _quiet_broken_pipe() -> int:
+    """The reader of our output went away (`ftpatch ... | head`): stop without a word, as a
+    program killed by SIGPIPE would, and keep the interpreter's final flush from complaining."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 128 + 13   # SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's exit
+        return rc
+    except SystemExit:   # --help, --version, argparse's errors: their output flushed the same way
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise SystemExit(_quiet_broken_pipe()) from None
+        raise
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -100,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        raise
     except KeyboardInterrupt:
         print("ftpatch: interrupted", file=sys.stderr)
         return 130

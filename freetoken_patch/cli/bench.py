@@ -1,5 +1,5 @@
 """`ftpatch bench`: prefill and decode throughput under a VRAM cap, with the method beside the
-number (shared/docs/BENCHMARKS.md): warm-up, then the median of N repetitions and their spread,
+number (docs/BENCHMARKS.md, "Method"): warm-up, then the median of N repetitions and their spread,
 TTFT, VRAM peaks by the allocator and by nvidia-smi, load time, expert-cache statistics, and the
 routing regime (the model's own routing, or a replayed trace with stated locality) on every line.
 
@@ -211,7 +211,8 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         raise CLIError(f"--draft-guess-layers {args.draft_guess_layers}: give 0 (off) or more "
                        "first layers to guess while drafting")
     if not torch.cuda.is_available():
-        raise CLIError("ftpatch bench needs a CUDA GPU (the cap is on VRAM); none is visible")
+        raise CLIError("ftpatch bench measures under a VRAM cap on a CUDA GPU, and none is visible "
+                       f"here; for the CPU alone: ftpatch bench {args.model} --device cpu")
     vram = args.vram
     t0 = time.perf_counter()
     loaded = open_model(args.model)

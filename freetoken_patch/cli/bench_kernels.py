@@ -284,6 +284,27 @@ def cpu_moe(q: QuantType, iters: int, rng: np.random.Generator,
 
 # ---- run ----------------------------------------------------------------------------------------
 
+def engines(args: argparse.Namespace, ops) -> tuple[bool, bool, list[str]]:
+    """(GPU measured, CPU measured, why each one left out is)."""
+    why: list[str] = []
+    use_gpu = use_cpu = False
+    if getattr(args, "no_gpu", False):
+        why.append("GPU: skipped by --no-gpu")
+    elif ops._cuda is None:
+        why.append("GPU: the CUDA extension is not built, ftpatch --version says why")
+    elif not torch.cuda.is_available():
+        why.append("GPU: none visible to torch")
+    else:
+        use_gpu = True
+    if getattr(args, "no_cpu", False):
+        why.append("CPU: skipped by --no-cpu")
+    elif ops._cpu is None:
+        why.append("CPU: the CPU extension is not built")
+    else:
+        use_cpu = True
+    return use_gpu, use_cpu, why
+
+
 def run(args: argparse.Namespace, console) -> int:
     from native import ops  # loads the extensions and hands them the IQ tables
     types = _types(getattr(args, "types", None), list(QUANT_TYPES))
@@ -291,10 +312,15 @@ def run(args: argparse.Namespace, console) -> int:
     shapes = _shapes(getattr(args, "shapes", None))
     n_tok = int(getattr(args, "tokens", 1))
     if not 1 <= n_tok <= 8:
-        from .errors import CLIError
+        from ..errors import CLIError
         raise CLIError("--tokens must be 1..8 (decode kernels)")
-    use_gpu = torch.cuda.is_available() and not getattr(args, "no_gpu", False) and ops._cuda is not None
-    use_cpu = not getattr(args, "no_cpu", False) and ops._cpu is not None
+    use_gpu, use_cpu, why_not = engines(args, ops)
+    if not (use_gpu or use_cpu):
+        from ..errors import CLIError
+        raise CLIError("bench kernels has nothing to measure here: " + "; ".join(why_not))
+    console.print("measuring: " + " and ".join(
+        what for what, on in (("GPU", use_gpu), ("CPU", use_cpu)) if on)
+        + "".join(f"; {w}" for w in why_not))
     if use_cpu and getattr(args, "cpu_threads", 0):
         ops._cpu.set_threads(args.cpu_threads)
     iters, warmup = max(1, args.iters), max(0, args.warmup)
@@ -321,9 +347,6 @@ def run(args: argparse.Namespace, console) -> int:
         result["host"] = {"cpu_threads": ops._cpu.threads(), "isa": isas[0], "isas": isas}
         result["bandwidth"]["host_read_GBps"] = host_read_gbps()
     cpu_pre = int(getattr(args, "cpu_prefill_tokens", 0) or 0)
-    if not (use_gpu or use_cpu):
-        console.print("[yellow]no native extension is available: nothing to measure[/]")
-        return 1
     dev_bw = result["bandwidth"].get("device_copy_GBps")
     host_bw = result["bandwidth"].get("host_read_GBps")
 

@@ -1,7 +1,8 @@
 """`ftpatch bench report RESULTS.json...`: results of `ftpatch bench` as one HTML page
-(`-o`), PNG charts (`--png DIR`) and the README's results table (`--markdown FILE`, written
-between `<!-- results:begin -->` and `<!-- results:end -->`). With none of them, the table is
-printed. The work is in freetoken_patch.report.
+(`-o`), PNG charts (`--png DIR`) and the Markdown tables of README.md and docs/BENCHMARKS.md
+(`--markdown FILE`, repeatable: each table written between its markers in each file, see
+freetoken_patch/report/markdown.py; `--expect FILE` adds the "what to expect" table). With none
+of them, the summary table is printed. The work is in freetoken_patch.report.
 """
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ def add_arguments(g) -> None:
     g.add_argument("-o", "--output", metavar="HTML", help="report: write the HTML page here")
     g.add_argument("--png", metavar="DIR", help="report: write the charts as PNG files here "
                    "(needs matplotlib: pip install 'ftpatch[report]')")
-    g.add_argument("--markdown", metavar="FILE",
-                   help="report: rewrite the results table between the markers in FILE")
+    g.add_argument("--markdown", metavar="FILE", action="append",
+                   help="report: rewrite the tables between their markers in FILE (repeatable: "
+                        "README.md and docs/BENCHMARKS.md from the same files)")
     g.add_argument("--markdown-image", metavar="PATH",
-                   help="report: the chart the table links to (default: summary.png of --png, "
-                        "relative to FILE)")
+                   help="report: the chart the results table links to, a path from the current "
+                        "folder (default: summary.png in --png's folder)")
+    g.add_argument("--expect", metavar="FILE",
+                   help="report: an expectations file (rows of setups with their commands and "
+                        "result files) for the 'what to expect' table")
     g.add_argument("--title", default="ftpatch bench report", help="report: the page's title")
 
 
@@ -32,12 +37,15 @@ def refuse_inputs(args: argparse.Namespace) -> None:
                        "(several result files go to `ftpatch bench report`)")
 
 
-def _command_text(inputs: list[str], markdown: str, image: str | None) -> str:
-    """The command the README names (a folder's files as DIR/*.json)."""
+def _command_text(inputs: list[str], markdown: list[str], image: str | None,
+                  expect: str | None = None) -> str:
+    """The command the documents name (a folder's files as DIR/*.json)."""
     dirs = {os.path.dirname(p) for p in inputs}
     files = f"{dirs.pop() or '.'}/*.json" if len(dirs) == 1 and len(inputs) > 2 else " ".join(inputs)
+    exp = f" --expect {expect}" if expect else ""
+    docs = "".join(f" --markdown {m}" for m in markdown)
     png = f" --png {os.path.dirname(image) or '.'}" if image else ""
-    return f"ftpatch bench report {files} --markdown {os.path.basename(markdown)}{png}"
+    return f"ftpatch bench report {files}{exp}{docs}{png}"
 
 
 def run(args: argparse.Namespace, console) -> int:
@@ -64,6 +72,14 @@ def run(args: argparse.Namespace, console) -> int:
             f.write(html.page(sources, args.title))
         console.print(f"wrote {args.output}: {len(data.charts(sources))} charts", markup=False, soft_wrap=True)
     image = args.markdown_image
+    expect = None
+    if args.expect:
+        try:
+            expect = markdown.load_expect(args.expect)
+        except OSError as e:
+            raise CLIError(f"bench report: cannot read {e.filename}: {e.strerror}") from None
+        except ValueError as e:
+            raise CLIError(f"bench report: {e}") from None
     if args.png:
         if not png.available():
             console.print("--png needs matplotlib: pip install 'ftpatch[report]'; the other "
@@ -72,22 +88,23 @@ def run(args: argparse.Namespace, console) -> int:
         else:
             paths = png.write(sources, args.png)
             console.print(f"wrote {len(paths)} PNG files to {args.png}", markup=False, soft_wrap=True)
-            if image is None and args.markdown:
-                image = os.path.relpath(os.path.join(args.png, "summary.png"),
-                                        os.path.dirname(os.path.abspath(args.markdown)) or ".")
-    if args.markdown:
+            if image is None:
+                image = os.path.join(args.png, "summary.png")
+    command = _command_text(files, args.markdown or [], image, args.expect)
+    for doc in args.markdown or []:
+        here = os.path.relpath(image, os.path.dirname(os.path.abspath(doc))) if image else None
         try:
-            with open(args.markdown, encoding="utf-8") as f:
+            with open(doc, encoding="utf-8") as f:
                 text = f.read()
-            new = markdown.replace_block(text, markdown.block(
-                sources, _command_text(files, args.markdown, image), image))
+            new, written = markdown.replace_blocks(
+                text, markdown.blocks(sources, command, here, expect))
         except OSError as e:
-            raise CLIError(f"bench report: cannot read {args.markdown}: {e.strerror}") from None
+            raise CLIError(f"bench report: cannot read {doc}: {e.strerror}") from None
         except ValueError as e:
-            raise CLIError(f"bench report: {args.markdown}: {e}") from None
-        with open(args.markdown, "w", encoding="utf-8") as f:
+            raise CLIError(f"bench report: {doc}: {e}") from None
+        with open(doc, "w", encoding="utf-8") as f:
             f.write(new)
-        console.print(f"wrote the results table into {args.markdown}", markup=False, soft_wrap=True)
+        console.print(f"wrote {', '.join(written)} into {doc}", markup=False, soft_wrap=True)
     if not (args.output or args.png or args.markdown):
         print(markdown.table(sources), end="")
     return rc

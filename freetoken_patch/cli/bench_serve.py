@@ -516,7 +516,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import httpx
     except ImportError:
-        raise CLIError("ftpatch bench serve needs httpx: pip install 'ftpatch[serve]'") from None
+        raise CLIError("ftpatch bench serve needs httpx, in the serve extra: "
+                       "pip install 'ftpatch[serve]'") from None
     t_start = time.monotonic()
     deadline = t_start + args.time_limit
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -1,13 +1,15 @@
 """`ftpatch doctor`: what this machine can do, in a few seconds -- GPUs, driver, torch, the native
-build, host RAM, page-locking, huge pages, CPU features -- and with a model, its plan here.
+build, host RAM, page-locking, huge pages, CPU features -- and with a model, how it runs here: on
+the GPU under a cap (the plan, as inspect --vram) or, without a usable GPU, on the CPU.
 
 Every check reads the system or asks a library; none raises (a failed check is reported). The
-exit status: 1 when a model was given and cannot run on this machine's GPU, else 0.
+exit status: 1 when a model was given and runs neither on this machine's GPU nor on its CPU, else 0.
 
-The largest model this machine can host: the runtime keeps every routed expert in page-locked
-host RAM (the GPU's cache holds copies) and the dense part in VRAM, so a model's host need is its
-expert bytes plus what stays on the host, plus HOST_HEADROOM for the OS, Python and torch. Without
-a model, the largest file is about MemTotal - HOST_HEADROOM (experts are nearly all of a MoE file).
+Host RAM a model needs: on the GPU path, every routed expert in page-locked host RAM (the GPU's
+cache holds copies) and what else stays on the host; on the CPU path, every weight (in the CPU's
+repacked form where its type has one) and the KV and state for the context. Both plus the
+process itself (PROCESS_BYTES). Without a model, the largest file is about MemTotal -
+HOST_HEADROOM (experts are nearly all of a MoE file).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ Check what this machine can do: the GPU(s) (compute capability, VRAM), driver an
 versions, whether the native extensions are built and for which GPUs, host RAM and the largest
 model it can host, the locked-memory limit and whether page-locking works, huge pages, and the CPU
 features the kernels use. With a model: the plan for this machine's GPU (as inspect --vram) and a
-command line to run it. Exit status 1 when a model is given and cannot run on the GPU here.
+command line to run it, or without a usable GPU the command for the CPU and the host RAM it needs.
+Exit status 1 when a model is given and runs neither on the GPU nor on the CPU here.
 """
 
 EPILOG = """\
@@ -39,6 +42,9 @@ examples:
 """
 
 HOST_HEADROOM = 4 << 30     # host RAM kept for the OS, Python, torch and the page cache (a rule)
+# Python, torch and the extensions: `ftpatch run` on the tiny synthetic model peaked at 262 MiB
+# resident on the development machine, its weights 6 MiB of it
+PROCESS_BYTES = 320 << 20
 VRAM_KEEP = 256 << 20       # of the GPU's free memory, left to other programs in the suggestion
 PIN_TEST_BYTES = 64 << 20   # the buffer page-locked through the CUDA extension
 CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -52,8 +58,9 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", nargs="?", help="GGUF file, any shard of a split set, or a folder")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    s.add_argument("--ctx", type=int, default=8192, metavar="N",
-                   help="context length for the plan (default 8192)")
+    s.add_argument("--ctx", type=int, metavar="N",
+                   help="context length for the plan (default: as run and chat choose it, the "
+                        "model's trained context up to 4096)")
 
 
 # ---- the checks: each returns a JSON-ready dict and never raises ----------------------------------
@@ -96,10 +103,33 @@ def driver() -> dict[str, Any]:
     return {"version": version, "cuda": cuda}
 
 
+def build_record() -> dict[str, Any] | None:
+    """native/_build.json, written by CMake when the package was built: whether the CUDA extension
+    was built and why (None in a source tree, or a build older than the record)."""
+    from importlib.resources import files
+    try:
+        d = json.loads(files("native").joinpath("_build.json").read_text())
+    except (OSError, ValueError, ModuleNotFoundError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def cuda_build_text(cuda: dict[str, Any] | None, record: dict[str, Any] | None) -> str:
+    """One line on the CUDA kernels of this build, with the reason recorded at build time."""
+    why = (record or {}).get("cuda_reason")
+    if cuda:
+        return (f"built by nvcc {cuda['compiler']} for {', '.join(cuda['archs'])}"
+                + (f" ({why})" if why else ""))
+    if why:
+        return f"not built: {why}; see docs/INSTALL.md"
+    return "not built (no build record here: a source tree, or an older install; docs/INSTALL.md)"
+
+
 def build() -> dict[str, Any]:
     from native import build_info
     out = build_info.summary()
     out["version"] = _version()
+    out["record"] = build_record()
     return out
 
 
@@ -200,23 +230,57 @@ def host_ram() -> dict[str, Any]:
     total, avail = mi.get("MemTotal", 0), mi.get("MemAvailable", 0)
     return {"total_bytes": total, "available_bytes": avail,
             "largest_model_bytes": max(0, total - HOST_HEADROOM),
-            "rule": "every routed expert in page-locked host RAM, the dense part in VRAM: a "
-                    f"model's host need is its expert bytes + {HOST_HEADROOM >> 30} GiB"}
+            "rule": "every routed expert in page-locked host RAM, the dense part in VRAM; "
+                    f"{HOST_HEADROOM >> 30} GiB left to the OS, the process and the page cache"}
 
 
-def model_plan(path: str, n_ctx: int, gpu: dict[str, Any] | None, ram: dict[str, Any]) -> dict[str, Any]:
-    """The plan for this machine's GPU (inspect --vram's) and a suggested command line."""
-    from moe_offload import expert_bytes_per_layer, plan_sketch
+def cpu_weight_bytes(model) -> int:
+    """Host RAM the weights take on the CPU path: the file's bytes, or for a type the CPU repacks
+    (moe_offload's repack_cpu_weights: not the embedding) the repacked form's."""
+    from native import ops
+    total = 0
+    for w in model.weights.values():
+        form = ops.cpu_form(w.qtype) if w.name != "token_embd.weight" and len(w.shape) in (2, 3) else None
+        rows = 1
+        for d in w.shape[:-1]:
+            rows *= d
+        total += rows * form.row_bytes(w.shape[-1]) if form else w.nbytes
+    return total
 
-    from .model_args import open_model_named
+
+def cpu_plan(model, path: str, n_ctx: int, ram: dict[str, Any]) -> dict[str, Any]:
+    """The CPU path: every weight in host RAM, KV (float32 on the CPU) and state for n_ctx."""
+    from moe_offload import kv_bytes_per_token, recurrent_state_bytes
+    weights = cpu_weight_bytes(model)
+    kv = kv_bytes_per_token(model, 4) * n_ctx + recurrent_state_bytes(model)
+    need = weights + kv + PROCESS_BYTES
+    reasons = []
+    if model.problems:
+        reasons.append(f"the file has problems ({len(model.problems)}; ftpatch inspect lists them)")
+    avail = ram.get("available_bytes") or ram["total_bytes"]
+    if need > avail:
+        reasons.append(f"host RAM: it needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is available")
+    return {"weight_bytes": weights, "kv_state_bytes": kv, "process_bytes": PROCESS_BYTES,
+            "host_need_bytes": need, "runs": not reasons, "reasons": reasons,
+            "command": f"ftpatch chat {path} --ctx {n_ctx}" if not reasons else None}
+
+
+def model_plan(path: str, n_ctx: int | None, gpu: dict[str, Any] | None,
+               ram: dict[str, Any]) -> dict[str, Any]:
+    """The plan for this machine's GPU (inspect --vram's) and a suggested command line; the CPU's
+    command where the GPU cannot run it."""
+    from moe_offload import is_expert_tensor, plan_sketch
+
+    from .model_args import context_size, open_model_named
     model = open_model_named(path, strict=False)
-    expert_bytes = sum(expert_bytes_per_layer(model).values())
+    n_ctx = context_size(n_ctx, model.config.n_ctx_train, allow_long=n_ctx is not None)
+    expert_bytes = sum(w.nbytes for w in model.weights.values() if is_expert_tensor(w.name))
     vram = None
     if gpu is not None:
         free = gpu["free_bytes"] if gpu["free_bytes"] is not None else gpu["vram_bytes"]
         vram = max(0, free - VRAM_KEEP) // (256 << 20) * (256 << 20)   # in 256 MiB steps
     plan = plan_sketch(model, vram, n_ctx).as_dict() if vram else None
-    host_need = expert_bytes + (plan["host_bytes"] if plan else 0) + HOST_HEADROOM
+    host_need = expert_bytes + (plan["host_bytes"] if plan else 0) + PROCESS_BYTES
     reasons = []
     if model.problems:
         reasons.append(f"the file has problems ({len(model.problems)}; ftpatch inspect lists them)")
@@ -227,15 +291,19 @@ def model_plan(path: str, n_ctx: int, gpu: dict[str, Any] | None, ram: dict[str,
     if plan is not None and not plan["fits"]:
         reasons.append("the dense part does not fit the GPU's free memory (try --host-head)")
     if host_need > ram["total_bytes"]:
-        reasons.append(f"host RAM: the experts need {host_need / 2**30:.1f} GiB with headroom, "
+        reasons.append(f"host RAM: the experts need {host_need / 2**30:.1f} GiB, "
                        f"the machine has {ram['total_bytes'] / 2**30:.1f} GiB")
     gib = f"{vram / 2**30:g}GiB" if vram else None
-    return {"path": str(path), "expert_bytes": expert_bytes, "host_need_bytes": host_need,
-            "vram_bytes": vram, "plan": plan, "runs_on_gpu": not reasons, "reasons": reasons,
-            "command": f"ftpatch chat {path} --vram {gib} --ctx {n_ctx}" if not reasons else None}
+    out = {"path": str(path), "n_ctx": n_ctx, "expert_bytes": expert_bytes,
+           "host_need_bytes": host_need, "vram_bytes": vram, "plan": plan,
+           "runs_on_gpu": not reasons, "reasons": reasons,
+           "command": f"ftpatch chat {path} --vram {gib} --ctx {n_ctx}" if not reasons else None}
+    out["cpu"] = None if out["runs_on_gpu"] else cpu_plan(model, str(path), n_ctx, ram)
+    out["runs_here"] = out["runs_on_gpu"] or out["cpu"]["runs"]
+    return out
 
 
-def diagnose(model: str | None = None, n_ctx: int = 8192) -> dict[str, Any]:
+def diagnose(model: str | None = None, n_ctx: int | None = None) -> dict[str, Any]:
     """Everything doctor reports, as one JSON-ready object."""
     b = build()
     archs = (b.get("cuda") or {}).get("archs", [])
@@ -253,7 +321,9 @@ def diagnose(model: str | None = None, n_ctx: int = 8192) -> dict[str, Any]:
 # ---- the text view -------------------------------------------------------------------------------
 
 def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
 
 
 def render(d: dict[str, Any]) -> str:
@@ -262,10 +332,7 @@ def render(d: dict[str, Any]) -> str:
     cpu_b, cuda_b = b.get("cpu"), b.get("cuda")
     lines.append("  CPU kernels: " + (f"{cpu_b['isa']} (available: {', '.join(cpu_b['available'])})"
                                       if cpu_b else "not built (the torch reference runs)"))
-    lines.append("  CUDA kernels: " + (f"built by nvcc {cuda_b['compiler']} for "
-                                       f"{', '.join(cuda_b['archs'])}" if cuda_b else
-                                       "not built (docs/INSTALL.md: pip install . on a machine "
-                                       "with an NVIDIA driver builds them)"))
+    lines.append("  CUDA kernels: " + cuda_build_text(cuda_b, b.get("record")))
     lines.append(f"torch {t['torch']}, CUDA {t['torch_cuda'] or 'none (a CPU build)'}; driver "
                  f"{drv['version'] or 'none'}" + (f" (CUDA {drv['cuda']})" if drv["cuda"] else ""))
     if t["error"]:
@@ -300,8 +367,8 @@ def render(d: dict[str, Any]) -> str:
                  f"{', '.join(have) or 'none of ' + ', '.join(CPU_FLAGS)}")
     if "model" in d:
         m = d["model"]
-        lines.append(f"model {m['path']}: experts {_gib(m['expert_bytes'])}, host RAM needed "
-                     f"~{_gib(m['host_need_bytes'])}")
+        lines.append(f"model {m['path']}: experts {_gib(m['expert_bytes'])}; context "
+                     f"{m['n_ctx']:,} tokens")
         if m["plan"]:
             pl = m["plan"]
             lines.append(f"  plan for {_gib(pl['vram_bytes'])} of VRAM (context {pl['n_ctx']:,}): "
@@ -311,9 +378,17 @@ def render(d: dict[str, Any]) -> str:
                          f"({100 * pl['experts_fit_fraction']:.1f}%), {pl['decode_experts_fit']:,} "
                          f"while decoding")
         if m["runs_on_gpu"]:
+            lines.append(f"  host RAM needed ~{_gib(m['host_need_bytes'])} (the experts and the "
+                         f"process)")
             lines.append(f"  runs on the GPU here: {m['command']}")
         else:
-            lines.append("  cannot run on the GPU here: " + "; ".join(m["reasons"]))
+            c = m["cpu"]
+            lines.append("  not on the GPU here: " + "; ".join(m["reasons"]))
+            lines.append(f"  on the CPU: host RAM needed ~{_gib(c['host_need_bytes'])} (weights "
+                         f"{_gib(c['weight_bytes'])}, KV and state {_gib(c['kv_state_bytes'])}, "
+                         f"the process {_gib(c['process_bytes'])})")
+            lines.append(f"  runs on the CPU here: {c['command']}" if c["runs"] else
+                         "  cannot run on the CPU here either: " + "; ".join(c["reasons"]))
     return "\n".join(lines)
 
 
@@ -322,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
     check_positive("--ctx", args.ctx)
     d = diagnose(args.model, args.ctx)
     print(json.dumps(d) if args.json else render(d))
-    return 0 if "model" not in d or d["model"]["runs_on_gpu"] else 1
+    return 0 if "model" not in d or d["model"]["runs_here"] else 1
 
 
 COMMANDS = {"doctor": (add_parser, run)}

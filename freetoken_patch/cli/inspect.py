@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     s.add_argument("--vram", type=size_arg, metavar="SIZE",
                    help="sketch the plan for this much VRAM (e.g. 8GiB)")
-    s.add_argument("--ctx", type=int, default=8192, metavar="N",
-                   help="context length for the plan (default 8192)")
+    s.add_argument("--ctx", type=int, metavar="N",
+                   help="context length for the plan (default: as run and chat choose it, the "
+                        "model's trained context up to 4096)")
 
 
 def tensor_class(name: str, aside: bool = False) -> str:
@@ -101,9 +102,13 @@ def cuda_engine() -> str:
     return "ready" if torch.cuda.is_available() else "built, no GPU"
 
 
-def describe(model: LoadedModel, vram: int | None = None, n_ctx: int = 8192) -> dict[str, Any]:
-    """Everything `inspect` shows, as one JSON-ready object."""
+def describe(model: LoadedModel, vram: int | None = None, n_ctx: int | None = None) -> dict[str, Any]:
+    """Everything `inspect` shows, as one JSON-ready object. The plan's context: n_ctx, or the one
+    `run` and `chat` choose (the trained context, up to their default)."""
+    from .model_args import context_size
     c = model.config
+    if n_ctx is None:
+        n_ctx = context_size(None, c.n_ctx_train)
     total, active = parameter_counts(model)
     tensors = [{"name": w.name, "type": w.qtype.name, "shape": list(w.shape), "bytes": w.nbytes}
                for w in model.weights.values()]
@@ -152,6 +157,9 @@ def describe(model: LoadedModel, vram: int | None = None, n_ctx: int = 8192) -> 
     }
     if vram is not None:
         out["plan"] = plan_sketch(model, vram, n_ctx).as_dict()
+        if n_ctx > c.n_ctx_train:
+            out["notes"] = [f"--ctx {n_ctx} is past the {c.n_ctx_train:,} tokens the model was "
+                            "trained for: run, chat and serve need --allow-long-ctx for it"]
     return out
 
 
@@ -209,6 +217,8 @@ def render(d: dict[str, Any], console) -> None:
         console.print(f"extra tensors (not used): {', '.join(d['extra_tensors'][:8])}")
     for p in d["problems"]:
         console.print(f"[red]problem:[/] {p}")
+    for note in d.get("notes", ()):
+        console.print(f"[yellow]note:[/] {note}")
     if "plan" in d:
         p = d["plan"]
         console.print(f"[bold]plan for {_gib(p['vram_bytes'])} of VRAM[/] (context {p['n_ctx']:,}):")
@@ -225,7 +235,7 @@ def render(d: dict[str, Any], console) -> None:
                       f"{p['decode_experts_fit']:,}")
 
 
-def show(path: str, as_json: bool, vram: int | None, n_ctx: int, console) -> int:
+def show(path: str, as_json: bool, vram: int | None, n_ctx: int | None, console) -> int:
     """Print `describe` as tables (or JSON); 1 when the model has problems."""
     model = open_model_named(path, strict=False)
     d = describe(model, vram, n_ctx)

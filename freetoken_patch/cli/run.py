@@ -43,6 +43,15 @@ def add_parser(sub) -> None:
     add_draft_arg(s)
 
 
+def timings_line(done) -> str:
+    """Speeds after a generation. The token count is what was generated, the same number -n
+    asks for; the first of them comes from the prompt's forward pass (inside TTFT), so the
+    decode rate is of the steps after it."""
+    t, n = done.timings, len(done.tokens)
+    return (f"prompt: {t.n_prompt} tokens, {t.prompt_tps:.1f} tok/s | generated: {n} "
+            f"token{'s' * (n != 1)}, decode {t.decode_tps:.1f} tok/s | TTFT {t.ttft_s * 1000:.0f} ms")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -76,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                 if isinstance(ev, DoneEvent):
                     done = ev
         print()
-        print(f"{done.timings.summary()} | stop: {stop_reason(done.reason, params, n_ctx)}",
+        print(f"{timings_line(done)} | stop: {stop_reason(done.reason, params, n_ctx)}",
               file=sys.stderr)
         if session.draft is not None:
             print(session.draft.stats.summary(), file=sys.stderr)

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]synth[/] {task.description}"), BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=console,
-                  transient=True) as bar:
+                  transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(Path(args.out).name, total=None)
 
         def progress(done: int, total: int, name: str) -> None:
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in paths)
     console.print(f"wrote {', '.join(str(p) for p in paths)}: {size / (1 << 30):.2f} GiB in "
-                  f"{dt:.1f} s ({size / dt / (1 << 20):.0f} MiB/s); random weights, seed {args.seed}")
+                  f"{dt:.1f} s ({size / dt / (1 << 20):.0f} MiB/s); random weights, seed {args.seed}",
+                  soft_wrap=True)
     return 0
 
 

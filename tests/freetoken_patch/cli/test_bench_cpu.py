@@ -79,3 +79,13 @@ def test_bench_cpu_refuses_the_offload_runtimes_flags(tiny_model, flags, capsys)
     assert main(["bench", str(tiny_model), "--device", "cpu", *flags]) == 1
     err = capsys.readouterr().err
     assert flags[0] in err and "--device cpu" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_without_a_gpu_points_at_the_cpu_path(tiny_model, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from freetoken_patch.cli import main
+    assert main(["bench", str(tiny_model), "--vram", "1GiB"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "none is visible" in err and f"ftpatch bench {tiny_model} --device cpu" in err

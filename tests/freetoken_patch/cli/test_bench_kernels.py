@@ -31,3 +31,26 @@ def test_cpu_points_carry_every_isa_and_the_share_of_host_bandwidth(capsys):
     for cell in repacked["cpu"].values():   # its own bytes, and the file type's, a second
         assert cell["file_GBps"] * 134 == pytest.approx(cell["GBps"] * 110)
     assert ops._cpu.isa() == active   # restored after measuring the others
+
+
+def test_nothing_to_measure_says_why_and_fails(capsys):
+    """With the CPU left out on a machine whose GPU path is not there, the command names each
+    engine's reason in one error line and exits 1; it never claims the extensions are missing
+    when they are built."""
+    import torch
+
+    from freetoken_patch.cli import main
+    if ops._cuda is not None and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU to measure")
+    assert main(["bench", "kernels", "--no-cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ftpatch: error: bench kernels has nothing to measure here") and "\n" not in err
+    assert "CPU: skipped by --no-cpu" in err and "GPU: " in err
+
+
+def test_what_is_measured_is_said_first(capsys):
+    from freetoken_patch.cli import main
+    assert main(["bench", "kernels", "--no-gpu", "--types", "Q4_K", "--shapes", "256x64",
+                 "--moe-types", "none", "--cpu-iters", "1", "--cpu-prefill-tokens", "0"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("measuring: CPU; GPU: skipped by --no-gpu"), first

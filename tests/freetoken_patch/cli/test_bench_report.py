@@ -183,20 +183,55 @@ def test_report_errors_are_one_line(tmp_path, capsys):
     assert len(err) == 2 and "cannot read" in err[0] and "bench report" in err[1]
 
 
-def test_readme_table_is_made_from_committed_json(tmp_path, monkeypatch):
+DOCS_COMMAND = ("ftpatch bench report docs/results/*.json --expect docs/results/expect/rows.json "
+                "--markdown README.md --markdown docs/BENCHMARKS.md --png docs/results/charts")
+
+
+def test_readme_and_benchmarks_tables_are_made_from_committed_json(tmp_path, monkeypatch):
+    """README's and BENCHMARKS' tables are what the command under them makes from the committed
+    JSON: the same files for both, so the two documents cannot disagree."""
     results = sorted((ROOT / "docs" / "results").glob("*.json"))
-    assert results, "docs/results/*.json: the README's table is made from these"
+    assert results, "docs/results/*.json: the documents' tables are made from these"
     for p in results:
         d = json.loads(p.read_text())
         assert d.get("source") or d.get("run"), f"{p.name}: say where its figures come from"
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
-    monkeypatch.chdir(ROOT)
+    for doc in ("README.md", "docs/BENCHMARKS.md"):
+        text = (ROOT / doc).read_text()
+        for name in ("results", "expect"):
+            assert f"<!-- {name}:begin -->" in text, f"{doc} lacks the {name} table"
+        assert f"Made by `{DOCS_COMMAND}`" in text, f"{doc} names another command"
+    # the documents and the results in a scratch tree, the command run there as written
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    monkeypatch.chdir(tmp_path)
     rel = [str(p.relative_to(ROOT)) for p in results]
-    assert main(["bench", "report", *rel, "--markdown", str(readme),
+    assert main(["bench", "report", *rel, "--expect", "docs/results/expect/rows.json",
+                 "--markdown", "README.md", "--markdown", "docs/BENCHMARKS.md",
                  "--markdown-image", "docs/results/charts/summary.png"]) == 0
-    assert readme.read_text() == (ROOT / "README.md").read_text(), \
-        "README's results table differs from `ftpatch bench report docs/results/*.json --markdown README.md --png docs/results/charts`"
+    for doc in ("README.md", "docs/BENCHMARKS.md"):
+        assert (tmp_path / doc).read_text() == (ROOT / doc).read_text(), \
+            f"{doc}'s tables differ from what `{DOCS_COMMAND}` makes: run it"
+
+
+def test_expect_rows_are_measured_or_say_not_yet(tmp_path):
+    """A row without a result file reads 'not measured yet' beside its command; a row's result
+    fills decode and prefill from its JSON."""
+    from freetoken_patch.report import markdown
+    spec = {"kind": "ftpatch-expect", "rows": [
+        {"setup": "a", "machine": "m", "model": "x", "command": "ftpatch bench x --device cpu",
+         "result": None},
+        {"setup": "b", "machine": "m", "model": "x", "command": "ftpatch bench x --vram 8GiB",
+         "result": "r.json"}]}
+    (tmp_path / "rows.json").write_text(json.dumps(spec))
+    shutil.copy(SAMPLES[1], tmp_path / "r.json")
+    table = markdown.expect_table(markdown.load_expect(str(tmp_path / "rows.json")))
+    first, second = table.splitlines()[2:]
+    assert "not measured yet | not measured yet" in first and "`ftpatch bench x --device cpu`" in first
+    tg = json.loads(SAMPLES[1].read_text())["tg128"]["median"]
+    assert f"tg128 {tg:,.1f}" in second
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "other"}))
+    with pytest.raises(ValueError, match="not an expectations file"):
+        markdown.load_expect(str(tmp_path / "bad.json"))
 
 
 def test_nan_in_a_result_does_not_break_the_page(tmp_path):

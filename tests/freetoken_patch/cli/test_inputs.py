@@ -152,7 +152,7 @@ def test_long_context_on_request_and_no_limit(tiny_model, capsys):
     first, second = [ln for ln in capsys.readouterr().err.splitlines() if "stop:" in ln]
     # -n 1 ends at one token, unless the first one sampled (no --seed) ends the text
     assert "stop: reached --max-tokens (1)" in first or (
-        "decode: 0 tokens" in first and "stop: end of text" in first), first
+        "generated: 1 token," in first and "stop: end of text" in first), first
     assert ("stop: the context is full (12 tokens; see --ctx)" in second
             or "stop: end of text" in second)
 

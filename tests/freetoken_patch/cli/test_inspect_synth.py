@@ -69,3 +69,21 @@ def test_help_teaches(capsys):
         main(["synth", "--help"])
     out = capsys.readouterr().out
     assert "35b-a3b" in out and "IQ3_S" in out and "example" in out
+
+
+def test_synth_output_starts_with_its_line_not_a_blank_one(tmp_path, capfd):
+    """Piped or captured (no terminal), no progress bar and no blank line before 'wrote'."""
+    assert main(["synth", "-o", str(tmp_path / "s.gguf")]) == 0
+    out = capfd.readouterr().out
+    assert out.startswith("wrote "), repr(out[:40])
+
+
+def test_inspect_plans_for_the_context_run_would_use(tiny_model, capsys):
+    """The tiny model is trained for 4,096 tokens: inspect's default plan is for 4,096 (run's
+    rule), and a --ctx past it says that run needs --allow-long-ctx."""
+    assert main(["inspect", str(tiny_model), "--json", "--vram", "2GiB"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"]["n_ctx_train"] == 4096 and d["plan"]["n_ctx"] == 4096 and "notes" not in d
+    assert main(["inspect", str(tiny_model), "--vram", "2GiB", "--ctx", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "context 8,192" in out and "--allow-long-ctx" in out

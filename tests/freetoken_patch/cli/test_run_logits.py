@@ -67,7 +67,8 @@ def test_run_streams_text_then_speeds(tiny_model, capsys):
     assert main(args) == 0
     first = capsys.readouterr()
     assert first.out.endswith("\n") and len(first.out) > 1
-    assert "prompt:" in first.err and "decode:" in first.err and first.err.count("tok/s") == 2
+    assert "prompt:" in first.err and "decode" in first.err and first.err.count("tok/s") == 2
+    assert "generated: 6 tokens" in first.err     # the count -n asked for, the first token included
     assert "TTFT" in first.err and "stop: reached --max-tokens (6)" in first.err
     assert main(args) == 0
     assert capsys.readouterr().out == first.out                      # greedy is deterministic
