@@ -240,7 +240,8 @@ def test_vocabulary_tables_checked(tiny_model, tmp_path, meta, pattern):
     def build():
         Tokenizer.from_metadata(md, str(p))
         ChatTemplate.from_metadata(md, str(p))
-    refused(build, pattern)
+    msg = refused(build, pattern)
+    assert msg.startswith(f"{p}: "), msg          # every message names the file
 
 
 def test_token_list_shorter_than_token_types(tmp_path):
