@@ -59,7 +59,11 @@ class Tokenizer:
         self._byte_ids = [self._piece_id.get(_BYTE_TO_CHAR[b]) for b in range(256)]
         self._merges = _merge_table(vocab.merges, self._piece_id, len(self.tokens), where)
         self._special_id = {self.tokens[i]: i for i in special if self.tokens[i]}
+        # control tokens (turn and role markup): chat prompts keep them out of client text
+        self.control_texts = frozenset(
+            self.tokens[i] for i in np.flatnonzero(types == CONTROL).tolist() if self.tokens[i])
         self._specials = _SpecialFinder(self._special_id) if self._special_id else None
+        self.longest_special = max(map(len, self._special_id), default=0)
         self._split = regex.compile(self.pre.pattern).findall
         self._cache = _WordCache(self._encode_word)
         self._bytes: list[bytes | None] = [None] * len(self.tokens)
@@ -144,6 +148,14 @@ class Tokenizer:
         if add_special and self.add_eos:
             out.append(self._needed(self.eos_id, "EOS", "add_eos_token"))
         return out
+
+    def find_specials(self, text: str) -> Iterator[tuple[int, int, int]]:
+        """(start, end, id) of each special token spelled in `text`, as encode(parse_special=
+        True) splits them out: leftmost first, the longest at a position."""
+        if self._specials is not None:
+            get = self._special_id.__getitem__
+            for start, end, name in self._specials.finditer(text):
+                yield start, end, get(name)
 
     def pretokenize(self, text: str) -> list[str]:
         """The words BPE runs on, in order (special tokens are not split out here)."""
