@@ -455,7 +455,7 @@ CONSTRUCTS_MESSAGES = [
 
 def test_limits_leave_tool_templates_alone():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from loaders.chat_template import _raise_exception, _strftime_now, _tojson
+    from loaders.template_sandbox import _raise_exception, _strftime_now, _tojson
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
