@@ -392,13 +392,18 @@ def _encode_marked(tok: "Tokenizer", marked: str, literals: Mapping[str, str]
     ids: list[int] = []
     specials = []
     pos = 0
+    plain = tok.encode_plain_into
+    if literals:
+        sub, back = _placeholders(literals).sub, (lambda m: literals[m.group()])
+        unmark = lambda t: sub(back, t)   # noqa: E731
+    else:
+        unmark = str
     for start, end, tid in tok.find_specials(marked):
         if start > pos:
-            ids += tok.encode(_unmark(marked[pos:start], literals))
+            plain(unmark(marked[pos:start]), ids)
         ids.append(tid)
         specials.append((start, end, len(ids)))
         pos = end
     if pos < len(marked):
-        ids += tok.encode(_unmark(marked[pos:], literals))
+        plain(unmark(marked[pos:]), ids)
     return ids, tuple(specials)
-

@@ -194,7 +194,7 @@ class _Worker:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.compiled = set()
         env = {"PYTHONPATH": root, "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8", "PATH": os.defpath}
+               "LC_ALL": "C.UTF-8", "PATH": os.defpath}
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-s", "-m", "loaders.template_worker", str(self.memory)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

@@ -168,6 +168,11 @@ class Tokenizer:
                             "metadata is incomplete")
         return tid
 
+    def encode_plain_into(self, text: str, out: list[int]) -> None:
+        """Append the ids of `text` (a str) to `out`, special-token text as plain text: encode()
+        without its checks, for callers that tokenize a prompt in many pieces."""
+        self._encode_plain(text, out)
+
     def _encode_plain(self, text: str, out: list[int]) -> None:
         if text:   # the hot loop runs in C: cache hits never enter Python code
             out.extend(chain.from_iterable(map(self._cache.__getitem__, self._split(text))))

@@ -56,10 +56,10 @@ def _code(rng: random.Random, lines: int) -> str:
                      for _ in range(lines))
 
 
-def conversation(chars: int = 46_000, seed: int = 0) -> list[dict]:
+def conversation(chars: int = 40_000, seed: int = 0) -> list[dict]:
     """A system prompt, then rounds of user question, assistant reasoning and tool call, tool
     result and answer, until the contents hold about `chars` characters (English and code
-    tokenize at 3 to 4 characters a token: 46,000 make about 18K tokens with the tools)."""
+    tokenize at 3 to 4 characters a token: 40,000 make about 18K tokens with the tools)."""
     rng = random.Random(seed)
     msgs = [{"role": "system", "content": "You are a careful coding agent. " + _prose(rng, 120)}]
     total = len(msgs[0]["content"])
