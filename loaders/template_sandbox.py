@@ -264,14 +264,13 @@ def _check_str_method(b: _Budget, method: Any, args: tuple, kwargs: dict) -> tup
 
 
 def _check_builtin_args(b: _Budget, func: Any, args: tuple, kwargs: dict) -> None:
-    # a count or length argument past the size limit is a request for that much memory:
-    # int.to_bytes(n), bytes.center(n), ... (the ones with other bounds are checked above)
+    # a count or length argument past the size limit to a method of text, bytes or a number is
+    # a request for that much memory: int.to_bytes(n), bytes.center(n), ... (a dict's or a
+    # list's methods take no counts: dict.get(k, 10**10) is fine)
     for a in (*args, *kwargs.values()):
         if type(a) is int and a > b.limits.value_size:
-            owner = getattr(func, "__self__", None)
-            what = f"{type(owner).__name__}.{func.__name__}" if owner is not None \
-                else getattr(func, "__name__", "a function")
-            raise b.too_big(f"an argument of {a:,} to {what}")
+            raise b.too_big(f"an argument of {a:,} to "
+                            f"{type(func.__self__).__name__}.{func.__name__}")
 
 
 # -- filters: each call checked; none is folded into a constant at compile time -----------------
@@ -511,7 +510,8 @@ class _Environment(ImmutableSandboxedEnvironment):
         if isinstance(__obj, types.BuiltinMethodType):
             if isinstance(__obj.__self__, (str, bytes, bytearray)):
                 args = _check_str_method(b, __obj, args, kwargs)
-            _check_builtin_args(b, __obj, args, kwargs)
+            if isinstance(__obj.__self__, (str, bytes, bytearray, int)):
+                _check_builtin_args(b, __obj, args, kwargs)
         nested = isinstance(__obj, (Macro, LoopContext))
         if nested:
             if b.depth >= b.limits.depth:
