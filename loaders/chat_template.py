@@ -1,550 +1,66 @@
-"""Chat templates: a GGUF's `tokenizer.chat_template` (Jinja2) rendered in a sandbox, under limits.
+"""Chat templates: a GGUF's `tokenizer.chat_template` (Jinja2) turned into a prompt.
 
-The template is code from a downloaded file, so it runs in Jinja2's immutable sandbox (no
-attribute tricks, no mutating lists or dicts). Real templates are written for the conventions
-of Hugging Face's renderer, so those hold here too: trim_blocks and lstrip_blocks on, `break` and
-`continue`, `raise_exception(msg)`, a `tojson` that keeps non-ASCII text and takes `indent`, and
-`strftime_now(fmt)`. A file without a template gets ChatML.
+`ChatTemplate.render(messages, ...)` gives the prompt's text; `ChatTemplate.render_prompt(messages,
+tokenizer, ...)` gives its text and token ids, which is what a chat should feed the model (see
+there: client text never becomes control tokens). A file without a template gets ChatML.
 
-The sandbox stops attribute tricks, not denial of service, so rendering also runs under limits
-(`TemplateLimits`): wall time, output size, the size of any value the template builds, and macro
-nesting. They are enforced from inside the rendered code, so they work in any thread (no
-signals): the parsed template is rewritten so that every loop iteration, macro body and output
-statement calls back into the environment, string concatenation (`~`) and list/dict literals go
-through size checks, and the sandbox's own hooks (calls, attribute access, the `*`, `**`, `+` and
-`%` operators, str.format) check time and sizes before the work is done. A template that passes
-a limit raises ChatTemplateError; nothing the caller passed is modified.
+Where it runs: a template that came from outside (a model file, --chat-template FILE) renders in
+a separate worker process under hard OS limits (template_worker), with the sandbox's own checks
+(template_sandbox) inside it as the fast path; our built-in ChatML renders in this process. Both
+raise ChatTemplateError, one line that names the limit or failure and `--chat-template FILE`.
 """
 from __future__ import annotations
 
-import datetime
-import json
+import hashlib
 import os
 import re
 import threading
-import time
-import types
-from dataclasses import dataclass
-from functools import update_wrapper
-from typing import Any, Callable, Mapping, Sequence
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import jinja2
-from jinja2 import nodes
-from jinja2.runtime import LoopContext, Macro
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
-from jinja2.utils import Namespace, _PassArg, pass_context
-from jinja2.visitor import NodeTransformer
-
+from . import template_worker
 from .errors import ChatTemplateError
+from .template_sandbox import (DEFAULT_LIMITS, OVERRIDE_HINT, TemplateLimits, check_source,
+                               compile_template, render_compiled)
 from .vocab import CHATML_TEMPLATE
 
-OVERRIDE_HINT = "pass --chat-template FILE to use another template"
-
-
-@dataclass(frozen=True)
-class TemplateLimits:
-    """What one render may use. The longest context we run (262,144 tokens) is about 1.1 M
-    characters of English; 4 Mi characters leaves room for any real prompt and still keeps a
-    render's memory in the tens of MB."""
-
-    seconds: float = 2.0                # wall time of one render
-    output_chars: int = 4 << 20         # the rendered prompt
-    value_size: int = 4 << 20           # any one value built: characters, plus 2 per element
-    emitted_chars: int = 32 << 20       # all output statements, macro and {% set %} buffers too
-    depth: int = 64                     # nested macro / recursive-loop calls
-    source_chars: int = 64 << 10        # the template's text: real ones are 2-30 KiB, and
-                                        # Jinja compiles about 40 KiB a second
-
-
-DEFAULT_LIMITS = TemplateLimits()
-
-
-class _LimitExceeded(Exception):
-    """Raised inside a render when it passes a limit; becomes ChatTemplateError."""
-
-
-class _TemplateRaised(Exception):
-    """A template called raise_exception(msg): it refuses this conversation."""
-
-
-class _Budget:
-    """One render's use of its limits (thread-local: a template may render in many threads)."""
-
-    def __init__(self, limits: TemplateLimits):
-        self.limits = limits
-        self.deadline = time.monotonic() + limits.seconds
-        self.emitted = 0
-        self.depth = 0              # macro / recursive loop calls
-        self.walk = 0               # namespaces being sized (they can contain themselves)
-        self.namespaces = 0         # namespaces sized so far: their sizes can change
-        self.sizes: dict[int, tuple[Any, int]] = {}   # id -> (object kept alive, size)
-        self.cached = 0             # sum of the sizes in `sizes`
-
-    def tick(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise _LimitExceeded(f"rendering took longer than its {self.limits.seconds:g} s limit")
-
-    def too_big(self, what: str) -> _LimitExceeded:
-        return _LimitExceeded(f"{what} is larger than the {self.limits.value_size:,}-character "
-                              "limit on one value")
-
-    def size(self, value: Any) -> int:
-        """An upper bound on len(str(value)) (strings: characters; containers: their elements
-        plus 2 each), refusing past the limit. Lists, tuples and dicts are immutable in the
-        sandbox, so their sizes are cached: a value built from itself many times over
-        ([a, a], then [b, b], ...) costs a lookup, not a walk."""
-        if isinstance(value, str):
-            n = len(value)
-        elif value is None or isinstance(value, (bool, float)):
-            return 8
-        elif isinstance(value, int):
-            return value.bit_length() // 3 + 2
-        elif isinstance(value, (list, tuple, dict, set, frozenset, Namespace)):
-            n = self._container(value)
-        elif isinstance(value, range):
-            n = 8 * len(value)
-        else:
-            return 16   # undefined, macros, loop objects, generators (their items are checked)
-        if n > self.limits.value_size:
-            raise self.too_big(f"a {type(value).__name__}")
-        return n
-
-    def _container(self, value: Any) -> int:
-        if isinstance(value, Namespace):   # mutable and may contain itself: walked, not cached
-            if self.walk >= self.limits.depth:
-                raise self.too_big("a namespace nested in itself")
-            self.walk += 1
-            self.namespaces += 1
-            try:
-                return 16 + self._walk(value._Namespace__attrs.items(), True)  # type: ignore
-            finally:
-                self.walk -= 1
-        hit = self.sizes.get(id(value))
-        if hit is not None and hit[0] is value:
-            return hit[1]
-        namespaces = self.namespaces
-        total = self._walk(value.items() if isinstance(value, dict) else value,
-                           isinstance(value, dict))
-        if self.namespaces == namespaces:   # nothing mutable inside: the size is final
-            # the cache keeps what it sizes alive: bound what it holds
-            self.cached += total
-            if self.cached > 2 * self.limits.value_size:
-                self.sizes.clear()
-                self.cached = total
-            self.sizes[id(value)] = (value, total)
-        return total
-
-    def _walk(self, items: Any, pairs: bool) -> int:
-        limit, total = self.limits.value_size, 2
-        for i, item in enumerate(items):
-            if pairs:
-                total += 4 + self.size(item[0]) + self.size(item[1])
-            else:
-                total += 2 + self.size(item)
-            if total > limit:
-                raise self.too_big("a collection")
-            if not i & 4095:
-                self.tick()
-        return total
-
-
-_local = threading.local()
-
-
-def _budget() -> _Budget:
-    b = getattr(_local, "budget", None)
-    # outside a render (compile-time constant folding): sizes only, no clock
-    return b if b is not None else _Budget(TemplateLimits(seconds=float("inf")))
-
-
-# -- checks of operations that can make large values ---------------------------------------------
-
-_DIGITS = re.compile(r"\d+")
-
-
-def _check_width(b: _Budget, n: Any, what: str) -> None:
-    if isinstance(n, int) and n > b.limits.value_size:
-        raise b.too_big(f"{what} of {n:,}")
-
-
-def _check_spec(b: _Budget, spec: str, what: str) -> None:
-    # widths and precisions in a format spec ("%9999999d", "{:>9999999}", "%.9999999f")
-    for m in _DIGITS.finditer(spec):
-        if len(m.group()) > 9 or int(m.group()) > b.limits.value_size:
-            raise b.too_big(f"a {what} width of {m.group()}")
-
-
-def _check_printf(b: _Budget, fmt: str, args: Any) -> None:
-    _check_spec(b, fmt, "'%' format")
-    for a in args if isinstance(args, tuple) else (args,):
-        if "*" in fmt:
-            _check_width(b, a, "a '*' width")
-        b.size(a)
-
-
-class _BoundedFormatter(SandboxedFormatter):
-    def format_field(self, value: Any, format_spec: str) -> Any:
-        b = _budget()
-        _check_spec(b, format_spec, "str.format")
-        b.size(value)
-        return super().format_field(value, format_spec)
-
-
-def _replace_size(b: _Budget, s: str, old: Any, new: Any, count: Any = -1) -> int:
-    if not isinstance(old, str) or not isinstance(new, str):
-        return len(s)
-    hits = s.count(old) if old else len(s) + 1
-    if isinstance(count, int) and count >= 0:
-        hits = min(hits, count)
-    return len(s) + hits * max(0, len(new) - len(old))
-
-
-def _join_size(b: _Budget, sep: Any, items: list) -> int:
-    n = len(str(sep)) * max(0, len(items) - 1) if isinstance(sep, str) else 0
-    for x in items:
-        n += b.size(x)
-        if n > b.limits.value_size:
-            break
-    return n
-
-
-def _check_str_method(b: _Budget, method: Any, args: tuple, kwargs: dict) -> tuple:
-    """Refuse str methods whose result would pass the size limit; return the args to use."""
-    s, name = method.__self__, method.__name__
-    est = len(s)
-    if name in ("center", "ljust", "rjust", "zfill") and args:
-        _check_width(b, args[0], f"str.{name} width")
-    elif name == "expandtabs":
-        tab = args[0] if args else kwargs.get("tabsize", 8)
-        if isinstance(tab, int):
-            est = len(s) + s.count("\t") * max(0, tab)
-    elif name == "replace" and len(args) >= 2:
-        est = _replace_size(b, s, *args[:3])
-    elif name == "join" and args:
-        items = list(args[0]) if not isinstance(args[0], (list, tuple)) else args[0]
-        est = _join_size(b, s, items)
-        args = (items,) + args[1:]
-    if est > b.limits.value_size:
-        raise b.too_big(f"the result of str.{name}")
-    return args
-
-
-# -- filters: each call checked; none is folded into a constant at compile time -----------------
-
-# Jinja filters no chat template needs whose cost is hard to bound (regex scans over the text,
-# pretty-printing, HTML helpers), and lipsum (size by argument).
-_DROPPED_FILTERS = ("urlize", "striptags", "wordwrap", "pprint", "xmlattr")
-
-
-def _filter_prechecks(b: _Budget, name: str, value: Any, args: tuple, kwargs: dict) -> tuple:
-    """Refuse a filter call whose result would pass the size limit; return the args to use."""
-    def arg(i: int, key: str, default: Any = None) -> Any:
-        return args[i] if len(args) > i else kwargs.get(key, default)
-
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, int) and not isinstance(a, bool):
-            _check_width(b, a, f"a '{name}' argument")
-    if name in ("slice", "batch"):
-        n = arg(0, "slices" if name == "slice" else "linecount")
-        if isinstance(n, int) and n > 1 << 16:
-            raise b.too_big(f"'{name}' into {n:,} parts")
-    elif name == "indent" and isinstance(value, str):
-        width = arg(0, "width", 4)
-        pad = width if isinstance(width, int) else len(str(width))
-        if len(value) + (value.count("\n") + 1) * pad > b.limits.value_size:
-            raise b.too_big("the result of 'indent'")
-    elif name == "replace" and isinstance(value, str):
-        if _replace_size(b, value, arg(0, "old"), arg(1, "new"), arg(2, "count", -1)) > \
-                b.limits.value_size:
-            raise b.too_big("the result of 'replace'")
-    elif name == "join":
-        items = list(value)
-        if _join_size(b, arg(0, "d", ""), items) > b.limits.value_size:
-            raise b.too_big("the result of 'join'")
-        value = items
-    elif name == "format" and isinstance(value, str):
-        _check_printf(b, value, tuple(args) or tuple(kwargs.values()))
-    elif name == "sum" and not isinstance(arg(1, "start", 0), (int, float)):
-        raise jinja2.TemplateRuntimeError("'sum' adds numbers only here")
-    b.size(value)
-    return (value, *args)
-
-
-def _wrap_filter(name: str, func: Callable) -> Callable:
-    pass_arg = _PassArg.from_obj(func)
-
-    @pass_context
-    def checked(ctx: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-        b = _budget()
-        b.tick()
-        value, *args = _filter_prechecks(b, name, value, args, kwargs)
-        if pass_arg is _PassArg.context:
-            out = func(ctx, value, *args, **kwargs)
-        elif pass_arg is _PassArg.eval_context:
-            out = func(ctx.eval_ctx, value, *args, **kwargs)
-        elif pass_arg is _PassArg.environment:
-            out = func(ctx.environment, value, *args, **kwargs)
-        else:
-            out = func(value, *args, **kwargs)
-        if isinstance(out, types.GeneratorType):   # map, select, ...: checked as consumed
-            return _ticking(out, b)
-        b.size(out)
-        return out
-
-    checked.__name__ = getattr(func, "__name__", name)
-    return checked
-
-
-def _ticking(items: Any, b: _Budget) -> Any:
-    for i, x in enumerate(items):
-        if not i & 1023:
-            b.tick()
-        yield x
-
-
-def _raise_exception(message: Any = "") -> None:
-    raise _TemplateRaised(str(message))
-
-
-def _tojson(value: Any, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
-    # Jinja's own tojson escapes <, >, & and ' for HTML; prompts want the plain JSON
-    if indent is not None and not (isinstance(indent, int) and 0 <= indent <= 16):
-        raise jinja2.TemplateRuntimeError(f"tojson indent must be 0..16, not {indent!r:.20}")
-    _budget().size(value)
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
-                      ensure_ascii=ensure_ascii)
-
-
-def _strftime_now(fmt: str) -> str:
-    _check_spec(_budget(), str(fmt), "strftime")
-    return datetime.datetime.now().strftime(fmt)
-
-
-# -- the environment -----------------------------------------------------------------------------
-
-def _env_call(name: str, args: list, lineno: int) -> nodes.Call:
-    return nodes.Call(nodes.EnvironmentAttribute(name, lineno=lineno), args, [], None, None,
-                      lineno=lineno)
-
-
-class _Guard(NodeTransformer):
-    """Rewrites a parsed template so the limits are checked from inside the rendered code."""
-
-    def visit_For(self, node: nodes.For) -> nodes.Node:
-        node = self.generic_visit(node)
-        node.body.insert(0, nodes.ExprStmt(_env_call("ftpatch_tick", [], node.lineno),
-                                           lineno=node.lineno))
-        if node.test is not None:   # a filtered loop can run without entering its body
-            node.test = nodes.And(_env_call("ftpatch_tick", [], node.lineno), node.test,
-                                  lineno=node.lineno)
-        return node
-
-    def _body_tick(self, node: Any) -> nodes.Node:
-        node = self.generic_visit(node)
-        node.body.insert(0, nodes.ExprStmt(_env_call("ftpatch_tick", [], node.lineno),
-                                           lineno=node.lineno))
-        return node
-
-    visit_Macro = visit_CallBlock = _body_tick
-
-    def visit_Output(self, node: nodes.Output) -> nodes.Node:
-        node = self.generic_visit(node)
-        # literal text and constants skip `finalize`; count them here
-        const = 0
-        for child in node.nodes:
-            if isinstance(child, nodes.TemplateData):
-                const += len(child.data)
-            elif isinstance(child, nodes.Const):
-                const += len(str(child.value))
-        node.nodes.insert(0, _env_call("ftpatch_emit", [nodes.Const(const)], node.lineno))
-        return node
-
-    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
-        node = self.generic_visit(node)
-        return _env_call("ftpatch_concat", node.nodes, node.lineno)
-
-    def _literal(self, node: Any) -> nodes.Node:
-        node = self.generic_visit(node)
-        if getattr(node, "ctx", "load") != "load":   # assignment targets stay as they are
-            return node
-        return _env_call("ftpatch_value", [node], node.lineno)
-
-    visit_List = visit_Tuple = visit_Dict = _literal
-
-
-class _Environment(ImmutableSandboxedEnvironment):
-    """The immutable sandbox plus the limit checks its hooks allow."""
-
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-    def __init__(self) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
-                         extensions=["jinja2.ext.loopcontrols"])
-        self.filters["tojson"] = _tojson
-        for name in _DROPPED_FILTERS:
-            self.filters.pop(name, None)
-        self.filters = {name: _wrap_filter(name, f) for name, f in self.filters.items()}
-        self.globals.pop("lipsum", None)
-        self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-
-    # hooks the rewritten template calls (as `environment.ftpatch_*`)
-    @staticmethod
-    def ftpatch_tick() -> bool:
-        _budget().tick()
-        return True
-
-    @staticmethod
-    def ftpatch_emit(n: int) -> str:
-        b = _budget()
-        b.emitted += n
-        if b.emitted > b.limits.emitted_chars:
-            raise _LimitExceeded(f"it wrote more than {b.limits.emitted_chars:,} characters "
-                                 "(output, macro and set-block text together)")
-        return ""
-
-    @staticmethod
-    def ftpatch_concat(*parts: Any) -> str:
-        b = _budget()
-        total = 0
-        for p in parts:
-            total += b.size(p)
-            if total > b.limits.value_size:
-                raise b.too_big("a '~' concatenation")
-        return "".join(map(str, parts))
-
-    @staticmethod
-    def ftpatch_value(value: Any) -> Any:
-        _budget().size(value)
-        return value
-
-    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        tree = _Guard().visit(super()._parse(source, name, filename))
-        tree.set_environment(self)
-        return tree
-
-    # sandbox hooks
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        b = _budget()
-        b.tick()
-        if isinstance(__obj, types.BuiltinMethodType) and isinstance(__obj.__self__, str):
-            args = _check_str_method(b, __obj, args, kwargs)
-        nested = isinstance(__obj, (Macro, LoopContext))
-        if nested:
-            if b.depth >= b.limits.depth:
-                raise _LimitExceeded(f"macros or recursive loops nest deeper than "
-                                     f"{b.limits.depth} calls")
-            b.depth += 1
-        try:
-            out = super().call(__context, __obj, *args, **kwargs)
-        finally:
-            if nested:
-                b.depth -= 1
-        b.size(out)
-        return out
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        b = _budget()
-        b.tick()
-        limit = b.limits.value_size
-        ints = (isinstance(left, int) and isinstance(right, int))
-        if operator == "**" and ints:
-            if abs(left) > 1 and right > 0 and right * left.bit_length() > 1 << 16:
-                raise b.too_big(f"{left} ** {right}")
-        elif operator == "*":
-            if ints:
-                if left.bit_length() + right.bit_length() > 1 << 16:
-                    raise b.too_big("an integer product")
-            else:
-                seq, n = (left, right) if isinstance(right, int) else (right, left)
-                if isinstance(n, int) and not isinstance(seq, (int, float)) and n > 0 and \
-                        b.size(seq) * n > limit:
-                    raise b.too_big(f"a {type(seq).__name__} repeated {n:,} times")
-        elif operator == "+" and not ints and not isinstance(left, (int, float)):
-            if b.size(left) + b.size(right) > limit:
-                raise b.too_big(f"a {type(left).__name__} sum")
-        elif operator == "%" and isinstance(left, str):
-            _check_printf(b, left, right)
-        out = super().call_binop(context, operator, left, right)
-        if not isinstance(out, (int, float)):
-            b.size(out)
-        return out
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        _budget().tick()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        _budget().tick()
-        return super().getitem(obj, argument)
-
-    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
-        # the sandbox's own wrapper with a formatter that checks widths before formatting
-        if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or \
-                value.__name__ not in ("format", "format_map") or \
-                not isinstance(value.__self__, str):
-            return None
-        text, is_map = str(value.__self__), value.__name__ == "format_map"
-        vformat = _BoundedFormatter(self).vformat
-
-        def wrapper(*args: Any, **kwargs: Any) -> str:
-            if is_map:
-                if kwargs or len(args) != 1:
-                    raise TypeError("format_map() takes exactly one argument")
-                args, kwargs = (), args[0]
-            out = vformat(text, args, kwargs)
-            _budget().size(out)
-            return out
-
-        return update_wrapper(wrapper, value)
-
-
-@pass_context
-def _finalize(context: Any, value: Any) -> Any:
-    # every `{{ ... }}` value on its way to a buffer: counted before str() makes it text
-    b = _budget()
-    b.tick()
-    b.emitted += len(value) if isinstance(value, str) else b.size(value)
-    if b.emitted > b.limits.emitted_chars:
-        raise _LimitExceeded(f"it wrote more than {b.limits.emitted_chars:,} characters "
-                             "(output, macro and set-block text together)")
-    return value
-
-
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
+
+__all__ = ["ChatTemplate", "RenderedPrompt", "render_chat", "TemplateLimits", "DEFAULT_LIMITS",
+           "OVERRIDE_HINT", "ChatTemplateError"]
 
 
 class ChatTemplate:
-    """A compiled chat template; `render(messages, ...)` gives the prompt text."""
+    """A compiled chat template; `render(messages, ...)` gives the prompt text,
+    `render_prompt(messages, tokenizer, ...)` its text and ids.
+
+    isolate: render in a worker process under OS limits (template_worker). None (the default)
+    means yes for any template given as text (a model file's, a --chat-template file's) and no
+    for the built-in ChatML; False is for templates you trust (tests, your own code), which then
+    render in this process under the sandbox's checks alone. FTPATCH_TEMPLATE_WORKER=0 in the
+    environment makes None mean no (for a system that cannot start the worker process)."""
 
     def __init__(self, source: str | None = None, where: str = "tokenizer.chat_template",
-                 limits: TemplateLimits = DEFAULT_LIMITS):
-        if source is not None and not isinstance(source, str):
-            raise ChatTemplateError(f"{where} is a {type(source).__name__}, not text; "
-                                    f"{OVERRIDE_HINT}")
+                 limits: TemplateLimits = DEFAULT_LIMITS, *, isolate: bool | None = None):
+        if source is not None:
+            check_source(source, where, limits)
         self.is_default = not source
         self.source = source or CHATML_TEMPLATE
         self.where = where
         self.limits = limits
-        if len(self.source) > limits.source_chars:
-            raise ChatTemplateError(f"{where} is {len(self.source):,} characters, over the "
-                                    f"{limits.source_chars:,}-character limit; {OVERRIDE_HINT}")
-        prev = getattr(_local, "budget", None)
-        _local.budget = _Budget(limits)
-        try:
-            self._template = _Environment().from_string(self.source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"{where}: syntax error at template line {e.lineno}: "
-                                    f"{_one_line(e.message or e)}; {OVERRIDE_HINT}") from None
-        except (RecursionError, SyntaxError, MemoryError):
-            # Python's own limits on nesting (parser recursion, nested blocks in the code)
-            raise ChatTemplateError(f"{where} nests blocks or expressions too deeply to "
-                                    f"compile; {OVERRIDE_HINT}") from None
-        except _LimitExceeded as e:
-            raise ChatTemplateError(f"{where}: {e}; {OVERRIDE_HINT}") from None
-        finally:
-            _local.budget = prev
+        if isolate is None:
+            isolate = not self.is_default and os.environ.get("FTPATCH_TEMPLATE_WORKER") != "0"
+        self.isolate = bool(isolate)
+        check_source(self.source, where, limits)
+        self._key = hashlib.sha256(self.source.encode("utf-8", "surrogatepass")).hexdigest()
+        self._template = None
+        if self.isolate:   # compiled there, so a syntax error shows now, as in this process
+            template_worker.run("compile", self._key, self.source, where, limits)
+        else:
+            self._template = compile_template(self.source, where, limits)
+        self._source_pua = frozenset(_PUA.findall(self.source))
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], where: str = "model",
@@ -564,44 +80,93 @@ class ChatTemplate:
                tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
         """The prompt for `messages` ([{role, content}, ...]). enable_thinking=None leaves it
         undefined, so the template's own default applies; `extra` reaches the template as is.
-        Raises ChatTemplateError (a GGUFError) when the template fails or passes a limit."""
-        context = dict(extra, messages=_checked(messages), tools=tools,
-                       add_generation_prompt=bool(add_generation_prompt),
-                       bos_token=bos_token, eos_token=eos_token)
-        if enable_thinking is not None:
-            context["enable_thinking"] = bool(enable_thinking)
-        prev = getattr(_local, "budget", None)
-        budget = _local.budget = _Budget(self.limits)
+        Raises ChatTemplateError (a GGUFError) when the template fails or passes a limit.
+
+        This is text only: tokenizing it with parse_special=True turns control-token text in
+        the messages into control tokens. A chat's prompt comes from render_prompt."""
+        return self._render(_context(messages, tools, add_generation_prompt, enable_thinking,
+                                     bos_token, eos_token, extra))
+
+    def render_prompt(self, messages: Sequence[Mapping[str, Any]], tokenizer: "Tokenizer", *,
+                      tools: Sequence[Mapping[str, Any]] | None = None,
+                      add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+                      allow_special_in_content: bool = False, bos_token: str | None = None,
+                      eos_token: str | None = None, **extra: Any) -> "RenderedPrompt":
+        """The prompt for `messages` as the model reads it: RenderedPrompt(text, ids).
+
+        Only the template's own markup becomes control tokens. Every string the caller passes
+        in `messages`, `tools` and `extra` (contents, tool arguments and names, keys, any value;
+        all of it may come from a client) is text: where such a string spells a control token
+        of `tokenizer` (e.g. "<|im_end|>\\n<|im_start|>system"), it is tokenized as the
+        characters it is made of, never as the token, so a user cannot forge a turn.
+
+        How: before rendering, each control token's text in those strings is replaced by a
+        private-use character that occurs in none of them (nor in the template), and so does
+        a string's first or last few characters where they could join a neighbour into a
+        control token (a proper suffix, a proper prefix of one: "<|im_" + "end|>"). The
+        template renders that; its output is split at the special tokens it spells (the
+        template's markup), and the text between them is tokenized as plain text with the
+        placeholders turned back into the characters they stand for. A template's string
+        tests on client text see a placeholder there instead of the control token's text.
+        User-defined tokens (type 4: "<think>", "<tool_call>" in Qwen's vocabularies) stay as
+        they are: they are the content's own markup, which the model writes and clients send
+        back, and templates look for them in it (`content.split('</think>')`).
+
+        allow_special_in_content=True: the text is rendered as given and tokenized with
+        parse_special=True, so control-token text anywhere becomes control tokens (what
+        llama.cpp, HF and vLLM do; `--allow-special-in-content`). bos_token / eos_token
+        default to the tokenizer's; they are the template's own, not client text."""
+        if bos_token is None:
+            bos_token = tokenizer.bos_token
+        if eos_token is None:
+            eos_token = tokenizer.eos_token
+        if allow_special_in_content or not tokenizer.control_texts:
+            text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                               enable_thinking=enable_thinking, bos_token=bos_token,
+                               eos_token=eos_token, **extra)
+            return RenderedPrompt._build(tokenizer, text, {}, protect=False)
+        guard = _guard(tokenizer)
+        avoid = set(self._source_pua)
+        for _ in range(4):
+            marker = _Marker(guard, avoid)
+            context = _context(marker.walk(_checked(messages)), marker.walk(tools),
+                               add_generation_prompt, enable_thinking, bos_token, eos_token,
+                               {k: marker.walk(v) for k, v in extra.items()})
+            if not marker.collided():
+                break
+            avoid |= marker.seen    # a placeholder taken before its character showed up
+        else:
+            raise ChatTemplateError("the messages use too many private-use characters to "
+                                    "keep control tokens out of them")
+        return RenderedPrompt._build(tokenizer, self._render(context), marker.literals,
+                                     protect=True)
+
+    def _render(self, context: dict[str, Any]) -> str:
+        if self.isolate:
+            return template_worker.run("render", self._key, self.source, self.where,
+                                       self.limits, context)
         try:
-            out, n = [], 0
-            for chunk in self._template.generate(**context):
-                n += len(chunk)
-                if n > self.limits.output_chars:
-                    raise _LimitExceeded(f"the prompt passed the {self.limits.output_chars:,}"
-                                         "-character output limit")
-                out.append(chunk)
-            return "".join(out)
-        except _TemplateRaised as e:
-            raise ChatTemplateError(f"{self.where} refused the conversation: "
-                                    f"{_one_line(e)}") from None
-        except _LimitExceeded as e:
-            raise ChatTemplateError(f"{self.where}: {e}{_at(e)}; {OVERRIDE_HINT}") from None
-        except RecursionError as e:
-            raise ChatTemplateError(f"{self.where}: nests too deeply (Python's recursion "
-                                    f"limit){_at(e)}; {OVERRIDE_HINT}") from None
-        except Exception as e:   # the template is untrusted code: any failure is its own
-            what = f"{type(e).__name__}: {_one_line(e)}"[:300]
-            raise ChatTemplateError(f"{self.where} failed{_at(e)}: {what}; "
+            return render_compiled(self._template, self.where, self.limits, context)
+        except MemoryError:
+            raise ChatTemplateError(f"{self.where}: rendering ran out of memory; "
                                     f"{OVERRIDE_HINT}") from None
-        finally:
-            budget.sizes.clear()
-            _local.budget = prev
 
 
 def render_chat(template: str | None, messages: Sequence[Mapping[str, Any]],
                 **kwargs: Any) -> str:
     """Compile `template` (None: ChatML) and render `messages`; see ChatTemplate.render."""
     return ChatTemplate(template).render(messages, **kwargs)
+
+
+def _context(messages: Any, tools: Any, add_generation_prompt: bool,
+             enable_thinking: bool | None, bos_token: str, eos_token: str,
+             extra: dict[str, Any]) -> dict[str, Any]:
+    context = dict(extra, messages=_checked(messages), tools=tools,
+                   add_generation_prompt=bool(add_generation_prompt),
+                   bos_token=bos_token, eos_token=eos_token)
+    if enable_thinking is not None:
+        context["enable_thinking"] = bool(enable_thinking)
+    return context
 
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -616,11 +181,229 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _at(e: BaseException) -> str:
-    # Jinja rewrites tracebacks so the template's own frames carry template line numbers
-    line, tb = None, e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<template>":
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return f" at template line {line}" if line else ""
+# -- keeping control tokens out of client text ---------------------------------------------------
+
+# Unicode's private-use areas: characters no tokenizer gives a meaning of its own
+_PUA_RANGES = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
+_PUA = re.compile("[" + "".join(f"{chr(a)}-{chr(b)}" for a, b in _PUA_RANGES) + "]")
+
+
+class _Guard:
+    """What marking needs to know of a tokenizer's control tokens (built once per tokenizer)."""
+
+    def __init__(self, tokenizer: "Tokenizer"):
+        from .tokenizer import _SpecialFinder
+        names = tokenizer.control_texts
+        self.finder = _SpecialFinder(names)
+        self.longest = max(map(len, names))
+        self.prefixes = {n[:k] for n in names for k in range(1, len(n))}
+        self.suffixes = {n[k:] for n in names for k in range(1, len(n))}
+        # a string with none of these characters needs nothing: a control token (or a proper
+        # prefix of one) starts with a first character, a proper suffix ends with a last one
+        edges = {n[0] for n in names} | {n[-1] for n in names}
+        self.quick = re.compile("[" + "".join(map(re.escape, sorted(edges))) +
+                                _PUA.pattern[1:-1] + "]")
+
+
+_guards: "weakref.WeakKeyDictionary[Any, _Guard]" = weakref.WeakKeyDictionary()
+_guards_lock = threading.Lock()
+
+
+def _guard(tokenizer: "Tokenizer") -> _Guard:
+    with _guards_lock:
+        g = _guards.get(tokenizer)
+        if g is None:
+            g = _guards[tokenizer] = _Guard(tokenizer)
+        return g
+
+
+class _Marker:
+    """One pass over the client's data: copies with control tokens (and the edges that could
+    make one) replaced by placeholders; `literals` maps each placeholder back to its text."""
+
+    def __init__(self, guard: _Guard, avoid: set[str]):
+        self.g = guard
+        self.avoid = avoid                  # characters placeholders must not be
+        self.seen: set[str] = set()         # private-use characters in the data
+        self.literals: dict[str, str] = {}  # placeholder -> text
+        self._by_text: dict[str, str] = {}
+        self._next = _pua_chars()
+
+    def collided(self) -> bool:
+        return not self.seen.isdisjoint(self.literals)
+
+    def walk(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.mark(value) if self.g.quick.search(value) else value
+        if isinstance(value, Mapping):
+            return {self.walk(k): self.walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.walk(v) for v in value)
+        return value
+
+    def placeholder(self, text: str) -> str:
+        p = self._by_text.get(text)
+        if p is None:
+            for p in self._next:
+                if p not in self.avoid and p not in self.seen:
+                    break
+            else:
+                raise ChatTemplateError("the messages use too many private-use characters to "
+                                        "keep control tokens out of them")
+            self._by_text[text] = p
+            self.literals[p] = text
+        return p
+
+    def mark(self, s: str) -> str:
+        g = self.g
+        self.seen.update(_PUA.findall(s))
+        spans = list(g.finder.finditer(s))
+        first = spans[0][0] if spans else len(s)
+        last = spans[-1][1] if spans else 0
+        head = next((q for q in range(min(first, g.longest - 1), 0, -1)
+                     if s[:q] in g.suffixes), 0)
+        tail = next((p for p in range(max(last, head, len(s) - g.longest + 1), len(s))
+                     if s[p:] in g.prefixes), len(s))
+        if not spans and head == 0 and tail == len(s):
+            return s
+        out, pos = [], head
+        if head:
+            out.append(self.placeholder(s[:head]))
+        for start, end, name in spans:
+            out.append(s[pos:start])
+            out.append(self.placeholder(name))
+            pos = end
+        out.append(s[pos:tail])
+        if tail < len(s):
+            out.append(self.placeholder(s[tail:]))
+        return "".join(out)
+
+
+def _pua_chars():
+    for a, b in _PUA_RANGES:
+        for c in range(a, b + 1):
+            yield chr(c)
+
+
+# -- the result ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class RenderedPrompt:
+    """A chat prompt: `text` as the template wrote it (client strings as given) and `ids`, its
+    tokens (the template's markup as special tokens, client strings as text).
+
+    encode_suffix(s) tokenizes the end of `text` the same way (a chat that keeps the cached ids
+    of an earlier turn's text tokenizes only what is new: `continue_ids(tokens, cached_text,
+    p.text, p.encode_suffix)`); append(s) adds text after the prompt (a prefilled reply, a
+    forced tool call's opening)."""
+
+    text: str
+    ids: list[int]
+    _tokenizer: Any = field(repr=False)
+    _marked: str = field(repr=False)                     # text with placeholders
+    _literals: dict[str, str] = field(repr=False)        # placeholder -> its text
+    _specials: tuple = field(repr=False)                 # (start, end, ids so far) in _marked
+    _protect: bool = field(repr=False)                   # client text kept out of control ids
+
+    @classmethod
+    def _build(cls, tokenizer: "Tokenizer", marked: str, literals: dict[str, str], *,
+               protect: bool) -> "RenderedPrompt":
+        ids, specials = _encode_marked(tokenizer, marked, literals)
+        return cls(_unmark(marked, literals), ids, tokenizer, marked, literals, specials,
+                   protect)
+
+    def encode_suffix(self, suffix: str) -> list[int]:
+        """The ids of the last len(suffix) characters of `text` (which must end with
+        `suffix`), tokenized as in `ids`: as if the prompt started there."""
+        if not self.text.endswith(suffix):
+            raise ValueError("encode_suffix: the prompt's text does not end with this text")
+        if not suffix:
+            return []
+        start, marked, literals = len(self.text) - len(suffix), self._marked, self._literals
+        if not literals:
+            return _encode_marked(self._tokenizer, marked[start:], literals)[0]
+        # literal offset -> marked offset: each placeholder stands for len(literal) characters
+        mpos, lpos = 0, 0
+        for m in _placeholders(literals).finditer(marked):
+            n = len(literals[m.group()])
+            if lpos + (m.start() - mpos) + n > start:
+                if lpos + (m.start() - mpos) <= start:   # starts inside this placeholder's text
+                    cut = start - lpos - (m.start() - mpos)
+                    rest = literals[m.group()][cut:]
+                    q = next(c for c in _pua_chars() if c not in literals and c not in marked)
+                    tail = q + marked[m.end():]
+                    return _encode_marked(self._tokenizer, tail, {**literals, q: rest})[0]
+                break
+            lpos += (m.start() - mpos) + n
+            mpos = m.end()
+        return _encode_marked(self._tokenizer, marked[mpos + (start - lpos):], literals)[0]
+
+    def append(self, text: str, *, client: bool = True) -> "RenderedPrompt":
+        """This prompt followed by `text`. client=True: `text` is client text (a prefilled
+        reply), kept out of control tokens as render_prompt keeps messages; False: it is
+        markup of the template's kind, whose special tokens count."""
+        if not isinstance(text, str):
+            raise TypeError(f"append() takes text, not {type(text).__name__}")
+        tok, literals, new = self._tokenizer, dict(self._literals), text
+        if client and self._protect and tok.control_texts:
+            avoid = set(literals) | set(_PUA.findall(self._marked))
+            while True:
+                marker = _Marker(_guard(tok), avoid)
+                new = marker.walk(text)
+                if not marker.collided():
+                    break
+                avoid |= marker.seen
+            literals.update(marker.literals)
+        # a character of `text` that is one of our placeholders stands for itself
+        for c in set(_PUA.findall(text)) & set(self._literals):
+            q = next(p for p in _pua_chars() if p not in literals and p not in self._marked
+                     and p not in new)
+            literals[q] = c
+            new = new.replace(c, q)
+        marked = self._marked + new
+        # special tokens that end far enough from the join cannot change: keep their ids
+        keep = len(self._marked) - tok.longest_special
+        cut = next((i for i in range(len(self._specials) - 1, -1, -1)
+                    if self._specials[i][1] <= keep), -1)
+        start, n_ids = (self._specials[cut][1], self._specials[cut][2]) if cut >= 0 else (0, 0)
+        ids, specials = _encode_marked(tok, marked[start:], literals)
+        specials = self._specials[:cut + 1] + tuple((a + start, b + start, k + n_ids)
+                                                    for a, b, k in specials)
+        return RenderedPrompt(_unmark(marked, literals), self.ids[:n_ids] + ids, tok, marked,
+                              literals, specials, self._protect)
+
+
+def _placeholders(literals: Mapping[str, str]) -> re.Pattern:
+    return re.compile("[" + "".join(map(re.escape, literals)) + "]")
+
+
+def _unmark(marked: str, literals: Mapping[str, str]) -> str:
+    if not literals:
+        return marked
+    return _placeholders(literals).sub(lambda m: literals[m.group()], marked)
+
+
+def _encode_marked(tok: "Tokenizer", marked: str, literals: Mapping[str, str]
+                   ) -> tuple[list[int], tuple]:
+    """ids of `marked`: its special tokens as their ids, the text between them (placeholders
+    turned back into their text) as plain text; and (start, end, ids so far) per special."""
+    ids: list[int] = []
+    specials = []
+    pos = 0
+    plain = tok.encode_plain_into
+    if literals:
+        sub, back = _placeholders(literals).sub, (lambda m: literals[m.group()])
+        unmark = lambda t: sub(back, t)   # noqa: E731
+    else:
+        unmark = str
+    for start, end, tid in tok.find_specials(marked):
+        if start > pos:
+            plain(unmark(marked[pos:start]), ids)
+        ids.append(tid)
+        specials.append((start, end, len(ids)))
+        pos = end
+    if pos < len(marked):
+        plain(unmark(marked[pos:]), ids)
+    return ids, tuple(specials)

@@ -47,11 +47,21 @@ PRETOKENIZERS: dict[str, PreTokenizer] = {p.name: p for p in (
 _ALIASES = {"deepseek-r1-qwen": "qwen2", "llama3": "llama-bpe", "llama-v3": "llama-bpe"}
 
 
-def get_pretokenizer(name: str) -> PreTokenizer:
-    """The pre-tokenizer registered as `name` (or an alias); GGUFError listing supported ones."""
+def get_pretokenizer(name: str | None, where: str = "") -> PreTokenizer:
+    """The pre-tokenizer registered as `name` (or an alias); GGUFError listing supported ones.
+    name=None: the file names none (`tokenizer.ggml.pre` is missing). `where` (the file) starts
+    the message when given."""
+    at = f"{where}: " if where else ""
+    names = ", ".join(sorted(PRETOKENIZERS) + sorted(_ALIASES))
+    if name is None:
+        # llama.cpp falls back to a generic split here and warns that quality suffers; a wrong
+        # split gives wrong ids for most text, so this is an error
+        raise GGUFError(f"{at}tokenizer.ggml.pre is missing, so the pre-tokenizer (how text is "
+                        f"split before BPE) is unknown; the file was probably converted by an "
+                        f"old converter: convert it again with a current llama.cpp "
+                        f"(supported: {names})")
     found = PRETOKENIZERS.get(_ALIASES.get(name, name))
     if found is None:
-        names = ", ".join(sorted(PRETOKENIZERS) + sorted(_ALIASES))
-        raise GGUFError(f"unsupported pre-tokenizer tokenizer.ggml.pre = {name!r}; "
+        raise GGUFError(f"{at}unsupported pre-tokenizer tokenizer.ggml.pre = {name!r}; "
                         f"supported: {names}")
     return found

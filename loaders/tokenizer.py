@@ -39,11 +39,12 @@ class Tokenizer:
     """Byte-level BPE (`tokenizer.ggml.model = "gpt2"`) with a registered pre-tokenizer."""
 
     def __init__(self, vocab: VocabSpec, *, add_bos: bool | None = None, add_eos: bool = False):
+        self.where = where = vocab.where     # the file, named in every message about it
         if vocab.model != "gpt2":
-            raise GGUFError(f"tokenizer.ggml.model = {vocab.model!r} is not supported; "
-                            "supported: gpt2 (byte-level BPE)")
+            raise GGUFError(f"{where}: tokenizer.ggml.model = {vocab.model!r:.60} is not "
+                            "supported; supported: gpt2 (byte-level BPE)")
         self.vocab = vocab
-        self.pre = get_pretokenizer(vocab.pre)
+        self.pre = get_pretokenizer(vocab.pre, where)
         self.tokens = vocab.tokens
         self.add_bos = self.pre.add_bos if add_bos is None else bool(add_bos)
         self.add_eos = bool(add_eos)
@@ -56,9 +57,13 @@ class Tokenizer:
         normal = np.flatnonzero(~raw)[::-1].tolist()
         self._piece_id: dict[str, int] = dict(zip(map(self.tokens.__getitem__, normal), normal))
         self._byte_ids = [self._piece_id.get(_BYTE_TO_CHAR[b]) for b in range(256)]
-        self._merges = _merge_table(vocab.merges, self._piece_id, len(self.tokens))
+        self._merges = _merge_table(vocab.merges, self._piece_id, len(self.tokens), where)
         self._special_id = {self.tokens[i]: i for i in special if self.tokens[i]}
+        # control tokens (turn and role markup): chat prompts keep them out of client text
+        self.control_texts = frozenset(
+            self.tokens[i] for i in np.flatnonzero(types == CONTROL).tolist() if self.tokens[i])
         self._specials = _SpecialFinder(self._special_id) if self._special_id else None
+        self.longest_special = max(map(len, self._special_id), default=0)
         self._split = regex.compile(self.pre.pattern).findall
         self._cache = _WordCache(self._encode_word)
         self._bytes: list[bytes | None] = [None] * len(self.tokens)
@@ -144,15 +149,29 @@ class Tokenizer:
             out.append(self._needed(self.eos_id, "EOS", "add_eos_token"))
         return out
 
+    def find_specials(self, text: str) -> Iterator[tuple[int, int, int]]:
+        """(start, end, id) of each special token spelled in `text`, as encode(parse_special=
+        True) splits them out: leftmost first, the longest at a position."""
+        if self._specials is not None:
+            get = self._special_id.__getitem__
+            for start, end, name in self._specials.finditer(text):
+                yield start, end, get(name)
+
     def pretokenize(self, text: str) -> list[str]:
         """The words BPE runs on, in order (special tokens are not split out here)."""
         return self._split(text)
 
     def _needed(self, tid: int | None, what: str, key: str) -> int:
         if tid is None:
-            raise GGUFError(f"the model asks for a {what} token (tokenizer.ggml.{key}) but "
-                            f"defines none; the file's tokenizer metadata is incomplete")
+            raise GGUFError(f"{self.where}: the model asks for a {what} token "
+                            f"(tokenizer.ggml.{key}) but defines none; the file's tokenizer "
+                            "metadata is incomplete")
         return tid
+
+    def encode_plain_into(self, text: str, out: list[int]) -> None:
+        """Append the ids of `text` (a str) to `out`, special-token text as plain text: encode()
+        without its checks, for callers that tokenize a prompt in many pieces."""
+        self._encode_plain(text, out)
 
     def _encode_plain(self, text: str, out: list[int]) -> None:
         if text:   # the hot loop runs in C: cache hits never enter Python code
@@ -167,8 +186,8 @@ class Tokenizer:
         ids = list(map(self._byte_ids.__getitem__, raw))
         if None in ids:
             byte = raw[ids.index(None)]
-            raise GGUFError(f"byte 0x{byte:02x} has no token in the vocabulary; it is not a "
-                            "complete byte-level BPE vocabulary")
+            raise GGUFError(f"{self.where}: byte 0x{byte:02x} has no token in the vocabulary; "
+                            "it is not a complete byte-level BPE vocabulary")
         return tuple(_bpe(ids, self._merges, len(self.tokens)) if len(ids) > 1 else ids)
 
     # -- decode -------------------------------------------------------------------------------
@@ -192,7 +211,8 @@ class Tokenizer:
         except TypeError:
             raise GGUFError(f"token id {token_id!r} is not an integer") from None
         if not 0 <= i < len(self.tokens):
-            raise GGUFError(f"token id {i} is outside the vocabulary (0..{len(self.tokens) - 1})")
+            raise GGUFError(f"token id {i} is outside the vocabulary of {self.where} "
+                            f"(0..{len(self.tokens) - 1})")
         return i
 
     def __repr__(self) -> str:
@@ -265,7 +285,8 @@ class _WordCache(dict):
         return ids
 
 
-def _merge_table(merges: list[str], piece_id: dict[str, int], n_vocab: int) -> dict[int, int]:
+def _merge_table(merges: list[str], piece_id: dict[str, int], n_vocab: int,
+                 where: str) -> dict[int, int]:
     """left_id * n_vocab + right_id -> rank * n_vocab + merged_id: ints hash fast, and the value
     orders by rank. Merges naming a piece missing from the vocabulary could never apply (or name
     their result), so they are left out. Built in bulk: this runs once per 150k-merge load."""
@@ -275,8 +296,8 @@ def _merge_table(merges: list[str], piece_id: dict[str, int], n_vocab: int) -> d
         pairs = [m.split(" ") for m in merges]
         bad = next((r for r, p in enumerate(pairs) if len(p) != 2 or not all(p)), None)
         if bad is not None:
-            raise GGUFError(f"tokenizer.ggml.merges[{bad}] = {merges[bad]!r} is not two pieces "
-                            "'a b'; the file's tokenizer is damaged")
+            raise GGUFError(f"{where}: tokenizer.ggml.merges[{bad}] = {merges[bad]!r:.60} is "
+                            "not two pieces 'a b'; the file's tokenizer is damaged")
         flat = [piece for p in pairs for piece in p]
     left, right = flat[0::2], flat[1::2]
     get = piece_id.get

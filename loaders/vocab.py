@@ -33,13 +33,14 @@ class VocabSpec:
     tokens: list[str]
     token_types: np.ndarray          # int32 per token
     merges: list[str]                # "a b", rank = index
-    pre: str = "qwen35"
+    pre: str | None = "qwen35"       # None: the file names no pre-tokenizer
     model: str = "gpt2"
     eos_id: int | None = None
     pad_id: int | None = None
     bos_id: int | None = None
     chat_template: str | None = None
     extra_ids: dict[str, int] = field(default_factory=dict)  # other tokenizer.ggml.*_token_id
+    where: str = "the vocabulary"    # the file it came from, for messages
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,7 +49,8 @@ class VocabSpec:
         """The same vocabulary padded with `[PAD{id}]` unused tokens to `n_vocab` entries."""
         n = len(self.tokens)
         if n_vocab < n:
-            raise GGUFError(f"vocabulary of {n} tokens does not fit a model with {n_vocab} rows")
+            raise GGUFError(f"{self.where}: the vocabulary of {n:,} tokens does not fit a model "
+                            f"with {n_vocab:,} embedding rows")
         if n_vocab == n:
             return self
         tokens = self.tokens + [f"[PAD{i}]" for i in range(n, n_vocab)]
@@ -116,9 +118,9 @@ def vocab_from_metadata(md: Mapping[str, Any], where: str = "model") -> VocabSpe
                 ids[k[len("tokenizer.ggml."):-len("_token_id")]] = v
     return VocabSpec(
         tokens=list(tokens), token_types=types, merges=list(merges),
-        pre=_text(md, "tokenizer.ggml.pre", where, "default"), model=model,
+        pre=_text(md, "tokenizer.ggml.pre", where, None), model=model,
         eos_id=ids.pop("eos", None), pad_id=ids.pop("padding", None), bos_id=ids.pop("bos", None),
-        chat_template=md.get("tokenizer.chat_template"), extra_ids=ids)
+        chat_template=md.get("tokenizer.chat_template"), extra_ids=ids, where=where)
 
 
 def read_vocab(path: str | Path) -> VocabSpec:
@@ -133,6 +135,8 @@ def vocab_metadata(v: VocabSpec) -> dict[str, Any]:
                           "tokenizer.ggml.tokens": v.tokens,
                           "tokenizer.ggml.token_type": np.asarray(v.token_types, np.int32),
                           "tokenizer.ggml.merges": v.merges}
+    if v.pre is None:
+        del md["tokenizer.ggml.pre"]
     for key, val in (("eos", v.eos_id), ("padding", v.pad_id), ("bos", v.bos_id),
                      *v.extra_ids.items()):
         if val is not None:
@@ -176,4 +180,4 @@ def builtin_vocab(n_merges: int = 1500) -> VocabSpec:
     base = len(tokens)
     return VocabSpec(tokens=tokens + specials, token_types=np.asarray(types, np.int32),
                      merges=merges, pre="qwen35", eos_id=base + 2, pad_id=base,
-                     chat_template=CHATML_TEMPLATE)
+                     chat_template=CHATML_TEMPLATE, where="the built-in vocabulary")

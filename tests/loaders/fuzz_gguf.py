@@ -485,7 +485,8 @@ def worker(args: list[str]) -> None:
     ap.add_argument("--progress", type=Path, required=True)
     a = ap.parse_args(args)
     sys.path.append(str(ROOT))     # after PYTHONPATH: a loaders tree named there is fuzzed
-    import loaders  # noqa: F401  (imported before the cap)
+    # imported before the cap (loaders imports its modules on first use)
+    from loaders import GGUFError, Tokenizer, open_gguf, open_model  # noqa: F401
     from loaders.chat_template import ChatTemplate
     ChatTemplate(None).render(MESSAGES)
     bases = [load_base(*b.split("=", 1)) for b in a.base]

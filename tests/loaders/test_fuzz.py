@@ -9,8 +9,10 @@ fuzz_regressions/ (as the bytes that differ from the base file) and replayed by
 test_fuzz_regressions from then on.
 
 Templates: random templates from a small grammar (loops, ifs, macros, filters, string and list
-operations, nested), rendered under tight limits: only ChatTemplateError escapes, the limits
-hold, and the caller's messages are untouched. Time-boxed like the GGUF fuzz (at least 20);
+operations, nested), rendered under tight limits, in turn in this process (where anything but
+ChatTemplateError shows) and in the worker process: only ChatTemplateError escapes, the limits
+hold (the sandbox's own checks: the worker's memory limit or a death is a check that missed),
+and the caller's messages are untouched. Time-boxed like the GGUF fuzz (at least 20);
 FTPATCH_FUZZ_TEMPLATES=N renders exactly N.
 """
 from __future__ import annotations
@@ -26,7 +28,6 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the worker module beside this file
@@ -264,11 +265,13 @@ def test_fuzz_templates():
             src = gen.template()
             t0 = time.monotonic()
             try:
-                out = ChatTemplate(src, limits=LIMITS).render(messages)
+                out = ChatTemplate(src, limits=LIMITS, isolate=bool(i & 1)).render(messages)
                 assert len(out) <= LIMITS.output_chars
                 outcomes["ok"] += 1
             except ChatTemplateError as e:
                 assert "\n" not in str(e)
+                assert "memory limit" not in str(e) and "died" not in str(e), \
+                    f"template {i} (FTPATCH_FUZZ_SEED={seed}): {e}\n{src}"
                 outcomes["refused"] += 1
             except BaseException as e:
                 pytest.fail(f"template {i} (FTPATCH_FUZZ_SEED={seed}) raised "

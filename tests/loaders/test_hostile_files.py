@@ -240,7 +240,8 @@ def test_vocabulary_tables_checked(tiny_model, tmp_path, meta, pattern):
     def build():
         Tokenizer.from_metadata(md, str(p))
         ChatTemplate.from_metadata(md, str(p))
-    refused(build, pattern)
+    msg = refused(build, pattern)
+    assert msg.startswith(f"{p}: "), msg          # every message names the file
 
 
 def test_token_list_shorter_than_token_types(tmp_path):
@@ -454,7 +455,7 @@ CONSTRUCTS_MESSAGES = [
 
 def test_limits_leave_tool_templates_alone():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from loaders.chat_template import _raise_exception, _strftime_now, _tojson
+    from loaders.template_sandbox import _raise_exception, _strftime_now, _tojson
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson

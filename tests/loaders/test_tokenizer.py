@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import unicodedata
 from dataclasses import replace
 
@@ -216,23 +217,44 @@ def test_eog_ids(tok):
 def test_decode_errors_and_control_text(tok):
     assert tok.decode([151644, 872, 198, 151645]) == "<|im_start|>user\n<|im_end|>"
     for bad in (len(tok), -1, 10**9):
-        with pytest.raises(GGUFError, match=r"outside the vocabulary \(0\.\.151935\)"):
+        with pytest.raises(GGUFError, match=r"outside the vocabulary of .*ggml-vocab-qwen35\.gguf "
+                                            r"\(0\.\.151935\)"):
             tok.decode([bad])
     with pytest.raises(GGUFError, match="not an integer"):
         tok.decode(["7"])
     assert tok.decode(np.array([9707, 1879])) == "Hello world"
 
 
-def test_unsupported_tokenizers_fail_in_one_line(vocab):
-    with pytest.raises(GGUFError, match="supported: .*llama-bpe.*qwen2.*qwen35") as e:
+def test_unsupported_tokenizers_fail_in_one_line_naming_the_file(vocab, vocab_path):
+    at = "^" + re.escape(str(vocab_path)) + ": "
+    with pytest.raises(GGUFError, match=at + "unsupported pre-tokenizer tokenizer.ggml.pre = "
+                                        "'gpt-4o'; supported: .*llama-bpe.*qwen2.*qwen35") as e:
         Tokenizer.from_vocab(replace(vocab, pre="gpt-4o"))
     assert "\n" not in str(e.value)
-    with pytest.raises(GGUFError, match="'llama' is not supported"):
+    with pytest.raises(GGUFError, match=at + "tokenizer.ggml.model = 'llama' is not supported"):
         Tokenizer.from_vocab(replace(vocab, model="llama"))
-    with pytest.raises(GGUFError, match="has no tokenizer"):
+    with pytest.raises(GGUFError, match="^model has no tokenizer"):
         Tokenizer.from_metadata({"general.architecture": "qwen35moe"})
-    with pytest.raises(GGUFError, match=r"merges\[1\]"):
+    with pytest.raises(GGUFError, match=at + r"tokenizer.ggml.merges\[1\]"):
         Tokenizer.from_vocab(replace(vocab, merges=["Ġ Ġ", "bad"]))
+    with pytest.raises(GGUFError, match=at + "the model asks for a BOS token"):
+        Tokenizer.from_vocab(replace(vocab, bos_id=None), add_bos=True).encode("x", add_special=True)
+    with pytest.raises(GGUFError, match=at + "byte 0x41 has no token"):
+        Tokenizer.from_vocab(replace(vocab, tokens=[t if t != "A" else "[gone]" for t in vocab.tokens])
+                             ).encode("A")
+    with pytest.raises(GGUFError, match=at + "the vocabulary of 151,936 tokens does not fit"):
+        vocab.padded(10)
+
+
+def test_a_missing_pre_tokenizer_is_reported_as_missing(vocab, vocab_path, tmp_path):
+    from helpers import rewrite
+    p = rewrite(vocab_path, tmp_path / "nopre.gguf", drop_keys=["tokenizer.ggml.pre"])
+    with pytest.raises(GGUFError) as e:
+        Tokenizer.from_gguf(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: tokenizer.ggml.pre is missing") and "\n" not in msg, msg
+    assert "default" not in msg and "convert it again" in msg
+    assert Tokenizer.from_vocab(replace(vocab, pre="qwen35")).pre.name == "qwen35"
 
 
 # -- streaming -------------------------------------------------------------------------------------

@@ -79,7 +79,21 @@ def test_piped_messages_and_commands(monkeypatch, capsys):
                for s in status)
 
 
-def test_ctrl_c_stops_the_answer_and_keeps_the_session(monkeypatch, capsys):
+@pytest.fixture(params=["handler", "ignored"])
+def sigint(request):
+    """The SIGINT disposition the chat starts under, set here rather than inherited: Python's
+    KeyboardInterrupt handler (an interactive shell), or ignored (a background job such as
+    `nohup pytest &` starts with SIGINT ignored). Ctrl-C must work in both, and the chat must
+    leave the disposition as it found it."""
+    want = signal.default_int_handler if request.param == "handler" else signal.SIG_IGN
+    old = signal.signal(signal.SIGINT, want)
+    try:
+        yield want
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(monkeypatch, capsys, sigint):
     from moe_offload.gen import Session
     original, calls = Session.chat, []
 
@@ -96,7 +110,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(monkeypatch, capsys):
     monkeypatch.setattr(Session, "chat", chat_with_ctrl_c)
     rc, out, err = chat(monkeypatch, capsys, "one\ntwo\nthree\n", "-n", "8", "--temp", "0")
     assert rc == 0 and len(calls) == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler    # handler restored
+    assert signal.getsignal(signal.SIGINT) is sigint    # the disposition it found, restored
     status = [line for line in err.splitlines() if line.startswith("TTFT ")]
     assert "answer 3 tok" in status[0] and status[0].endswith("interrupted")
     assert "answer 2 tok" in status[1] and status[1].endswith("interrupted")
