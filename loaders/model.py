@@ -161,7 +161,7 @@ def mtp_weights(model: LoadedModel) -> dict[str, Weight]:
             slots.setdefault(spec.slot, {}).setdefault(spec.group or "", []).append(spec)
             continue
         if spec.name not in found:
-            if spec.name.endswith("nextn.shared_head_norm.weight"):   # optional (doc §2.5)
+            if spec.name.endswith("nextn.shared_head_norm.weight"):   # optional
                 continue
             raise GGUFError(f"{model.file.path}: MTP tensor {spec.name!r} is missing")
         if (err := _check(spec, tensors[spec.name])) is not None:

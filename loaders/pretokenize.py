@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import GGUFError
 
-# Qwen3.5 (shared/docs/qwen35moe.md §5.2): letter runs absorb combining marks, digits one by one.
+# Qwen3.5: letter runs absorb combining marks, digits one by one.
 QWEN35_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
                 r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")

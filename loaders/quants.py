@@ -2,7 +2,7 @@
 
 Everything else in the project that needs to know a type's block geometry asks this module.
 The reference dequantizer is gguf-py's (measured bit-identical with ggml's C decoders, see
-shared/docs/ggml-quants.md); our own decoders (torch, C++, CUDA) are tested against it.
+ggml's own code); our own decoders (torch, C++, CUDA) are tested against it.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _q(name: str, family: str, d: int | None = None, m: int | None = None) -> Qu
 
 
 # Every weight type of gguf 0.19 that published GGUFs use. Block sizes come from gguf-py;
-# scale offsets are from the block layouts (shared/docs/ggml-quants.md §1).
+# scale offsets are from the block layouts (native/csrc/quants.h declares each).
 QUANT_TYPES: dict[str, QuantType] = {q.name: q for q in [
     _q("F32", "float"), _q("F16", "float"), _q("BF16", "float"),
     _q("Q4_0", "legacy", d=0), _q("Q4_1", "legacy", d=0, m=2),

@@ -58,7 +58,7 @@ PRESETS: dict[str, Preset] = {
                    n_ff_exp=256, n_ff_shexp=256, n_head=2, n_head_kv=1, head_dim=128, n_rot=32,
                    rope_sections=(6, 5, 5, 0), ssm_d_inner=256, ssm_d_state=64,
                    ssm_n_v_heads=4, ssm_n_k_heads=2, n_ctx_train=4096),
-    # Qwen3.5-35B-A3B's shapes (shared/docs/qwen35moe.md §1.2).
+    # Qwen3.5-35B-A3B's shapes (its published config).
     "35b-a3b": Preset(n_layer=40, n_embd=2048, n_vocab=248320, n_expert=256, n_expert_used=8,
                       n_ff_exp=512, n_ff_shexp=512, n_head=16, n_head_kv=2, head_dim=256,
                       n_rot=64, rope_sections=(11, 11, 10, 0), ssm_d_inner=4096,

@@ -1,5 +1,5 @@
 """Per-sequence state of a qwen35moe model: KV cache for attention layers, conv + recurrent
-state for gated delta-net layers (shared/docs/qwen35moe.md §4.8).
+state for gated delta-net layers.
 
 Everything is allocated once for `n_ctx` positions and updated in place, so buffer addresses
 never change (a CUDA graph can capture a decode step); on the CPU the KV's pages are taken from

@@ -1,6 +1,7 @@
 """qwen35moe (Qwen3.5 / 3.6 MoE): config keys, tensor schema, converter transforms.
 
-Facts from shared/docs/qwen35moe.md (§1 keys, §2 tensors, §3 transforms). Shapes are torch order.
+The metadata keys, the tensors per layer kind and the converter's transforms of the qwen35moe
+GGUF (llama.cpp's converter and loader are the reference). Shapes are torch order.
 Legend: H hidden, E experts, K top-k, Fe expert ff, Fs shared ff, V vocab.
 """
 from __future__ import annotations
@@ -283,7 +284,7 @@ def tensor_schema(c: Qwen35MoeConfig) -> list[TensorSpec]:
 
 
 def mtp_schema(c: Qwen35MoeConfig) -> list[TensorSpec]:
-    """The first MTP / NextN block (blk.{n_layer}, doc §2.5): a full-attention layer with its MoE
+    """The first MTP / NextN block (blk.{n_layer}): a full-attention layer with its MoE
     (§2.2-2.3 shapes) and the NextN projections; embed_tokens and shared_head_head are optional
     (their absence means token_embd and the trunk's head)."""
     from dataclasses import replace
@@ -306,7 +307,7 @@ def extra_prefixes(c: Qwen35MoeConfig) -> tuple[str, ...]:
     return tuple(f"blk.{c.n_layer + j}." for j in range(c.n_nextn))
 
 
-# What the converter did to HF tensors (shared/docs/qwen35moe.md §3), for the HF oracle and
+# What the converter did to HF tensors, for the HF oracle and
 # anyone mapping weights back. Keys are GGUF name suffixes.
 CONVERTER_TRANSFORMS = {
     "norm_plus_one": ("attn_norm.weight", "post_attention_norm.weight", "output_norm.weight",

@@ -135,7 +135,7 @@ def _attention_kernel_for(qg: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                     k_norm: torch.Tensor, eps: float, pos: torch.Tensor, n_rot: int, base: float,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, n_attn: int) -> torch.Tensor:
-    """The full-attention mixer between its projections (doc §4.3).
+    """The full-attention mixer between its projections.
 
     qg [B, T, Hq*2d] (per head: d query rows, then d gate rows), k, v [B, T, Hkv*d]; q and k are
     RMS-normed and roped, k and v written into the caches [B, n_ctx, Hkv, d] at pos [T]; the first
@@ -220,7 +220,7 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                     conv_w: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
                     norm_w: torch.Tensor, n_k_heads: int, eps: float, chunk: int = 64,
                     steps: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The delta-net mixer between its input and output projections (doc §4.4).
+    """The delta-net mixer between its input and output projections.
 
     mix [B, T, C] raw q|k|v projections, z [B, T, Hv*dv], beta_raw / alpha_raw [B, T, Hv];
     conv_state [B, C, Kc-1] and ssm_state [B, Hv, dk, dv] are updated in place. Value head j
@@ -321,7 +321,7 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, S: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """The same recurrence evaluated chunk by chunk (doc §4.4): matmuls inside a chunk, a
+    """The same recurrence evaluated chunk by chunk: matmuls inside a chunk, a
     triangular solve for the intra-chunk corrections, one state update per chunk. Same
     arguments and result as `delta_rule_recurrent`; updates S in place.
     """

@@ -113,7 +113,7 @@ template <class F> inline bool visit_type(int id, F&& f) {
     return false;
 }
 
-// IQ lookup tables as ggml lays them out (see shared/docs/ggml-quants.md "IQ grid tables").
+// IQ lookup tables as ggml lays them out (its ggml-common.h).
 struct Grids {
     const uint64_t* iq2xxs;   // [256]  8 byte-values per entry
     const uint64_t* iq2xs;    // [512]
@@ -184,7 +184,7 @@ FT_HD float e8m0_half_to_f32(uint8_t e) {
 FT_HD int grid_byte(uint64_t entry, int j) { return int((entry >> (8 * j)) & 0xFF); }
 FT_HD int grid_byte(uint32_t entry, int j) { return int((entry >> (8 * j)) & 0xFF); }
 
-// ---- block layouts (byte offsets in shared/docs/ggml-quants.md §1) ----------------------------------
+// ---- block layouts (byte offsets as in ggml-common.h) -------------------------------------------
 
 struct BlockF32 { uint16_t v[2]; };         // one float, read as two halves (alignment 2)
 struct BlockF16 { uint16_t v; };

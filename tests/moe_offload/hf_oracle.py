@@ -69,7 +69,7 @@ def hf_config(c: Qwen35MoeConfig):
 
 
 def _untile(t: torch.Tensor, dim: int, start: int, c: Qwen35MoeConfig) -> torch.Tensor:
-    """Reverse the converter's V-head reorder on t[start:] along `dim` (doc §3.2)."""
+    """Reverse the converter's V-head reorder on t[start:] along `dim` (loaders/archs/qwen35moe.py's TRANSFORMS)."""
     hk, hv = c.ssm_n_k_heads, c.ssm_n_v_heads
     r = hv // hk
     j = np.arange(hv)

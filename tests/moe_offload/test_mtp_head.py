@@ -1,5 +1,5 @@
 """The MTP (NextN) head against a reference written apart from the runtime: eh_proj and the
-NextN norms in plain torch on dequantized weights (shared/docs/qwen35moe.md §4.7 read afresh),
+NextN norms in plain torch on dequantized weights (the block's formula, read afresh from models/mtp.py's docstring),
 the block's attention + MoE by Hugging Face's own full-attention decoder layer (a one-layer
 `Qwen3_5MoeTextModel` loaded like hf_oracle loads the trunk), the head as a plain matmul."""
 from __future__ import annotations
