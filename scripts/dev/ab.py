@@ -194,9 +194,10 @@ SETTINGS = (   # (pattern, rt and the match -> undo)
 
 
 def parse_variant(text: str) -> list:
-    """'pf4+threads8' -> [(make, match), ...]; an unknown setting ends the run with a line."""
+    """'pf4+threads8' -> [(make, match), ...] ('+' before a digit is slots+N's sign, not a
+    join); an unknown setting ends the run with a line."""
     out = []
-    for part in text.split("+"):
+    for part in re.split(r"\+(?!\d)", text):
         for pattern, make in SETTINGS:
             if m := re.fullmatch(pattern, part):
                 out.append((make, m))

@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 TYPES = ["F32", "F16", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS", "Q6_K",
          "Q8_0", "mixed"]
 MIXED = dict(type="IQ3_S", expert_type="IQ3_S", down_type="Q4_K", output_type="Q6_K")
@@ -55,7 +53,6 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true", help="also prefill at bf16 / f16 / f32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     import numpy as np
     import torch
 
