@@ -579,20 +579,19 @@ def memory(args) -> None:
             print(f"capture at position {pos}: reserved {reserved / MiB:.0f} -> "
                   f"{torch.cuda.memory_reserved(dev) / MiB:.0f} MiB (peak "
                   f"{torch.cuda.max_memory_reserved(dev) / MiB:.0f}), allocated {alloc / MiB:.0f} -> "
-                  f"{torch.cuda.memory_allocated(dev) / MiB:.0f}; cache {rt.cache.nbytes / MiB:.0f} "
+                  f"{torch.cuda.memory_allocated(dev) / MiB:.0f}; cache {rt.stats().cache_bytes / MiB:.0f} "
                   f"MiB, process {(rt.smi.sample() or 0) / MiB:.0f} MiB")
     torch.cuda.synchronize(dev)
-    peaks = rt.vram_peaks()
+    peaks, s = rt.vram_peaks(), rt.stats()
     smi, reserved = rt.smi.sample() or 0, torch.cuda.memory_reserved(dev)
-    kv = rt.vram.kv_mapped()
-    named = reserved + rt.cache.nbytes + kv
+    named = reserved + s.cache_bytes + s.kv_bytes
     print(f"after {args.steps} steps (MiB): process {smi / MiB:.0f} (peak "
           f"{(peaks['nvidia_smi_peak'] or 0) / MiB:.0f}, cap {peaks['cap'] / MiB:.0f}); torch "
           f"reserved {reserved / MiB:.0f} (allocated {torch.cuda.memory_allocated(dev) / MiB:.0f}, "
           f"prefill staging {rt.engine.staging_bytes / MiB:.0f} when held), expert cache "
-          f"{rt.cache.nbytes / MiB:.0f} (slots {min(rt.cache.slots)}-{max(rt.cache.slots)}), KV "
-          f"mapped {kv / MiB:.0f}; the rest {(smi - named) / MiB:.0f} (budgeted for the context "
-          f"and libraries: {peaks['outside_budget'] / MiB:.0f})")
+          f"{s.cache_bytes / MiB:.0f} (slots {min(s.cache_slots)}-{max(s.cache_slots)}), KV "
+          f"mapped {s.kv_bytes / MiB:.0f}; the rest {(smi - named) / MiB:.0f} (budgeted for the "
+          f"context and libraries: {peaks['outside_budget'] / MiB:.0f})")
     if args.segments:
         pools: dict[tuple, list] = {}
         for seg in torch.cuda.memory_snapshot():
