@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 
 def rate(model, batch: int, together: bool, steps: int, clock) -> float:
+    import torch
     dev = model.device
     states = [model.new_state(1, 256) for _ in range(batch)]
     for b, st in enumerate(states):
@@ -38,9 +37,6 @@ def rate(model, batch: int, together: bool, steps: int, clock) -> float:
 
 
 def main() -> None:
-    from loaders import open_model
-    from loaders.synth import default_model_path, ensure_default_model
-    from moe_offload import build_model
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?")
     p.add_argument("--device", default="cpu")
@@ -48,6 +44,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = p.parse_args()
+    import torch
+
+    from loaders import open_model
+    from loaders.synth import default_model_path, ensure_default_model
+    from moe_offload import build_model
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is None:

@@ -22,31 +22,21 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from loaders import open_model                      # noqa: E402
-from loaders.synth import SynthOptions, synthesize  # noqa: E402
-import native.ops as ops                             # noqa: E402
-from native.numerics import emulate                  # noqa: E402
-from moe_offload.models import build_model          # noqa: E402
-
 TYPES = ["F32", "F16", "IQ2_XXS", "IQ3_S", "IQ3_XXS", "Q2_K", "Q3_K", "Q4_K", "IQ4_XS", "Q6_K",
          "Q8_0", "mixed"]
 MIXED = dict(type="IQ3_S", expert_type="IQ3_S", down_type="Q4_K", output_type="Q6_K")
 
 
-def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
+def compare(got, ref) -> dict:
+    import numpy as np
     a, b = got.double().reshape(-1, got.shape[-1]).cpu(), ref.double().reshape(-1, ref.shape[-1]).cpu()
     return {"top1": float((a.argmax(-1) == b.argmax(-1)).double().mean()),
             "corr": float(np.corrcoef(a.flatten().numpy(), b.flatten().numpy())[0, 1]),
             "max_abs": float((a - b).abs().max())}
 
 
-def logits(model, toks: torch.Tensor, decode: bool = False) -> torch.Tensor:
+def logits(model, toks, decode: bool = False):
+    import torch
     with torch.inference_mode():
         state = model.new_state(1, toks.shape[1] + 8)
         if decode:
@@ -63,10 +53,17 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true", help="also prefill at bf16 / f16 / f32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    import numpy as np
+    import torch
+
+    import native._cpu as cpu_ext
+    import native.ops as ops
+    from loaders import open_model
+    from loaders.synth import SynthOptions, synthesize
+    from moe_offload.models import build_model
+    from native.numerics import emulate
     cuda = torch.cuda.is_available()
-    from native import ops
-    if ops._cpu is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
-        ops._cpu.set_isa("generic")
+    cpu_ext.set_isa("generic")   # the exact CPU path: float activations (avx2 / avx512 round to int8)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.types.split(","):

@@ -6,15 +6,14 @@
 Random blocks of the type; each shape is held in enough copies to pass 256 MB, and --calls calls
 cycling through the copies are captured in one CUDA graph, so every call reads its weights from
 DRAM, not L2: us per call = replay time / calls, median of --reps replays (min-max beside it).
+Needs a CUDA GPU.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
-
-import numpy as np
-import torch
 
 # (input features H, output features O): the 35B-A3B's dense products and its output head
 SHAPES = {"2048x8192": (2048, 8192), "2048x12288": (2048, 12288), "4096x2048": (4096, 2048),
@@ -22,10 +21,6 @@ SHAPES = {"2048x8192": (2048, 8192), "2048x12288": (2048, 12288), "4096x2048": (
 
 
 def main() -> None:
-    from loaders.quants import quant_type, random_tensor
-    import native._cuda as ext
-    from native import ops  # noqa: F401  (hands the IQ tables to the extension)
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--type", default="IQ3_S")
     ap.add_argument("--tokens", default="1,2,3,4,8")
@@ -34,6 +29,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json")
     args = ap.parse_args()
+    import numpy as np
+    import torch
+
+    import native._cuda as ext
+    from loaders.quants import quant_type, random_tensor
+    importlib.import_module("native.ops")   # hands the IQ tables to the extension
     q = quant_type(args.type)
     rng = np.random.default_rng(0)
     rows = []
@@ -74,7 +75,7 @@ def main() -> None:
                              gbps=one.numel() / us / 1e3))
             print(f"{name:12s} T={T}  {us:8.2f} us/call ({min(times):.2f}-{max(times):.2f})  "
                   f"{one.numel() / us / 1e3:6.0f} GB/s", flush=True)
-        del copies
+        copies.clear()   # the next shape's copies in their place
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(type=args.type, calls=args.calls, reps=args.reps, rows=rows), f, indent=1)

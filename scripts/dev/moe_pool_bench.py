@@ -9,23 +9,36 @@ Qwen3.5-35B-A3B's shapes (256 experts, top-8, hidden 2048, expert ff 512), every
 --calls calls, each with its own random routing, are captured in one CUDA graph and replayed:
 us per call = replay time / calls (median of --reps replays), plus the unique experts' bytes per
 call over that time. A profiled replay splits the time by kernel (summed over the calls).
-Works with either signature of moe_scratch_bytes (3 or 4 arguments), so two builds compare.
+Needs a CUDA GPU.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import statistics
 import tempfile
-
-import numpy as np
-import torch
-from torch.profiler import ProfilerActivity, profile
 
 E, H, F, K = 256, 2048, 512, 8
 
 
-def routing(regime: str, T: int, rng: np.random.Generator) -> np.ndarray:
+def banks(q, rng) -> list:
+    """gate, up, down banks [E, rows, row bytes] on the GPU: 8 MiB of random blocks, tiled."""
+    import torch
+
+    from loaders.quants import random_blocks
+    pool = torch.from_numpy(random_blocks(q, max(1, (8 << 20) // q.block_bytes), rng).reshape(-1)).cuda()
+    out = []
+    for rows, cols in ((F, H), (F, H), (H, F)):
+        rb = q.row_bytes(cols)
+        n = E * rows * rb
+        out.append(pool.repeat(-(-n // pool.numel()))[:n].view(E, rows, rb))
+    return out
+
+
+def routing(regime: str, T: int, rng):
+    import numpy as np
     base = rng.permutation(E)[:K]
     rows = [base]
     for _ in range(1, T):
@@ -39,11 +52,6 @@ def routing(regime: str, T: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def main() -> None:
-    from freetoken_patch.cli.bench_kernels import _moe_banks
-    from loaders.quants import quant_type
-    import native._cuda as ext
-    from native import ops  # noqa: F401  (hands the IQ tables to the extension)
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--type", default="IQ3_S")
     ap.add_argument("--tokens", default="1,2,3,4,8")
@@ -52,19 +60,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json")
     args = ap.parse_args()
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import native._cuda as ext
+    from loaders.quants import quant_type
+    importlib.import_module("native.ops")   # hands the IQ tables to the extension
     q = quant_type(args.type)
     rng = np.random.default_rng(0)
-    banks = _moe_banks(q, "cuda", rng)
-    expert_bytes = sum(b[0].numel() for b, _, _ in banks)
-    bank_args = [v for b, _, _ in banks for v in (q.type_id, b.data_ptr(), b[0].numel())]
+    bank = banks(q, rng)
+    expert_bytes = sum(b[0].numel() for b in bank)
+    bank_args = [v for b in bank for v in (q.type_id, b.data_ptr(), b[0].numel())]
     soe = torch.arange(E, dtype=torch.int32, device="cuda")
     rows = []
     for T in (int(v) for v in args.tokens.split(",")):
-        try:
-            sb = ext.moe_scratch_bytes(T, K, F, H)
-        except TypeError:
-            sb = ext.moe_scratch_bytes(T, K, F)
-        scratch = torch.empty(sb, dtype=torch.uint8, device="cuda")
+        scratch = torch.empty(ext.moe_scratch_bytes(T, K, F, H), dtype=torch.uint8, device="cuda")
         x = torch.randn(T, H, device="cuda")
         y = torch.empty(T, H, device="cuda")
         for regime in args.regimes.split(","):
@@ -103,9 +114,11 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 g.replay()
                 torch.cuda.synchronize()
-            path = tempfile.mktemp(suffix=".json")
-            prof.export_chrome_trace(path)
-            for e in json.load(open(path))["traceEvents"]:
+            with tempfile.TemporaryDirectory() as tmp:
+                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                with open(os.path.join(tmp, "trace.json")) as f:
+                    events = json.load(f)["traceEvents"]
+            for e in events:
                 if e.get("cat") != "kernel" or e.get("ph") != "X":
                     continue
                 key = next((k for k in ("group_kernel", "GateUpMap", "act_kernel", "DownMap",
