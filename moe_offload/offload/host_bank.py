@@ -6,8 +6,7 @@ Types may differ per layer and per projection, as in published files. The banks 
 from the GGUF's memory map by parallel threads and page-locked (pinned) for the GPU, which then
 reads them directly over PCIe; where pinning fails they stay pageable, with a warning. They live
 in one anonymous mapping advised to use 2 MiB pages where the kernel allows: the GPU's reads then
-need fewer address translations (scripts/dev/link_probe.py on the H200 host: 49-51 GB/s against
-47-49 from 4 KiB pages for 4-32 experts a copy).
+need fewer address translations (docs/BENCHMARKS.md has the figures).
 
 Legend: E experts, F expert ff, H hidden.
 """

@@ -75,8 +75,8 @@ class PlanSketch:
         return d
 
 
-# context + cuBLAS as the runtime measures them on the H200 (the sketch's stand-in for that
-# measurement; the policy's context margin is added to it)
+# context + cuBLAS as the runtime measures them on a Hopper GPU: the sketch's stand-in for that
+# measurement (the policy's context margin is added to it)
 CUDA_CONTEXT_MEASURED = 680 << 20
 
 

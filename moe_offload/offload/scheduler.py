@@ -5,9 +5,8 @@ again later) or computed by the CPU where it lies. Both run at once, so the best
 finish together: the link carries a fraction q = p / (p + c) of a layer's expert copies, where p
 and c are the link's and the CPU's rates in expert-bytes per second (FreeToken's "q*" rule). That
 holds for many misses; for a few, the CPU's one expert takes as long as the link takes for p / c
-of them, so the first floor(p / c) misses of a layer always go over the link (measured on the
-35B IQ3_S: the CPU's decode calls ran at 8-9 GB/s against 47 GB/s for the link, and the GPU spent
-3.6 ms a token waiting for the CPU before this rule). The experts a step's guesses copied into
+of them, so the first floor(p / c) misses of a layer always go over the link (else the GPU
+waits for the CPU's one expert). The experts a step's guesses copied into
 the layer ahead of it are part of the link's share: of nm misses after g guesses, q * (nm + g) - g
 are fetched and the CPU takes the rest (guesses left out of the split fill the link while the
 CPU idles: docs/BENCHMARKS.md, "Guesses in the link's share"). Rates are measured at start-up
