@@ -63,18 +63,6 @@ class RuntimeOptions:
                                            # (where host RAM has room for it)
 
 
-def parse_vram(size: int | str) -> int:
-    """8 << 30, "8GiB", "512MiB", "6GB" -> bytes."""
-    if isinstance(size, int):
-        return size
-    from loaders import GGUFError
-    from loaders.synth import parse_size
-    try:
-        return parse_size(str(size))
-    except GGUFError as e:
-        raise OffloadError(f"vram {size!r}: {e}") from None
-
-
 class PinnedWeights:
     """Weights kept in pinned host RAM and read by the GPU over PCIe at their host address."""
 
