@@ -25,7 +25,7 @@ from .bench_spec import parse_drafts
 from .inputs import check, check_fraction, check_positive
 from .model_args import add_placement_args, placement_options, size_arg
 
-from moe_offload import OffloadPolicy
+from moe_offload import OffloadPolicy, settings_dict
 
 POLICY = OffloadPolicy()   # the defaults --help states and a run starts from
 
@@ -240,6 +240,7 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         "vram_cap": vram, "ctx": args.ctx, "load_s": round(load_s, 2),
         "load_breakdown_s": {k: round(v, 2) for k, v in rt.report.seconds.items()},
         "budget": rt.report.budget, "elastic": rt.report.elastic, "policy": policy.as_dict(),
+        "settings": {k: v for k, v in settings_dict(policy).items() if k != "offload"},
         "slots_per_layer": {"prefill": rt.report.slots_per_layer[0],
                             "decode": rt.report.decode_slots_per_layer[0]},
         "pinned": rt.report.pinned, "host_weights": rt.report.host_weights,

@@ -42,7 +42,7 @@ def _repacked(model) -> list[str]:
 def run_one(args, sizes: list[int], console) -> dict:
     """Prefill at each size and decode, on the CPU, as one JSON object (bench.py's shape)."""
     from loaders import open_model
-    from moe_offload import open_backend
+    from moe_offload import open_backend, settings_dict
     from native import ops
     if ops._cpu is None:
         raise CLIError("bench --device cpu needs the CPU extension (native._cpu), which is not built")
@@ -77,6 +77,7 @@ def run_one(args, sizes: list[int], console) -> dict:
         "device": "cpu", "vram_cap": None, "ctx": args.ctx, "load_s": round(load_s, 2),
         "regime": "model routing (synthetic weights: near-uniform)"
         if "ftpatch.synth.preset" in loaded.metadata else "model routing",
+        "settings": {k: v for k, v in settings_dict().items() if k != "offload"},
     }
     with torch.inference_mode():
         for n in sizes:
