@@ -31,14 +31,20 @@ def test_profile_command(freetoken, tmp_path, capsys):
     assert load_profile(out, 4, 16).shape == (4, 16)
 
 
-def test_pr_notes_build_writes_diff_and_text(freetoken, tmp_path, monkeypatch):
+def test_pr_notes_build_writes_series_and_text(freetoken, tmp_path, monkeypatch, capsys):
     from pathlib import Path
     monkeypatch.setenv("FTPATCH_PR_NOTES", str(Path(__file__).resolve().parents[3] / "pr_notes"))
     site = Path(freetoken.__file__).parents[1]
-    assert main(["pr-notes", "build", "2", "--freetoken", str(site), "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "2.diff").read_text().startswith("--- a/freetoken/")
-    assert (tmp_path / "tree" / "freetoken" / "models" / "gguf" / "reader.py").is_file()
-    assert "{{" not in (tmp_path / "2.md").read_text()
+    assert main(["pr-notes", "build", "1", "--freetoken", str(site), "--out", str(tmp_path),
+                 "--author", "A B <a@example.com>"]) == 0
+    patches = sorted((tmp_path / "patches").glob("*.patch"))
+    assert patches and "From: A B <a@example.com>" in patches[0].read_text()
+    assert (tmp_path / "1.diff").read_text().startswith(
+        "diff --git a/python/freetoken/models/gguf/config.py")
+    assert (tmp_path / "upstream" / "python" / "freetoken" / "models" / "gguf" / "reader.py").is_file()
+    text = (tmp_path / "1.md").read_text()
+    assert "{{" not in text and "- [ ] Run and read by the person who opens it" in text
+    assert "1 patch(es)" in capsys.readouterr().out
 
 
 def test_serve_passes_its_arguments_to_freetoken(freetoken, monkeypatch):
