@@ -6,8 +6,9 @@ one layer after another; here the layers' banks are allocated up front and fille
 threads, a job being a run of experts of one layer, and each layer goes to the pin pipeline as
 soon as its last job lands. The model path may be any shard of a split set or a folder.
 On a 2-core machine this fills no faster than FreeToken's serial copy (the copy is bound by
-faulting in the banks' pages there; pr_notes/1-parallel-gguf-banks/evidence); more cores and an
-NVMe queue are where threads can help, not measured yet.
+faulting in the banks' pages there; pr_notes/1-gguf-header-reader/evidence/bank_load_35b.json),
+so it is not offered to FreeToken; more cores and an NVMe queue are where threads can help, not
+measured yet.
 
 What FreeToken's own loader still handles (we delegate): `dummy=True` (nothing to read) and
 NVFP4 experts with per-expert scale tensors. Gate and up experts of different types are refused

@@ -64,13 +64,72 @@ def unavailable() -> list[str]:
     return out
 
 
-def report(dist=None, spawn_child: bool = True) -> dict:
+def _clear_header_caches() -> None:
+    """FreeToken caches every header read per path; a timing must start from none."""
+    from freetoken.models.gguf import reader
+    for name in ("load_gguf_metadata", "gguf_split_paths", "gguf_tensor_index"):
+        getattr(reader, name).cache_clear()
+    for fn in (reader._reader, hooks.original("freetoken.models.gguf.reader", "_reader")):
+        getattr(fn, "cache_clear", lambda: None)()
+
+
+def header_parse(model: str, compare: bool = False) -> dict:
+    """What reading `model`'s GGUF header costs through FreeToken's own functions with the patch
+    applied (metadata, split set, tensor index); with `compare`, gguf-py's reader on the same
+    files too (FreeToken 0.2.1's way: tens of seconds on a large vocabulary) and whether the two
+    give the same metadata and tensor index."""
+    import time
+
+    from freetoken.models.gguf import reader
+
+    from .paths import resolve_model_path
+    path = resolve_model_path(model)
+
+    def timed() -> tuple[float, dict, dict]:
+        _clear_header_caches()
+        t0 = time.perf_counter()
+        meta = reader.load_gguf_metadata(path)
+        index = reader.gguf_tensor_index(path)
+        return time.perf_counter() - t0, meta, index
+
+    seconds, meta, index = timed()
+    out = {"model": path, "files": len(reader.gguf_split_paths(path)), "keys": len(meta) - 3,
+           "tensors": len(index), "seconds": seconds, "reader": "ftpatch (lean header)"}
+    if compare:
+        from .header import reader as lean
+        setattr(reader, "_reader", hooks.original("freetoken.models.gguf.reader", "_reader"))
+        try:
+            old_seconds, old_meta, old_index = timed()
+        finally:
+            setattr(reader, "_reader", lean)
+            _clear_header_caches()
+        out.update(gguf_py_seconds=old_seconds, same_metadata=_same(meta, old_meta),
+                   same_tensor_index=index == old_index)
+    return out
+
+
+def _same(a, b) -> bool:
+    """Equal values of equal types, floats by their bits (NaN included), dicts in key order."""
+    import struct
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def report(dist=None, spawn_child: bool = True, model: str | None = None,
+           compare: bool = False) -> dict:
     """Everything doctor prints, as data. Raises PatchRefused when the install is not ours."""
     t = target.inspect(dist)
     files = [dict(asdict(f), ok=f.ok) for f in t.files]
     out = {"version": t.version, "expected_version": target.VERSION, "location": str(t.root),
            "files": files, "refused": None, "hooks": {}, "child_hooks": None,
-           "spawn_targets": None, "unavailable": unavailable()}
+           "spawn_targets": None, "header": None, "unavailable": unavailable()}
     try:
         target.check(dist)
     except PatchRefused as e:
@@ -81,6 +140,8 @@ def report(dist=None, spawn_child: bool = True) -> dict:
     out["spawn_targets"] = spawn_targets()
     if spawn_child:
         out["child_hooks"] = spawned_child_hooks()
+    if model:
+        out["header"] = header_parse(model, compare)
     return out
 
 
@@ -100,12 +161,24 @@ def render(r: dict) -> str:
             lines.append(f"  {h.name:16s} {here:8s} / {there:11s} {h.what}")
         for name, where in (r["spawn_targets"] or {}).items():
             lines.append(f"  spawn target {name} -> {where}")
+        h = r.get("header")
+        if h:
+            lines.append(f"GGUF header of {h['model']} ({h['files']} file(s), {h['keys']} keys, "
+                         f"{h['tensors']} tensors): {h['seconds']:.2f} s with the patch")
+            if "gguf_py_seconds" in h:
+                same = "same" if h["same_metadata"] and h["same_tensor_index"] else "DIFFERENT"
+                lines.append(f"  FreeToken 0.2.1's reader (gguf-py): {h['gguf_py_seconds']:.2f} s, "
+                             f"{h['gguf_py_seconds'] / max(h['seconds'], 1e-9):.0f}x as long; "
+                             f"{same} metadata and tensor index")
+        else:
+            lines.append("GGUF header parse: not timed (doctor --model M times it)")
     lines.append("not available here:")
     lines += [f"  - {u}" for u in r["unavailable"]]
     return "\n".join(lines)
 
 
 def healthy(r: dict) -> bool:
-    child = r["child_hooks"]
+    child, h = r["child_hooks"], r.get("header") or {}
     return (r["refused"] is None and all(r["hooks"].values())
-            and (child is None or all(child.values())))
+            and (child is None or all(child.values()))
+            and h.get("same_metadata", True) and h.get("same_tensor_index", True))

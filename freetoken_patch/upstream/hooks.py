@@ -28,6 +28,10 @@ class Hook:
 
 
 HOOKS = (
+    Hook("lean-gguf-header", "freetoken.models.gguf.reader", "_reader",
+         "freetoken_patch.upstream.header:reader",
+         "GGUF headers read without gguf-py's per-value views (the same metadata, without the "
+         "tens of seconds gguf-py takes on a large vocabulary)"),
     Hook("parallel-banks", "freetoken.models.gguf.experts", "load_gguf_expert_banks",
          "freetoken_patch.upstream.banks:load_gguf_expert_banks",
          "GGUF expert banks filled by parallel threads (byte-identical to the serial loader)"),
@@ -41,6 +45,11 @@ HOOKS = (
          "freetoken_patch.upstream.spawn:run_tokenize_worker",
          "the tokenizer processes (spawned) apply the patch before they start"),
 )
+
+
+def hook(name: str) -> Hook:
+    return next(h for h in HOOKS if h.name == name)
+
 
 _originals: dict[tuple[str, str], Callable] = {}
 

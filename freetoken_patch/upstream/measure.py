@@ -7,6 +7,9 @@ bank_load   FreeToken's GGUF bank loader against the patched one on the same fil
             skipped (FREETOKEN_SKIP_BANK_PIN=1: no GPU here).
 parity      both loaders on synthetic GGUFs (several types, mixed per layer and projection,
             split sets opened from another shard): every bank byte compared, pad rows included.
+header      FreeToken's GGUF header reads (metadata, tensor index, `ft serve`'s argument parse,
+            the tokenizer build, the engine process's reads) with 0.2.1's reader, a pull-request
+            build's and our runtime patch's: fresh processes, digests of what each produced.
 """
 from __future__ import annotations
 
@@ -60,12 +63,14 @@ def drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def warm_cache(paths: list[Path]) -> None:
+def warm_cache(paths: list[Path], limit: int | None = None) -> None:
+    """Read every file through the page cache (its first `limit` bytes only, when given)."""
     buf = bytearray(16 << 20)
     for p in paths:
         with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
+            done = 0
+            while (limit is None or done < limit) and (n := f.readinto(buf)):
+                done += n
 
 
 def _load_once(model: str, loader: str, layers: int, tree: str = "") -> dict:
@@ -82,7 +87,7 @@ def _load_once(model: str, loader: str, layers: int, tree: str = "") -> dict:
         from freetoken_patch.upstream import hooks
         hooks.apply()
         fn = (hooks.original("freetoken.models.gguf.experts", "load_gguf_expert_banks")
-              if loader == "freetoken" else hooks.HOOKS[0].ours())
+              if loader == "freetoken" else hooks.hook("parallel-banks").ours())
     path = str(_shards(model)[0])
     # a server parses the header once, for the config, before it loads banks; FreeToken's loader
     # reuses that parse (cached), so it is taken and timed apart here
@@ -148,7 +153,7 @@ def parity(workdir: str | Path) -> dict:
     from . import hooks
     os.environ["FREETOKEN_SKIP_BANK_PIN"] = "1"
     hooks.apply()
-    ours = hooks.HOOKS[0].ours()
+    ours = hooks.hook("parallel-banks").ours()
     theirs = hooks.original("freetoken.models.gguf.experts", "load_gguf_expert_banks")
     workdir = Path(workdir)
     cases = []
@@ -267,11 +272,152 @@ def fill_threads(model: str, threads=None, caches=("cold", "warm"), repeats: int
                       "included; no FreeToken code runs", "runs": runs}
 
 
+# -- the GGUF header: FreeToken 0.2.1's reader, the pull request's, our runtime patch's ------------
+HEADER_READERS = ("freetoken", "pr", "patched")
+HEADER_WARM_BYTES = 256 << 20   # far more than any header (a 248k-token vocabulary is ~6 MB)
+# what each task runs, in a fresh process, after its imports (timed apart)
+HEADER_TASKS = {
+    "metadata": "load_gguf_metadata(model): every key and value of the header",
+    "tensor_index": "gguf_tensor_index(model): the tensor table of every file of the model",
+    "parse_args": "freetoken.server.args.parse_args(['--model', model]): `ft serve`'s first "
+                  "process, before it spawns the others",
+    "tokenizer": "load_tokenizer(model) and load_eos_token_ids(model, tok): what the "
+                 "detokenizer process does before it reports ready",
+    "scheduler": "cached_load_hf_config(model), gguf_tensor_index(model), load_tokenizer(model) "
+                 "and load_eos_token_ids: the header reads of the engine process (it touches "
+                 "the GPU between the config and the weights; that part is not run)",
+}
+SAMPLE_TEXT = "Hello, world! Grüße aus Köln. 1234567 + 89 = ?\n<|im_start|>user\n你好<|im_end|>"
+
+
+def _digest(obj) -> str:
+    """sha256 of a value's pickle (no memo: equal values give equal bytes whatever their identity)."""
+    import hashlib
+    import io
+    import pickle
+    f = io.BytesIO()
+    p = pickle.Pickler(f, protocol=5)
+    p.fast = True
+    p.dump(obj)
+    return hashlib.sha256(f.getvalue()).hexdigest()
+
+
+def _header_once(model: str, reader: str, task: str, tree: str = "") -> dict:
+    """In this (fresh) process: one task with one reader, timed; digests of what it produced."""
+    t0 = time.perf_counter()
+    if reader == "pr":
+        sys.path.insert(0, tree)
+    import freetoken.models.gguf.reader as ftreader
+    if reader == "pr" and not ftreader.__file__.startswith(tree):
+        raise RuntimeError(f"the PR tree {tree} did not shadow FreeToken ({ftreader.__file__})")
+    if reader == "patched":
+        from . import hooks
+        hooks.apply()
+    from freetoken.models.gguf.reader import gguf_tensor_index, load_gguf_metadata
+    if task == "parse_args":
+        from freetoken.server.args import parse_args
+    if task in ("tokenizer", "scheduler"):
+        from freetoken.utils import cached_load_hf_config, load_eos_token_ids, load_tokenizer
+    imports = time.perf_counter() - t0
+    out: dict = {}
+    t0 = time.perf_counter()
+    if task == "metadata":
+        load_gguf_metadata(model)
+    elif task == "tensor_index":
+        gguf_tensor_index(model)
+    elif task == "parse_args":
+        server_args, _ = parse_args(["--model", model])
+        out["model_path"] = server_args.model_path
+    else:
+        if task == "scheduler":
+            cached_load_hf_config(model)
+            gguf_tensor_index(model)
+        tok = load_tokenizer(model)
+        eos = load_eos_token_ids(model, tok)
+    seconds = time.perf_counter() - t0
+    # what came out, to compare across readers (not timed)
+    out["metadata_sha256"] = _digest(load_gguf_metadata(model))
+    out["tensor_index_sha256"] = _digest(sorted(
+        (n, os.path.basename(i.path), i.offset, i.nbytes, i.ggml_type, i.ne)
+        for n, i in gguf_tensor_index(model).items()))
+    if task in ("tokenizer", "scheduler"):
+        out["tokenizer_sha256"] = _digest((sorted(tok.get_vocab().items()), sorted(eos),
+                                           tok.encode(SAMPLE_TEXT)))
+    return {"seconds": seconds, "import_seconds": imports, **out}
+
+
+def header(model: str, *, tasks=tuple(HEADER_TASKS), readers=("freetoken", "patched"),
+           repeats: int = 3, cache: str = "warm", pr_tree: str | None = None) -> dict:
+    """Every task with every reader, `repeats` times, readers alternated, each run a fresh
+    process; the file read through first (warm) or dropped from the page cache (cold)."""
+    from loaders.gguf_file import split_paths
+    paths = split_paths(model)
+    model = str(paths[0])
+    tree = ""
+    if "pr" in readers:
+        if not pr_tree:
+            raise ValueError("the pr reader needs pr_tree (BUILD/upstream of `pr-notes build`)")
+        tree = str((Path(pr_tree) / "python").resolve())
+    runs = []
+    for task in tasks:
+        for rep in range(repeats):
+            for reader in readers:
+                if cache == "cold":
+                    drop_cache(paths)
+                else:   # the header is what these read; the tensor data stays out of the way
+                    warm_cache(paths, limit=HEADER_WARM_BYTES)
+                out = subprocess.run([sys.executable, "-m", "freetoken_patch.upstream.measure",
+                                      "_header", model, reader, task, tree],
+                                     capture_output=True, text=True, check=False)
+                if out.returncode:
+                    raise RuntimeError(f"{task} ({reader}) failed: {out.stderr[-2000:]}")
+                rec = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.append(dict(rec, task=task, reader=reader, repeat=rep))
+    meta = _header_facts(model)
+    return {"kind": "header", "model": Path(model).name, "files": len(paths),
+            "file_bytes": sum(p.stat().st_size for p in paths), **meta,
+            "machine": machine(), "versions": _versions(), "cache": cache,
+            "tasks": {t: HEADER_TASKS[t] for t in tasks},
+            "method": "one fresh process per run; readers alternated within each repeat; the "
+                      f"model's files {'dropped from' if cache == 'cold' else 'read through'} the "
+                      "page cache before every run; imports timed apart from the task; digests "
+                      "(sha256 of the pickled metadata dict and tensor index, and of the "
+                      "tokenizer's vocabulary, stop ids and one encoded text) taken after the "
+                      "timed part",
+            "runs": runs}
+
+
+def _header_facts(model: str) -> dict:
+    """The counts that make a header slow to read, by our own parser."""
+    from loaders import open_gguf
+    with open_gguf(model) as g:
+        md = g.metadata
+        count = {k: len(md[k]) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                          "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+                 if k in md}
+        data_start = min((t.offset for t in g.tensors.values() if t.shard == 0), default=g.file_size)
+        return {"tensors": len(g.tensors), "keys": len(md), "arrays": count,
+                "header_bytes": data_start, "architecture": md.get("general.architecture")}
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for name in ("freetoken", "transformers", "tokenizers", "numpy", "torch"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def _main(argv: list[str]) -> None:
     if argv[0] == "_one":
         print(json.dumps(_load_once(argv[1], argv[2], int(argv[3]), argv[4])))
     elif argv[0] == "_fill":
         print(json.dumps(_fill_once(argv[1], int(argv[2]))))
+    elif argv[0] == "_header":
+        print(json.dumps(_header_once(argv[1], argv[2], argv[3], argv[4] if len(argv) > 4 else "")))
 
 
 if __name__ == "__main__":

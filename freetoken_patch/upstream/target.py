@@ -12,10 +12,12 @@ from .errors import PatchRefused
 
 VERSION = "0.2.1"
 
-# Files whose attributes the hooks rebind, or whose behaviour the replacements assume (the
-# function-local import of the bank loader, the bank and pin classes, the ggml type helpers,
-# the profile reader, the argument parser, the spawn targets).
+# Files whose attributes the hooks rebind, or whose behaviour the replacements assume (every
+# header read going through reader._reader, config's use of it, the function-local import of the
+# bank loader, the bank and pin classes, the ggml type helpers, the profile reader, the argument
+# parser, the spawn targets).
 TOUCHED = (
+    "freetoken/models/gguf/config.py",
     "freetoken/models/gguf/experts.py",
     "freetoken/models/gguf/reader.py",
     "freetoken/moe/expert_banks.py",

@@ -11,7 +11,7 @@ THEIRS = ("freetoken.models.gguf.experts", "load_gguf_expert_banks")
 
 def _loaders(upstream):
     from freetoken_patch.upstream import hooks
-    return hooks.original(*THEIRS), hooks.HOOKS[0].ours()
+    return hooks.original(*THEIRS), hooks.hook("parallel-banks").ours()
 
 
 def _paths(synth_model, kw):

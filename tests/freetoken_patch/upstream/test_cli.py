@@ -31,14 +31,58 @@ def test_profile_command(freetoken, tmp_path, capsys):
     assert load_profile(out, 4, 16).shape == (4, 16)
 
 
-def test_pr_notes_build_writes_diff_and_text(freetoken, tmp_path, monkeypatch):
+def test_pr_notes_build_writes_series_and_text(freetoken, tmp_path, monkeypatch, capsys):
     from pathlib import Path
     monkeypatch.setenv("FTPATCH_PR_NOTES", str(Path(__file__).resolve().parents[3] / "pr_notes"))
     site = Path(freetoken.__file__).parents[1]
-    assert main(["pr-notes", "build", "2", "--freetoken", str(site), "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "2.diff").read_text().startswith("--- a/freetoken/")
-    assert (tmp_path / "tree" / "freetoken" / "models" / "gguf" / "reader.py").is_file()
-    assert "{{" not in (tmp_path / "2.md").read_text()
+    assert main(["pr-notes", "build", "1", "--freetoken", str(site), "--out", str(tmp_path),
+                 "--author", "A B <a@example.com>"]) == 0
+    patches = sorted((tmp_path / "patches").glob("*.patch"))
+    assert patches and "From: A B <a@example.com>" in patches[0].read_text()
+    assert (tmp_path / "1.diff").read_text().startswith(
+        "diff --git a/python/freetoken/models/gguf/config.py")
+    assert (tmp_path / "upstream" / "python" / "freetoken" / "models" / "gguf" / "reader.py").is_file()
+    text = (tmp_path / "1.md").read_text()
+    assert "{{" not in text and "- [ ] Run and read by the person who opens it" in text
+    assert "1 patch(es)" in capsys.readouterr().out
+
+
+def test_freetoken_help_without_freetoken(monkeypatch, capsys):
+    """Every `ftpatch freetoken` command's --help works where FreeToken is not installed, and
+    says what the [freetoken] extra costs."""
+    import sys
+
+    import pytest
+
+    from freetoken_patch.cli import freetoken as cmd
+    monkeypatch.setitem(sys.modules, "freetoken", None)   # any import of it fails
+    monkeypatch.setattr(cmd, "freetoken_installed", lambda: False)
+    assert main(["freetoken", "serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: ftpatch freetoken serve" in out and "FreeToken is not installed here" in out
+    assert "18 CUDA and NVIDIA wheels" in out and "pip install --no-deps freetoken==0.2.1" in out
+    for sub in (["doctor"], ["profile"], []):
+        with pytest.raises(SystemExit) as e:
+            main(["freetoken", *sub, "--help"])
+        assert e.value.code == 0
+        assert "torch 2.14 built for CUDA 13" in capsys.readouterr().out
+
+
+def test_serve_help_lists_freetoken_flags(freetoken, capsys):
+    assert main(["freetoken", "serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "FreeToken's `ft serve` flags" in out and "--model-path MODEL_PATH" in out
+
+
+def test_doctor_times_a_model_header(freetoken, synth_model, capsys):
+    try:
+        assert main(["freetoken", "doctor", "--no-child", "--model", str(synth_model()),
+                     "--compare"]) == 0
+    finally:
+        from freetoken_patch import upstream
+        upstream.revert()
+    out = capsys.readouterr().out
+    assert "s with the patch" in out and "same metadata and tensor index" in out
 
 
 def test_serve_passes_its_arguments_to_freetoken(freetoken, monkeypatch):
