@@ -18,7 +18,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 CI = (ROOT / ".ci" / "run").read_text()
 # flags in the README that belong to other programs: pip, llama.cpp's llama-bench
-OTHER_PROGRAMS = {"--index-url", "--n-cpu-moe", "--cpu-moe"}
+OTHER_PROGRAMS = {"--index-url", "--no-deps", "--n-cpu-moe", "--cpu-moe"}   # pip's, llama.cpp's
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
