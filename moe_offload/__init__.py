@@ -11,6 +11,7 @@ Running a model (backend.py):
   open_runtime, OffloadRuntime, RuntimeOptions      the offload runtime itself (offload/runtime.py)
   RuntimeStats, LoadReport, RoutingRecorder         what the runtime reports
   OffloadError                                      the package's exception (says what and the fix)
+  NonFiniteLogits                                   its kind for NaN/Inf logits (.position): bad weights
 Generation (gen/) and speculative decoding (spec/):
   generate, Session, TokenStream, TokenEvent, DoneEvent, Timings, TokenReadback
   SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem, default_of
@@ -25,7 +26,7 @@ The model on one device: build_model, MODELS, Qwen35Moe, ResidentExperts, State,
 """
 from .backend import Backend, Capabilities, PlainBackend, as_backend, open_backend
 from .config import DEFAULT_N_CTX, DRAFT, PREFILL, SERVING, OffloadPolicy, settings_dict
-from .errors import OffloadError
+from .errors import NonFiniteLogits, OffloadError
 from .gen import (DEFAULTS, GREEDY, SAMPLING_RULES, Cached, DoneEvent, PrefixIndex, Sampler,
                   SamplingParams, Session, Timings, TokenEvent, TokenReadback, TokenStream,
                   continue_ids, default_of, generate, sampling_problem)
@@ -41,7 +42,7 @@ from .state import Snapshot, State
 
 __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backend",
            "DEFAULT_N_CTX", "DRAFT", "PREFILL", "SERVING", "OffloadPolicy", "settings_dict",
-           "OffloadError", "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Cached", "DoneEvent",
+           "OffloadError", "NonFiniteLogits", "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Cached", "DoneEvent",
            "PrefixIndex", "Sampler", "SamplingParams", "Session", "Timings", "TokenEvent",
            "TokenReadback", "TokenStream", "continue_ids", "default_of", "generate",
            "sampling_problem", "TraceParams", "make_trace", "routing_stats", "trace_stats",

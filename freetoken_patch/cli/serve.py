@@ -156,7 +156,7 @@ def load(args: argparse.Namespace):
                     or (SERVING.prefill_chunk_under_cap if args.vram is not None
                         else SERVING.prefill_chunk),
                     batch=False if getattr(args, "no_batch", False) else None,
-                    draft=speculative_for(args, model))
+                    draft=speculative_for(args, model), source=str(path))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
 
 

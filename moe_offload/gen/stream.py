@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 
+from ..errors import NonFiniteLogits
 from .sampling import Sampler, SamplingParams, recent_ids
 
 
@@ -76,6 +77,18 @@ class StopScanner:
         return out
 
 
+def screen_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | bool]:
+    """(logits a sampler can take, whether all of them are finite). One float64 sum a row tells
+    (NaN and Inf survive a sum; 64 bits cannot overflow on float32 inputs). On a GPU the flag
+    stays on the device, NaN/Inf become 0 (a CUDA sampler would trap on them) and nothing waits;
+    on the CPU the flag is read at once and the logits are copied only when they are bad."""
+    finite = torch.isfinite(logits.sum(-1, dtype=torch.float64)).all()
+    if logits.device.type == "cpu":
+        ok = bool(finite)
+        return (logits if ok else logits.nan_to_num(0.0, 0.0, 0.0)), ok
+    return logits.nan_to_num(0.0, 0.0, 0.0), finite
+
+
 def text_decoder(tokenizer):
     """id -> newly completed text; None -> flush. Without a tokenizer: no text."""
     if tokenizer is None:
@@ -115,6 +128,9 @@ class TokenStream:
         self.t_first = 0.0
         self.timings = Timings(n_prompt)
         self._stepped: tuple[int, float] | None = None   # the driver's (tokens fed, seconds)
+        self._unchecked: torch.Tensor | bool | None = None  # the last draw's logits were finite
+        self._drawn_at = 0                  # ... at this position (read by the next take())
+        self._flag: torch.Tensor | None = None   # pinned: a GPU draw's flag
 
     def prefilled(self, n_tokens: int, seconds: float) -> None:
         """A chunk of the prompt went in (`seconds` of this sequence's own prefill)."""
@@ -136,8 +152,28 @@ class TokenStream:
         return self.take(int(self.draw(logits)), n_free)
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next id sampled from logits [1, V], left on their device (take() it after)."""
+        """The next id sampled from logits [1, V], left on their device (take() it after;
+        take() raises NonFiniteLogits if these held NaN or Inf)."""
+        logits = self._screen(logits)
         return self.sample(logits, self.recent())
+
+    def _screen(self, logits: torch.Tensor) -> torch.Tensor:
+        """screen_logits, its flag kept for take(): on a GPU copied into pinned memory behind
+        the sampling, so the host reads it once the drawn id is read back (no wait of its own)."""
+        safe, finite = screen_logits(logits)
+        if isinstance(finite, torch.Tensor):
+            if self._flag is None:
+                self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self._flag.copy_(finite, non_blocking=True)
+            finite = self._flag
+        self._unchecked, self._drawn_at = finite, len(self.context) - 1
+        return safe
+
+    def _check_finite(self) -> None:
+        ok, self._unchecked = self._unchecked, None
+        if ok is not None and not bool(ok):
+            self.done = True
+            raise NonFiniteLogits(self._drawn_at)
 
     def may_run_ahead(self, n_free: int) -> bool:
         """Whether the step after the id just drawn can be queued before the host reads that id:
@@ -147,6 +183,7 @@ class TokenStream:
 
     def take(self, tok: int, n_free: int) -> list:
         """The id drawn, read on the host -> the events to send; n_free = context positions left."""
+        self._check_finite()
         p = self.p
         now = time.perf_counter()
         if not self.out:
