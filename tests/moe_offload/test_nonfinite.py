@@ -1,7 +1,7 @@
 """Logits that are NaN or Inf: the token stream refuses the id drawn from them at take() (the
-moment the host reads an id back), naming the position, whatever the sampling; the draw itself
-never raises (a CUDA sampler must never see NaN) and always gives a valid id (a step may be
-queued on it before the host looks). generate() on a model whose weights decode to NaN stops
+moment the host reads an id back), naming the position, whatever the sampling and whichever of
+the sampler's entry points saw them; the draw itself never raises (a CUDA sampler must never see
+NaN) and always gives a valid id (a step may be queued on it before the host looks). generate() on a model whose weights decode to NaN stops
 at the first step."""
 from __future__ import annotations
 
@@ -48,12 +48,27 @@ def test_finite_logits_pass_and_the_position_follows_the_context():
     assert e.value.position == 4                   # 2 prompt ids + 3 replies: the last fed at 4
 
 
-def test_a_take_without_a_draw_is_not_judged_by_an_old_flag():
+def test_a_take_without_a_draw_after_good_rows_passes():
     """Ids drawn elsewhere (a speculative step's accepted drafts) are taken without a draw."""
     st = TokenStream(GREEDY, "cpu", None, [1], 1, eog_ids=())
     st.take(int(st.draw(_logits())), 10)
     st.take(3, 10)     # no draw in between: nothing to check, nothing stale
     assert st.out[-1] == 3
+
+
+@pytest.mark.parametrize("use", ["filtered", "probs", "candidates", "call"])
+def test_every_way_the_sampler_is_used_is_screened(use):
+    """The speculative decoder samples verify rows through filtered / probs / the call itself:
+    a NaN row met there is remembered until the stream takes an id."""
+    st = TokenStream(SamplingParams(seed=2), "cpu", None, [1, 2, 3], 3, eog_ids=())
+    rows = torch.cat([_logits(), _logits(math.nan)])
+    fn = {"filtered": st.sample.filtered, "probs": st.sample.probs,
+          "candidates": st.sample.candidates, "call": st.sample}[use]
+    out = fn(rows)
+    for t in (out if isinstance(out, tuple) else (out,)):
+        assert not t.is_floating_point() or not torch.isnan(t).any()   # nothing NaN downstream
+    with pytest.raises(NonFiniteLogits):
+        st.take(4, 10)
 
 
 def test_screen_logits_keeps_good_rows_and_flags_bad_ones():
