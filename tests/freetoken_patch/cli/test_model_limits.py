@@ -74,6 +74,7 @@ def test_run_names_the_file_the_position_and_the_tensor(nan_model, sampling, cap
     assert "\x00" not in out.out and out.out.strip() == ""          # no token was written
 
 
+@pytest.mark.slow
 def test_chat_exits_at_the_first_bad_answer(nan_model):
     r = subprocess.run([sys.executable, "-m", "freetoken_patch.cli", "chat", str(nan_model)],
                        input="hi\nhello again\n", capture_output=True, text=True, timeout=120)
