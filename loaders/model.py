@@ -184,3 +184,49 @@ def mtp_weights(model: LoadedModel) -> dict[str, Weight]:
                 raise GGUFError(f"{model.file.path}: {err}")
             out[name] = found[name]
     return out
+
+
+# -- values that cannot be ------------------------------------------------------------------------
+
+_F16_EXP, _F32_EXP, _BF16_EXP = 0x7C00, 0x7F800000, 0x7F80   # all-ones exponent: Inf or NaN
+
+
+def _nonfinite_in(w: Weight, rows: slice) -> bool:
+    """Whether rows `rows` of `w` hold a NaN/Inf value (float types) or block scale (quantized:
+    the fp16 scales every block multiplies by; MXFP4's E8M0 exponent 0xFF)."""
+    raw = np.ascontiguousarray(w.data[rows]).reshape(-1)
+    q = w.qtype
+    if q.name == "F32":
+        return bool(((raw.view("<u4") & _F32_EXP) == _F32_EXP).any())
+    if q.name == "F16":
+        return bool(((raw.view("<u2") & _F16_EXP) == _F16_EXP).any())
+    if q.name == "BF16":
+        return bool(((raw.view("<u2") & _BF16_EXP) == _BF16_EXP).any())
+    blocks = raw.reshape(-1, q.block_bytes)
+    if q.name == "MXFP4":
+        return bool((blocks[:, 0] == 0xFF).any())
+    for off in (q.d_offset, q.m_offset):
+        if off is not None:
+            d = np.ascontiguousarray(blocks[:, off:off + 2]).view("<u2")
+            if ((d & _F16_EXP) == _F16_EXP).any():
+                return True
+    return False
+
+
+def nonfinite_weights(model: LoadedModel, budget_s: float = 10.0) -> tuple[list[str], bool]:
+    """Weights whose stored values (F32/F16/BF16) or block scales (quantized types; IQ1_M's
+    scattered scale is not read) are NaN or Inf: where a model's NaN logits usually come from.
+    -> (their names, whether every weight was read within `budget_s` seconds)."""
+    import time
+    t_end = time.monotonic() + budget_s
+    found: list[str] = []
+    for w in [*model.weights.values(), *model.aside.values()]:
+        n = w.data.shape[0]
+        step = max(1, (64 << 20) // max(1, w.data.shape[1] if w.data.ndim > 1 else 1))
+        for r0 in range(0, n, step):
+            if time.monotonic() > t_end:
+                return found, False
+            if _nonfinite_in(w, slice(r0, r0 + step)):
+                found.append(w.name)
+                break
+    return found, True

@@ -11,12 +11,15 @@ Running a model (backend.py):
   open_runtime, OffloadRuntime, RuntimeOptions      the offload runtime itself (offload/runtime.py)
   RuntimeStats, LoadReport, RoutingRecorder         what the runtime reports
   OffloadError                                      the package's exception (says what and the fix)
+  NonFiniteLogits                                   its kind for NaN/Inf logits (.position): bad weights
 Generation (gen/) and speculative decoding (spec/):
   generate, Session, TokenStream, TokenEvent, DoneEvent, Timings, TokenReadback
   SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem, default_of
   PrefixIndex, Cached, continue_ids                 prefix reuse (the chat session's rule too)
   SpeculativeDecoder, DraftPolicy, SpecStats
 Policy and defaults (config.py): OffloadPolicy, DRAFT, SERVING, PREFILL, DEFAULT_N_CTX, settings_dict
+Memory before it is taken (memory.py): estimate_memory, check_host_memory, check_vram_memory,
+  host_room (what this process may still take, and the limit that says so)
 Planning (offload/placement.py): plan_sketch, expert_bytes_per_layer, is_expert_tensor,
   kv_bytes_per_token, recurrent_state_bytes, CUDA_CONTEXT_MEASURED
 Routing traces (instrument/trace.py): TraceParams, make_trace, routing_stats, trace_stats;
@@ -25,11 +28,13 @@ The model on one device: build_model, MODELS, Qwen35Moe, ResidentExperts, State,
 """
 from .backend import Backend, Capabilities, PlainBackend, as_backend, open_backend
 from .config import DEFAULT_N_CTX, DRAFT, PREFILL, SERVING, OffloadPolicy, settings_dict
-from .errors import OffloadError
+from .errors import NonFiniteLogits, OffloadError
 from .gen import (DEFAULTS, GREEDY, SAMPLING_RULES, Cached, DoneEvent, PrefixIndex, Sampler,
                   SamplingParams, Session, Timings, TokenEvent, TokenReadback, TokenStream,
                   continue_ids, default_of, generate, sampling_problem)
 from .instrument.trace import TraceParams, make_trace, routing_stats, trace_stats
+from .memory import check_host as check_host_memory, check_vram as check_vram_memory
+from .memory import estimate as estimate_memory, host_room
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
 from .offload.expert_cache import save_profile
 from .offload.placement import (CUDA_CONTEXT_MEASURED, expert_bytes_per_layer, is_expert_tensor,
@@ -41,7 +46,7 @@ from .state import Snapshot, State
 
 __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backend",
            "DEFAULT_N_CTX", "DRAFT", "PREFILL", "SERVING", "OffloadPolicy", "settings_dict",
-           "OffloadError", "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Cached", "DoneEvent",
+           "OffloadError", "NonFiniteLogits", "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Cached", "DoneEvent",
            "PrefixIndex", "Sampler", "SamplingParams", "Session", "Timings", "TokenEvent",
            "TokenReadback", "TokenStream", "continue_ids", "default_of", "generate",
            "sampling_problem", "TraceParams", "make_trace", "routing_stats", "trace_stats",
@@ -49,4 +54,5 @@ __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backen
            "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "CUDA_CONTEXT_MEASURED",
            "kv_bytes_per_token", "recurrent_state_bytes", "LoadReport",
            "RoutingRecorder", "RuntimeStats", "OffloadRuntime", "RuntimeOptions", "open_runtime",
-           "DraftPolicy", "SpecStats", "SpeculativeDecoder", "Snapshot", "State"]
+           "DraftPolicy", "SpecStats", "SpeculativeDecoder", "Snapshot", "State", "estimate_memory",
+           "check_host_memory", "check_vram_memory", "host_room"]

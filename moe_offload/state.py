@@ -73,11 +73,15 @@ class State:
         kv_shape = (B, self.n_ctx, c.n_head_kv, c.head_dim)
         self._kv_bufs: list = []
         self._kv_row = c.n_head_kv * c.head_dim * torch.finfo(kv_dtype).bits // 8  # bytes a position
+        if self.device.type == "cpu":   # before anything is taken: a refusal names the key
+            from .memory import check_state
+            check_state(c, B, self.n_ctx, self._kv_row)
         if kv_alloc is None:
             try:
                 self.k = {i: _zeros(kv_shape, kv_dtype, self.device) for i in c.attention_layers}
                 self.v = {i: _zeros(kv_shape, kv_dtype, self.device) for i in c.attention_layers}
-            except (MemoryError, torch.OutOfMemoryError):
+            except (MemoryError, torch.OutOfMemoryError, ValueError, RuntimeError):
+                # ValueError / RuntimeError: a size no array dimension holds (numpy, torch)
                 total = 2 * len(c.attention_layers) * B * self.n_ctx * self._kv_row
                 raise OffloadError(
                     f"a KV cache for {self.n_ctx:,} positions needs {total / 2**30:.1f} GiB "

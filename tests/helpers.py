@@ -119,3 +119,32 @@ def fused_gate_up(src: str | Path) -> tuple[dict, list[str]]:
         add[f"blk.{i}.ffn_gate_up_exps.weight"] = ((g.ne[0], 2 * Fe, E), g.type_id, fused.tobytes())
         drop += [g.name, u.name]
     return add, drop
+
+
+def poison(src: str | Path, dst: str | Path, tensor: str, *, row: int | None = None,
+           value: float = float("nan")) -> Path:
+    """A copy of a model whose `tensor` decodes to `value` (NaN or Inf): an F32/F16 tensor's every
+    value (or one row's), or a quantized tensor's fp16 block scales (every block of one row, or
+    of all rows)."""
+    import shutil
+
+    from loaders.quants import QUANT_TYPES
+    shutil.copyfile(src, dst)
+    f = open_gguf(dst)
+    t = f.tensors[tensor]
+    rows = f.data(tensor)
+    row_bytes = rows.shape[1]
+    first, n = (0, rows.shape[0]) if row is None else (row, 1)
+    q = QUANT_TYPES[t.type_name]
+    with open(dst, "r+b") as out:
+        for r in range(first, first + n):
+            base = t.offset + r * row_bytes
+            if q.family == "float":
+                dt = {"F32": np.float32, "F16": np.float16}[q.name]
+                out.seek(base)
+                out.write(np.full(row_bytes // np.dtype(dt).itemsize, value, dt).tobytes())
+            else:
+                for b in range(row_bytes // q.block_bytes):
+                    out.seek(base + b * q.block_bytes + q.d_offset)
+                    out.write(np.array([value], np.float16).tobytes())
+    return Path(dst)

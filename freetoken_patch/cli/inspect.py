@@ -155,6 +155,7 @@ def describe(model: LoadedModel, vram: int | None = None, n_ctx: int | None = No
         "extra_tensors": [t.name for t in model.extras],
         "problems": model.problems,
     }
+    out["memory"] = memory_estimate(model, n_ctx)
     if vram is not None:
         out["plan"] = plan_sketch(model, vram, n_ctx).as_dict()
         if n_ctx > c.n_ctx_train:
@@ -163,7 +164,20 @@ def describe(model: LoadedModel, vram: int | None = None, n_ctx: int | None = No
     return out
 
 
+def memory_estimate(model: LoadedModel, n_ctx: int) -> dict[str, Any]:
+    """What running the model on the CPU takes beside its weights at context n_ctx (one
+    sequence), the key that makes it largest, and whether this machine has it now."""
+    from moe_offload import estimate_memory, host_room
+    est = estimate_memory(model.config, n_ctx)
+    room, limit = host_room()
+    return {**est.as_dict(), "host_room_bytes": room, "host_room_limit": limit or None,
+            "fits": room is None or est.total <= room,
+            "fix": est.fix() if est.culprit is not None else None}
+
+
 def _gib(n: int) -> str:
+    if n >= 1 << 50:
+        return f"{n / (1 << 30):.3g} GiB"
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
@@ -219,6 +233,16 @@ def render(d: dict[str, Any], console) -> None:
         console.print(f"[red]problem:[/] {p}")
     for note in d.get("notes", ()):
         console.print(f"[yellow]note:[/] {note}")
+    m = d["memory"]
+    console.print(f"run-time memory beside the weights (CPU, context {m['n_ctx']:,}, estimated): "
+                  f"delta-net state {_gib(m['state_bytes'])}, KV {_gib(m['kv_bytes'])}, largest "
+                  f"prompt chunk {_gib(m['workspace_bytes'])}; total {_gib(m['total_bytes'])}")
+    why = m["largest_because"]
+    if not m["fits"]:
+        console.print(f"  [red]more than this machine can give now ({_gib(m['host_room_bytes'])}, "
+                      f"{m['host_room_limit']}): {m['fix'] or 'use a machine with more memory'}[/]")
+    elif why is not None and why["key"] != "--ctx":
+        console.print(f"  [yellow]note:[/] {m['fix']}")
     if "plan" in d:
         p = d["plan"]
         console.print(f"[bold]plan for {_gib(p['vram_bytes'])} of VRAM[/] (context {p['n_ctx']:,}):")

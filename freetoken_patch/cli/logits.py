@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CLIError
-from .model_args import add_model_args, check_fits, open_model_named, parse_device
+from .model_args import (add_model_args, check_fits, check_memory, nonfinite_error,
+                         open_model_named, parse_device)
 
 DESCRIPTION = """\
 Run MODEL over a prompt and save the logits of every position: float32 [n_tokens, n_vocab],
@@ -43,6 +44,16 @@ def _parse_ids(text: str, n_vocab: int) -> list[int]:
     return ids
 
 
+def check_out(path: str) -> None:
+    """--out must name a file in a folder that exists (checked before the model runs)."""
+    import os
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CLIError(f"--out {path} is a folder; give a file name, e.g. {os.path.join(path, 'logits.npy')}")
+    if not os.path.isdir(folder):
+        raise CLIError(f"--out {path}: the folder {folder} does not exist; create it first")
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
@@ -50,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from loaders.tokenizer import Tokenizer
     from moe_offload import build_model
     device = parse_device(args.device)
+    check_out(args.out)
     loaded = open_model_named(args.model)
     c = loaded.config
     if args.tokens is not None:
@@ -58,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
         tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
     n_ctx = check_fits(ids, args, c.n_ctx_train)
+    check_memory(loaded, device, n_ctx, logits_rows=2 * len(ids))   # the logits, and their copy
     model = build_model(loaded, device)
     with torch.inference_mode():
         logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx),
                                all_logits=True)[0]
     out = logits.float().cpu().numpy()
+    bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
+    if bad.size:
+        raise nonfinite_error(loaded, int(bad[0]))
     with open(args.out, "wb") as f:    # np.save(path) would add .npy to a name without it
         np.save(f, out)
     print(f"wrote logits float32 [{out.shape[0]}, {out.shape[1]}] to {args.out}")

@@ -97,13 +97,19 @@ def stop_reason(reason: str, params, n_ctx: int) -> str:
 
 
 def size_arg(text: str) -> int:
-    """argparse type for sizes such as 8GiB, 512MiB or a plain byte count."""
+    """argparse type for sizes such as 8GiB, 512MiB or 4G; a bare number is refused (does
+    `--vram 8` mean 8 bytes or 8 GiB?): bytes are written 1000B."""
     from loaders import GGUFError
     from loaders.synth import parse_size
     try:
-        return parse_size(text)
+        n = parse_size(text)
     except GGUFError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if text.strip().replace(".", "", 1).isdigit():
+        shown = text.strip()
+        raise argparse.ArgumentTypeError(
+            f"{shown!r} has no unit; write {shown}GiB for {shown} GiB (or {shown}MiB, {shown}B)")
+    return n
 
 
 def parse_device(name: str):
@@ -162,7 +168,8 @@ def open_model_named(path, *, strict: bool = True):
 
 __all__ = ["add_model_args", "add_sampling_args", "sampling_params", "stop_reason", "size_arg",
            "parse_device", "context_size", "check_fits", "open_model_named", "add_template_arg",
-           "chat_template_for", "load_for_text", "open_for", "speculative_for"]
+           "chat_template_for", "load_for_text", "open_for", "speculative_for",
+           "check_memory", "nonfinite_error"]
 
 
 def add_template_arg(s: argparse.ArgumentParser) -> None:
@@ -308,6 +315,7 @@ def open_for(args, loaded, dev, n_ctx: int):
         raise CLIError("--draft needs an MTP block (nextn_predict_layers = 1) and this model "
                        "has none; run without --draft")
     if vram is None:
+        check_memory(loaded, dev, n_ctx, sequences=states_held(args))
         if placement["host_head"] or not placement["host_embedding"]:
             raise CLIError("--host-head and --gpu-embedding place weights for the offload "
                            "runtime; add --vram SIZE")
@@ -320,6 +328,48 @@ def open_for(args, loaded, dev, n_ctx: int):
         raise CLIError(f"--vram caps GPU memory, so it needs a CUDA device, not --device {dev}")
     return open_backend(loaded, device=dev, vram=vram, n_ctx=n_ctx,
                         mtp=bool(getattr(args, "draft", 0)), **placement)
+
+
+def states_held(args) -> int:
+    """Sequences whose state the plain model holds at once: serve's --parallel and its prefix
+    cache, else one."""
+    return (getattr(args, "parallel", None) or 1) + (getattr(args, "prefix_cache", None) or 0)
+
+
+def check_memory(loaded, dev, n_ctx: int, *, sequences: int = 1, logits_rows: int = 0) -> None:
+    """Before the plain model is built: what it needs beside its weights (moe_offload.memory's
+    estimate: delta-net states, a KV cache that may fill n_ctx, a prompt chunk's workspace) must
+    fit what this process may still take, on the CPU from host RAM, on a GPU from what the
+    device has free once the weights are there; else one line naming the key responsible."""
+    from moe_offload import check_host_memory, check_vram_memory, estimate_memory
+    what = str(loaded.file.path)
+    if dev.type == "cpu":
+        check_host_memory(estimate_memory(loaded.config, n_ctx, sequences=sequences,
+                                          logits_rows=logits_rows), what)
+        return
+    import torch
+    free = torch.cuda.mem_get_info(dev)[0]
+    weights = sum(w.nbytes for w in loaded.weights.values())
+    est = estimate_memory(loaded.config, n_ctx, sequences=sequences, kv_sequences=sequences,
+                   logits_rows=logits_rows, where="VRAM")
+    check_vram_memory(est, max(0, free - weights), f"{dev} (free memory less the weights)", what)
+
+
+def nonfinite_error(loaded, position: int) -> CLIError:
+    """One line for logits that are NaN or Inf at `position`: the file, the position, and the
+    cause -- the weights whose stored values or block scales are NaN/Inf when there are (read
+    for at most 10 s), else a tensor stored as the wrong type is the likely one."""
+    from loaders.model import nonfinite_weights
+    names, complete = nonfinite_weights(loaded)
+    if names:
+        more = f" (and {len(names) - 1} more tensors)" if len(names) > 1 else ""
+        cause = f"{names[0]} holds NaN/Inf{more}: the file is corrupt"
+    else:
+        read = "no weight stores NaN/Inf" if complete else "no weight read in 10 s stores NaN/Inf"
+        cause = (f"{read}, so a tensor is likely corrupt in its values or stored as the wrong "
+                 "type (its values overflow)")
+    return CLIError(f"{loaded.file.path}: the logits at position {position} are not finite "
+                    f"(NaN or Inf): {cause}; download or convert the file again")
 
 
 def offload_stats_lines(m) -> list[str]:

@@ -8,7 +8,7 @@ import sys
 from ..errors import CLIError
 from .model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
                          add_vram_arg, chat_template_for, check_fits, device_for,
-                         offload_stats_lines, open_for, open_model_named,
+                         nonfinite_error, offload_stats_lines, open_for, open_model_named,
                          sampling_params, speculative_for, stop_reason)
 
 DESCRIPTION = """\
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from loaders.tokenizer import Tokenizer
-    from moe_offload import DoneEvent, Session
+    from moe_offload import DoneEvent, NonFiniteLogits, Session
     device = device_for(args.device, args.vram)
     params = sampling_params(args)
     if not args.prompt:
@@ -78,12 +78,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         session = Session(model, model.new_state(1, n_ctx), tok, template,
                           draft=speculative_for(args, model))
-        with torch.inference_mode():
-            for ev in session.generate(ids, params):
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
-                if isinstance(ev, DoneEvent):
-                    done = ev
+        try:
+            with torch.inference_mode():
+                for ev in session.generate(ids, params):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    if isinstance(ev, DoneEvent):
+                        done = ev
+        except NonFiniteLogits as e:
+            raise nonfinite_error(loaded, e.position) from None
         print()
         print(f"{timings_line(done)} | stop: {stop_reason(done.reason, params, n_ctx)}",
               file=sys.stderr)

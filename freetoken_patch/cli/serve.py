@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
+import math
+import os
 import sys
 from pathlib import Path
 
 from ..errors import CLIError
 from .inputs import check
 from .model_args import (add_draft_arg, add_model_args, add_template_arg, add_vram_arg,
-                         device_for, load_for_text, resolve_parallel, speculative_for)
+                         device_for, load_for_text, resolve_parallel, size_arg, speculative_for)
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
@@ -87,6 +91,52 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
                         "route but /health")
+    add_limit_args(s)
+
+
+def add_limit_args(s: argparse.ArgumentParser) -> None:
+    """What one client may cost: body size, message count, read timeouts, connections, and how
+    long Ctrl-C waits for running requests."""
+    from ..server.limits import Limits
+    d = Limits()
+    g = s.add_argument_group("limits")
+    g.add_argument("--max-body", type=size_arg, default=d.max_body, metavar="SIZE",
+                   help="largest request body (default 16MiB); larger ones get 413 before they "
+                        "are read")
+    g.add_argument("--max-messages", type=int, default=d.max_messages, metavar="N",
+                   help=f"most messages in one chat or /v1/messages request (default "
+                        f"{d.max_messages:,}); more get 413 before they are validated")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
+                   help=f"seconds a client has to send a request's headers; then its connection "
+                        f"is closed (default {d.header_timeout:g})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
+                   help=f"seconds a client has to send a request's body; then 408 (default "
+                        f"{d.body_timeout:g})")
+    g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help=f"connections open at once (default {d.max_connections}, lowered to fit "
+                        "the open-file limit, ulimit -n); new ones beyond it get 503 while "
+                        "those open keep going")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="after Ctrl-C (or SIGTERM), seconds running requests may take to finish "
+                        "before the server stops anyway (default 30); a second Ctrl-C stops at "
+                        "once")
+
+
+def limits_from(args: argparse.Namespace):
+    """The Limits of the flags, each checked."""
+    from ..server.limits import Limits
+    check("--max-body", args.max_body, 1 <= args.max_body <= 1 << 40, "give 1B to 1TiB")
+    check("--max-messages", args.max_messages, 1 <= args.max_messages <= 10**7,
+          "give 1 to 10000000")
+    check("--max-connections", args.max_connections, 1 <= args.max_connections <= 1 << 20,
+          "give 1 or more")
+    for flag, v in (("--header-timeout", args.header_timeout),
+                    ("--body-timeout", args.body_timeout),
+                    ("--drain-timeout", args.drain_timeout)):
+        check(flag, v, math.isfinite(v) and 0 < v <= 86400, "give seconds above 0, at most 86400")
+    return Limits(max_body=args.max_body, max_messages=args.max_messages,
+                  header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                  max_connections=args.max_connections)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"ftpatch serve needs the server packages ({e}): "
                        "pip install 'ftpatch[serve]'") from None
     check("--port", args.port, 0 <= args.port <= 65535, "give a port from 0 to 65535")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CLIError("--api-key is empty, which would let every request in; give a key, or "
+                       "leave --api-key out to serve without one")
     check_draft_parallel(args)
     resolve_parallel(args)
     check("--queue", args.queue, 0 <= args.queue <= 100_000, "give 0 to 100000")
@@ -104,23 +157,109 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill_chunk is not None:
         check("--prefill-chunk", args.prefill_chunk, 1 <= args.prefill_chunk <= 1 << 20,
               "give 1 or more")
-    served = load(args)
+    limits = limits_from(args)
+    sock = listen(args.host, args.port)     # a busy port fails here, before the model loads
+    try:
+        served = load(args)
+    except BaseException:
+        sock.close()
+        raise
+    served.limits = limits
     from ..server.app import create_app
+    from ..server.limits import protocol_class
     note = lambda line: print(f"ftpatch serve: {line}", file=sys.stderr)  # noqa: E731
     eng = served.engine
+    http = protocol_class(limits)
     note(f"{served.model_id} | context {served.n_ctx} | {eng.parallel} at once ({describe(eng)}), "
-         f"queue {eng.queue_size}")
+         f"queue {eng.queue_size}, {http.connection_cap} connections")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         note(f"listening on {args.host} without --api-key: anyone who reaches it can use it")
-    note(f"http://{args.host}:{args.port}/v1 (Ctrl-C finishes the requests in flight and exits)")
-    config = uvicorn.Config(create_app(served), host=args.host, port=args.port,
-                            log_level="warning", timeout_graceful_shutdown=None)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    note(f"http://{shown}:{port}/v1 (Ctrl-C finishes the requests in flight and exits)")
+    config = uvicorn.Config(create_app(served), log_level="warning", http=http,
+                            backlog=http.backlog, timeout_graceful_shutdown=None)
+    server = draining_server(config, args.drain_timeout)
     try:
-        uvicorn.Server(config).run()
-    except KeyboardInterrupt:    # uvicorn re-raises Ctrl-C once it has drained and shut down
-        pass
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     note("stopped")
     return 0
+
+
+def listen(host: str, port: int):
+    """The server's socket, bound now (asyncio starts listening on it once the app is up, so a
+    client connecting while the model loads is refused, as before): a port in use, or an address
+    that is not this machine's, is one line here, before anything loads or says it listens."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # not a port in use: TIME_WAIT
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = ("another program is listening there; stop it or pick another --port"
+               if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+        raise CLIError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
+LISTEN_QUEUE = 2048   # connections the kernel queues before the server accepts them
+
+
+def draining_server(config, drain_s: float):
+    """uvicorn's Server with our Ctrl-C (and SIGTERM): the first stops accepting and says so,
+    then running requests have `drain_s` seconds to finish; a second Ctrl-C, or the time running
+    out, ends the process at once with one line and no traceback (os._exit: nothing is unwound
+    mid-step, neither the engine thread nor the native ones; uvicorn would cancel the streams'
+    tasks and log each one's CancelledError)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            # asyncio listens with the backlog it accepts in one burst (kept small: limits.py);
+            # the kernel's queue may be long, so a burst of clients waits instead of retrying
+            for sock in sockets or ():
+                sock.listen(LISTEN_QUEUE)
+
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                _say_and_exit("stopped at once (a second Ctrl-C); requests still running were "
+                              "cut off", 130)
+            self.should_exit = True
+            n = len(self.server_state.tasks)
+            _say(f"stopping: no new connections; {n} request(s) running get up to {drain_s:g} s "
+                 "to finish (Ctrl-C again to stop at once)")
+
+        async def shutdown(self, sockets=None):
+            try:
+                async with asyncio.timeout(drain_s):
+                    await super().shutdown(sockets)
+            except TimeoutError:
+                _say_and_exit(f"stopped after {drain_s:g} s (--drain-timeout) with "
+                              f"{len(self.server_state.tasks)} request(s) unfinished", 0)
+
+    return DrainingServer(config)
+
+
+def _say(line: str) -> None:
+    """A line from a signal handler: one os.write (print could re-enter a write in progress)."""
+    try:
+        os.write(sys.stderr.fileno(), f"ftpatch serve: {line}\n".encode())
+    except (OSError, ValueError):
+        pass
+
+
+def _say_and_exit(line: str, status: int) -> None:
+    _say(line)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(status)
 
 
 def check_draft_parallel(args: argparse.Namespace) -> None:
@@ -156,7 +295,7 @@ def load(args: argparse.Namespace):
                     or (SERVING.prefill_chunk_under_cap if args.vram is not None
                         else SERVING.prefill_chunk),
                     batch=False if getattr(args, "no_batch", False) else None,
-                    draft=speculative_for(args, model))
+                    draft=speculative_for(args, model), source=str(path))
     return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
 
 

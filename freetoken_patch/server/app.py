@@ -64,7 +64,8 @@ def create_app(served: Served) -> Guarded:
     @app.get("/health")
     async def health():
         eng = served.engine
-        return {"status": "ok", "model": served.model_id, "parallel": eng.parallel,
+        return {"status": "degraded" if eng.faults else "ok", "faults": eng.faults,
+                "model": served.model_id, "parallel": eng.parallel,
                 "mode": eng.mode, "prefill_chunk": eng.prefill_chunk, "n_ctx": served.n_ctx,
                 "queue_size": eng.queue_size, "prefix_cache": eng.cache.size,
                 "draft": eng.draft_summary(),

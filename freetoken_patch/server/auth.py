@@ -1,7 +1,8 @@
-"""The API key and the request counts, as a plain ASGI wrapper around the app (so streamed
-bodies pass through unbuffered): every route but /health wants the key, by 'Authorization:
-Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's); every request is counted by
-route and status."""
+"""The API key, the request limits and the request counts, as a plain ASGI wrapper around the
+app (so streamed replies pass through unbuffered): every route but /health wants the key, by
+'Authorization: Bearer KEY' (OpenAI's clients) or 'x-api-key: KEY' (Anthropic's), checked on
+the headers before any body is read; the body is then read within the limits (limits.py); every
+request is counted by route and status."""
 from __future__ import annotations
 
 import hmac
@@ -9,6 +10,7 @@ import hmac
 from fastapi.responses import JSONResponse
 
 from . import anthropic_format as anthropic
+from .limits import RequestLimits
 from .openai_format import error_body
 from .served import Served
 
@@ -23,6 +25,9 @@ class Guarded:
     def __init__(self, app, served: Served, endpoints: tuple[str, ...]):
         self.app, self.served, self.endpoints = app, served, endpoints
         self.state = app.state
+        self.limited = RequestLimits(app, served.limits)
+        if served.api_key is not None and not served.api_key.strip():
+            raise ValueError("an empty API key would let every request in; give a key or None")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -43,7 +48,7 @@ class Guarded:
                         else error_body(MISSING_KEY, code="invalid_api_key"))
                 resp = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, sending)
-            return await self.app(scope, receive, sending)
+            return await self.limited(scope, receive, sending)
         finally:
             self.served.metrics.request(endpoint, status[0])
 

@@ -35,8 +35,8 @@ from typing import Callable
 
 import torch
 
-from moe_offload import (SERVING, Cached, DoneEvent, OffloadError, PrefixIndex, TokenEvent,
-                         as_backend, generate)
+from moe_offload import (SERVING, Cached, DoneEvent, NonFiniteLogits, OffloadError, PrefixIndex,
+                         TokenEvent, as_backend, generate)
 
 from .batcher import Batcher
 from .jobs import Active, Failure, Job, QueueFull, ShuttingDown, with_snapshot
@@ -55,10 +55,12 @@ class Engine:
     def __init__(self, model, tokenizer, n_ctx: int, *, parallel: int = 4, queue_size: int = 64,
                  prefix_cache: int = 4, prefill_chunk: int = SERVING.prefill_chunk,
                  generate_fn: Callable = generate, batch: bool | None = None, metrics=None,
-                 draft=None, run_ahead: bool | None = None):
+                 draft=None, run_ahead: bool | None = None, source: str | None = None):
         self.model = be = as_backend(model)
         self.tokenizer, self.n_ctx, caps = tokenizer, n_ctx, be.caps
         self.generate_fn, self.metrics, self.draft = generate_fn, metrics, draft
+        self.source = source           # the model file, named in an error about its weights
+        self.faults: dict = {}         # the model's own failures (NaN/Inf logits), for /health
         self.draft_stats: dict = {}    # the decoder's SpecStats as last published
         self.queue_size = queue_size
         self.prefill_chunk = max(1, int(prefill_chunk))
@@ -317,8 +319,16 @@ class Engine:
             self.busy_s[phase] += time.perf_counter() - t0
 
     def fail(self, seq: Active, e: BaseException) -> None:
-        """The sequence failed: its job gets the error, its state is emptied."""
-        seq.job.put(Failure(_message(e)))
+        """The sequence failed: its job gets the error, its state is emptied. Logits that are
+        NaN or Inf fail only this request (no token of them is sent), named as the model's
+        fault and counted for /health."""
+        msg = _message(e)
+        if isinstance(e, NonFiniteLogits):
+            if self.source:
+                msg = f"{self.source}: {msg}"
+            self.faults = {"non_finite_logits": self.faults.get("non_finite_logits", 0) + 1,
+                           "last": msg}
+        seq.job.put(Failure(msg))
         seq.done, seq.state = True, self._broken(seq.state)
 
     def finished(self, seq: Active, ev: DoneEvent) -> None:

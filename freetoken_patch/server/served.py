@@ -1,11 +1,12 @@
 """What the app serves: the engine, the tokenizer and chat template, the model's name and
-context, the API key and the metrics. The CLI (and tests) build one; every route reads it."""
+context, the API key, the metrics and the request limits. The CLI (and tests) build one; every route reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import Engine
+from .limits import Limits
 from .metrics import Metrics
 from .openai_format import now
 
@@ -21,3 +22,4 @@ class Served:
     api_key: str | None = None
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=now)
+    limits: Limits = field(default_factory=Limits)   # what a request may cost (limits.py)

@@ -2,6 +2,7 @@
 
   SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem   sampling and its ranges
   TokenStream, TokenEvent, DoneEvent, Timings, StopScanner             the one token stream
+  ScreenedSampler, screen_logits                                       non-finite logits caught
   generate                                                             it, driven for one sequence
   Session                                                              a chat on one State
   PrefixIndex, Cached, continue_ids, usable_prefix                     prefix reuse
@@ -13,9 +14,10 @@ from .readback import TokenReadback
 from .sampling import (DEFAULTS, GREEDY, SAMPLING_RULES, Sampler, SamplingParams, default_of,
                        recent_ids, sampling_problem)
 from .session import Session
-from .stream import DoneEvent, StopScanner, Timings, TokenEvent, TokenStream, text_decoder
+from .stream import (DoneEvent, ScreenedSampler, StopScanner, Timings, TokenEvent, TokenStream,
+                     screen_logits, text_decoder)
 
 __all__ = ["generate", "Cached", "PrefixIndex", "continue_ids", "usable_prefix", "TokenReadback",
            "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Sampler", "SamplingParams", "default_of",
            "recent_ids", "sampling_problem", "Session", "DoneEvent", "StopScanner", "Timings",
-           "TokenEvent", "TokenStream", "text_decoder"]
+           "TokenEvent", "TokenStream", "text_decoder", "ScreenedSampler", "screen_logits"]

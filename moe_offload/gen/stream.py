@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 
+from ..errors import NonFiniteLogits
 from .sampling import Sampler, SamplingParams, recent_ids
 
 
@@ -76,6 +77,49 @@ class StopScanner:
         return out
 
 
+def screen_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | bool]:
+    """(logits a sampler can take, whether all of them are finite). A sum a row tells: NaN and
+    Inf survive a sum. On the CPU: a float32 sum, read at once, and only if it is not finite
+    (NaN/Inf, or finite values too large to add up) the exact test; the logits are copied only
+    when they are bad. On a GPU: a float64 sum (float32 inputs cannot overflow it), the flag left
+    on the device, NaN/Inf made 0 (a CUDA sampler would trap on them): nothing waits."""
+    if logits.device.type == "cpu":
+        ok = bool(torch.isfinite(logits.sum(-1)).all()) or bool(torch.isfinite(logits).all())
+        return (logits if ok else logits.nan_to_num(0.0, 0.0, 0.0)), ok
+    finite = torch.isfinite(logits.sum(-1, dtype=torch.float64)).all()
+    return logits.nan_to_num(0.0, 0.0, 0.0), finite
+
+
+class ScreenedSampler(Sampler):
+    """A stream's sampler: every row it samples from (a plain step's, a speculative step's
+    drafts and verify rows: all pass `penalized`) is screened first, and whether any was NaN or
+    Inf is kept for the stream's next take(). On a GPU the flag accumulates on the device and
+    is copied into pinned memory behind each use, so the host reads it once the drawn ids are
+    read back, with no wait of its own."""
+
+    def __init__(self, params: SamplingParams, device):
+        super().__init__(params, device)
+        self._bad: bool = False
+        self._acc: torch.Tensor | None = None      # on a GPU: any row bad so far
+        self._host: torch.Tensor | None = None     # ... its pinned copy
+
+    def penalized(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
+        safe, finite = screen_logits(logits)
+        if isinstance(finite, bool):
+            self._bad = self._bad or not finite
+        else:
+            if self._acc is None:
+                self._acc = torch.zeros((), dtype=torch.bool, device=logits.device)
+                self._host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            self._acc.logical_or_(finite.logical_not())
+            self._host.copy_(self._acc, non_blocking=True)
+        return super().penalized(safe, recent)
+
+    def nonfinite(self) -> bool:
+        """Whether a row sampled so far was NaN/Inf (read once its ids were read back)."""
+        return self._bad or (self._host is not None and bool(self._host))
+
+
 def text_decoder(tokenizer):
     """id -> newly completed text; None -> flush. Without a tokenizer: no text."""
     if tokenizer is None:
@@ -100,7 +144,7 @@ class TokenStream:
                  n_prompt: int, eog_ids: Iterable[int] | None = None):
         self.p = params
         self.device = device
-        self.sample = Sampler(params, device)
+        self.sample = ScreenedSampler(params, device)
         self.eog = frozenset(eog_ids if eog_ids is not None else
                              (tokenizer.eog_ids if tokenizer is not None else ()))
         self.text = text_decoder(tokenizer)
@@ -136,7 +180,8 @@ class TokenStream:
         return self.take(int(self.draw(logits)), n_free)
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next id sampled from logits [1, V], left on their device (take() it after)."""
+        """The next id sampled from logits [1, V], left on their device (take() it after;
+        take() raises NonFiniteLogits if these held NaN or Inf)."""
         return self.sample(logits, self.recent())
 
     def may_run_ahead(self, n_free: int) -> bool:
@@ -147,6 +192,9 @@ class TokenStream:
 
     def take(self, tok: int, n_free: int) -> list:
         """The id drawn, read on the host -> the events to send; n_free = context positions left."""
+        if self.sample.nonfinite():   # the logits it came from: no text of it goes out
+            self.done = True
+            raise NonFiniteLogits(len(self.context) - 1)
         p = self.p
         now = time.perf_counter()
         if not self.out:

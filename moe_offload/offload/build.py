@@ -19,6 +19,7 @@ from native.ops import QTensor
 
 from ..config import DRAFT, OffloadPolicy
 from ..errors import OffloadError
+from ..memory import check_vram, runtime_estimate
 from ..models import MODELS
 from ..models.weights import upload_weights
 from ..state import State
@@ -133,6 +134,10 @@ def _assemble(p: Parts, loaded: LoadedModel, model_cls, progress) -> None:
     opts, c, dev, rep = p.opts, p.config, p.device, p.report
     pol = opts.policy
     t0 = time.perf_counter()
+    # what the metadata implies for the context, before anything is allocated: a file whose
+    # keys ask for more than the whole cap is refused here, naming the key
+    need = runtime_estimate(c, opts.n_ctx, pol)
+    check_vram(need, opts.vram, f"--vram {opts.vram / 2**30:.2f} GiB", str(loaded.file.path))
     plan = VramLedger(opts.vram)   # the start-up plan; refuses a cap too small, with numbers
     torch.cuda.reset_peak_memory_stats(dev)
     p.smi = SmiPeak()
@@ -182,7 +187,7 @@ def _assemble(p: Parts, loaded: LoadedModel, model_cls, progress) -> None:
     # gives it slots then, and takes them back for the next conversation)
     elastic = pol.elastic and on.elastic_supported()
     probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
-    plan.reserve("KV + delta-net state", probe.nbytes, "lower --ctx")
+    plan.reserve("KV + delta-net state", probe.nbytes, need.fix("lower --ctx"))
     most = min(ops.DECODE_MAX_TOKENS, on.MAX_SELECTIONS // c.n_expert_used)   # a step's tokens
     if not 1 <= opts.max_sequences <= most:
         raise OffloadError(f"max_sequences {opts.max_sequences}: a decode step takes 1 to "

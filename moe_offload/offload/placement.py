@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from loaders import LoadedModel
+from loaders import footprint
 from native import ops
 
 from ..config import PREFILL
@@ -26,16 +27,12 @@ KV_CHUNK_ESTIMATE = 2 << 20   # the driver's mapping granularity on the GPUs we 
 
 def kv_bytes_per_token(model: LoadedModel, bytes_per_value: int = 2) -> int:
     """KV cache per token over every attention layer (K and V, F16 by default)."""
-    c = model.config
-    return len(c.attention_layers) * 2 * c.n_head_kv * c.head_dim * bytes_per_value
+    return footprint.kv_bytes_per_position(model.config, bytes_per_value)
 
 
 def recurrent_state_bytes(model: LoadedModel) -> int:
     """Delta-net conv + recurrent state per sequence, F32 (independent of context length)."""
-    c = model.config
-    conv = (c.ssm_d_conv - 1) * c.ssm_conv_dim
-    rec = c.ssm_n_v_heads * c.ssm_d_state * c.ssm_head_v_dim
-    return len(c.recurrent_layers) * (conv + rec) * 4
+    return footprint.recurrent_state_bytes(model.config)
 
 
 def expert_bytes_per_layer(model: LoadedModel) -> dict[int, int]:

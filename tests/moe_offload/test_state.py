@@ -90,7 +90,7 @@ def test_cpu_kv_takes_memory_only_as_positions_are_written(tiny_model):
 
 def test_a_kv_cache_too_large_for_the_device_is_one_error_with_numbers(tiny_model):
     c = open_model(tiny_model).config
-    with pytest.raises(OffloadError, match=r"KV cache for 1,000,000,000,000 positions needs .* GiB .*lower --ctx"):
+    with pytest.raises(OffloadError, match=r"KV cache at 1,000,000,000,000 positions .* GiB.*lower --ctx"):
         State(c, 1, 10**12, "cpu")
 
 

@@ -17,8 +17,8 @@ import argparse
 import sys
 
 from ..model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
-                          add_vram_arg, device_for, load_for_text, sampling_params,
-                          speculative_for)
+                          add_vram_arg, device_for, load_for_text, nonfinite_error,
+                          sampling_params, speculative_for)
 from .conversation import HELP, Conversation, answer, command
 from .screens import PlainScreen, TerminalScreen
 
@@ -91,7 +91,8 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
         md = loaded.metadata
         session = Session(model, model.new_state(1, n_ctx), tok, template,
                           draft=speculative_for(args, model))
-    conv = Conversation(session, params, args.system, False if args.no_think else None)
+    conv = Conversation(session, params, args.system, False if args.no_think else None,
+                        loaded=loaded)
     where = f"{dev}" + (f", offload runtime under {args.vram / 2**30:.2f} GiB of VRAM"
                         if args.vram is not None else "")
     if embedded:
@@ -108,9 +109,18 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_offload import NonFiniteLogits
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     screen = TerminalScreen() if interactive else PlainScreen()
     conv, banner = load(args, screen)
+    try:
+        return talk(conv, banner, screen)
+    except NonFiniteLogits as e:    # bad weights: one line and exit 1, not a chat error
+        raise nonfinite_error(conv.loaded, e.position) from None
+
+
+def talk(conv: Conversation, banner: list[str], screen) -> int:
+    """The loop: lines in, answers and commands out; 1 if any line failed."""
     for line in banner:
         screen.note(line)
     while True:

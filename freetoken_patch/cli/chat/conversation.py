@@ -33,6 +33,7 @@ class Conversation:
     think: bool | None = None            # enable_thinking for the template (None: its default)
     turns: list = field(default_factory=list)
     answers: list = field(default_factory=list)   # (Timings, tokens shown, stop reason) each
+    loaded: object = None                # the LoadedModel (its file, for an error about it)
 
     def messages(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
@@ -87,7 +88,7 @@ def answer(conv: Conversation, screen, text: str) -> None:
     """Send `text` as the user's message and show the reply; errors become one line."""
     import torch
     from loaders import GGUFError
-    from moe_offload import OffloadError
+    from moe_offload import NonFiniteLogits, OffloadError
     from native.errors import NativeError
     conv.turns.append({"role": "user", "content": text})
     ans, stop = Answer(), threading.Event()
@@ -103,6 +104,8 @@ def answer(conv: Conversation, screen, text: str) -> None:
                 events.close()
     except KeyboardInterrupt:
         conv.session.reset()              # stopped inside a step: the cache is not trustworthy
+    except NonFiniteLogits:               # the weights are bad: no later answer can be good
+        raise
     except (OffloadError, GGUFError, NativeError) as e:
         conv.turns.pop()                  # checks fail before the model runs; the rest may not
         if ans.n_tokens or isinstance(e, NativeError):
