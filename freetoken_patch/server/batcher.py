@@ -38,7 +38,7 @@ class Batcher:
         seq = Active(job, state, history, job.prompt[len(history):], snaps,
                      cut=max(0, cut - len(history)))
         seq.stream = TokenStream(job.params, self.model.device, self.engine.tokenizer,
-                                 job.prompt, len(seq.feed))
+                                 job.prompt, len(seq.feed), constraint=job.constraint)
         return seq
 
     def forget(self) -> None:

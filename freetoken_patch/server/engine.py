@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from moe_offload import (SERVING, Cached, DoneEvent, OffloadError, PrefixIndex, TokenEvent,
-                         as_backend, generate)
+                         as_backend, generate, prompt_logprobs)
 
 from .batcher import Batcher
 from .jobs import Active, Failure, Job, QueueFull, ShuttingDown, with_snapshot
@@ -248,8 +248,9 @@ class Engine:
         state = None
         try:
             entry, n, snap, job.prompt = (
-                self.cache.take(job.prompt, job.text, self._encode, max_len=self.n_ctx)
-                if self.cache.size else (None, 0, None, job.prompt))
+                self.cache.take(job.prompt, job.text, job.encode or self._encode,
+                                max_len=self.n_ctx)
+                if self.cache.size and job.echo_logprobs is None else (None, 0, None, job.prompt))
             if entry is None:
                 state, history, snaps = self._fresh_state(), [], []
             else:
@@ -262,7 +263,13 @@ class Engine:
                     history, snaps = entry.tokens, entry.snaps
             job.n_cached = len(history)
             self.reused_tokens += len(history)
-            cut = self._first_turn_end(job.prompt)
+            if job.echo_logprobs is not None:   # every prompt position's logits, by chunks
+                with self.timed("prefill"):
+                    job.prompt_logprobs = prompt_logprobs(self.model, state, job.prompt,
+                                                          job.echo_logprobs, SERVING.echo_chunk)
+                history = job.prompt[:-1]
+                self.prefilled_tokens += len(history)
+            cut = 0 if job.echo_logprobs is not None else self._first_turn_end(job.prompt)
             if self.batched:     # the prompt goes in by chunks, between decode steps
                 return self.batcher.admit(job, state, history, snaps, cut)
             if len(history) < cut:
@@ -282,6 +289,8 @@ class Engine:
                 history = job.prompt[:cut]
             seq = Active(job, state, history, job.prompt[len(history):], snaps)
             kw = {} if self.draft is None else {"draft": self.draft}
+            if job.constraint is not None and self.generate_fn is generate:
+                kw["constraint"] = job.constraint   # (a test's scripted stream takes none)
             seq.gen = self.generate_fn(self.model, state, seq.feed, job.params,
                                        tokenizer=self.tokenizer, history=history, **kw)
             self.prefilled_tokens += len(seq.feed)

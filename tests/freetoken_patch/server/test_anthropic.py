@@ -41,8 +41,9 @@ def client(server):
 
 def _reference(parts, messages, max_tokens, stop=()):
     model, tok, tmpl = parts
-    ids = tok.encode(tmpl.render(messages, add_generation_prompt=True, bos_token=tok.bos_token,
-                                 eos_token=tok.eos_token), parse_special=True)
+    # no `thinking` field: the template is told enable_thinking=False, as Anthropic's API
+    # gives no thinking unless asked
+    ids = tmpl.render_prompt(messages, tok, enable_thinking=False).ids
     *toks, done = generate(model, model.new_state(1, 256), ids,
                            SamplingParams(temperature=0, max_tokens=max_tokens, stop=stop),
                            tokenizer=tok)
@@ -228,7 +229,9 @@ def test_bad_requests_name_the_problem(server):
         ({k: v for k, v in ok.items() if k != "max_tokens"}, "max_tokens is required"),
         ({**ok, "messages": [{"role": "user", "content": [image]}]}, "image block"),
         ({**ok, "messages": []}, "messages is empty"),
-        ({**ok, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        # Anthropic's wording, which Claude Code matches to retry without the message
+        ({**ok, "messages": [{"role": "tool", "content": "x"}]},
+         'Unexpected role "tool". Allowed input message role'),
         ({**ok, "temperature": 5}, "temperature"),
         ({**ok, "thinking": {"type": "sometimes"}}, "thinking.type"),
         ({**ok, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "nope"),
@@ -238,7 +241,10 @@ def test_bad_requests_name_the_problem(server):
         _error(_post(url, body), 400, "invalid_request_error", words)
     _error(_post(url, {**ok, "model": "claude-sonnet-4-5"}), 404, "not_found_error",
            "ANTHROPIC_MODEL")
-    _error(_post(url, ok, key="wrong"), 401, "authentication_error", "x-api-key")
+    r = _post(url, ok, key="wrong")
+    _error(r, 401, "authentication_error", "x-api-key")
+    # Anthropic's SDK (Claude Code) retries a 401 for minutes unless told not to
+    assert r.headers["x-should-retry"] == "false"
     r = httpx.post(url + "/v1/messages", json=ok, timeout=60,
                    headers={"Authorization": "Bearer sekrit", "anthropic-version": "2023-06-01"})
     assert r.status_code == 200
