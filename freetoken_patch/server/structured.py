@@ -20,24 +20,35 @@ from .openai_format import ApiError
 
 EXTRA = "pip install 'ftpatch[structured]'"
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+# JSON as one line with ", " and ": ": whitespace a model could repeat without end is not
+# allowed (a reply that never closes its object would run to max_tokens)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _options(schema, lenient: bool) -> dict:
+    """`schema` with llguidance's compile options (its x-guidance key)."""
+    out = dict(schema) if isinstance(schema, dict) else {}
+    out["x-guidance"] = {**JSON_OPTIONS, "lenient": lenient, **out.get("x-guidance", {})}
+    return out
 
 
 def response_format_schema(response_format: dict | None) -> dict | None:
-    """The JSON schema a response_format asks for (None: plain text)."""
+    """The JSON schema a response_format asks for (None: plain text), with the compile
+    options: strict schemas must compile whole, others may carry keywords the library skips."""
     if not response_format:
         return None
     kind = response_format.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "object"}
+        return _options({"type": "object"}, False)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise ApiError(400, "response_format.json_schema must be an object with a `schema` "
                                 "object (and a name)", param="response_format.json_schema",
                            code="invalid_value")
-        return spec.get("schema") or {"type": "object"}
+        return _options(spec.get("schema") or {"type": "object"}, not spec.get("strict"))
     raise ApiError(400, f"response_format.type={json.dumps(kind)}: give text, json_object or "
                         "json_schema", param="response_format.type", code="invalid_value")
 
@@ -48,7 +59,8 @@ def _lit(text: str) -> str:
 
 
 def _json(schema) -> str:
-    return "%json " + json.dumps(schema if isinstance(schema, dict) else {})
+    """A Lark %json block: a tool's schema is a hint, keywords the library lacks are skipped."""
+    return "%json " + json.dumps(_options(schema, True))
 
 
 def _xml_function(i: int, name: str, params: dict) -> list[str]:
@@ -71,7 +83,12 @@ def _xml_function(i: int, name: str, params: dict) -> list[str]:
                 alts = " | ".join(_lit(str(v)) for v in sub["enum"])
                 rules.append(f"{r}: {open_} ({alts}) {end}")
             elif isinstance(sub, dict) and sub.get("type") == "string":
-                rules.append(f"{r}: {open_} STRING_PARAM")   # raw text, as the parser reads it
+                # raw text, as the parser reads it (no "</" inside); maxLength kept where small
+                n = sub.get("maxLength")
+                if isinstance(n, int) and 0 <= n <= 1000:
+                    rules.append(f"{r}: {open_} /([^<]|<[^\\/]){{0,{n}}}\\n<\\/parameter>\\n/")
+                else:
+                    rules.append(f"{r}: {open_} STRING_PARAM")
             else:
                 rules.append(f"{r}: {open_} {_json(sub)} {end}")
             parts.append(r if key in required else f"{r}?")
