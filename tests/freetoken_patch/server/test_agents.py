@@ -154,6 +154,44 @@ def test_json_object_and_refusals(oai, server):
                                     response_format={"type": "yaml"})
 
 
+def test_batched_step_and_generate_agree_under_a_grammar(tiny_parts):
+    """The server's batched engine (its own TokenStream per request) and generate() give the
+    same ids for the same seed and grammar."""
+    import asyncio
+
+    from freetoken_patch.server.engine import Engine
+    from freetoken_patch.server.jobs import Job
+    model, tok, _ = tiny_parts
+    from moe_offload import GrammarConstraint, SamplingParams, generate
+    import llguidance
+    ids = tok.encode("json:")
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(
+        {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}))
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=200)
+    *_, ref = generate(model, model.new_state(1, 256), ids, params, tokenizer=tok,
+                       constraint=GrammarConstraint(grammar, tok))
+
+    async def run():
+        eng = Engine(model, tok, 256, parallel=2, prefix_cache=0)
+        assert eng.batched
+        eng.start()
+        jobs = [Job(list(ids), params, constraint=GrammarConstraint(grammar, tok))
+                for _ in range(2)]
+        for j in jobs:
+            eng.submit(j)
+        outs = []
+        for j in jobs:
+            while True:
+                ev = await asyncio.wait_for(j.events.get(), 60)
+                if not hasattr(ev, "token"):
+                    outs.append(ev)
+                    break
+        eng.shutdown()
+        return outs
+    for done in asyncio.run(run()):
+        assert done.tokens == ref.tokens
+
+
 def _check_call(call, tools):
     fn = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     jsonschema.validate(json.loads(call.function.arguments), fn[call.function.name])

@@ -271,6 +271,6 @@ def test_full_queue_is_overloaded(tiny_parts, kit):
             time.sleep(0.01)
         r = _post(url, body)
         _error(r, 529, "overloaded_error", "busy")
-        assert r.headers["Retry-After"] == "1"
+        assert r.headers["Retry-After"] == "1" and r.headers["x-should-retry"] == "true"
         gate.set()
         first.join(60)
