@@ -269,12 +269,13 @@ class Engine:
                                                           job.echo_logprobs, SERVING.echo_chunk)
                 history = job.prompt[:-1]
                 self.prefilled_tokens += len(history)
-            cut = 0 if job.echo_logprobs is not None else self._first_turn_end(job.prompt)
+            cuts = [] if job.echo_logprobs is not None else self._rewind_points(job.prompt)
             if self.batched:     # the prompt goes in by chunks, between decode steps
-                return self.batcher.admit(job, state, history, snaps, cut)
-            if len(history) < cut:
-                # prefill the first turn (a system prompt, the tools) on its own and keep a
-                # rewind point there: other conversations that open the same way reuse it
+                return self.batcher.admit(job, state, history, snaps, cuts)
+            for cut in (c for c in cuts if c > len(history)):
+                # prefill up to a rewind point on its own and keep a snapshot there: the first
+                # turn (a system prompt, the tools: other conversations that open the same way
+                # reuse it), the last complete turn (this conversation's next request)
                 head = job.prompt[len(history):cut]
                 t0 = time.perf_counter()
                 head_t = torch.tensor([head], device=self.model.device)
@@ -282,8 +283,9 @@ class Engine:
                     self.draft.prefill(head_t, state, history=history)
                 else:
                     self.model.prefill(head_t, state)
-                job.head_s = time.perf_counter() - t0
-                self.busy_s["prefill"] += job.head_s
+                took = time.perf_counter() - t0
+                job.head_s += took
+                self.busy_s["prefill"] += took
                 self.prefilled_tokens += len(head)
                 snaps = with_snapshot(snaps, state)
                 history = job.prompt[:cut]
@@ -306,14 +308,22 @@ class Engine:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
-    def _first_turn_end(self, prompt: list[int]) -> int:
-        """Just after the first end-of-turn id of a prompt that has another turn after that
-        one's end (a system turn before the user's); 0 when there is none."""
+    def _rewind_points(self, prompt: list[int]) -> list[int]:
+        """Where a prompt's prefill keeps snapshots, besides its end: just after its first
+        end-of-turn id when another turn follows (a system prompt and the tools, which other
+        conversations share), and just after its last one (the end of the last complete turn:
+        the next request of this conversation re-renders the reply after it, and the reply's
+        rendering -- a thinking block dropped, the generation prompt's empty one -- need not
+        match the ids generated, so without it only the first turn would be reused). The
+        recurrent state cannot rewind to any position, only to a snapshot."""
         if not self.cache.size or self.tokenizer is None:
-            return 0
+            return []
         eot = self.tokenizer.eog_ids
-        ends = [i + 1 for i, t in enumerate(prompt) if t in eot]
-        return ends[0] if len(ends) >= 2 else 0
+        ends = [i + 1 for i, t in enumerate(prompt) if t in eot and i + 1 < len(prompt)]
+        points = {ends[0]} if len(ends) >= 2 else set()
+        if ends:
+            points.add(ends[-1])
+        return sorted(points)
 
     # -- what the modes and the batcher report ----------------------------------------------------
     @contextlib.contextmanager

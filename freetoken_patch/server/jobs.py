@@ -74,7 +74,7 @@ class Active:
     gen: object = None                # interleaved: the generate() stream
     stream: TokenStream | None = None  # batched: sampling and stops, fed logits from outside
     fed: int = 0                      # batched: prompt ids of `feed` already prefilled
-    cut: int = 0                      # batched: keep a snapshot once `fed` reaches it (0: none)
+    cuts: list = field(default_factory=list)   # batched: keep a snapshot when `fed` reaches one
     sampled: list[int] = field(default_factory=list)
     done: bool = False
 

@@ -153,7 +153,14 @@ class TokenStream:
         if self.constraint is not None:
             if self._allowed is None:
                 self._allowed = self.constraint.allowed()
-            x = apply_mask(logits, self._allowed)
+            words = self._allowed
+            if logits.device.type == "cuda":
+                # through pinned memory, so the copy up is queued, not waited for; the last
+                # one is done (the host read that draw's id since)
+                if getattr(self, "_pinned", None) is None or self._pinned.shape != words.shape:
+                    self._pinned = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+                words = self._pinned.copy_(words)
+            x = apply_mask(logits, words)
         tok = self.sample(x, self.recent())
         if self.p.logprobs is not None:
             # queued behind the draw; a copy to pinned memory, so reading it with the id

@@ -332,3 +332,24 @@ def test_access_log_json_lines(tiny_parts, kit):
     assert too_long["status"] == 400
     assert too_long["error"].startswith("prompt is too long: ") \
         and too_long["error"].endswith(" tokens > 255 maximum")
+
+
+def test_a_follow_up_reuses_the_conversation_up_to_its_last_turn(server, oai):
+    """The generation prompt's empty thinking block (enable_thinking false) is not how the
+    template renders the reply later, so the ids diverge right after the last user turn: the
+    snapshot kept there lets the follow-up reuse all of the conversation before the reply."""
+    served = server[0]
+    tok = served.tokenizer
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour of the sea, please, in one word."}]
+    kw = dict(model="tiny", max_tokens=4, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r1 = oai.chat.completions.create(messages=msgs, **kw)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content or "blue"},
+             {"role": "user", "content": "And of the sky?"}]
+    r2 = oai.chat.completions.create(messages=msgs, **kw)
+    first_turn = served.template.render_prompt(msgs[:1], tok, add_generation_prompt=False).ids
+    upto_user = served.template.render_prompt(msgs[:2], tok, add_generation_prompt=False).ids
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached > len(first_turn) + 5
+    assert len(upto_user) - 2 <= cached <= len(upto_user)
