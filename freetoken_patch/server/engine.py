@@ -20,7 +20,11 @@ State stays in a small LRU (`prefix_cache` entries) keyed by the tokens it holds
 snapshots at its prompt's end. A new request whose prompt starts with those tokens (or with a
 snapshot's prefix of them) takes that State over and prefills only the rest. The first turn of
 a prompt with several (a system prompt, the tools) is prefilled on its own with a snapshot
-after it, so conversations that open the same way share it. An offload runtime opened for one
+after it, so conversations that open the same way share it; so is everything up to the end of
+its last complete turn, so the conversation's next request, which re-renders the reply after
+it in ids that need not be the ones generated, reuses all of it. A job's constraint (a grammar
+mask) and logprobs ride in its TokenStream; a completion's echo prefills its prompt with every
+position's logits first (no prefix reuse then). An offload runtime opened for one
 sequence hands out one State, so the engine then runs one sequence at a time and caches that one.
 """
 from __future__ import annotations
