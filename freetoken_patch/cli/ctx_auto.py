@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..errors import CLIError
+from .model_args import context_size
 
 
 def ctx_arg(text: str):
@@ -82,13 +82,8 @@ def choose_context(args, loaded, dev, n_states: int) -> ContextChoice:
     else:
         per_token = kv_bytes_per_token(c, bpv)
     auto = args.ctx in (None, "auto")
-    if not auto:
-        n = int(args.ctx)
-        if n < 1:
-            raise CLIError(f"--ctx {n}: the context needs at least one token")
-        if n > train and not args.allow_long_ctx:
-            raise CLIError(f"--ctx {n}: the model was trained for {train} tokens; give --ctx "
-                           f"{train} or less (or auto), or add --allow-long-ctx to go past it")
+    if not auto:    # checked as every command checks --ctx
+        n = context_size(int(args.ctx), train, args.allow_long_ctx)
     elif vram is not None:
         n = auto_context_under_cap(loaded, vram, n_seq=n_states, kv_bytes_per_value=bpv)
     else:
