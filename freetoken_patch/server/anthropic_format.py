@@ -265,13 +265,16 @@ class Blocks:
     """Parser parts -> content blocks: `content` (the non-streamed reply) and, from `events`,
     the SSE events that stream the same blocks (start, deltas, stop per block)."""
 
-    def __init__(self):
+    def __init__(self, thinking: bool = True):
         self.content: list[dict] = []
         self.open: str | None = None      # the kind of the block being streamed
+        self.thinking = thinking          # False: reasoning the model wrote anyway is dropped
 
     def events(self, parts) -> list[str]:
         out: list[str] = []
         for kind, val in parts:
+            if kind == "reasoning" and not self.thinking:
+                continue
             if kind == "tool_call":
                 self._close(out)
                 block = {"type": "tool_use", "id": "toolu_" + val["id"].removeprefix("call_"),

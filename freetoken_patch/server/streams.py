@@ -120,7 +120,7 @@ def completion_reply(served: Served, job: Job, rid: str, done: DoneEvent, parts:
 
 def message_reply(served: Served, req: MessagesRequest, job: Job, mid: str, done: DoneEvent,
                   parts: list) -> dict:
-    blocks = anthropic.Blocks()
+    blocks = anthropic.Blocks(anthropic.enable_thinking(req))
     blocks.events(parts)
     return {"id": mid, "type": "message", "role": "assistant", "model": served.model_id,
             "content": blocks.content,
@@ -318,7 +318,7 @@ class _MessageStream(_Stream):
     def __init__(self, served, job, parser, mid: str, req: MessagesRequest):
         super().__init__(served, job, parser)
         self.mid, self.req, self.ping_s = mid, req, PING_S
-        self.blocks = anthropic.Blocks()
+        self.blocks = anthropic.Blocks(anthropic.enable_thinking(req))
 
     def ping(self) -> str:
         return anthropic.event("ping", {})

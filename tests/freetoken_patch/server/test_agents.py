@@ -353,3 +353,17 @@ def test_a_follow_up_reuses_the_conversation_up_to_its_last_turn(server, oai):
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached > len(first_turn) + 5
     assert len(upto_user) - 2 <= cached <= len(upto_user)
+
+
+def test_without_the_library_or_with_a_bad_schema_a_400_says_why(server, oai, monkeypatch):
+    from freetoken_patch.server import structured
+    from freetoken_patch.server.openai_format import ApiError
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        oai.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+                    "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}})
+    monkeypatch.setitem(sys.modules, "llguidance", None)     # not installed
+    with pytest.raises(ApiError, match=r"pip install 'ftpatch\[structured\]'") as e:
+        structured.constraint_for(server[0], schema={"type": "object"})
+    assert e.value.status == 400

@@ -132,7 +132,12 @@ def script(served_script):
 
 def test_tool_use_round_trip(scripted, script):
     script.reply = XML_REPLY
+    think = {"type": "enabled", "budget_tokens": 1024}
+    # no `thinking` field: no thinking block, even where the model thinks anyway
     r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS,
+                                 messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert [b.type for b in r.content] == ["text", "tool_use"]
+    r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS, thinking=think,
                                  messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert '"name": "get_weather"' in script.prompts[-1]          # the template saw the tool
     assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
@@ -140,7 +145,7 @@ def test_tool_use_round_trip(scripted, script):
     assert thinking.thinking == "The user wants weather." and text.text == "Let me look."
     assert use.name == "get_weather" and use.input == {"city": "Paris", "days": 3}
     assert use.id.startswith("toolu_") and r.stop_reason == "tool_use"
-    with scripted.messages.stream(model="tiny", max_tokens=100, tools=TOOLS,
+    with scripted.messages.stream(model="tiny", max_tokens=100, tools=TOOLS, thinking=think,
                                   messages=[{"role": "user", "content": "Weather?"}]) as s:
         streamed = s.get_final_message()
     assert [b.type for b in streamed.content] == ["thinking", "text", "tool_use"]
