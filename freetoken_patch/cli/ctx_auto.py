@@ -92,5 +92,6 @@ def choose_context(args, loaded, dev, n_states: int) -> ContextChoice:
         n = auto_context_host(train, per_token, n_states, available, resident,
                               floor=min(train, DEFAULT_N_CTX), step=CONTEXT.step)
     args.ctx = n
-    kv_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[kv_dtype]
+    kv_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(
+        kv_dtype, str(kv_dtype).removeprefix("torch."))
     return ContextChoice(n, kv_name, per_token * n, n_states, auto)
