@@ -4,6 +4,7 @@
   DraftSettings     speculative decoding: drafts a step, the MTP head's backlog, the adaptive policy
   ServingSettings   a server's engine: rewind points, prompt chunks between decode steps
   PREFILL           the model's own prefill numbers (the delta rule's chunk), DEFAULT_N_CTX
+  CONTEXT           --ctx auto: the expert cache's share kept under a cap, host RAM kept free
 
 `ftpatch bench --json` prints them (`as_dict`); `bench --help` takes its defaults from them. How a
 number was measured belongs in docs/BENCHMARKS.md, not here. Protocol constants shared with the
@@ -154,6 +155,26 @@ class ServingSettings:
     snapshots: int = 4          # rewind points kept per cached sequence (each copies the recurrent state)
     prefill_chunk: int = 256    # prompt tokens a newcomer feeds between two batched decode steps
     prefill_chunk_under_cap: int = 1024   # ... under a VRAM cap, where each chunk streams the cold experts
+    echo_chunk: int = 256       # prompt tokens a chunk when their logprobs are asked for (echo): a
+                                # chunk's logits are chunk x vocabulary floats (250 MB at 248K)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """`--ctx auto` (serve's and chat's default): the largest context that fits, up to the
+    model's trained length (memory.auto_context_host, placement.auto_context_under_cap)."""
+
+    expert_share: float = 0.5   # under --vram a full context's KV (and the prefill workspace that
+                                # attends over it) may shrink the expert cache to this share of
+                                # its room at the default context, no further: the cache is what
+                                # decode speed rests on, and an agent's context is mostly unused
+                                # until late in a session (the KV is mapped as it fills)
+    host_keep: int = 2 << 30    # host RAM (or, on a plain GPU, VRAM) left to everything else
+    host_keep_share: float = 0.1   # ... or this share of what is available, whichever is more
+    step: int = 1024            # an auto context is a multiple of this (or the trained length)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -174,10 +195,12 @@ class PrefillSettings:
 DRAFT = DraftSettings()
 SERVING = ServingSettings()
 PREFILL = PrefillSettings()
+CONTEXT = ContextSettings()
 
 
 def settings_dict(policy: "OffloadPolicy | None" = None) -> dict:
     """Every number of this file (the offload policy given, or the default one), for JSON."""
     return {"offload": (policy or OffloadPolicy()).as_dict(), "draft": DRAFT.as_dict(),
             "serving": SERVING.as_dict(), "prefill": PREFILL.as_dict(),
+            "context": CONTEXT.as_dict(),
             "default_n_ctx": DEFAULT_N_CTX}

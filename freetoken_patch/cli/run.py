@@ -67,10 +67,8 @@ def run(args: argparse.Namespace) -> int:
                        "text; use `ftpatch logits MODEL --tokens IDS` instead")
     tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
     template = chat_template_for(args, loaded.metadata, args.model)
-    if args.chat:
-        text = template.render([{"role": "user", "content": args.prompt}],
-                               bos_token=tok.bos_token, eos_token=tok.eos_token)
-        ids = tok.encode(text, add_special=False, parse_special=True)
+    if args.chat:   # the prompt's text stays text: it cannot spell a turn's control tokens
+        ids = template.render_prompt([{"role": "user", "content": args.prompt}], tok).ids
     else:
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
     n_ctx = check_fits(ids, args, loaded.config.n_ctx_train)

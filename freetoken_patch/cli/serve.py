@@ -12,15 +12,25 @@ from pathlib import Path
 
 from ..errors import CLIError
 from .inputs import check
+from .ctx_auto import choose_context, enable_ctx_auto
 from .model_args import (add_draft_arg, add_model_args, add_template_arg, add_vram_arg,
-                         device_for, load_for_text, resolve_parallel, size_arg, speculative_for)
+                         chat_template_for, context_size, device_for, open_for,
+                         open_model_named, resolve_parallel, size_arg, speculative_for)
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
-reasoning_content), POST /v1/completions, GET /v1/models, /health and /metrics (Prometheus);
-and Anthropic's POST /v1/messages (streaming, tool_use, thinking; what Claude Code speaks) and
-/v1/messages/count_tokens. Without MODEL it serves the embedded default (a tiny random-weights
-model, for trying clients).
+reasoning_content, response_format json_object / json_schema, logprobs), POST /v1/completions
+(logprobs, echo), GET /v1/models[/ID], POST /tokenize and /detokenize (llama-server's), /health
+and /metrics (Prometheus); and Anthropic's POST /v1/messages (streaming, tool_use, thinking,
+system messages anywhere; what Claude Code speaks) and /v1/messages/count_tokens. Without MODEL
+it serves the embedded default (a tiny random-weights model, for trying clients).
+
+The context defaults to --ctx auto: the largest that fits, up to the model's trained length
+(host RAM for every sequence's KV on the CPU; under --vram, what leaves the expert cache half
+of its room); the start-up line and /v1/models (meta.n_ctx) say which. Structured output and
+forced tool calls (tool_choice required / a named function / Anthropic's any and tool) are
+enforced by a token mask (llguidance: pip install 'ftpatch[structured]'). One line a request
+goes to stderr (--log-format).
 
 One thread owns the model. Up to --parallel requests are active at once. On the plain model
 (the CPU, or a GPU holding the whole model) they are batched: each step advances every active
@@ -50,7 +60,8 @@ examples:
 
   # Claude Code against it (the model id is the file's stem, or "default")
   ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_AUTH_TOKEN="$KEY" \
-    ANTHROPIC_MODEL=default ANTHROPIC_SMALL_FAST_MODEL=default claude
+    ANTHROPIC_MODEL=default ANTHROPIC_SMALL_FAST_MODEL=default \
+    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude
 """
 
 
@@ -91,6 +102,16 @@ def add_parser(sub) -> None:
     s.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every "
                         "route but /health")
+    s.add_argument("--allow-special-in-content", action="store_true",
+                   help="let message text spell control tokens (\"<|im_end|>\" becomes the "
+                        "token, as in llama.cpp and vLLM); by default client text stays text, so "
+                        "a message cannot forge a turn")
+    s.add_argument("--log-format", choices=("text", "json", "off"), default="text",
+                   help="the access log on stderr, one line a request (method, path, status, "
+                        "ms, prompt / cached / completion tokens, the error): text (default), "
+                        "json, or off")
+    enable_ctx_auto(s, "host RAM (every sequence's KV) or, under --vram, leaves the expert "
+                       "cache half of its room")
     add_limit_args(s)
 
 
@@ -139,7 +160,8 @@ def limits_from(args: argparse.Namespace):
                   max_connections=args.max_connections)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, wrap=None) -> int:
+    """wrap: an ASGI wrapper put around the app (scripts/agents/record_requests.py)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -170,14 +192,15 @@ def run(args: argparse.Namespace) -> int:
     note = lambda line: print(f"ftpatch serve: {line}", file=sys.stderr)  # noqa: E731
     eng = served.engine
     http = protocol_class(limits)
-    note(f"{served.model_id} | context {served.n_ctx} | {eng.parallel} at once ({describe(eng)}), "
-         f"queue {eng.queue_size}, {http.connection_cap} connections")
+    note(f"{served.model_id} | {served.context.describe()} | {eng.parallel} at once "
+         f"({describe(eng)}), queue {eng.queue_size}, {http.connection_cap} connections")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         note(f"listening on {args.host} without --api-key: anyone who reaches it can use it")
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     note(f"http://{shown}:{port}/v1 (Ctrl-C finishes the requests in flight and exits)")
-    config = uvicorn.Config(create_app(served), log_level="warning", http=http,
+    app = create_app(served, log_format=args.log_format)
+    config = uvicorn.Config(app if wrap is None else wrap(app), log_level="warning", http=http,
                             backlog=http.backlog, timeout_graceful_shutdown=None)
     server = draining_server(config, args.drain_timeout)
     try:
@@ -287,7 +310,20 @@ def load(args: argparse.Namespace):
         ensure_default_model()
     else:
         path = args.model
-    loaded, tok, template, n_ctx, model = load_for_text(args, path, dev, "the server")
+    from loaders.tokenizer import Tokenizer
+    loaded = open_model_named(path)
+    md = loaded.metadata
+    if "tokenizer.ggml.tokens" not in md:
+        raise CLIError(f"{path} has no tokenizer metadata, so the server cannot read or write "
+                       "text; use `ftpatch logits MODEL --tokens IDS` instead")
+    tok = Tokenizer.from_metadata(md, str(path))
+    template = chat_template_for(args, md, path)
+    # sequences that hold a KV at once: under --vram the runtime's (--parallel); on the plain
+    # model every active request's and every cached conversation's State
+    n_states = args.parallel if args.vram is not None else args.parallel + args.prefix_cache
+    choice = choose_context(args, loaded, dev, max(1, n_states))
+    n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
+    model = open_for(args, loaded, dev, n_ctx)
     metrics = Metrics()
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics,
@@ -296,7 +332,9 @@ def load(args: argparse.Namespace):
                         else SERVING.prefill_chunk),
                     batch=False if getattr(args, "no_batch", False) else None,
                     draft=speculative_for(args, model), source=str(path))
-    return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics)
+    return Served(engine, tok, template, model_id(path), n_ctx, args.api_key, metrics,
+                  allow_special=args.allow_special_in_content, context=choice,
+                  n_ctx_train=loaded.config.n_ctx_train)
 
 
 def describe(engine) -> str:

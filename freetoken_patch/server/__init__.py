@@ -1,13 +1,20 @@
 """The OpenAI- and Anthropic-compatible server behind `ftpatch serve` (FastAPI + uvicorn).
 
-A request's path: app.py's route -> validate.py (fields) -> prompt.py (template, ids, fits the
-context) -> engine.py (queue, thread) -> streams.py (SSE or the whole reply, in the route's API).
+A request's path: access.py (log line, retry headers) -> auth.py -> app.py's route ->
+validate.py (fields) -> prompt.py (template, ids, fits the context) -> structured.py (a mask,
+if the reply is constrained) -> engine.py (queue, thread) -> streams.py (SSE or the whole
+reply, in the route's API).
 
-  app.py            create_app(): the routes (validate -> prompt -> submit -> reply) and the
-                    exception handlers; re-exports Served
+  app.py            create_app(): the routes (validate -> prompt -> submit -> reply), the model
+                    card, /tokenize and /detokenize, and the exception handlers; re-exports Served
+  access.py         the outermost wrapper: one access-log line a request (--log-format), and
+                    x-should-retry / retry-after where clients look for them
   validate.py       the OpenAI routes' pydantic models and every field check (sampling ranges,
-                    tool_choice, the model's name, pydantic's errors as one line)
-  prompt.py         messages (+ tools) -> chat template -> text and ids; the context-fit check
+                    tool_choice, logprobs, the model's name, pydantic's errors as one line)
+  prompt.py         messages (+ tools) -> ChatTemplate.render_prompt -> text and ids (client text
+                    never control ids; system messages anywhere); the context-fit check, in the
+                    wording each API's clients act on
+  structured.py     response_format and forced tool calls -> a grammar -> GrammarConstraint
   streams.py        a job's events out: SSE in each dialect (one event loop), or one reply
   auth.py           the API key and per-route request counts (an ASGI wrapper)
   served.py         Served: the engine, tokenizer, template and names the routes read

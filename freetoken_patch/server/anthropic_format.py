@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -28,7 +28,7 @@ class _Strict(BaseModel):
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: str                 # user, assistant, or system (a mid-conversation system message)
     content: Union[str, list[dict[str, Any]]]
 
 
@@ -98,8 +98,15 @@ def template_messages(req: MessagesRequest) -> tuple[list[dict], str]:
         where = f"messages[{i}].content"
         if m.role == "user":
             msgs += _user(m.content, where)
-        else:
+        elif m.role == "assistant":
             msgs.append(_assistant(m.content, where))
+        elif m.role == "system":   # Claude Code's mid-conversation system messages
+            msgs.append({"role": "system", "content": _text_of(m.content, where)})
+        else:
+            # Anthropic's wording: clients (Claude Code) match it to retry without the message
+            raise _bad(f"messages.{i}: Unexpected role {json.dumps(m.role)}. Allowed input "
+                       'message role values are "user", "assistant" and "system"',
+                       f"messages[{i}].role")
     prefill = ""
     last = msgs[-1]
     if last["role"] == "assistant":
@@ -206,12 +213,13 @@ def tools_for_template(req: MessagesRequest) -> list[dict] | None:
 THINKING = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
 
 
-def enable_thinking(req: MessagesRequest) -> bool | None:
+def enable_thinking(req: MessagesRequest) -> bool:
     """thinking {type: enabled | adaptive | between_tools | disabled} -> the template's
-    enable_thinking (None: its default). budget_tokens and display are accepted; the reply's
+    enable_thinking; no `thinking` field means none, as on Anthropic's API (a client reading
+    content[0].text gets the text). budget_tokens and display are accepted; the reply's
     length is bounded by max_tokens only."""
     if req.thinking is None:
-        return None
+        return False
     kind = req.thinking.get("type")
     if kind not in THINKING:
         raise _bad(f"thinking.type={json.dumps(kind)}: give {', '.join(THINKING)}",
@@ -257,13 +265,16 @@ class Blocks:
     """Parser parts -> content blocks: `content` (the non-streamed reply) and, from `events`,
     the SSE events that stream the same blocks (start, deltas, stop per block)."""
 
-    def __init__(self):
+    def __init__(self, thinking: bool = True):
         self.content: list[dict] = []
         self.open: str | None = None      # the kind of the block being streamed
+        self.thinking = thinking          # False: reasoning the model wrote anyway is dropped
 
     def events(self, parts) -> list[str]:
         out: list[str] = []
         for kind, val in parts:
+            if kind == "reasoning" and not self.thinking:
+                continue
             if kind == "tool_call":
                 self._close(out)
                 block = {"type": "tool_use", "id": "toolu_" + val["id"].removeprefix("call_"),

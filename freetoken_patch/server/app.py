@@ -11,23 +11,45 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_offload import SamplingParams
 
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
 from . import anthropic_format as anthropic
-from . import prompt, streams
+from . import prompt, streams, structured
+from .access import AccessLog
 from .anthropic_format import CountTokensRequest, MessagesRequest
 from .auth import Guarded
 from .jobs import Job, QueueFull, ShuttingDown
 from .openai_format import ApiError, OutputParser, new_id
 from .served import Served
 from .validate import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
-                       anthropic_sampling_params, check_model, check_no_echo,
-                       check_response_format, forced_tool, sampling_params, validation_message)
+                       anthropic_sampling_params, bad_value, check_model, check_no_suffix,
+                       forced_tool, sampling_params, validation_message)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-             *anthropic.ROUTES)
+             "/tokenize", "/detokenize", *anthropic.ROUTES)
+TOKENIZE_MAX_CHARS = 4 << 20       # /tokenize's content; a chat prompt's own limit is the context
 
 
-def create_app(served: Served) -> Guarded:
-    """The app; its lifespan starts the engine thread and, at shutdown, drains it."""
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize: content, add_special, with_pieces."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    tokens: list[int]
+
+
+def create_app(served: Served, log_format: str = "text", log_out=None) -> AccessLog:
+    """The app; its lifespan starts the engine thread and, at shutdown, drains it. Outermost,
+    the access log (`log_format` text | json | off, to `log_out` or stderr) and the retry
+    headers; inside it the API key and the counts (auth.Guarded)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -76,24 +98,68 @@ def create_app(served: Served) -> Guarded:
         return PlainTextResponse(served.metrics.render(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": served.model_id, "object": "model", "created": served.created,
+                "owned_by": "ftpatch", "meta": served.model_meta()}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": served.model_id, "object": "model", "created": served.created,
-            "owned_by": "ftpatch", "meta": {"n_ctx": served.n_ctx}}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in (served.model_id, "default"):
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves "
+                                f"{served.model_id!r} (or \"default\")", param="model",
+                           code="model_not_found")
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        if len(req.content) > TOKENIZE_MAX_CHARS:
+            raise bad_value("content", f"{len(req.content)} characters",
+                            f"give at most {TOKENIZE_MAX_CHARS} characters")
+        tok = served.tokenizer
+        ids = await run_in_threadpool(tok.encode, req.content, add_special=req.add_special,
+                                      parse_special=req.parse_special)
+        if not req.with_pieces:
+            return {"tokens": ids}
+        out = []
+        for i in ids:
+            b = tok.token_bytes(i)
+            try:
+                piece: Any = b.decode("utf-8")
+            except UnicodeDecodeError:   # llama-server gives a piece's bytes when not UTF-8
+                piece = list(b)
+            out.append({"id": i, "piece": piece})
+        return {"tokens": out}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        tok = served.tokenizer
+        bad = [i for i in req.tokens if not 0 <= i < len(tok)]
+        if bad:
+            raise bad_value("tokens", bad[0], f"token ids run from 0 to {len(tok) - 1}")
+        return {"content": tok.decode(req.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req.model, served.model_id)
         params = sampling_params(req, req.max_completion_tokens)
-        check_response_format(req.response_format)
+        schema = structured.response_format_schema(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         forced = forced_tool(req.tool_choice, tools)
         use_tools = bool(tools) and req.tool_choice != "none"
-        text, ids, prefix = await run_in_threadpool(prompt.render_chat, served, req,
-                                                    tools if use_tools else None, forced)
-        job = _submit(served, ids, params, text)
-        parser = OutputParser(text, tools, parse_tools=use_tools, output_prefix=prefix)
+        if schema is not None and forced[0]:
+            raise ApiError(400, "response_format and a forced tool_choice both constrain the "
+                                "reply; send one of them", param="response_format",
+                           code="invalid_value")
+        _check_mode(served, params, schema is not None or forced[0])
+        p = await run_in_threadpool(prompt.render_chat, served, req,
+                                    tools if use_tools else None, forced, schema is not None)
+        constraint = await run_in_threadpool(_constraint, served, p, tools, schema)
+        job = _submit(served, p, params, constraint, request)
+        parser = OutputParser(p.text, tools, parse_tools=use_tools, output_prefix=p.prefix)
         rid = new_id("chatcmpl")
         if req.stream:
             return streams.chat_stream(served, job, parser, rid, req.include_usage)
@@ -104,9 +170,13 @@ def create_app(served: Served) -> Guarded:
     async def messages(req: MessagesRequest, request: Request):
         check_model(req.model, served.model_id, anthropic=True)
         params = anthropic_sampling_params(req)
-        text, ids, tools, prefix = await run_in_threadpool(prompt.render_messages, served, req)
-        job = _submit(served, ids, params, text)
-        parser = OutputParser(text, tools, parse_tools=tools is not None, output_prefix=prefix)
+        forced = anthropic.forced_tool(req) if req.tools else (False, None)
+        _check_mode(served, params, forced[0])
+        p = await run_in_threadpool(prompt.render_messages, served, req)
+        constraint = await run_in_threadpool(_constraint, served, p, p.tools or [], None)
+        job = _submit(served, p, params, constraint, request)
+        parser = OutputParser(p.text, p.tools, parse_tools=p.tools is not None,
+                              output_prefix=p.prefix)
         mid = anthropic.new_message_id()
         if req.stream:
             return streams.message_stream(served, job, parser, mid, req)
@@ -114,25 +184,57 @@ def create_app(served: Served) -> Guarded:
         return streams.message_reply(served, req, job, mid, done, parts)
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(req: CountTokensRequest):
+    async def count_tokens(req: CountTokensRequest, request: Request):
         check_model(req.model, served.model_id, anthropic=True)
-        _, ids, _, _ = await run_in_threadpool(prompt.render_messages, served, req, False)
-        return {"input_tokens": len(ids)}
+        p = await run_in_threadpool(prompt.render_messages, served, req, False)
+        request.scope.get("ftpatch.log", {})["input_tokens"] = len(p.ids)
+        return {"input_tokens": len(p.ids)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model, served.model_id)
         params = sampling_params(req, None)
-        check_no_echo(req)
+        check_no_suffix(req)
+        _check_mode(served, params, False, echo=req.echo and params.logprobs is not None)
         ids = await run_in_threadpool(prompt.encode_prompt, served, req.prompt)
-        job = _submit(served, ids, params)
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else served.tokenizer.decode(ids)
+        job = _submit(served, prompt.Prompt(None, ids), params, None, request,
+                      echo_logprobs=params.logprobs if req.echo else None)
         rid = new_id("cmpl")
         if req.stream:
-            return streams.completion_stream(served, job, rid, req.include_usage)
+            return streams.completion_stream(served, job, rid, req.include_usage, echo)
         done, parts = await streams.await_reply(job, None, request)
-        return streams.completion_reply(served, job, rid, done, parts)
+        return streams.completion_reply(served, job, rid, done, parts, echo)
 
-    return Guarded(app, served, ENDPOINTS)
+    return AccessLog(Guarded(app, served, ENDPOINTS), log_format, log_out)
+
+
+def _check_mode(served: Served, params, constrained: bool, echo: bool = False) -> None:
+    """Speculative decoding (--draft) draws several ids from one verify step: no mask, no
+    logprobs there."""
+    if served.engine.draft is None:
+        return
+    what = ("structured output and forced tool calls" if constrained else
+            "logprobs" if params.logprobs is not None or echo else None)
+    if what:
+        raise ApiError(400, f"{what} are not available while the server decodes speculatively "
+                            "(--draft); restart it without --draft for them",
+                       param="logprobs" if not constrained else "response_format",
+                       code="unsupported")
+
+
+def _constraint(served: Served, p, tools: list, schema: dict | None):
+    """The request's mask (a GrammarConstraint), or None when the reply is free."""
+    if schema is not None:
+        return structured.constraint_for(served, schema=schema)
+    force, name = p.forced
+    if not force:
+        return None
+    grammar = structured.tool_call_grammar(tools, name,
+                                           xml="<function=" in served.template.source)
+    return structured.constraint_for(served, grammar=grammar)
 
 
 def _error(request: Request, e: ApiError) -> JSONResponse:
@@ -144,11 +246,15 @@ def _error(request: Request, e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | None = None
-            ) -> Job:
-    """Queue a request; `text` (a chat's rendered prompt, which `ids` encode) lets it continue
-    a cached conversation whose reply re-tokenizes differently."""
-    job = Job(ids, params, text=text)
+def _submit(served: Served, p, params: SamplingParams, constraint=None, request=None,
+            echo_logprobs: int | None = None) -> Job:
+    """Queue a request: its Prompt (a chat's text lets it continue a cached conversation whose
+    reply re-tokenizes differently, tokenized by `p.encode`), its constraint; the access log
+    gets the job."""
+    job = Job(p.ids, params, text=p.text, encode=p.encode, constraint=constraint,
+              echo_logprobs=echo_logprobs)
+    if request is not None:
+        request.scope.get("ftpatch.log", {})["job"] = job
     try:
         served.engine.submit(job)
     except QueueFull:
@@ -161,4 +267,4 @@ def _submit(served: Served, ids: list[int], params: SamplingParams, text: str | 
 
 
 __all__ = ["create_app", "Served", "ChatRequest", "CompletionRequest", "ChatCompletion",
-           "Completion"]
+           "Completion", "TokenizeRequest", "DetokenizeRequest"]

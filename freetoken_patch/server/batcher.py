@@ -32,13 +32,14 @@ class Batcher:
         self.readback = TokenReadback(self.model.device).many
         self._state_order: dict[int, int] = {}
 
-    def admit(self, job: Job, state, history: list[int], snaps: list, cut: int) -> Active:
-        """A newcomer: its prompt goes in by chunks, between decode steps; `cut` is where its
-        first turn ends (a rewind point to keep; 0: none)."""
+    def admit(self, job: Job, state, history: list[int], snaps: list, cuts: list[int]
+              ) -> Active:
+        """A newcomer: its prompt goes in by chunks, between decode steps; `cuts` are where
+        its prompt keeps rewind points (Engine._rewind_points), a chunk ending at each."""
         seq = Active(job, state, history, job.prompt[len(history):], snaps,
-                     cut=max(0, cut - len(history)))
+                     cuts=[c - len(history) for c in cuts if c > len(history)])
         seq.stream = TokenStream(job.params, self.model.device, self.engine.tokenizer,
-                                 job.prompt, len(seq.feed))
+                                 job.prompt, len(seq.feed), constraint=job.constraint)
         return seq
 
     def forget(self) -> None:
@@ -143,8 +144,7 @@ class Batcher:
         eng = self.engine
         start = seq.fed
         end = len(seq.feed) if alone else min(start + eng.prefill_chunk, len(seq.feed))
-        if start < seq.cut < end:
-            end = seq.cut
+        end = min([end] + [c for c in seq.cuts if start < c < end])
         t0 = time.perf_counter()
         try:
             ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
@@ -159,7 +159,7 @@ class Batcher:
         seq.stream.prefilled(end - start, took)
         seq.fed = end
         eng.prefilled_tokens += end - start
-        if end == seq.cut or end == len(seq.feed):   # a rewind point: the first turn, the prompt
+        if end in seq.cuts or end == len(seq.feed):   # a rewind point, or the prompt's end
             if not (seq.snaps and seq.snaps[-1].n_past == seq.state.n_past):
                 seq.snaps = with_snapshot(seq.snaps, seq.state)
         if end == len(seq.feed):

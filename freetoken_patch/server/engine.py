@@ -20,7 +20,11 @@ State stays in a small LRU (`prefix_cache` entries) keyed by the tokens it holds
 snapshots at its prompt's end. A new request whose prompt starts with those tokens (or with a
 snapshot's prefix of them) takes that State over and prefills only the rest. The first turn of
 a prompt with several (a system prompt, the tools) is prefilled on its own with a snapshot
-after it, so conversations that open the same way share it. An offload runtime opened for one
+after it, so conversations that open the same way share it; so is everything up to the end of
+its last complete turn, so the conversation's next request, which re-renders the reply after
+it in ids that need not be the ones generated, reuses all of it. A job's constraint (a grammar
+mask) and logprobs ride in its TokenStream; a completion's echo prefills its prompt with every
+position's logits first (no prefix reuse then). An offload runtime opened for one
 sequence hands out one State, so the engine then runs one sequence at a time and caches that one.
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Callable
 import torch
 
 from moe_offload import (SERVING, Cached, DoneEvent, NonFiniteLogits, OffloadError, PrefixIndex,
-                         TokenEvent, as_backend, generate)
+                         TokenEvent, as_backend, generate, prompt_logprobs)
 
 from .batcher import Batcher
 from .jobs import Active, Failure, Job, QueueFull, ShuttingDown, with_snapshot
@@ -250,8 +254,9 @@ class Engine:
         state = None
         try:
             entry, n, snap, job.prompt = (
-                self.cache.take(job.prompt, job.text, self._encode, max_len=self.n_ctx)
-                if self.cache.size else (None, 0, None, job.prompt))
+                self.cache.take(job.prompt, job.text, job.encode or self._encode,
+                                max_len=self.n_ctx)
+                if self.cache.size and job.echo_logprobs is None else (None, 0, None, job.prompt))
             if entry is None:
                 state, history, snaps = self._fresh_state(), [], []
             else:
@@ -264,12 +269,19 @@ class Engine:
                     history, snaps = entry.tokens, entry.snaps
             job.n_cached = len(history)
             self.reused_tokens += len(history)
-            cut = self._first_turn_end(job.prompt)
+            if job.echo_logprobs is not None:   # every prompt position's logits, by chunks
+                with self.timed("prefill"):
+                    job.prompt_logprobs = prompt_logprobs(self.model, state, job.prompt,
+                                                          job.echo_logprobs, SERVING.echo_chunk)
+                history = job.prompt[:-1]
+                self.prefilled_tokens += len(history)
+            cuts = [] if job.echo_logprobs is not None else self._rewind_points(job.prompt)
             if self.batched:     # the prompt goes in by chunks, between decode steps
-                return self.batcher.admit(job, state, history, snaps, cut)
-            if len(history) < cut:
-                # prefill the first turn (a system prompt, the tools) on its own and keep a
-                # rewind point there: other conversations that open the same way reuse it
+                return self.batcher.admit(job, state, history, snaps, cuts)
+            for cut in (c for c in cuts if c > len(history)):
+                # prefill up to a rewind point on its own and keep a snapshot there: the first
+                # turn (a system prompt, the tools: other conversations that open the same way
+                # reuse it), the last complete turn (this conversation's next request)
                 head = job.prompt[len(history):cut]
                 t0 = time.perf_counter()
                 head_t = torch.tensor([head], device=self.model.device)
@@ -277,13 +289,16 @@ class Engine:
                     self.draft.prefill(head_t, state, history=history)
                 else:
                     self.model.prefill(head_t, state)
-                job.head_s = time.perf_counter() - t0
-                self.busy_s["prefill"] += job.head_s
+                took = time.perf_counter() - t0
+                job.head_s += took
+                self.busy_s["prefill"] += took
                 self.prefilled_tokens += len(head)
                 snaps = with_snapshot(snaps, state)
                 history = job.prompt[:cut]
             seq = Active(job, state, history, job.prompt[len(history):], snaps)
             kw = {} if self.draft is None else {"draft": self.draft}
+            if job.constraint is not None and self.generate_fn is generate:
+                kw["constraint"] = job.constraint   # (a test's scripted stream takes none)
             seq.gen = self.generate_fn(self.model, state, seq.feed, job.params,
                                        tokenizer=self.tokenizer, history=history, **kw)
             self.prefilled_tokens += len(seq.feed)
@@ -299,14 +314,22 @@ class Engine:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special=False, parse_special=True)
 
-    def _first_turn_end(self, prompt: list[int]) -> int:
-        """Just after the first end-of-turn id of a prompt that has another turn after that
-        one's end (a system turn before the user's); 0 when there is none."""
+    def _rewind_points(self, prompt: list[int]) -> list[int]:
+        """Where a prompt's prefill keeps snapshots, besides its end: just after its first
+        end-of-turn id when another turn follows (a system prompt and the tools, which other
+        conversations share), and just after its last one (the end of the last complete turn:
+        the next request of this conversation re-renders the reply after it, and the reply's
+        rendering -- a thinking block dropped, the generation prompt's empty one -- need not
+        match the ids generated, so without it only the first turn would be reused). The
+        recurrent state cannot rewind to any position, only to a snapshot."""
         if not self.cache.size or self.tokenizer is None:
-            return 0
+            return []
         eot = self.tokenizer.eog_ids
-        ends = [i + 1 for i, t in enumerate(prompt) if t in eot]
-        return ends[0] if len(ends) >= 2 else 0
+        ends = [i + 1 for i, t in enumerate(prompt) if t in eot and i + 1 < len(prompt)]
+        points = {ends[0]} if len(ends) >= 2 else set()
+        if ends:
+            points.add(ends[-1])
+        return sorted(points)
 
     # -- what the modes and the batcher report ----------------------------------------------------
     @contextlib.contextmanager

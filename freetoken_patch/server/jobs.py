@@ -37,6 +37,14 @@ class Job:
     n_cached: int = 0                 # prompt tokens taken from a cached prefix
     text: str | None = None           # the prompt's text (chat), when its ids encode it whole
     head_s: float = 0.0               # time to prefill the first turn apart (Engine._admit)
+    encode: object = None             # text -> ids of the prompt's end (RenderedPrompt's
+                                      # encode_suffix: client text kept out of control ids)
+    constraint: object = None         # moe_offload TokenConstraint: the ids each draw may take
+    echo_logprobs: int | None = None  # the prompt's own logprobs (completions' echo), top n
+    prompt_logprobs: list | None = None   # ... the engine's answer: TokenLogprob of prompt[1:]
+    token_logprobs: list = field(default_factory=list)   # the reply's TokenLogprob, in order
+    n_generated: int = 0              # tokens generated, once done (the access log)
+    error: str | None = None          # the failure's message (the access log)
 
     def __post_init__(self):
         if self.loop is None:
@@ -66,7 +74,7 @@ class Active:
     gen: object = None                # interleaved: the generate() stream
     stream: TokenStream | None = None  # batched: sampling and stops, fed logits from outside
     fed: int = 0                      # batched: prompt ids of `feed` already prefilled
-    cut: int = 0                      # batched: keep a snapshot once `fed` reaches it (0: none)
+    cuts: list = field(default_factory=list)   # batched: keep a snapshot when `fed` reaches one
     sampled: list[int] = field(default_factory=list)
     done: bool = False
 

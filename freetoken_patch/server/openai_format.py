@@ -335,3 +335,40 @@ def sse(obj: Any) -> str:
     """One server-sent event carrying `obj` as JSON (or the literal [DONE])."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+def _entry(tokenizer, token: int, logprob: float) -> dict:
+    b = tokenizer.token_bytes(token)
+    return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+
+
+def chat_logprobs(tokenizer, lps: Iterable) -> dict:
+    """OpenAI chat's choice.logprobs: {content: [{token, logprob, bytes, top_logprobs}]}."""
+    return {"content": [{**_entry(tokenizer, lp.token, lp.logprob),
+                         "top_logprobs": [_entry(tokenizer, i, v) for i, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+def completion_logprobs(tokenizer, lps: list, offset: int = 0) -> dict:
+    """OpenAI completions' choice.logprobs: tokens, token_logprobs, top_logprobs (token ->
+    logprob), text_offset (characters into the choice's text). An entry of `lps` may be a bare
+    token id: a prompt's first token, which has no logprob (None, as OpenAI gives it)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        tid = lp if isinstance(lp, int) else lp.token
+        text = tokenizer.token_bytes(tid).decode("utf-8", "replace")
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if isinstance(lp, int):
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(lp.logprob)
+            top: dict = {}
+            for i, v in lp.top:
+                top.setdefault(tokenizer.token_bytes(i).decode("utf-8", "replace"), v)
+            out["top_logprobs"].append(top)
+    return out

@@ -23,3 +23,15 @@ class Served:
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=now)
     limits: Limits = field(default_factory=Limits)   # what a request may cost (limits.py)
+    allow_special: bool = False       # --allow-special-in-content: client text may spell controls
+    context: Any = None               # cli.ctx_auto.ContextChoice: how n_ctx was chosen
+    n_ctx_train: int | None = None
+
+    def model_meta(self) -> dict:
+        """/v1/models' `meta` (llama-server's n_ctx, and how the context was chosen)."""
+        meta = {"n_ctx": self.n_ctx, "n_vocab": len(self.tokenizer)}
+        if self.n_ctx_train is not None:
+            meta["n_ctx_train"] = self.n_ctx_train
+        if self.context is not None:
+            meta.update(self.context.as_meta())
+        return meta

@@ -13,8 +13,8 @@ from moe_offload import DoneEvent
 from . import anthropic_format as anthropic
 from .anthropic_format import MessagesRequest
 from .jobs import Failure, Job
-from .openai_format import (ApiError, OutputParser, collect, error_body, now, sse,
-                            tool_call_object)
+from .openai_format import (ApiError, OutputParser, chat_logprobs, collect, completion_logprobs,
+                            error_body, now, sse, tool_call_object)
 from .served import Served
 from .validate import (ChatChoice, ChatCompletion, ChatMessageOut, Completion, CompletionChoice,
                        Usage)
@@ -68,10 +68,14 @@ async def await_reply(job: Job, parser: OutputParser | None, request: Request):
             if ev is None:
                 continue
             if isinstance(ev, Failure):
+                job.error = ev.message
                 raise ApiError(ev.status, ev.message)
+            if getattr(ev, "logprob", None) is not None:
+                job.token_logprobs.append(ev.logprob)
             text = ev.text
             parts += parser.push(text) if parser else [("content", text)] if text else []
             if isinstance(ev, DoneEvent):
+                job.n_generated = len(ev.tokens)
                 if parser:
                     parts += parser.finish()
                 return ev, parts
@@ -84,22 +88,39 @@ def chat_reply(served: Served, job: Job, rid: str, done: DoneEvent, parts: list)
     msg = ChatMessageOut(content=content if content or not calls else None,
                          reasoning_content=reasoning or None,
                          tool_calls=[tool_call_object(c) for c in calls] or None)
-    return ChatCompletion(id=rid, created=now(), model=served.model_id,
-                          choices=[ChatChoice(message=msg,
-                                              finish_reason=finish_reason(done, bool(calls)))],
-                          usage=usage(job, done)).model_dump(exclude_none=True)
+    lps = (chat_logprobs(served.tokenizer, job.token_logprobs)
+           if job.params.logprobs is not None else None)
+    out = ChatCompletion(id=rid, created=now(), model=served.model_id,
+                         choices=[ChatChoice(message=msg, logprobs=lps,
+                                             finish_reason=finish_reason(done, bool(calls)))],
+                         usage=usage(job, done)).model_dump(exclude_none=True)
+    if lps is not None:      # refusal: null is part of OpenAI's shape
+        out["choices"][0]["logprobs"] = lps
+    return out
 
 
-def completion_reply(served: Served, job: Job, rid: str, done: DoneEvent, parts: list) -> dict:
+def completion_reply(served: Served, job: Job, rid: str, done: DoneEvent, parts: list,
+                     echo: str | None = None) -> dict:
+    """echo: the prompt's text, which the choice's text then starts with (its tokens' logprobs
+    first when logprobs are asked for)."""
     text = "".join(t for _, t in parts)
-    choice = CompletionChoice(text=text, finish_reason=finish_reason(done, False))
-    return Completion(id=rid, created=now(), model=served.model_id, choices=[choice],
-                      usage=usage(job, done)).model_dump(exclude_none=True)
+    lps = None
+    if job.params.logprobs is not None:
+        head = ([job.prompt[0]] + list(job.prompt_logprobs or [])) if echo is not None else []
+        lps = completion_logprobs(served.tokenizer, head + job.token_logprobs)
+    if echo is not None:
+        text = echo + text
+    choice = CompletionChoice(text=text, finish_reason=finish_reason(done, False), logprobs=lps)
+    out = Completion(id=rid, created=now(), model=served.model_id, choices=[choice],
+                     usage=usage(job, done)).model_dump(exclude_none=True)
+    if lps is not None:
+        out["choices"][0]["logprobs"] = lps
+    return out
 
 
 def message_reply(served: Served, req: MessagesRequest, job: Job, mid: str, done: DoneEvent,
                   parts: list) -> dict:
-    blocks = anthropic.Blocks()
+    blocks = anthropic.Blocks(anthropic.enable_thinking(req))
     blocks.events(parts)
     return {"id": mid, "type": "message", "role": "assistant", "model": served.model_id,
             "content": blocks.content,
@@ -114,9 +135,11 @@ def chat_stream(served: Served, job: Job, parser: OutputParser, rid: str,
     return _respond(_ChatStream(served, job, parser, rid, include_usage).chunks())
 
 
-def completion_stream(served: Served, job: Job, rid: str, include_usage: bool
-                      ) -> StreamingResponse:
-    return _respond(_CompletionStream(served, job, None, rid, include_usage).chunks())
+def completion_stream(served: Served, job: Job, rid: str, include_usage: bool,
+                      echo: str | None = None) -> StreamingResponse:
+    stream = _CompletionStream(served, job, None, rid, include_usage)
+    stream.echo = echo
+    return _respond(stream.chunks())
 
 
 def message_stream(served: Served, job: Job, parser: OutputParser, mid: str,
@@ -136,6 +159,7 @@ class _Stream:
 
     def __init__(self, served: Served, job: Job, parser: OutputParser | None):
         self.served, self.job, self.parser = served, job, parser
+        self.lps: list = []          # TokenLogprob of tokens whose chunk has not gone out
 
     async def chunks(self):
         for c in self.opening():
@@ -153,11 +177,15 @@ class _Stream:
                     yield c
             while True:
                 if isinstance(ev, Failure):
+                    job.error = ev.message
                     yield self.failed(ev.message)
                     return
+                if getattr(ev, "logprob", None) is not None:
+                    self.lps.append(ev.logprob)
                 for c in self.text(ev.text):
                     yield c
                 if isinstance(ev, DoneEvent):
+                    job.n_generated = len(ev.tokens)
                     for c in self.done(ev):
                         yield c
                     return
@@ -202,10 +230,18 @@ class _OpenAIStream(_Stream):
         return []
 
     def chunk(self, value, finish: str | None = None) -> str:
+        """A chunk; the logprobs of the tokens since the last chunk ride on it."""
+        lps, self.lps = self.lps, []
+        logprobs = None
+        if lps and self.job.params.logprobs is not None:
+            logprobs = self.logprobs(lps)
         return sse({"id": self.rid, "object": self.object, "created": self.created,
                     "model": self.served.model_id,
-                    "choices": [{"index": 0, self.key: value, "logprobs": None,
+                    "choices": [{"index": 0, self.key: value, "logprobs": logprobs,
                                  "finish_reason": finish}]})
+
+    def logprobs(self, lps: list) -> dict:
+        return chat_logprobs(self.served.tokenizer, lps)
 
     def done(self, ev: DoneEvent) -> list[str]:
         out = self.closing(ev)
@@ -251,6 +287,22 @@ class _ChatStream(_OpenAIStream):
 
 class _CompletionStream(_OpenAIStream):
     object, key = "text_completion", "text"
+    offset = 0
+
+    def logprobs(self, lps: list) -> dict:
+        out = completion_logprobs(self.served.tokenizer, lps, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    echo: str | None = None
+
+    def started(self) -> list[str]:
+        """With echo: the prompt's text first (its logprobs, once the engine has them)."""
+        if self.echo is None:
+            return []
+        if self.job.params.logprobs is not None:
+            self.lps = [self.job.prompt[0]] + list(self.job.prompt_logprobs or []) + self.lps
+        return [self.chunk(self.echo)]
 
     def text(self, text: str) -> list[str]:
         return [self.chunk(text)] if text else []
@@ -266,7 +318,7 @@ class _MessageStream(_Stream):
     def __init__(self, served, job, parser, mid: str, req: MessagesRequest):
         super().__init__(served, job, parser)
         self.mid, self.req, self.ping_s = mid, req, PING_S
-        self.blocks = anthropic.Blocks()
+        self.blocks = anthropic.Blocks(anthropic.enable_thinking(req))
 
     def ping(self) -> str:
         return anthropic.event("ping", {})

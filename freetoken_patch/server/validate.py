@@ -72,6 +72,7 @@ class _Sampling(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[Message]
+    top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
@@ -105,14 +106,14 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class _Reply(BaseModel):
@@ -197,14 +198,32 @@ def _finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
 
+def logprobs_of(req: _Sampling) -> int | None:
+    """How many likeliest tokens each token's logprobs list (None: no logprobs): chat's
+    logprobs (a bool) with top_logprobs, completions' logprobs (a count)."""
+    top = getattr(req, "top_logprobs", None)
+    if isinstance(req, ChatRequest):
+        if req.logprobs not in (None, True, False):
+            raise bad_value("logprobs", req.logprobs, "give true or false (top_logprobs sets "
+                                                      "how many alternatives)")
+        if top is not None and not 0 <= top <= 20:
+            raise bad_value("top_logprobs", top, "give 0 to 20")
+        if top is not None and not req.logprobs:
+            raise bad_value("top_logprobs", top, "needs logprobs: true")
+        return (top or 0) if req.logprobs else None
+    lp = req.logprobs
+    if lp is None or lp is False:
+        return None
+    if lp is True or not 0 <= lp <= 20:
+        raise bad_value("logprobs", lp, "give the number of likeliest tokens to list, 0 to 20")
+    return int(lp)
+
+
 def sampling_params(req: _Sampling, max_completion_tokens: int | None) -> SamplingParams:
     """The request's sampling fields, each range-checked, as SamplingParams."""
     if req.n not in (None, 1):
         raise bad_value("n", req.n, "this server returns one choice per request; leave n out or "
                                     "send 1 (send several requests for several answers)")
-    if req.logprobs:
-        raise bad_value("logprobs", req.logprobs, "log probabilities are not supported yet; "
-                                                  "leave logprobs out")
     n_max = max_completion_tokens if max_completion_tokens is not None else req.max_tokens
     which = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
     if n_max is not None and not 1 <= n_max <= 1 << 31:
@@ -243,7 +262,7 @@ def sampling_params(req: _Sampling, max_completion_tokens: int | None) -> Sampli
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed % (1 << 64),
         max_tokens=sys.maxsize if n_max is None else n_max,
-        stop=tuple(s for s in stop if s))
+        stop=tuple(s for s in stop if s), logprobs=logprobs_of(req))
 
 
 def anthropic_sampling_params(req) -> SamplingParams:
@@ -258,16 +277,10 @@ def anthropic_sampling_params(req) -> SamplingParams:
                                      top_p=req.top_p, top_k=req.top_k, stop=stops), None)
 
 
-def check_response_format(response_format: dict | None) -> None:
-    if response_format and response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported yet; leave it "
-                            "out", param="response_format", code="unsupported")
-
-
-def check_no_echo(req: CompletionRequest) -> None:
-    if req.echo or req.suffix:
-        raise ApiError(400, "echo and suffix are not supported; leave them out",
-                       param="echo" if req.echo else "suffix", code="unsupported")
+def check_no_suffix(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise ApiError(400, "suffix (fill in the middle) is not supported; leave it out",
+                       param="suffix", code="unsupported")
 
 
 def forced_tool(choice, tools: list[dict]) -> tuple[bool, str | None]:

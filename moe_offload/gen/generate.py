@@ -21,21 +21,26 @@ from .stream import DoneEvent, TokenEvent, TokenStream
 
 def generate(model, state: State, prompt: Sequence[int], params: SamplingParams = GREEDY, *,
              tokenizer=None, eog_ids: Iterable[int] | None = None, history: Sequence[int] = (),
-             prefill_chunk: int = 512, draft=None) -> Iterator[TokenEvent | DoneEvent]:
+             prefill_chunk: int = 512, draft=None, constraint=None
+             ) -> Iterator[TokenEvent | DoneEvent]:
     """Stream tokens after `prompt` (fed on top of what `state` holds; `history` = the ids
     already in it, for the penalties). eog_ids default to the tokenizer's. draft (a
     spec.SpeculativeDecoder): decode speculatively with the model's MTP head (a step may give
     several tokens). The cache holds every token yielded but the last -- or, on a GPU, all of
     them when the caller leaves early or the last is an end-of-generation id (the next step was
-    queued already): state.n_past tells."""
+    queued already): state.n_past tells. constraint (constraint.TokenConstraint): only ids it
+    allows are drawn (not with a draft: its steps draw several ids from one verify)."""
     if not len(prompt):
         raise OffloadError("the prompt is empty; give at least one token")
     if state.batch != 1:
         raise OffloadError("generate() streams one sequence; use a state of batch 1")
+    if draft is not None and (constraint is not None or params.logprobs is not None):
+        raise OffloadError("speculative decoding (a draft) takes no constraint and reports no "
+                           "logprobs; decode without the draft for those")
     state.check_room(len(prompt))
     dev = model.device
     stream = TokenStream(params, dev, tokenizer, list(history) + list(prompt), len(prompt),
-                         eog_ids=eog_ids)
+                         eog_ids=eog_ids, constraint=constraint)
 
     t0 = time.perf_counter()
     prompt_t = torch.tensor([list(prompt)], device=dev)

@@ -27,6 +27,8 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()       # stop strings (the text before one is kept)
     ignore_eog: bool = False         # keep going past end-of-generation ids
+    logprobs: int | None = None      # each token's log probability and this many likeliest
+                                     # (None: off; 0: the token's own only)
 
     @property
     def penalized(self) -> bool:
@@ -52,6 +54,7 @@ SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (_finite, "give a finite number (0 = off)"),
     "seed": (lambda v: v is None or 0 <= v < 2**64, "give a whole number from 0 to 2**64 - 1"),
     "max_tokens": (lambda v: v >= 1, "give 1 or more"),
+    "logprobs": (lambda v: v is None or 0 <= v <= 20, "give 0 to 20 likeliest tokens"),
 }
 
 

@@ -77,20 +77,21 @@ class Session:
         return self.generate(ids, params)
 
     def chat(self, messages: Sequence[dict], params: SamplingParams = GREEDY,
-             enable_thinking: bool | None = None) -> Iterator[TokenEvent | DoneEvent]:
+             enable_thinking: bool | None = None, allow_special_in_content: bool = False
+             ) -> Iterator[TokenEvent | DoneEvent]:
         """The assistant's reply to the whole conversation `messages` (OpenAI-style list).
 
-        The template is applied to the whole conversation, but when its text extends the text
-        the cache holds (the last turn's prompt and reply), the cached ids are kept and only the
-        new text is tokenized: a reply's text need not tokenize back into the ids sampled, and
-        the next turn should not prefill the conversation again because of that."""
+        The template is applied to the whole conversation (ChatTemplate.render_prompt: text in
+        the messages never becomes control tokens unless allow_special_in_content), but when
+        its text extends the text the cache holds (the last turn's prompt and reply), the
+        cached ids are kept and only the new text is tokenized, as the prompt tokenizes it: a
+        reply's text need not tokenize back into the ids sampled, and the next turn should
+        not prefill the conversation again because of that."""
         tok = self._tok()
-        text = self.template.render(messages, add_generation_prompt=True,
-                                    enable_thinking=enable_thinking, bos_token=tok.bos_token,
-                                    eos_token=tok.eos_token)
-        encode = lambda t: tok.encode(t, add_special=False, parse_special=True)   # noqa: E731
-        ids = continue_ids(self.tokens, self.text, text, encode) or encode(text)
-        return self._turn(ids, text, params)
+        rp = self.template.render_prompt(messages, tok, enable_thinking=enable_thinking,
+                                         allow_special_in_content=allow_special_in_content)
+        ids = continue_ids(self.tokens, self.text, rp.text, rp.encode_suffix) or rp.ids
+        return self._turn(ids, rp.text, params)
 
     def _turn(self, ids: list[int], text: str, params: SamplingParams
               ) -> Iterator[TokenEvent | DoneEvent]:

@@ -3,7 +3,8 @@ logits. generate() drives it for one sequence; the server's batched step drives 
 request from its rows of a shared step. Both get the same rules in the same order: the seeded
 sampler and the penalties over the sequence's own context, end-of-generation ids, stop strings
 (text held back while it may start one), max_tokens, a full context, the text of each id
-(never half a UTF-8 character), and the timings."""
+(never half a UTF-8 character), the timings; and, when asked, a constraint's mask over the
+vocabulary (constraint.py) and each id's log probability (logprobs.py)."""
 from __future__ import annotations
 
 import time
@@ -13,6 +14,8 @@ from typing import Iterable
 import torch
 
 from ..errors import NonFiniteLogits
+from .constraint import apply_mask
+from .logprobs import TokenLogprob, logprob_rows, unpack
 from .sampling import Sampler, SamplingParams, recent_ids
 
 
@@ -43,6 +46,7 @@ class TokenEvent:
     token: int
     text: str          # text this token completes ('' while UTF-8 or a stop string is pending)
     timings: Timings
+    logprob: TokenLogprob | None = None   # with SamplingParams.logprobs set
 
 
 @dataclass(frozen=True)
@@ -138,11 +142,19 @@ class TokenStream:
 
     Decode time runs on the wall clock from the first token, as a client sees the stream, unless
     the driver times its own steps (stepped(): generate() counts only its steps, not the time
-    its consumer spends between tokens)."""
+    its consumer spends between tokens).
+
+    constraint (constraint.TokenConstraint): each draw takes only ids it allows; the mask for
+    the next draw is computed as soon as an id is taken (take()), so on a GPU it overlaps the
+    step queued ahead. params.logprobs (n): each TokenEvent carries the id's log probability
+    and the n likeliest, computed on the device in draw() and read with the id."""
 
     def __init__(self, params: SamplingParams, device, tokenizer, context: list[int],
-                 n_prompt: int, eog_ids: Iterable[int] | None = None):
+                 n_prompt: int, eog_ids: Iterable[int] | None = None, constraint=None):
         self.p = params
+        self.constraint = constraint
+        self._allowed = None             # the constraint's mask for the next draw
+        self._lp = None                  # the last draw's logprob row (on the host once read)
         self.device = device
         self.sample = ScreenedSampler(params, device)
         self.eog = frozenset(eog_ids if eog_ids is not None else
@@ -181,8 +193,26 @@ class TokenStream:
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """The next id sampled from logits [1, V], left on their device (take() it after;
-        take() raises NonFiniteLogits if these held NaN or Inf)."""
-        return self.sample(logits, self.recent())
+        take() raises NonFiniteLogits if these held NaN or Inf: the sampler screens the model's
+        logits, which the constraint's mask leaves finite)."""
+        x = logits
+        if self.constraint is not None:
+            if self._allowed is None:
+                self._allowed = self.constraint.allowed()
+            words = self._allowed
+            if logits.device.type == "cuda":
+                # through pinned memory, so the copy up is queued, not waited for; the last
+                # one is done (the host read that draw's id since)
+                if getattr(self, "_pinned", None) is None or self._pinned.shape != words.shape:
+                    self._pinned = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+                words = self._pinned.copy_(words)
+            x = apply_mask(logits, words)
+        tok = self.sample(x, self.recent())
+        if self.p.logprobs is not None:
+            # queued behind the draw; a copy to pinned memory, so reading it with the id
+            # waits for nothing queued after (a step run ahead)
+            self._lp = logprob_rows(logits, tok, self.p.logprobs).to("cpu", non_blocking=True)
+        return tok
 
     def may_run_ahead(self, n_free: int) -> bool:
         """Whether the step after the id just drawn can be queued before the host reads that id:
@@ -208,10 +238,15 @@ class TokenStream:
         self.out.append(tok)
         self.context.append(tok)
         self.pending = None
+        if self.constraint is not None:
+            self._allowed = None
+            self.constraint.advance(tok)
+        lp, self._lp = self._lp, None
         if tok in self.eog and not p.ignore_eog:
             return [self._done("eog")]
         text, stopped = self.stops.push(self.text(tok))
-        ev = TokenEvent(tok, text, self.timings)
+        ev = TokenEvent(tok, text, self.timings,
+                        None if lp is None else unpack(lp[0].tolist(), tok, p.logprobs))
         if stopped:
             return [ev, self._done("stop")]
         if len(self.out) >= p.max_tokens:
@@ -219,6 +254,8 @@ class TokenStream:
         if n_free < 1:
             return [ev, self._done("context")]
         self.pending = tok
+        if self.constraint is not None:   # now: on a GPU the step queued ahead runs meanwhile
+            self._allowed = self.constraint.allowed()
         return [ev]
 
     def _done(self, reason: str) -> DoneEvent:

@@ -25,9 +25,10 @@ def is_expert_tensor(name: str) -> bool:
 KV_CHUNK_ESTIMATE = 2 << 20   # the driver's mapping granularity on the GPUs we measured
 
 
-def kv_bytes_per_token(model: LoadedModel, bytes_per_value: int = 2) -> int:
-    """KV cache per token over every attention layer (K and V, F16 by default)."""
-    return footprint.kv_bytes_per_position(model.config, bytes_per_value)
+def kv_bytes_per_token(model, bytes_per_value: int = 2) -> int:
+    """KV cache per token over every attention layer (K and V, F16 by default); `model` a
+    LoadedModel or its config."""
+    return footprint.kv_bytes_per_position(getattr(model, "config", model), bytes_per_value)
 
 
 def recurrent_state_bytes(model: LoadedModel) -> int:
@@ -156,3 +157,50 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192,
     decode_fit = min(total_experts, max(0, decode_left) // mean) if mean else 0
     return PlanSketch(vram_bytes, n_ctx, dense, host, kv, state, work, max(0, left), mean,
                       total_experts, int(fit), int(decode_fit), left >= 0)
+
+
+def auto_context_under_cap(model: LoadedModel, vram_bytes: int, *, n_seq: int = 1,
+                           kv_bytes_per_value: int = 2, policy: OffloadPolicy = OffloadPolicy(),
+                           expert_share: float | None = None, base: int | None = None,
+                           step: int | None = None) -> int:
+    """--ctx auto under a VRAM cap: the largest context, up to the model's trained length, at
+    which (1) decoding with the context full -- `n_seq` sequences' KV of `kv_bytes_per_value`
+    bytes a value (the runtime's KV type) mapped -- leaves the expert cache `expert_share`
+    (CONTEXT.expert_share) of its room at the `base` context (min(trained, DEFAULT_N_CTX)), and
+    (2) a prompt chunk attending over the whole context still fits its workspace beside the
+    dense weights and the KV (the cache lends it the room while the prompt runs), as
+    plan_sketch counts them. A multiple of `step` or the trained length; `base` when even that
+    does not fit (the runtime then says what does not)."""
+    from ..config import CONTEXT, DEFAULT_N_CTX
+    c = model.config
+    share = CONTEXT.expert_share if expert_share is None else expert_share
+    step = step or CONTEXT.step
+    train = c.n_ctx_train
+    base = min(train, base or DEFAULT_N_CTX)
+    per_token = kv_bytes_per_token(model, kv_bytes_per_value) * n_seq
+
+    def rooms(n: int) -> tuple[int, int]:    # the cache's room (decoding, during a prompt)
+        s = plan_sketch(model, vram_bytes, n, policy)
+        prompt = (vram_bytes - s.dense_bytes - s.workspace_bytes - n_seq * s.state_bytes
+                  - per_token * n)
+        ws = gpu_workspace_bytes(c, n, policy)
+        return prompt + ws - policy.decode_headroom, prompt
+
+    need = share * rooms(base)[0]
+    if need <= 0:
+        return base
+
+    def fits(n: int) -> bool:
+        decode, prompt = rooms(n)
+        return decode >= need and prompt >= 0
+
+    if fits(train):
+        return train
+    lo, hi = 0, train // step          # fits(lo * step), not fits(hi * step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid
+    return max(base, lo * step)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ...errors import CLIError
+from ..ctx_auto import choose_context, enable_ctx_auto
 from ..model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
-                          add_vram_arg, device_for, load_for_text, nonfinite_error,
-                          sampling_params, speculative_for)
+                          add_vram_arg, chat_template_for, context_size, device_for,
+                          nonfinite_error, open_for, open_model_named, sampling_params,
+                          speculative_for)
 from .conversation import HELP, Conversation, answer, command
 from .screens import PlainScreen, TerminalScreen
 
@@ -68,6 +71,8 @@ def add_parser(sub) -> None:
     add_template_arg(s)
     add_vram_arg(s)
     add_draft_arg(s)
+    enable_ctx_auto(s, "host RAM (the KV cache) or, under --vram, leaves the expert cache "
+                       "half of its room")
 
 
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
@@ -87,8 +92,17 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     else:
         path = args.model
     with screen.busy(f"loading {path}"):
-        loaded, tok, template, n_ctx, model = load_for_text(args, path, dev, "chat")
+        from loaders.tokenizer import Tokenizer
+        loaded = open_model_named(path)
         md = loaded.metadata
+        if "tokenizer.ggml.tokens" not in md:
+            raise CLIError(f"{path} has no tokenizer metadata, so chat cannot read or write "
+                           "text; use `ftpatch logits MODEL --tokens IDS` instead")
+        tok = Tokenizer.from_metadata(md, str(path))
+        template = chat_template_for(args, md, path)
+        choice = choose_context(args, loaded, dev, 1)
+        n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
+        model = open_for(args, loaded, dev, n_ctx)
         session = Session(model, model.new_state(1, n_ctx), tok, template,
                           draft=speculative_for(args, model))
     conv = Conversation(session, params, args.system, False if args.no_think else None,
@@ -101,7 +115,7 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
                   "Pass a GGUF file (ftpatch chat MODEL.gguf) to talk to a real model."]
     else:
         banner = [f"{md.get('general.name') or path}"]
-    banner.append(f"{where} | context {n_ctx} tokens | /help lists the commands, Ctrl-D quits")
+    banner.append(f"{where} | {choice.describe()} | /help lists the commands, Ctrl-D quits")
     if args.no_think and "enable_thinking" not in template.source:
         banner.append("note: this model's chat template has no thinking switch; --no-think "
                       "changes nothing")

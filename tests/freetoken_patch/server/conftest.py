@@ -61,14 +61,17 @@ def make_served(parts, *, n_ctx=256, parallel=4, queue=64, prefix_cache=4, api_k
 
 
 @contextlib.contextmanager
-def live(served):
-    """Serve `served` on 127.0.0.1 at a free port; yields the base URL (…/v1 is the API)."""
+def live(served, log=None, log_format="off"):
+    """Serve `served` on 127.0.0.1 at a free port; yields the base URL (…/v1 is the API).
+    The access log is off unless `log` (a text stream) is given."""
     import uvicorn
     from freetoken_patch.server.app import create_app
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port,
+    app = create_app(served, log_format="text" if log is not None and log_format == "off"
+                     else log_format, log_out=log)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
@@ -136,6 +139,7 @@ def kit():
     k = Kit()
     k.make_served, k.live, k.scripted = staticmethod(make_served), staticmethod(live), \
         staticmethod(scripted)
+    k.live_app = staticmethod(live)
     k.tool_template = TOOL_TEMPLATE
     k.scripted_tool_server = staticmethod(scripted_tool_server)
     return k

@@ -41,8 +41,9 @@ def client(server):
 
 def _reference(parts, messages, max_tokens, stop=()):
     model, tok, tmpl = parts
-    ids = tok.encode(tmpl.render(messages, add_generation_prompt=True, bos_token=tok.bos_token,
-                                 eos_token=tok.eos_token), parse_special=True)
+    # no `thinking` field: the template is told enable_thinking=False, as Anthropic's API
+    # gives no thinking unless asked
+    ids = tmpl.render_prompt(messages, tok, enable_thinking=False).ids
     *toks, done = generate(model, model.new_state(1, 256), ids,
                            SamplingParams(temperature=0, max_tokens=max_tokens, stop=stop),
                            tokenizer=tok)
@@ -131,7 +132,12 @@ def script(served_script):
 
 def test_tool_use_round_trip(scripted, script):
     script.reply = XML_REPLY
+    think = {"type": "enabled", "budget_tokens": 1024}
+    # no `thinking` field: no thinking block, even where the model thinks anyway
     r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS,
+                                 messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert [b.type for b in r.content] == ["text", "tool_use"]
+    r = scripted.messages.create(model="tiny", max_tokens=100, tools=TOOLS, thinking=think,
                                  messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert '"name": "get_weather"' in script.prompts[-1]          # the template saw the tool
     assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
@@ -139,7 +145,7 @@ def test_tool_use_round_trip(scripted, script):
     assert thinking.thinking == "The user wants weather." and text.text == "Let me look."
     assert use.name == "get_weather" and use.input == {"city": "Paris", "days": 3}
     assert use.id.startswith("toolu_") and r.stop_reason == "tool_use"
-    with scripted.messages.stream(model="tiny", max_tokens=100, tools=TOOLS,
+    with scripted.messages.stream(model="tiny", max_tokens=100, tools=TOOLS, thinking=think,
                                   messages=[{"role": "user", "content": "Weather?"}]) as s:
         streamed = s.get_final_message()
     assert [b.type for b in streamed.content] == ["thinking", "text", "tool_use"]
@@ -228,7 +234,9 @@ def test_bad_requests_name_the_problem(server):
         ({k: v for k, v in ok.items() if k != "max_tokens"}, "max_tokens is required"),
         ({**ok, "messages": [{"role": "user", "content": [image]}]}, "image block"),
         ({**ok, "messages": []}, "messages is empty"),
-        ({**ok, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        # Anthropic's wording, which Claude Code matches to retry without the message
+        ({**ok, "messages": [{"role": "tool", "content": "x"}]},
+         'Unexpected role "tool". Allowed input message role'),
         ({**ok, "temperature": 5}, "temperature"),
         ({**ok, "thinking": {"type": "sometimes"}}, "thinking.type"),
         ({**ok, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "nope"),
@@ -238,7 +246,10 @@ def test_bad_requests_name_the_problem(server):
         _error(_post(url, body), 400, "invalid_request_error", words)
     _error(_post(url, {**ok, "model": "claude-sonnet-4-5"}), 404, "not_found_error",
            "ANTHROPIC_MODEL")
-    _error(_post(url, ok, key="wrong"), 401, "authentication_error", "x-api-key")
+    r = _post(url, ok, key="wrong")
+    _error(r, 401, "authentication_error", "x-api-key")
+    # Anthropic's SDK (Claude Code) retries a 401 for minutes unless told not to
+    assert r.headers["x-should-retry"] == "false"
     r = httpx.post(url + "/v1/messages", json=ok, timeout=60,
                    headers={"Authorization": "Bearer sekrit", "anthropic-version": "2023-06-01"})
     assert r.status_code == 200
@@ -265,6 +276,6 @@ def test_full_queue_is_overloaded(tiny_parts, kit):
             time.sleep(0.01)
         r = _post(url, body)
         _error(r, 529, "overloaded_error", "busy")
-        assert r.headers["Retry-After"] == "1"
+        assert r.headers["Retry-After"] == "1" and r.headers["x-should-retry"] == "true"
         gate.set()
         first.join(60)

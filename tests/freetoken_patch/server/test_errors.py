@@ -56,7 +56,7 @@ BAD = [
     ("frequency_penalty out of range", {**OK, "frequency_penalty": 2.5}, "from -2 to 2",
      "frequency_penalty", 400),
     ("prompt too long", {**OK, "messages": [{"role": "user", "content": "word " * 200}]},
-     "the context holds 64", "messages", 400),
+     "maximum context length is 64 tokens", "messages", 400),
     ("unknown model", {**OK, "model": "gpt-9"}, "'tiny'", "model", 404),
 ]
 

@@ -1,0 +1,97 @@
+"""`--ctx auto` for serve and chat (their default): the largest context that fits, up to the
+model's trained length, and the start-up line that says what was chosen.
+
+Without --vram the KV of every State lives where the model runs, allocated whole (float32 on
+the CPU, as the plain model's States keep it): the context is what host RAM (or the GPU's free
+memory) holds for `n_states` of them once the weights are in, keeping some free
+(moe_offload.memory.auto_context_host). Under --vram the runtime's KV (float16) grows in VRAM
+as it fills and takes its room from the expert cache: the context is the largest that leaves
+the cache a stated share of its room and a prompt's workspace room to run
+(moe_offload.offload.placement.auto_context_under_cap). The numbers are moe_offload's CONTEXT."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from .model_args import context_size
+
+
+def ctx_arg(text: str):
+    """argparse type of --ctx: a token count, or auto."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens or auto") \
+            from None
+
+
+def enable_ctx_auto(parser: argparse.ArgumentParser, what: str) -> None:
+    """Make the --ctx of add_model_args take `auto`, and default to it."""
+    for action in parser._actions:
+        if "--ctx" in action.option_strings:
+            action.type, action.default, action.metavar = ctx_arg, "auto", "N|auto"
+            action.help = (f"context size in tokens, or auto (default): the largest that fits "
+                           f"{what}, up to the model's trained length; a number is checked "
+                           "against that length unless --allow-long-ctx")
+            return
+    raise AssertionError("add_model_args adds --ctx")
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    n_ctx: int
+    kv_type: str              # f32, f16
+    kv_bytes: int             # one sequence's KV at n_ctx
+    n_states: int             # sequences that may hold a KV at once
+    auto: bool
+
+    def describe(self) -> str:
+        """'context 131072 (KV f16, 2.5 GiB)', with the sequences when several hold one."""
+        size = _gib(self.kv_bytes)
+        per = f"{size} a sequence, up to {self.n_states}" if self.n_states > 1 else size
+        how = "auto: " if self.auto else ""
+        return f"context {self.n_ctx} ({how}KV {self.kv_type}, {per})"
+
+    def as_meta(self) -> dict:
+        return {"n_ctx": self.n_ctx, "kv_type": self.kv_type, "kv_bytes": self.kv_bytes,
+                "ctx_auto": self.auto}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
+
+
+def choose_context(args, loaded, dev, n_states: int) -> ContextChoice:
+    """--ctx for `loaded` on `dev` (args.vram: under the runtime), with `n_states` sequences
+    holding a KV at once (serve: --parallel plus the prefix cache; chat: 1); sets args.ctx to
+    the number (what load_for_text and open_for read)."""
+    import torch
+
+    from moe_offload import (CONTEXT, DEFAULT_N_CTX, RuntimeOptions, auto_context_host,
+                             auto_context_under_cap, kv_bytes_per_token)
+    c = loaded.config
+    train = c.n_ctx_train
+    vram = getattr(args, "vram", None)
+    kv_dtype = RuntimeOptions(vram=0).kv_dtype if vram is not None else torch.float32
+    bpv = torch.finfo(kv_dtype).bits // 8
+    if getattr(args, "draft", 0):     # the MTP layer keeps a KV of its own
+        per_token = kv_bytes_per_token(c, bpv) * (len(c.attention_layers) + 1) \
+            // len(c.attention_layers)
+    else:
+        per_token = kv_bytes_per_token(c, bpv)
+    auto = args.ctx in (None, "auto")
+    if not auto:    # checked as every command checks --ctx
+        n = context_size(int(args.ctx), train, args.allow_long_ctx)
+    elif vram is not None:
+        n = auto_context_under_cap(loaded, vram, n_seq=n_states, kv_bytes_per_value=bpv)
+    else:
+        resident = sum(w.nbytes for w in loaded.weights.values())
+        available = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
+        n = auto_context_host(train, per_token, n_states, available, resident,
+                              floor=min(train, DEFAULT_N_CTX), step=CONTEXT.step)
+    args.ctx = n
+    kv_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}.get(
+        kv_dtype, str(kv_dtype).removeprefix("torch."))
+    return ContextChoice(n, kv_name, per_token * n, n_states, auto)
