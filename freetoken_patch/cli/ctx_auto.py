@@ -27,18 +27,6 @@ def ctx_arg(text: str):
             from None
 
 
-def enable_ctx_auto(parser: argparse.ArgumentParser, what: str) -> None:
-    """Make the --ctx of add_model_args take `auto`, and default to it."""
-    for action in parser._actions:
-        if "--ctx" in action.option_strings:
-            action.type, action.default, action.metavar = ctx_arg, "auto", "N|auto"
-            action.help = (f"context size in tokens, or auto (default): the largest that fits "
-                           f"{what}, up to the model's trained length; a number is checked "
-                           "against that length unless --allow-long-ctx")
-            return
-    raise AssertionError("add_model_args adds --ctx")
-
-
 @dataclass(frozen=True)
 class ContextChoice:
     n_ctx: int

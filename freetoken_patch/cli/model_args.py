@@ -14,17 +14,25 @@ from .inputs import check, check_seed
 def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
                    model_help: str = "GGUF file, any shard of a split set, or a folder",
                    device_default: str | None = "cpu",
-                   device_help: str = "cpu (default) or cuda / cuda:N; the whole model goes there"
-                   ) -> None:
-    """MODEL, --device, --ctx."""
+                   device_help: str = "cpu (default) or cuda / cuda:N; the whole model goes there",
+                   ctx_auto: str | None = None) -> None:
+    """MODEL, --device, --ctx; ctx_auto: --ctx also takes `auto`, its default, and this says
+    what the automatic context fits (serve and chat)."""
     if model_optional:
         s.add_argument("model", nargs="?", help=model_help)
     else:
         s.add_argument("model", help=model_help)
     s.add_argument("--device", default=device_default, metavar="DEV", help=device_help)
-    s.add_argument("--ctx", type=int, metavar="N",
-                   help="context size in tokens, up to the model's own unless --allow-long-ctx "
-                        "(default: the model's, capped at 4096)")
+    if ctx_auto is None:
+        s.add_argument("--ctx", type=int, metavar="N",
+                       help="context size in tokens, up to the model's own unless "
+                            "--allow-long-ctx (default: the model's, capped at 4096)")
+    else:
+        from .ctx_auto import ctx_arg
+        s.add_argument("--ctx", type=ctx_arg, default="auto", metavar="N|auto",
+                       help=f"context size in tokens, or auto (default): the largest that fits "
+                            f"{ctx_auto}, up to the model's trained length; a number is checked "
+                            "against that length unless --allow-long-ctx")
     s.add_argument("--allow-long-ctx", action="store_true",
                    help="let --ctx exceed the context the model was trained for (its output "
                         "past that length is usually poor)")

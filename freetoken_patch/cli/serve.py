@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import CLIError
 from .inputs import check
-from .ctx_auto import choose_context, enable_ctx_auto
+from .ctx_auto import choose_context
 from .model_args import (add_draft_arg, add_model_args, add_template_arg, add_vram_arg,
                          chat_template_for, context_size, device_for, open_for,
                          open_model_named, resolve_parallel, size_arg, speculative_for)
@@ -70,6 +70,8 @@ def add_parser(sub) -> None:
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(s, model_optional=True, device_default=None,
+                   ctx_auto="host RAM (every sequence's KV) or, under --vram, leaves the expert "
+                            "cache half of its room",
                    model_help="GGUF file, shard or folder (default: the embedded random-weights "
                               "model)",
                    device_help="cpu (default) or cuda / cuda:N (the whole model in VRAM; with "
@@ -110,8 +112,6 @@ def add_parser(sub) -> None:
                    help="the access log on stderr, one line a request (method, path, status, "
                         "ms, prompt / cached / completion tokens, the error): text (default), "
                         "json, or off")
-    enable_ctx_auto(s, "host RAM (every sequence's KV) or, under --vram, leaves the expert "
-                       "cache half of its room")
     add_limit_args(s)
 
 

@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from ...errors import CLIError
-from ..ctx_auto import choose_context, enable_ctx_auto
+from ..ctx_auto import choose_context
 from ..model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
                           add_vram_arg, chat_template_for, context_size, device_for,
                           nonfinite_error, open_for, open_model_named, sampling_params,
@@ -58,6 +58,8 @@ def add_parser(sub) -> None:
                        description=DESCRIPTION, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(s, model_optional=True, device_default=None,
+                   ctx_auto="host RAM (the KV cache) or, under --vram, leaves the expert cache half "
+                            "of its room",
                    model_help="GGUF file, shard or folder (default: the embedded random-weights "
                               "model)",
                    device_help="cpu (default; the whole model in RAM) or cuda / cuda:N (the whole "
@@ -71,8 +73,6 @@ def add_parser(sub) -> None:
     add_template_arg(s)
     add_vram_arg(s)
     add_draft_arg(s)
-    enable_ctx_auto(s, "host RAM (the KV cache) or, under --vram, leaves the expert cache "
-                       "half of its room")
 
 
 def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
