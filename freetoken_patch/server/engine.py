@@ -370,7 +370,8 @@ class Engine:
             pass
         elif self.cache.size and seq.state.n_past:
             out = self.cache.put(Cached(seq.state, seq.cached_tokens(), seq.snaps,
-                                        seq.cached_text(self.tokenizer)))
+                                        seq.cached_text(self.tokenizer),
+                                        prompt_text=seq.job.text, n_prompt=len(seq.job.prompt)))
             if out is not None:
                 self._free.append(out.state)
         else:

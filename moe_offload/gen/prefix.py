@@ -5,7 +5,12 @@ cached ids is used where the cache holds all of it, else the last rewind point (
 it. A chat's reply rarely comes back as the same ids: the client returns its text, and the text
 of sampled ids need not tokenize into those ids again (a word split unusually, or bytes of a
 character cut). So an entry also keeps the text its ids spell, and a prompt whose text extends
-it continues from the entry's own ids, only the new text tokenized (`continue_ids`)."""
+it continues from the entry's own ids, only the new text tokenized (`continue_ids`). Where the
+reply's text does not come back exactly (a reply cut inside a character, a template that trims
+it), the entry's prompt still does: its ids, with the rewind point at its end, are kept and
+the rest tokenized (`Cached.prompt_text`). Without that fallback, the ids of every reply a
+conversation reused so far would stay in the cache while the new prompt re-tokenizes them, and
+the next miss would fall back past all the rewind points kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,6 +49,12 @@ class Cached:
     tokens: list[int]
     snaps: list = field(default_factory=list)
     text: str | None = None           # the text the tokens spell, when it is known exactly
+    prompt_text: str | None = None    # the text of tokens[:n_prompt], the last prompt fed
+    n_prompt: int = 0
+
+    def prompt_snapshot(self):
+        """The rewind point at the end of the last prompt, or None."""
+        return next((s for s in self.snaps if s.n_past == self.n_prompt), None)
 
 
 class PrefixIndex:
@@ -66,12 +77,18 @@ class PrefixIndex:
             if use > best_n:
                 best, best_n, best_snap = e, use, snap
         if text is not None and encode is not None:
+            fits = lambda ids: ids is not None and (max_len is None or len(ids) < max_len)  # noqa: E731
             for e in self.entries:
-                if len(e.tokens) <= best_n:
-                    continue
-                extended = continue_ids(e.tokens, e.text, text, encode)
-                if extended is not None and (max_len is None or len(extended) < max_len):
-                    best, best_n, best_snap, ids = e, len(e.tokens), None, extended
+                if len(e.tokens) > best_n:
+                    extended = continue_ids(e.tokens, e.text, text, encode)
+                    if fits(extended):
+                        best, best_n, best_snap, ids = e, len(e.tokens), None, extended
+                        continue
+                snap = e.prompt_snapshot() if e.n_prompt > best_n else None
+                if snap is not None:
+                    extended = continue_ids(e.tokens[:e.n_prompt], e.prompt_text, text, encode)
+                    if fits(extended):
+                        best, best_n, best_snap, ids = e, e.n_prompt, snap, extended
         if best is not None:
             self.entries.remove(best)
         return best, best_n, best_snap, ids

@@ -28,6 +28,7 @@ class Session:
     max_snapshots: int = 4
     draft: object = None                                  # a spec.SpeculativeDecoder (MTP head)
     text: str | None = None                              # the text `tokens` spell (chat turns)
+    _prompt: tuple = (0, None)                           # (ids, text) of the last chat prompt
     _snaps: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -49,14 +50,14 @@ class Session:
         self.state.reset()
         self.tokens.clear()
         self._snaps.clear()
-        self.text = None
+        self.text, self._prompt = None, (0, None)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams = GREEDY
                  ) -> Iterator[TokenEvent | DoneEvent]:
         """Continue the cached sequence with `prompt` ids and stream the reply. Stopping early
         (leaving the loop) is fine: the session keeps what the cache holds."""
         start, sampled = len(self.tokens), []
-        self.text = None                          # ids without their text (chat() sets it)
+        self.text, self._prompt = None, (0, None)   # ids without their text (chat() sets it)
         self._snapshot()                          # end of the previous reply
         gen = generate(self.model, self.state, prompt, params, tokenizer=self.tokenizer,
                        history=self.tokens, draft=self.draft)
@@ -90,8 +91,17 @@ class Session:
         tok = self._tok()
         rp = self.template.render_prompt(messages, tok, enable_thinking=enable_thinking,
                                          allow_special_in_content=allow_special_in_content)
-        ids = continue_ids(self.tokens, self.text, rp.text, rp.encode_suffix) or rp.ids
+        ids = (continue_ids(self.tokens, self.text, rp.text, rp.encode_suffix)
+               or self._from_prompt(rp.text, rp.encode_suffix) or rp.ids)
         return self._turn(ids, rp.text, params)
+
+    def _from_prompt(self, text: str, encode) -> list[int] | None:
+        """The last prompt's ids, then `text`'s rest, when `text` extends that prompt's text and
+        its rewind point is kept (prefix.py: where a reply's text does not come back exactly)."""
+        n, prompt_text = self._prompt
+        if prompt_text is None or not any(s.n_past == n for s in self._snaps):
+            return None
+        return continue_ids(self.tokens[:n], prompt_text, text, encode)
 
     def _turn(self, ids: list[int], text: str, params: SamplingParams
               ) -> Iterator[TokenEvent | DoneEvent]:
@@ -100,6 +110,7 @@ class Session:
         finally:   # the cache holds `ids` (the text) and the reply's ids fed after them
             whole = len(self.tokens) >= len(ids)
             self.text = text + self.tokenizer.decode(self.tokens[len(ids):]) if whole else None
+            self._prompt = (len(ids), text) if whole else (0, None)
 
     # -- prefix reuse -----------------------------------------------------------------------
 

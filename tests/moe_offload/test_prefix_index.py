@@ -85,3 +85,27 @@ def test_a_continuation_longer_than_the_context_is_not_taken():
     assert c.entries == [e]
     entry, n, snap, ids = c.take(_encode("abxy?!"), "abxy?!", _encode, max_len=7)
     assert entry is e and ids == [1, 2, 7, 8, 63, 33]
+
+
+def test_a_reply_whose_text_does_not_come_back_keeps_its_prompt():
+    """The last reply's text is not what the client sends back (cut inside a character, trimmed
+    by the template): the entry's prompt still extends, so its ids and the rewind point at its
+    end are kept -- not the first divergence of ids, which for a conversation that reused its
+    replies so far (their generated ids kept) lies turns back, past the rewind points kept."""
+    encode = lambda t: [ord(c) for c in t]   # noqa: E731
+    # "abcd" was the last prompt; its "c" is an earlier reply, kept as the id generated (60)
+    prompt_ids, reply_ids = encode("ab") + [60] + encode("d"), [50, 51]
+    e = Cached("st", prompt_ids + reply_ids, [_snap(2), _snap(4)], text="abcdXY",
+               prompt_text="abcd", n_prompt=4)
+    cache = PrefixCache(2)
+    cache.put(e)
+    new = "abcdX?next"                       # the reply came back as "X?", not "XY"
+    entry, n, snap, ids = cache.take(encode(new), new, encode)
+    assert entry is e and n == 4 and snap.n_past == 4
+    assert ids == prompt_ids + encode("X?next")
+    # without the rewind point at the prompt's end the ids decide: they part at the earlier
+    # reply, and the last rewind point below that is kept
+    e.snaps = [_snap(2)]
+    cache.put(e)
+    entry, n, snap, ids = cache.take(encode(new), new, encode)
+    assert n == 2 and snap.n_past == 2 and ids == encode(new)

@@ -98,9 +98,9 @@ def test_choose_context_reads_the_flags(tiny_model, monkeypatch):
         ctx_auto.choose_context(args, lm, torch.device("cpu"), 1)
     args.ctx, args.allow_long_ctx = 10 ** 5, True
     assert ctx_auto.choose_context(args, lm, torch.device("cpu"), 1).n_ctx == 10 ** 5
+    from freetoken_patch.cli.model_args import add_model_args
     p = argparse.ArgumentParser()
-    p.add_argument("--ctx", type=int)
-    ctx_auto.enable_ctx_auto(p, "RAM")
-    assert p.parse_args([]).ctx == "auto" and p.parse_args(["--ctx", "512"]).ctx == 512
+    add_model_args(p, ctx_auto="RAM")
+    assert p.parse_args(["m"]).ctx == "auto" and p.parse_args(["m", "--ctx", "512"]).ctx == 512
     with pytest.raises(SystemExit):
-        p.parse_args(["--ctx", "big"])
+        p.parse_args(["m", "--ctx", "big"])
