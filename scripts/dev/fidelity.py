@@ -1,9 +1,10 @@
-"""Model-level fidelity of the CUDA path, per quant type: logits of tiny synthetic qwen35moe files
-on CUDA against the CPU path (exact: float32 math on the file's own weights), beside the same
-model run with ggml's q8 activation scheme emulated on the CPU (the bar: what llama.cpp's int8
-kernels do to every matmul).
+"""Model-level fidelity per quant type: logits of tiny synthetic qwen35moe files on CUDA and on
+the CPU's int8 kernels against the exact path (the CPU's generic kernels: float32 math on the
+file's own weights), beside the bars: ggml's arithmetic emulated on the CPU, and llama.cpp's own
+CPU logits where a dump_logits binary is given.
 
     python scripts/dev/fidelity.py --out fidelity.json [--types Q8_0,Q6_K] [--seeds 0,1,2]
+    python scripts/dev/fidelity.py --out cpu.json --seeds 0,1,2,3,4,5 --llama /work/llama/dump_logits
 
 Modes (each against the CPU path, same file, same prompt):
   cuda-prefill   the prompt as one prefill (dense matmuls: dequantize + cuBLAS at the
@@ -11,14 +12,23 @@ Modes (each against the CPU path, same file, same prompt):
   cuda-decode    the prompt token by token (every matmul through the int8-activation kernels)
   prefill-<dt>   cuda-prefill with PREFILL_DTYPE forced to bf16 / f16 / f32 (diagnosis)
   ggml-q8-emulated  CPU, every matmul with x rounded to int8 per 32 values (d = amax/127):
-                 ggml's scheme, the bar (native.numerics)
+                 the bar of the CUDA path (native.numerics)
   cuda-emulated  CPU, the CUDA path's arithmetic emulated (native.numerics): its prediction
+  ggml-cpu-emulated  CPU, every matmul as llama.cpp's CPU build does it (each weight type's own
+                 activation type: q8_0, q8_1, q8_K, f16; native.numerics): the CPU path's bar
+  cpu-prompt     the CPU's int8 kernels (the best ISA), the prompt as one prefill
+  cpu-tokens     the same, token by token (decode)
+  llama.cpp      (--llama BIN) llama.cpp's CPU logits of the prompt in one batch, its default
+                 f16 KV cache; llama.cpp-f32kv with an f32 one. BIN is a small program on libllama
+                 (docs/BENCHMARKS.md, "CPU fidelity") called as BIN MODEL TOKENS OUT KV MODE THREADS
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +64,16 @@ def logits(model, toks: torch.Tensor, decode: bool = False) -> torch.Tensor:
         return model.prefill(toks, state, all_logits=True)[0]
 
 
+def llama_logits(binary: str, path: Path, toks: torch.Tensor, n_vocab: int, kv: str) -> torch.Tensor:
+    """llama.cpp's CPU logits of the prompt `toks` [1, T] in one batch ([T, n_vocab] float32)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_file, out_file = Path(tmp) / "tokens.i32", Path(tmp) / "logits.f32"
+        toks[0].to(torch.int32).numpy().tofile(tok_file)
+        subprocess.run([binary, str(path), str(tok_file), str(out_file), kv, "prompt", "2"],
+                       check=True, capture_output=True)
+        return torch.from_numpy(np.fromfile(out_file, np.float32).reshape(toks.shape[1], n_vocab))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default=",".join(TYPES))
@@ -61,10 +81,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=20, help="prompt positions per file")
     ap.add_argument("--dir", default="/tmp/ftpatch-fidelity")
     ap.add_argument("--diagnose", action="store_true", help="also prefill at bf16 / f16 / f32")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU int8 kernels' modes")
+    ap.add_argument("--schemes", default="ggml-cpu,ggml-q8,cuda", help="emulated schemes to run")
+    ap.add_argument("--llama", default=None, help="a dump_logits binary built on llama.cpp")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     from native import ops
+    best_isa = ops._cpu.isa() if ops._cpu is not None else None
     if ops._cpu is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
         ops._cpu.set_isa("generic")
     Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -82,9 +106,20 @@ def main() -> int:
             cpu = build_model(loaded, "cpu")
             exact = logits(cpu, toks)
             row = {"type": name, "seed": seed}
-            for scheme in ("ggml-q8", "cuda"):
+            for scheme in [s for s in args.schemes.split(",") if s]:
                 with emulate(scheme):
                     row[f"{scheme}-emulated"] = compare(logits(cpu, toks), exact)
+            if not args.no_cpu and best_isa not in (None, "generic"):
+                ops._cpu.set_isa(best_isa)
+                try:
+                    row["cpu-prompt"] = compare(logits(cpu, toks), exact)
+                    row["cpu-tokens"] = compare(logits(cpu, toks, decode=True), exact)
+                finally:
+                    ops._cpu.set_isa("generic")
+            if args.llama:
+                row["llama.cpp"] = compare(llama_logits(args.llama, path, toks, loaded.config.n_vocab, "f16"), exact)
+                row["llama.cpp-f32kv"] = compare(
+                    llama_logits(args.llama, path, toks, loaded.config.n_vocab, "f32"), exact)
             if cuda:
                 gpu = build_model(loaded, "cuda")
                 tc = toks.cuda()
