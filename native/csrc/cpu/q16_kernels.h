@@ -10,12 +10,12 @@
 // dominate either way.
 //
 // A 32-weight group's products are exact in int32 (|w| <= 128, |q| <= 32767: 32 products
-// < 2^27): the int8 weights from the Unit decoders are widened to int16 and multiplied pairwise
-// (madd, and on AVX-512 VNNI dpwssd), 8 int32 lanes. Then acc += float(lanes) * (weight scale *
-// d) lane by lane, the lanes summed at the end, and the additive mins (Q4_1, Q5_1) as m . (d * sum
-// of q) per 32 (dot_mins). Both shapes (rows streamed for few tokens, rows decoded once for many)
-// do a token's arithmetic in this order, so its bits do not depend on the call; the AVX2 and
-// AVX-512 tables sum the same integers per lane, so they give the same bits too.
+// < 2^27): the int8 weights from the Unit decoders are widened to int16 and multiplied pairwise,
+// 4 int32 sums per group and token. Then acc += float(sums) * (weight scale * d) lane by lane,
+// the lanes summed at the end, and the additive mins (Q4_1, Q5_1) as m . (d * sum of q) per 32
+// (dot_mins). Both shapes (rows streamed for few tokens, rows decoded once for many) do a token's
+// arithmetic in this order, so its bits do not depend on the call; the AVX2 and AVX-512 tables
+// sum the same integers per lane, so they give the same bits too.
 #pragma once
 #include "q8_kernels.h"
 
@@ -54,13 +54,15 @@ inline void quantize_q16(const float* x, int64_t ldx, int64_t t0, int64_t t1, in
     }
 }
 
-// One group's 32 products against the int16 activations, as 8 int32 lanes (lane i: weights 2i,
-// 2i+1 of each half), scaled and accumulated in float lane by lane. 256-bit vectors on AVX-512
-// too: on cores that split 512-bit operations in two, 16 lanes of float steps cost twice 8.
+// One group's 32 products against the int16 activations: 8 int32 lanes (lane i: weights 2i, 2i+1
+// of each half; madd, and dpwssd on AVX-512 VNNI). Two such products, of two rows against a
+// token or of a row against two tokens, are folded into one vector by hadd: lanes 0,1,4,5 hold
+// the first's four pair sums, lanes 2,3,6,7 the second's. The float steps (convert, scale by
+// weight scale * d, accumulate) then run lane by lane on both at once: each lane's value does not
+// depend on what shares its vector, so a token's bits are the same in both shapes.
 struct W16 {
     __m256i lo, hi;  // weights 0-15, 16-31 as int16
 };
-using Acc = __m256;
 [[gnu::always_inline]] inline W16 widen(__m256i q) {
     return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1))};
 }
@@ -72,16 +74,27 @@ using Acc = __m256;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w.lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), w.hi);
 }
-[[gnu::always_inline]] inline W16 load_x16(const int16_t* p) { return load_w16(p); }
-[[gnu::always_inline]] inline Acc bcast(float v) { return _mm256_set1_ps(v); }
-[[gnu::always_inline]] inline Acc fma16(Acc acc, W16 w, W16 x, Acc sw, Acc dx) {
-    const __m256i lo = _mm256_madd_epi16(w.lo, x.lo);
+[[gnu::always_inline]] inline __m256i dot16(W16 w, const int16_t* x) {
+    const __m256i lo = _mm256_madd_epi16(w.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
 #ifdef __AVX512VNNI__
-    const __m256i p = _mm256_dpwssd_epi32(lo, w.hi, x.hi);
+    return _mm256_dpwssd_epi32(lo, w.hi, xh);
 #else
-    const __m256i p = _mm256_add_epi32(lo, _mm256_madd_epi16(w.hi, x.hi));
+    return _mm256_add_epi32(lo, _mm256_madd_epi16(w.hi, xh));
 #endif
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, dx), acc);
+}
+// [a a b b a a b b]: the scale vector of a folded pair
+[[gnu::always_inline]] inline __m256 pair_scale(float a, float b) {
+    return _mm256_blend_ps(_mm256_set1_ps(a), _mm256_set1_ps(b), 0xCC);
+}
+[[gnu::always_inline]] inline __m256 fma_pair(__m256 acc, __m256i p0, __m256i p1, __m256 scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(p0, p1)), scale, acc);
+}
+// the two sums of a folded pair: lanes 0,1,4,5 and 2,3,6,7, in one fixed order
+[[gnu::always_inline]] inline void hsum_pair(__m256 acc, float& a, float& b) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    a = _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+    b = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 2)) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 3));
 }
 
 // One block's weights as int16 (its Unit's int8 values widened), scale and min. Q8_0's bytes are
@@ -103,44 +116,56 @@ template <QType T>
     }
 }
 
-// A row's result for a token: the lanes' sum, then the mins (m per 32 against s per 32)
+// a row's result for a token: its lanes' sum, then the mins (m per 32 against s per 32)
 template <bool kMin>
-[[gnu::always_inline]] inline float finish16(Acc acc, const float* m, const Act& a, int t, int64_t nc) {
-    float v = hsum_ps(acc);
+[[gnu::always_inline]] inline float with_mins(float v, const float* m, const Act& a, int t, int64_t nc) {
     if constexpr (kMin) v += dot_mins(m, a.sx16 + t * nc, nc);
     return v;
 }
 
-// Few tokens: R rows streamed together, each group decoded once for the NT tokens.
+// Few tokens: R (1 or 2) rows streamed together, folded as a pair, each group decoded once for
+// the NT tokens.
 template <QType T, int R, int NT>
 void dot_stream16(const uint8_t* const* rows, int64_t nkb, const Act& a, float* const* out, int64_t ldo,
                   const Grids& g) {
     using U = Unit<T>;
-    static_assert(Traits<T>::subs == 1 && !U::per16);
-    Acc acc[R][NT];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+    static_assert(Traits<T>::subs == 1 && !U::per16 && (R == 1 || R == 2));
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
     thread_local MinBuf mbuf[2];
-    float* mins[R] = {};
+    float* mins[2] = {};
     if constexpr (U::has_min)
         for (int r = 0; r < R; ++r) mins[r] = mbuf[r].size(nkb);
     for (int64_t c = 0; c < nkb; ++c) {
         W16 w[R];
-        Acc sw[R];
-        for (int r = 0; r < R; ++r) {
-            float s, m;
-            w[r] = decode16<T>(rows[r] + c * Traits<T>::kb_bytes, g, s, m);
-            sw[r] = bcast(s);
-            if constexpr (U::has_min) mins[r][c] = m;
+        __m256 swv;
+        if constexpr (T == QType::Q8_0) {  // both rows' f16 scales in one conversion
+            const uint8_t* b0 = rows[0] + c * Traits<T>::kb_bytes;
+            const uint8_t* b1 = rows[R - 1] + c * Traits<T>::kb_bytes;
+            float unused;
+            for (int r = 0; r < R; ++r) w[r] = decode16<T>(rows[r] + c * Traits<T>::kb_bytes, g, unused, unused);
+            const __m128i h = _mm_insert_epi16(_mm_cvtsi32_si128(ld_u16(b0)), R == 2 ? ld_u16(b1) : 0, 1);
+            swv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(h)), _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
+        } else {
+            float sw[2] = {0.f, 0.f}, m;
+            for (int r = 0; r < R; ++r) {
+                w[r] = decode16<T>(rows[r] + c * Traits<T>::kb_bytes, g, sw[r], m);
+                if constexpr (U::has_min) mins[r][c] = m;
+            }
+            swv = pair_scale(sw[0], sw[1]);
         }
         for (int t = 0; t < NT; ++t) {
-            const W16 x = load_x16(a.x16 + t * a.n + 32 * c);
-            const Acc dx = bcast(a.dx16[t * nkb + c]);
-            for (int r = 0; r < R; ++r) acc[r][t] = fma16(acc[r][t], w[r], x, sw[r], dx);
+            const int16_t* x = a.x16 + t * a.n + 32 * c;
+            const __m256i p0 = dot16(w[0], x);
+            const __m256i p1 = R == 2 ? dot16(w[R - 1], x) : _mm256_setzero_si256();
+            acc[t] = fma_pair(acc[t], p0, p1, _mm256_mul_ps(swv, _mm256_set1_ps(a.dx16[t * nkb + c])));
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) out[r][t * ldo] = finish16<U::has_min>(acc[r][t], mins[r], a, t, nkb);
+    for (int t = 0; t < NT; ++t) {
+        float v[2];
+        hsum_pair(acc[t], v[0], v[1]);
+        for (int r = 0; r < R; ++r) out[r][t * ldo] = with_mins<U::has_min>(v[r], mins[r], a, t, nkb);
+    }
 }
 
 template <QType T, int R>
@@ -193,23 +218,35 @@ void decode_q16_row(const uint8_t* row, int64_t nkb, RowBuf16& rb, const Grids& 
     }
 }
 
+// RB rows x NT tokens, the tokens folded in pairs (a last odd token beside zeros)
 template <QType T, int RB, int NT>
 void gemm16_block(const RowBuf16* rb, const Act& a, float* out, int64_t ldo) {
+    constexpr int NP = (NT + 1) / 2;
     const int64_t nc = a.n / 32;
-    Acc acc[RB][NT];
+    __m256 acc[RB][NP];
     for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+        for (int p = 0; p < NP; ++p) acc[r][p] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
-        Acc dx[NT];
-        for (int t = 0; t < NT; ++t) dx[t] = bcast(a.dx16[t * nc + c]);
+        __m256 dx[NP];
+        for (int p = 0; p < NP; ++p)
+            dx[p] = pair_scale(a.dx16[2 * p * nc + c], 2 * p + 1 < NT ? a.dx16[(2 * p + 1) * nc + c] : 0.f);
         for (int r = 0; r < RB; ++r) {
             const W16 w = load_w16(rb[r].q + 32 * c);
-            const Acc sw = bcast(rb[r].s[c]);
-            for (int t = 0; t < NT; ++t) acc[r][t] = fma16(acc[r][t], w, load_x16(a.x16 + t * a.n + 32 * c), sw, dx[t]);
+            const __m256 sw = _mm256_set1_ps(rb[r].s[c]);
+            for (int p = 0; p < NP; ++p) {
+                const __m256i p0 = dot16(w, a.x16 + 2 * p * a.n + 32 * c);
+                const __m256i p1 = 2 * p + 1 < NT ? dot16(w, a.x16 + (2 * p + 1) * a.n + 32 * c) : _mm256_setzero_si256();
+                acc[r][p] = fma_pair(acc[r][p], p0, p1, _mm256_mul_ps(sw, dx[p]));
+            }
         }
     }
     for (int r = 0; r < RB; ++r)
-        for (int t = 0; t < NT; ++t) out[t * ldo + r] = finish16<Unit<T>::has_min>(acc[r][t], rb[r].m, a, t, nc);
+        for (int p = 0; p < NP; ++p) {
+            float v[2];
+            hsum_pair(acc[r][p], v[0], v[1]);
+            for (int i = 0; i < 2 && 2 * p + i < NT; ++i)
+                out[(2 * p + i) * ldo + r] = with_mins<Unit<T>::has_min>(v[i], rb[r].m, a, 2 * p + i, nc);
+        }
 }
 
 template <QType T, int RB>
