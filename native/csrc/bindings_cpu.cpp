@@ -74,11 +74,13 @@
 //   repacked_type(type_id) -> (id, name, block_elems, block_bytes) | None   a type's CPU form
 //   accumulation(name) -> "f32" | "q8"   how the active ISA's matmul/moe_ffn accumulate a type:
 //       f32 = exact weights x float activations; q8 = exact weights x activations rounded to
-//       int8 per 32 features as ggml does (native.numerics.q8_round), integer sums per 16
-//       weights, float32 scales
+//       int8 per 32 features (native.numerics.q8_round), integer sums per 16 weights, float32
+//       scales; q16 = the same with int16 per 32 features (native.numerics.q16_round)
 //   quantize_q8(x, n_tok, n, q, d, m16)   the active ISA's activation rounding (raises if it has
 //       none): x f32 [T, n] -> q int8 [T, n], d f32 [T, n/32], m16 f32 [T, n/16] = d * sum of q
 //       per 16 (what the q8 kernels multiply; tests hold it to q8_round bit for bit)
+//   quantize_q16(x, n_tok, n, q, d, s)   the same for the int16 form: q int16 [T, n], d and
+//       s = d * sum of q f32 [T, n/32] (held to q16_round bit for bit)
 //   set_threads(n) (n <= 0: all cores), threads() -> int
 //   hold_threads(on)   while held (counted), idle pool threads spin instead of sleeping: a CPU
 //       forward holds them, so its few hundred calls a token start without waking 15 threads
@@ -330,6 +332,13 @@ PYBIND11_MODULE(_cpu, m) {
         if (n <= 0 || n % 32) throw std::invalid_argument("quantize_q8: n must be a positive multiple of 32");
         isa.quantize_act(ptr<const float>(x), n, 0, n_tok, n, ptr<int8_t>(q), ptr<float>(d), ptr<float>(m16));
     }, py::arg("x"), py::arg("n_tok"), py::arg("n"), py::arg("q"), py::arg("d"), py::arg("m16"));
+    m.def("quantize_q16", [](uintptr_t x, int64_t n_tok, int64_t n, uintptr_t q, uintptr_t d, uintptr_t s) {
+        const cpu::IsaKernels& isa = cpu::kernels();
+        if (!isa.quantize_act16)
+            throw std::invalid_argument(std::string("CPU ISA '") + isa.name + "' keeps activations in float");
+        if (n <= 0 || n % 32) throw std::invalid_argument("quantize_q16: n must be a positive multiple of 32");
+        isa.quantize_act16(ptr<const float>(x), n, 0, n_tok, n, ptr<int16_t>(q), ptr<float>(d), ptr<float>(s));
+    }, py::arg("x"), py::arg("n_tok"), py::arg("n"), py::arg("q"), py::arg("d"), py::arg("s"));
     m.def("set_threads", &cpu::set_num_threads, py::arg("n"));
     m.def("threads", &cpu::num_threads);
     m.def("hold_threads", &cpu::hold_threads, py::arg("on"));

@@ -1,9 +1,10 @@
-"""Model-level fidelity of the CUDA path, per quant type: logits of tiny synthetic qwen35moe files
-on CUDA against the CPU path (exact: float32 math on the file's own weights), beside the same
-model run with ggml's q8 activation scheme emulated on the CPU (the bar: what llama.cpp's int8
-kernels do to every matmul).
+"""Model-level fidelity per quant type: logits of tiny synthetic qwen35moe files on CUDA and on
+the CPU's int8 kernels against the exact path (the CPU's generic kernels: float32 math on the
+file's own weights), beside the bars: ggml's arithmetic emulated on the CPU, and llama.cpp's own
+CPU logits where a dump_logits binary is given.
 
     python scripts/dev/fidelity.py --out fidelity.json [--types Q8_0,Q6_K] [--seeds 0,1,2]
+    python scripts/dev/fidelity.py --out cpu.json --seeds 0,1,2,3,4,5,6,7,8,9 --llama ./llama_logits
 
 Modes (each against the CPU path, same file, same prompt):
   cuda-prefill   the prompt as one prefill (dense matmuls: dequantize + cuBLAS at the
@@ -11,14 +12,23 @@ Modes (each against the CPU path, same file, same prompt):
   cuda-decode    the prompt token by token (every matmul through the int8-activation kernels)
   prefill-<dt>   cuda-prefill with PREFILL_DTYPE forced to bf16 / f16 / f32 (diagnosis)
   ggml-q8-emulated  CPU, every matmul with x rounded to int8 per 32 values (d = amax/127):
-                 ggml's scheme, the bar (native.numerics)
+                 the bar of the CUDA path (native.numerics)
   cuda-emulated  CPU, the CUDA path's arithmetic emulated (native.numerics): its prediction
+  ggml-cpu-emulated  CPU, every matmul as llama.cpp's CPU build does it (each weight type's own
+                 activation type: q8_0, q8_1, q8_K, f16; native.numerics): the CPU path's bar
+  cpu-prompt     the CPU's int8 kernels (the best ISA), the prompt as one prefill
+  cpu-tokens     the same, token by token (decode)
+  llama.cpp      (--llama BIN) llama.cpp's CPU logits of the prompt in one batch, its default
+                 f16 KV cache; llama.cpp-f32kv with an f32 one. BIN: scripts/dev/llama_logits.cpp
+                 built against a llama.cpp build (its header says how)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +54,60 @@ def logits(model, toks, decode: bool = False):
         return model.prefill(toks, state, all_logits=True)[0]
 
 
+def llama_logits(binary: str, path: Path, toks: torch.Tensor, n_vocab: int, kv: str) -> torch.Tensor:
+    """llama.cpp's CPU logits of the prompt `toks` [1, T] in one batch ([T, n_vocab] float32)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_file, out_file = Path(tmp) / "tokens.i32", Path(tmp) / "logits.f32"
+        toks[0].to(torch.int32).numpy().tofile(tok_file)
+        subprocess.run([binary, str(path), str(tok_file), str(out_file), kv, "2", "prompt"],
+                       check=True, capture_output=True)
+        return torch.from_numpy(np.fromfile(out_file, np.float32).reshape(toks.shape[1], n_vocab))
+
+
+def per_matmul(seed: int = 0) -> None:
+    from loaders.quants import QUANT_TYPES, dequantize_reference, random_tensor
+    from native.numerics import GGML_CPU_ACTIVATION, ggml_cpu_matmul, q8_round
+    cpu = ops._cpu
+    print(f"CPU ISA {cpu.isa()}; relative RMS error of y = x W^T, gaussian / wide-range x")
+    print("| type | ggml CPU (activation) | int8 per 32 | ours (kernels) | ours / ggml |")
+    print("|---|---|---|---|---|")
+    for name, q in QUANT_TYPES.items():
+        if q.family == "float":
+            continue
+        cells = {k: [] for k in ("ggml", "q8", "ours")}
+        for kind in ("gauss", "range"):
+            rng = np.random.default_rng([seed, q.type_id, kind == "range"])
+            o, h, t = 64, 4 * max(32, q.block_elems), 8
+            err = {k: 0.0 for k in cells}
+            norm = 0.0
+            for _ in range(8):
+                raw = random_tensor(q, (o, h), rng)
+                w = torch.from_numpy(dequantize_reference(raw, q, (o, h)).astype(np.float64))
+                x = rng.standard_normal((t, h))
+                if kind == "range":
+                    x *= np.exp(1.5 * rng.standard_normal((1, h)))
+                    x[rng.random((t, h)) < 0.002] *= 200.0
+                x = x.astype(np.float32)
+                xt = torch.from_numpy(x)
+                ref = xt.double() @ w.T
+                mins = None
+                if GGML_CPU_ACTIVATION[name] == "q8_1":
+                    m = raw.reshape(o, -1, q.block_bytes)[:, :, q.m_offset:q.m_offset + 2]
+                    mins = torch.from_numpy(np.ascontiguousarray(m).view(np.float16)[..., 0].astype(np.float32))
+                y = np.zeros((t, o), np.float32)
+                cpu.matmul(q.type_id, raw.ctypes.data, o, h, raw.shape[1], x.ctypes.data, t, y.ctypes.data, 0)
+                for k, got in (("ggml", ggml_cpu_matmul(xt, w, name, mins)), ("q8", q8_round(xt) @ w.T),
+                               ("ours", torch.from_numpy(y).double())):
+                    err[k] += float((got - ref).pow(2).sum())
+                norm += float(ref.pow(2).sum())
+            for k in cells:
+                cells[k].append((err[k] / norm) ** 0.5)
+        ratio = " / ".join(f"{a / b:.3f}" for a, b in zip(cells["ours"], cells["ggml"]))
+        fmt = lambda v: " / ".join(f"{e:.2e}" for e in v)  # noqa: E731
+        print(f"| {name} | {fmt(cells['ggml'])} ({GGML_CPU_ACTIVATION[name]}) | {fmt(cells['q8'])} | "
+              f"{fmt(cells['ours'])} ({cpu.accumulation(name)}) | {ratio} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default=",".join(TYPES))
@@ -51,19 +115,30 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=20, help="prompt positions per file")
     ap.add_argument("--dir", default="/tmp/ftpatch-fidelity")
     ap.add_argument("--diagnose", action="store_true", help="also prefill at bf16 / f16 / f32")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU int8 kernels' modes")
+    ap.add_argument("--schemes", default="ggml-cpu,ggml-q8,cuda", help="emulated schemes to run")
+    ap.add_argument("--llama", default=None, help="scripts/dev/llama_logits.cpp, built")
+    ap.add_argument("--per-matmul", action="store_true", help="the per-matmul table only (no --out)")
+    ap.add_argument("--out")
     args = ap.parse_args()
+    global np, ops, torch   # the helpers above use them; imported after --help is answered
     import numpy as np
     import torch
 
-    import native._cpu as cpu_ext
-    import native.ops as ops
     from loaders import open_model
     from loaders.synth import SynthOptions, synthesize
     from moe_offload.models import build_model
+    from native import ops
     from native.numerics import emulate
+    if args.per_matmul:
+        per_matmul()
+        return 0
+    if not args.out:
+        ap.error("--out is required (except with --per-matmul)")
     cuda = torch.cuda.is_available()
-    cpu_ext.set_isa("generic")   # the exact CPU path: float activations (avx2 / avx512 round to int8)
+    best_isa = ops._cpu.isa() if ops._cpu is not None else None
+    if ops._cpu is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
+        ops._cpu.set_isa("generic")
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.types.split(","):
@@ -79,9 +154,20 @@ def main() -> int:
             cpu = build_model(loaded, "cpu")
             exact = logits(cpu, toks)
             row = {"type": name, "seed": seed}
-            for scheme in ("ggml-q8", "cuda"):
+            for scheme in [s for s in args.schemes.split(",") if s]:
                 with emulate(scheme):
                     row[f"{scheme}-emulated"] = compare(logits(cpu, toks), exact)
+            if not args.no_cpu and best_isa not in (None, "generic"):
+                ops._cpu.set_isa(best_isa)
+                try:
+                    row["cpu-prompt"] = compare(logits(cpu, toks), exact)
+                    row["cpu-tokens"] = compare(logits(cpu, toks, decode=True), exact)
+                finally:
+                    ops._cpu.set_isa("generic")
+            if args.llama:
+                row["llama.cpp"] = compare(llama_logits(args.llama, path, toks, loaded.config.n_vocab, "f16"), exact)
+                row["llama.cpp-f32kv"] = compare(
+                    llama_logits(args.llama, path, toks, loaded.config.n_vocab, "f32"), exact)
             if cuda:
                 gpu = build_model(loaded, "cuda")
                 tc = toks.cuda()

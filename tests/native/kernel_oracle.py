@@ -18,12 +18,13 @@ SEED = int(os.environ.get("FTPATCH_TEST_SEED", secrets.randbits(32)))
 # reports each type's kind: native._cpu.accumulation(name)); elementwise, for y = W x:
 #   |y - y64| <= a * sum_j |w_j x_j|  +  b * sum_blocks max|x_blk| * sum_{j in blk} |w_j|
 # "f32": exact weights times float x, float32 sums: the dot-product rounding term only.
-# "q8":  exact weights times x rounded to int8 per 32 features (ggml's scheme, numerics.q8_round),
-#        exact integer sums. The reference multiplies the same rounded x (`kernel_input`), so only
-#        float32 rounding remains (a); b bounds a kernel input that is itself computed (moe_ffn's
-#        hidden activations): one rounding step of 1/127 of the block's max, which covers values
-#        that round the other way.
-TOLERANCES = {"f32": (1e-5, 0.0), "q8": (1e-5, 1 / 127)}
+# "q8":  exact weights times x rounded to int8 per 32 features (numerics.q8_round), exact integer
+#        sums. The reference multiplies the same rounded x (`kernel_input`), so only float32
+#        rounding remains (a); b bounds a kernel input that is itself computed (moe_ffn's hidden
+#        activations): one rounding step of 1/127 of the block's max, which covers values that
+#        round the other way.
+# "q16": the same with int16 per 32 features (numerics.q16_round): one step is 1/32767 of the max.
+TOLERANCES = {"f32": (1e-5, 0.0), "q8": (1e-5, 1 / 127), "q16": (1e-5, 1 / 32767)}
 MOE_SLACK = 2.0  # moe_ffn chains three matmuls and silu: the propagated bound, widened
 
 
@@ -60,11 +61,12 @@ def dot_bound(kind: str, w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 def kernel_input(kind: str, x: np.ndarray) -> np.ndarray:
     """x [T, n] as the kernel of accumulation `kind` multiplies it (float64)."""
-    if kind != "q8":
+    if kind not in ("q8", "q16"):
         return x
     import torch
-    from native.numerics import q8_round
-    return q8_round(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
+    from native.numerics import q8_round, q16_round
+    rnd = q8_round if kind == "q8" else q16_round
+    return rnd(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy()
 
 
 def matmul_reference(kind: str, w: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -119,6 +119,59 @@ def test_q8_activations_are_ggml_rounding_bit_for_bit(cpu_isa):
         assert np.array_equal(m16, d.repeat(2, -1) * sums.astype(np.float32)), cpu_isa
 
 
+def test_q16_activations_are_q16_round_bit_for_bit(cpu_isa):
+    """The int16 inputs of the 32-weight block types' kernels: values, scales and per-32 sums
+    equal native.numerics.q16_round exactly, on awkward inputs too."""
+    import torch
+    from native.numerics import q16_round
+    if cpu_isa == "generic":
+        with pytest.raises(ValueError, match="float"):
+            cpu.quantize_q16(0, 0, 32, 0, 0, 0)
+        return
+    rng = rng_for("q16", cpu_isa)
+    t, n = 9, 512
+    x = rng.standard_normal((t, n), dtype=np.float32) * np.exp(3 * rng.standard_normal((t, n // 32, 1))).repeat(32, -1).reshape(t, n).astype(np.float32)
+    x[0, :32] = 0.0                                       # an all-zero block: d = 0, q = 0
+    x[1, :31] = np.arange(31, dtype=np.float32) - 15.5   # d = 1: halves, ties round to even
+    x[1, 31] = 32767.0
+    x[2, :32] = 1e-30                                     # tiny
+    x[2, 32:64] = 3e37                                    # huge
+    q, d, s = np.zeros((t, n), np.int16), poisoned((t, n // 32)), poisoned((t, n // 32))
+    cpu.quantize_q16(x.ctypes.data, t, n, q.ctypes.data, d.ctypes.data, s.ctypes.data)
+    xt = torch.from_numpy(x).reshape(t, n // 32, 32)
+    d_ref = (xt.abs().amax(-1) / 32767.0).numpy()
+    assert np.array_equal(d, d_ref), f"{cpu_isa}: scales (seed {SEED})"
+    q_ref = np.rint(q16_round(torch.from_numpy(x)).numpy().reshape(t, n // 32, 32) /
+                    np.where(d_ref > 0, d_ref, 1)[..., None].astype(np.float64))
+    assert np.array_equal(q.reshape(t, n // 32, 32), q_ref), f"{cpu_isa}: int16 values (seed {SEED})"
+    sums = q.astype(np.int64).reshape(t, n // 32, 32).sum(-1)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(s, d * sums.astype(np.float32)), cpu_isa
+
+
+def test_int16_kernels_give_the_same_bits_on_avx2_and_avx512():
+    """The q16 kernels sum the same integers per lane and take the same float steps on both ISAs."""
+    isas = [i for i in ("avx2", "avx512") if i in cpu.available_isas()]
+    if len(isas) < 2:
+        pytest.skip("needs AVX2 and AVX-512")
+    before = cpu.isa()
+    try:
+        for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"):
+            q = QUANT_TYPES[name]
+            rng = rng_for("q16-isas", name)
+            raw, _ = random_weight(q, (21, kernel_cols(q, 7)), rng)
+            x = rng.standard_normal((9, kernel_cols(q, 7)), dtype=np.float32)
+            ys = []
+            for isa in isas:
+                cpu.set_isa(isa)
+                assert cpu.accumulation(name) == "q16", (name, isa)
+                ys.append([_matmul(q, raw, x[:nt]) for nt in (1, 3, 9)])
+            for a, b in zip(*ys):
+                assert np.array_equal(a, b), f"{name} T={a.shape[0]} (seed {SEED})"
+    finally:
+        cpu.set_isa(before)
+
+
 # ---- matmul ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("blocks", [1, 5], ids=["one_block", "many_blocks"])

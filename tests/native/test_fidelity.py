@@ -1,12 +1,19 @@
-"""Fidelity of the CUDA path's arithmetic against ggml's int8 scheme, checked on the CPU.
+"""Fidelity of our arithmetic against ggml's, per matmul and per tiny model.
 
-The CUDA decode kernels round activations to int8 per 32 values exactly as ggml's q8_1 kernels do
+CPU: each weight type's kernels (int8 activations per 32 values for the K and IQ types, int16 for
+the 32-weight block types) against what llama.cpp's CPU build does for that type (its own
+activation type per weight type: q8_0 / q8_1 / q8_K / f16, native.numerics.ggml_cpu_round): the
+real kernels' error against float64 must not exceed ggml's, type by type.
+
+CUDA: the decode kernels round activations to int8 per 32 values as ggml's q8_1 kernels do
 (tests/native/test_cuda_kernels.py holds them to that rounding on a GPU). Prefill GEMMs instead
 round both operands to 16 bits (native.ops.PREFILL_DTYPE); these tests hold that choice to the
 bar "no less faithful than ggml's scheme", per matmul and for whole tiny models, through the CPU
 emulations of native.numerics. tests/moe_offload/test_fidelity_gpu.py checks the real GPU path.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -15,7 +22,7 @@ import torch
 from kernel_oracle import SEED, rng_for
 from loaders.quants import QUANT_TYPES, dequantize_reference, quant_type, random_tensor
 from native import ops
-from native.numerics import emulate, gemm16_round, q8_round
+from native.numerics import GGML_CPU_ACTIVATION, emulate, gemm16_round, ggml_cpu_matmul, q8_round
 
 QUANTIZED = [n for n, q in QUANT_TYPES.items() if q.family != "float"]
 DRAWS = 8   # (W, x) pairs a fidelity comparison sums its errors over
@@ -76,6 +83,63 @@ def test_prefill_operands_no_less_faithful_than_ggml_q8(name, kind):
     assert err16 <= err_q8, f"{name} {kind}: 16-bit error {err16:.3g} > q8 error {err_q8:.3g} (seed {SEED})"
 
 
+def _int_isas() -> list[str]:
+    return [i for i in (ops._cpu.available_isas() if ops._cpu is not None else []) if i != "generic"]
+
+
+def _block_mins(raw: np.ndarray, q) -> torch.Tensor | None:
+    """The f16 additive min of each 32-weight block of a Q4_1 / Q5_1 weight, [rows, n/32]."""
+    if GGML_CPU_ACTIVATION[q.name] != "q8_1":
+        return None
+    m = raw.reshape(raw.shape[0], -1, q.block_bytes)[:, :, q.m_offset:q.m_offset + 2]
+    return torch.from_numpy(np.ascontiguousarray(m).view(np.float16)[..., 0].astype(np.float32))
+
+
+@functools.cache
+def _cpu_draws(name: str, kind: str) -> list[tuple[np.ndarray, torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor]]:
+    """DRAWS draws of (raw W, W float64, x, exact x W^T, ggml's CPU x W^T) for one type and kind
+    of activations, shared by the ISAs' runs."""
+    q = quant_type(name)
+    o, h, t = 64, 4 * max(32, q.block_elems), 8
+    rng = rng_for("cpu-vs-ggml", name, kind)
+    out = []
+    for _ in range(DRAWS):
+        raw = random_tensor(q, (o, h), rng)
+        w = torch.from_numpy(dequantize_reference(raw, q, (o, h)).astype(np.float64))
+        x = _activations(rng, t, h, kind)
+        xt = torch.from_numpy(x)
+        out.append((raw, w, x, xt.double() @ w.T, ggml_cpu_matmul(xt, w, name, _block_mins(raw, q))))
+    return out
+
+
+@pytest.mark.parametrize("isa", _int_isas() or [pytest.param("none", marks=pytest.mark.skip("no int8 CPU ISA"))])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_cpu_kernels_no_less_faithful_than_ggml_cpu(name, isa):
+    """y = x W^T from the CPU kernels of `isa` vs ggml's CPU arithmetic for the same weight type
+    (native.numerics.ggml_cpu_matmul), both against the exact product: over DRAWS draws of
+    (W, x) with gaussian and wide-range activations, our error must not exceed ggml's. Measured:
+    int8 per 32 is 0.75x ggml's q8_K error (gaussian) and 0.35x (wide range); int16 is 0.004x
+    to 0.02x of ggml's q8_0 / q8_1; int8 per 32 against q8_0 would be a coin toss (0.997-1.000x)."""
+    q = quant_type(name)
+    before = ops._cpu.isa()
+    ops._cpu.set_isa(isa)
+    try:
+        for kind in ("gauss", "range"):
+            err_ours, err_ggml, norm = 0.0, 0.0, 0.0
+            for raw, w, x, ref, y_ggml in _cpu_draws(name, kind):
+                y = np.zeros((x.shape[0], w.shape[0]), np.float32)
+                ops._cpu.matmul(q.type_id, raw.ctypes.data, w.shape[0], w.shape[1], raw.shape[1],
+                                x.ctypes.data, x.shape[0], y.ctypes.data, 0)
+                err_ours += float((torch.from_numpy(y).double() - ref).pow(2).sum())
+                err_ggml += float((y_ggml - ref).pow(2).sum())
+                norm += float(ref.pow(2).sum())
+            ours, ggml = (err_ours / norm) ** 0.5, (err_ggml / norm) ** 0.5
+            assert ours <= ggml, (f"{name} on {isa}, {kind} activations: our error {ours:.3g} > "
+                                  f"ggml's ({GGML_CPU_ACTIVATION[name]}) {ggml:.3g} (seed {SEED})")
+    finally:
+        ops._cpu.set_isa(before)
+
+
 def _tiny_logits(path, n_tok: int, seed: int, scheme: str | None, isa: str = "generic"):
     """All logits of a seeded prompt on the CPU: under the emulation `scheme`, or (None) the
     native kernels of `isa` -- "generic" is the exact path (float activations)."""
@@ -121,30 +185,37 @@ def test_cuda_arithmetic_no_less_faithful_than_ggml_q8_on_a_model(synth_model, n
         f"{name}: emulated CUDA top-1 {t_ours:.2f} / corr {c_ours:.5f} vs ggml q8 {t_bar:.2f} / {c_bar:.5f}")
 
 
-def _int8_isas() -> list[str]:
-    return [i for i in (ops._cpu.available_isas() if ops._cpu is not None else []) if i != "generic"]
+CPU_MODEL_TYPES = ["IQ3_S", "Q4_K", "IQ4_XS", "Q8_0", "mixed"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", _int8_isas() or [pytest.param("none", marks=pytest.mark.skip("no int8 CPU ISA"))])
-@pytest.mark.parametrize("name", ["IQ3_S", "Q4_K", "mixed"])
-def test_cpu_int8_kernels_are_ggml_q8_on_a_model(synth_model, name, isa):
-    """The CPU's int8 kernels compute ggml's q8 scheme, so a tiny model's logits meet the fidelity
-    bar: they are closer to the q8 emulation than the emulation is to the exact path (what is
-    left are ties of the int8 rounding that float32 summation order sends the other way, which a
-    random tiny model amplifies: up to 0.55 of the emulation's distance, measured), and their
-    agreement with the exact path is the bar's."""
+@pytest.mark.skipif(not _int_isas(), reason="no integer CPU ISA")
+@pytest.mark.parametrize("name", CPU_MODEL_TYPES)
+def test_cpu_kernels_no_less_faithful_than_ggml_cpu_on_a_model(synth_model, name):
+    """Tiny models' logits (a 20-token prompt, all positions) from the CPU's integer kernels
+    against the exact path, beside ggml's CPU arithmetic emulated on the same files (what
+    llama.cpp's CPU build gives to float32 summation order: docs/BENCHMARKS.md, "CPU fidelity"),
+    averaged over the 3 files of that table: correlation no lower, and top-1 agreement no lower
+    but for one position a file (a rounding tie that float32 summation order alone sends the
+    other way moves one: llama.cpp's own logits and its emulation differ by that much). The
+    kernels must also compute their scheme: on the first file, closer to the "cpu" emulation than
+    that is to the exact path, or within float32 noise of both (the int16 types)."""
     kw = MODEL_TYPES[name] or dict(type=name)
-    ours, bar = [], []
-    for seed in (0, 1):
+    ours, bar = {isa: [] for isa in _int_isas()}, []
+    for seed in (0, 1, 2):
         path = synth_model(seed=seed, **kw)
-        exact = _tiny_logits(path, 16, seed, None)
-        native = _tiny_logits(path, 16, seed, None, isa)
-        q8 = _tiny_logits(path, 16, seed, "ggml-q8")
-        d_native, d_bar = _rms_rel(native - q8, q8), _rms_rel(q8 - exact, exact)
-        assert d_native < d_bar, f"{name} on {isa}: native vs q8 {d_native:.3g}, q8 vs exact {d_bar:.3g}"
-        ours.append(_agreement(native, exact))
-        bar.append(_agreement(q8, exact))
-    (t_ours, c_ours), (t_bar, c_bar) = np.mean(ours, 0), np.mean(bar, 0)
-    assert t_ours >= t_bar - 1 / 16 and c_ours >= c_bar - 1e-3, (
-        f"{name} on {isa}: native top-1 {t_ours:.2f} / corr {c_ours:.5f} vs ggml q8 {t_bar:.2f} / {c_bar:.5f}")
+        exact = _tiny_logits(path, 20, seed, None)
+        bar.append(_agreement(_tiny_logits(path, 20, seed, "ggml-cpu"), exact))
+        emulated = _tiny_logits(path, 20, seed, "cpu") if seed == 0 else None
+        for isa in ours:
+            native = _tiny_logits(path, 20, seed, None, isa)
+            ours[isa].append(_agreement(native, exact))
+            if emulated is not None:
+                d_native, d_scheme = _rms_rel(native - emulated, emulated), _rms_rel(emulated - exact, exact)
+                assert d_native < max(d_scheme, 1e-3), (
+                    f"{name} on {isa}: native vs its scheme {d_native:.3g}, scheme vs exact {d_scheme:.3g}")
+    t_bar, c_bar = np.mean(bar, 0)
+    for isa, got in ours.items():
+        t_ours, c_ours = np.mean(got, 0)
+        assert t_ours >= t_bar - 1 / 20 and c_ours >= c_bar, (
+            f"{name} on {isa}: top-1 {t_ours:.3f} / corr {c_ours:.5f} vs ggml's CPU scheme {t_bar:.3f} / {c_bar:.5f}")

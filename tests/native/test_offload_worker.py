@@ -22,11 +22,12 @@ E, F, H, K, L, TMAX = 8, 256, 256, 3, 3, 4
 
 
 def moe_ffn_ref(x, gate, up, down, ids, weights):
-    """What the worker's kernels compute: ggml's q8 scheme (native.numerics) where the active CPU
-    ISA rounds activations to int8, else the float reference."""
-    if _cpu.accumulation(gate.qtype.name) == "q8":
+    """What the worker's kernels compute: the CPU kernels' integer scheme (native.numerics "cpu":
+    int8 or int16 activations by weight type) where the active CPU ISA rounds activations, else
+    the float reference."""
+    if _cpu.accumulation(gate.qtype.name) != "f32":
         from native.numerics import _Emulation
-        return _Emulation("ggml-q8").moe_ffn(x, gate, up, down, ids, weights)
+        return _Emulation("cpu").moe_ffn(x, gate, up, down, ids, weights)
     return _exact_ref(x, gate, up, down, ids, weights)
 
 

@@ -19,9 +19,12 @@ namespace ft::cpu {
 constexpr int kMaxTypeId = 64;  // ggml ids are < 64; tables are indexed by id
 
 // ---- activations, prepared once per call for the active ISA ---------------------------------------
-// Every ISA reads the float rows; ISAs with an integer dot product also read the q8 form (ggml's
-// scheme, q8_kernels.h): per 32 features int8 q = round(x / d), d = max|x| / 127 (exactly
-// native.numerics.q8_round), and per 16 features d * (sum of q), for the additive mins.
+// Every ISA reads the float rows; ISAs with an integer dot product also read the q8 form
+// (q8_kernels.h): per 32 features int8 q = round(x / d), d = max|x| / 127 (exactly
+// native.numerics.q8_round), and per 16 features d * (sum of q), for the additive mins; and for
+// the 32-weight block types the q16 form (q16_kernels.h): per 32 features int16 q = round(x / d),
+// d = max|x| / 32767 (native.numerics.q16_round), and per 32 d * (sum of q). Each form is built
+// only when a weight of the call reads it (ActNeeds).
 struct Act {
     const float* x = nullptr;  // [nt, n] float, row stride ldx
     int64_t ldx = 0;
@@ -32,6 +35,9 @@ struct Act {
     // AVX-512 many-token kernels, the column-form decode of IQ3_S); null unless a weight of the
     // call reads it at nt tokens (TypeKernels::q8x_from) and n % 256 == 0
     const uint8_t* q8x = nullptr;
+    const int16_t* x16 = nullptr;  // [nt, n]      (null unless a weight of the call reads q16)
+    const float* dx16 = nullptr;   // [nt, n / 32]
+    const float* sx16 = nullptr;   // [nt, n / 32]
     int64_t n = 0;
     // the activations from token t on (always inlined: an out-of-line copy built in an ISA file
     // could be the one the linker keeps for the generic files)
@@ -40,6 +46,7 @@ struct Act {
         a.x += t * ldx;
         if (q8) a.q8 += t * n, a.d8 += t * (n / 32), a.m16 += t * (n / 16);
         if (q8x) a.q8x += t * n;
+        if (x16) a.x16 += t * n, a.dx16 += t * (n / 32), a.sx16 += t * (n / 32);
         return a;
     }
 };
@@ -48,10 +55,15 @@ struct ActBuf {  // left uninitialized (every element is written before it is re
     std::unique_ptr<int8_t[]> q8;
     std::unique_ptr<float[]> d8, m16;
     std::unique_ptr<uint8_t[]> q8x;
+    std::unique_ptr<int16_t[]> x16;
+    std::unique_ptr<float[]> dx16, sx16;
 };
 // Fills q8/d8/m16 rows [t0, t1) (x rows at x + t*ldx, n % 32 == 0).
 using QuantizeActFn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
                                int8_t* q8, float* d8, float* m16);
+// Fills x16/dx16/sx16 rows [t0, t1) (n % 32 == 0).
+using QuantizeAct16Fn = void (*)(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n,
+                                 int16_t* x16, float* dx16, float* sx16);
 // Fills q8x rows [t0, t1) from the q8 rows (n % 256 == 0).
 using InterleaveActFn = void (*)(const int8_t* q8, int64_t t0, int64_t t1, int64_t n, uint8_t* q8x);
 
@@ -81,13 +93,23 @@ struct TypeKernels {
     const char* name = nullptr;
     bool needs_grids = false;
     // How dot_row accumulates (tests pick their tolerance by it): "f32" = exact weights times
-    // float x; "q8" = exact weights times the q8 activations above, exact integer sums per
-    // 16 weights, scaled and summed in float32.
+    // float x; "q8" / "q16" = exact weights times the q8 / q16 activations above, exact integer
+    // sums per 16 or 32 weights, scaled and summed in float32.
     const char* accumulation = "f32";
+    uint8_t reads = 0;             // the Act forms dot_row / gemm read: kReadsQ8 | kReadsQ16
     DotRow2Fn dot_row2 = nullptr;  // null: no gain over two dot_row calls (callers use dot_pair)
     GemmFn gemm = nullptr;         // null: callers loop over dot_row / dot_pair
     int64_t q8x_from = 0;          // gemm reads Act::q8x in calls of this many tokens or more
                                    // (0: never); prepare_act builds it only then
+};
+
+constexpr uint8_t kReadsQ8 = 1, kReadsQ16 = 2;
+
+// The activation forms a call must build for its weights: add() each weight's kernels.
+struct ActNeeds {
+    uint8_t reads = 0;
+    int64_t q8x_from = 0;  // the fewest tokens at which a weight reads Act::q8x (0: none does)
+    ActNeeds& add(const TypeKernels& k);
 };
 
 // Two rows of type k against the same activations: dot_row2 where the type has one.
@@ -101,6 +123,7 @@ inline void dot_pair(const TypeKernels& k, const uint8_t* row0, const uint8_t* r
 struct IsaKernels {
     const char* name = nullptr;
     QuantizeActFn quantize_act = nullptr;  // null: the ISA reads float activations only
+    QuantizeAct16Fn quantize_act16 = nullptr;  // null: no type of the ISA reads q16
     InterleaveActFn interleave_act = nullptr;  // null: the ISA reads no Act::q8x
     TypeKernels types[kMaxTypeId];
 };
@@ -130,11 +153,15 @@ namespace ft::cpu {
 // The fewer of two q8x thresholds (TypeKernels::q8x_from, 0 = never): the fewest tokens at which
 // one of a call's weights reads Act::q8x.
 inline int64_t q8x_min(int64_t a, int64_t b) { return a == 0 ? b : b == 0 ? a : a < b ? a : b; }
-// Activations for `isa` (multithreaded for many tokens); buf owns the int16 form. q8x_from: the
-// fewest tokens at which a weight of the call reads Act::q8x (0: none does); only from there on
-// is it built.
+inline ActNeeds& ActNeeds::add(const TypeKernels& k) {
+    reads |= k.reads;
+    q8x_from = q8x_min(q8x_from, k.q8x_from);
+    return *this;
+}
+// Activations for `isa` (multithreaded for many tokens); buf owns the integer forms. Only the
+// forms `needs` names are built (Act::q8x only from needs.q8x_from tokens on).
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
-                ActBuf& buf, int64_t q8x_from);
+                ActBuf& buf, const ActNeeds& needs);
 
 // ---- dispatch and tables (dispatch.cpp) -----------------------------------------------------------
 const IsaKernels& kernels();                // the active ISA's table (ops read it once per call)

@@ -179,30 +179,43 @@ void set_table(const std::string& name, const void* data, size_t nbytes) {
 }
 
 Act prepare_act(const IsaKernels& isa, const float* x, int64_t ldx, int64_t nt, int64_t n,
-                ActBuf& buf, int64_t q8x_from) {
+                ActBuf& buf, const ActNeeds& needs) {
     Act a;
     a.x = x;
     a.ldx = ldx;
     a.n = n;
-    if (!isa.quantize_act || nt <= 0) return a;
-    buf.q8.reset(new int8_t[nt * n]);
-    buf.d8.reset(new float[nt * (n / 32)]);
-    buf.m16.reset(new float[nt * (n / 16)]);
-    a.q8 = buf.q8.get();
-    a.d8 = buf.d8.get();
-    a.m16 = buf.m16.get();
+    const bool q8 = isa.quantize_act && (needs.reads & kReadsQ8);
+    const bool q16 = isa.quantize_act16 && (needs.reads & kReadsQ16);
+    if (nt <= 0 || !(q8 || q16)) return a;
+    if (q8) {
+        buf.q8.reset(new int8_t[nt * n]);
+        buf.d8.reset(new float[nt * (n / 32)]);
+        buf.m16.reset(new float[nt * (n / 16)]);
+        a.q8 = buf.q8.get();
+        a.d8 = buf.d8.get();
+        a.m16 = buf.m16.get();
+    }
+    if (q16) {
+        buf.x16.reset(new int16_t[nt * n]);
+        buf.dx16.reset(new float[nt * (n / 32)]);
+        buf.sx16.reset(new float[nt * (n / 32)]);
+        a.x16 = buf.x16.get();
+        a.dx16 = buf.dx16.get();
+        a.sx16 = buf.sx16.get();
+    }
     // q8x serves the many-token path (nt > 4) of the 256-weight block types on AVX-512, and
     // IQ3_S's column-form decode: only for calls whose weights read it at nt tokens
     uint8_t* q8x = nullptr;
-    if (q8x_from > 0 && nt >= q8x_from && isa.interleave_act && n % 256 == 0) {
+    if (q8 && needs.q8x_from > 0 && nt >= needs.q8x_from && isa.interleave_act && n % 256 == 0) {
         buf.q8x.reset(new uint8_t[nt * n + 63]);
         q8x = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.q8x.get()) + 63) & ~uintptr_t(63));
         a.q8x = q8x;
     }
     const int64_t grain = std::max<int64_t>(1, 16384 / n);
     auto fill = [&](int64_t t0, int64_t t1) {
-        isa.quantize_act(x, ldx, t0, t1, n, buf.q8.get(), buf.d8.get(), buf.m16.get());
+        if (q8) isa.quantize_act(x, ldx, t0, t1, n, buf.q8.get(), buf.d8.get(), buf.m16.get());
         if (q8x) isa.interleave_act(buf.q8.get(), t0, t1, n, q8x);
+        if (q16) isa.quantize_act16(x, ldx, t0, t1, n, buf.x16.get(), buf.dx16.get(), buf.sx16.get());
     };
     if (nt * n < 65536) fill(0, nt);  // one token: cheaper than waking the pool
     else parallel_for(nt, grain, fill);

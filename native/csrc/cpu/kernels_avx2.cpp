@@ -1,11 +1,12 @@
 // AVX2 + FMA row kernels. Quant types with a Unit (units_avx2.h) multiply their int8 weights with
 // int8 activations (q8_kernels.h: maddubs + madd, exact integer sums per 16 weights, one float
-// FMA per 32); float types decode to float and FMA with float activations. Dequantize is
+// FMA per 32), the 32-weight block types with int16 activations (q16_kernels.h); float types
+// decode to float and FMA with float activations. Dequantize is
 // bit-exact with the generic path either way. Chosen at run time when CPUID reports AVX2+FMA+F16C.
 #include <algorithm>
 #include <type_traits>
 
-#include "q8_kernels.h"
+#include "q16_kernels.h"
 
 namespace ft::cpu {
 namespace {
@@ -132,6 +133,7 @@ void fill_avx2(IsaKernels& k) {
     FT_CPU_REPACKED_TYPES(FT_X)
 #undef FT_X
     fill_q8<DotAvx2, 2>(k);
+    fill_q16<2>(k);
 }
 
 }  // namespace ft::cpu

@@ -1,7 +1,7 @@
 // AVX-512 VNNI row kernels: the q8 kernels of q8_kernels.h with one vpdpbusd (AVX512-VNNI on
 // 256-bit vectors, AVX512-VL) per 32 weights and token instead of maddubs + madd (one 512-bit
 // vpdpbusd per 64 in the block form's decode streams), and 4-row register blocks (32 vector
-// registers). Float types, dequantize and the activation rounding
+// registers); the int16 kernels of q16_kernels.h with one 512-bit madd per 32 weights. Float types, dequantize and the activation rounding
 // stay the AVX2 table's. Chosen at run time when CPUID reports AVX512 F/BW/DQ/VL/VNNI besides AVX2.
 //
 // Built with AVX-512 flags (CMakeLists.txt), so every header is compiled here in a namespace of
@@ -21,12 +21,13 @@
 
 #define ft ft_avx512
 #define FT_IQ3S_GATHER
-#include "q8_kernels.h"
+#include "q16_kernels.h"
 
 extern "C" void ft_cpu_fill_avx512(void* isa_kernels) {
     // the same declarations compiled under another namespace name: the layouts are identical
     auto& k = *static_cast<ft::cpu::IsaKernels*>(isa_kernels);
     k.name = "avx512";
     ft::cpu::avx2::fill_q8<ft::cpu::avx2::DotVnni, 4>(k);
+    ft::cpu::avx2::fill_q16<4>(k);
 }
 #undef ft

@@ -33,9 +33,9 @@ void matmul_multi(const MatW* ws, int n_w, int64_t n_in, const float* x, int64_t
     if (n_tok <= 0 || total_rows == 0) return;
     const Grids& g = grids();
     ActBuf buf;
-    int64_t q8x_from = 0;
-    for (const W& m : v) q8x_from = q8x_min(q8x_from, m.k->q8x_from);
-    const Act a = prepare_act(isa, x, n_in, n_tok, n_in, buf, q8x_from);
+    ActNeeds needs;
+    for (const W& m : v) needs.add(*m.k);
+    const Act a = prepare_act(isa, x, n_in, n_tok, n_in, buf, needs);
     // Enough rows per chunk to amortize the pool's hand-off, few enough that every core gets
     // several chunks (balance) even for one 512-row expert matrix.
     const int nth = num_threads();

@@ -68,7 +68,7 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
 
     // Phase 1: gate/up, then h = silu(g) * u in place of g.
     ActBuf xbuf;
-    const Act xa = prepare_act(isa, xg.get(), H, n_slots, H, xbuf, q8x_min(kg.q8x_from, ku.q8x_from));
+    const Act xa = prepare_act(isa, xg.get(), H, n_slots, H, xbuf, ActNeeds().add(kg).add(ku));
     std::vector<std::pair<int64_t, int64_t>> tasks;  // (group, first row)
     for (int64_t i = 0; i < int64_t(groups.size()); ++i)
         for (int64_t f = 0; f < F; f += kRowsPerTask) tasks.push_back({i, f});
@@ -102,7 +102,7 @@ void moe_chunk(const float* x, int64_t T, int64_t H, int64_t F, int64_t E, const
 
     // Phase 2: down rows, weighted sum over experts in ascending expert order.
     ActBuf hbuf;
-    const Act ha = prepare_act(isa, hg.get(), F, n_slots, F, hbuf, kd.q8x_from);
+    const Act ha = prepare_act(isa, hg.get(), F, n_slots, F, hbuf, ActNeeds().add(kd));
     parallel_for(H, kRowsPerTask, [&](int64_t r0, int64_t r1) {
         thread_local std::vector<float> out;
         for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + r0, y + t * H + r1, 0.f);

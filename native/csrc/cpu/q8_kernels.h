@@ -1033,6 +1033,7 @@ void fill_q8(IsaKernels& k) {
         t.gemm = gemm_q8<Dot, QType::NAME, RB>;                                     \
         t.q8x_from = kQ8xFrom<Unit<QType::NAME>>;                                   \
         t.accumulation = "q8";                                                      \
+        t.reads = kReadsQ8;                                                         \
     }
     FT_QUANT_TYPES(FT_X)
     FT_CPU_REPACKED_TYPES(FT_X)
