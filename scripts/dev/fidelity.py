@@ -67,7 +67,7 @@ def llama_logits(binary: str, path: Path, toks: torch.Tensor, n_vocab: int, kv: 
 def per_matmul(seed: int = 0) -> None:
     from loaders.quants import QUANT_TYPES, dequantize_reference, random_tensor
     from native.numerics import GGML_CPU_ACTIVATION, ggml_cpu_matmul, q8_round
-    cpu = ops._cpu
+    cpu = cpu_ext
     print(f"CPU ISA {cpu.isa()}; relative RMS error of y = x W^T, gaussian / wide-range x")
     print("| type | ggml CPU (activation) | int8 per 32 | ours (kernels) | ours / ggml |")
     print("|---|---|---|---|---|")
@@ -121,13 +121,14 @@ def main() -> int:
     ap.add_argument("--per-matmul", action="store_true", help="the per-matmul table only (no --out)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global np, ops, torch   # the helpers above use them; imported after --help is answered
+    global cpu_ext, np, ops, torch   # the helpers above use them; imported after --help
     import numpy as np
     import torch
 
     from loaders import open_model
     from loaders.synth import SynthOptions, synthesize
     from moe_offload.models import build_model
+    import native._cpu as cpu_ext
     from native import ops
     from native.numerics import emulate
     if args.per_matmul:
@@ -136,9 +137,9 @@ def main() -> int:
     if not args.out:
         ap.error("--out is required (except with --per-matmul)")
     cuda = torch.cuda.is_available()
-    best_isa = ops._cpu.isa() if ops._cpu is not None else None
-    if ops._cpu is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
-        ops._cpu.set_isa("generic")
+    best_isa = cpu_ext.isa() if cpu_ext is not None else None
+    if cpu_ext is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
+        cpu_ext.set_isa("generic")
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.types.split(","):
@@ -158,12 +159,12 @@ def main() -> int:
                 with emulate(scheme):
                     row[f"{scheme}-emulated"] = compare(logits(cpu, toks), exact)
             if not args.no_cpu and best_isa not in (None, "generic"):
-                ops._cpu.set_isa(best_isa)
+                cpu_ext.set_isa(best_isa)
                 try:
                     row["cpu-prompt"] = compare(logits(cpu, toks), exact)
                     row["cpu-tokens"] = compare(logits(cpu, toks, decode=True), exact)
                 finally:
-                    ops._cpu.set_isa("generic")
+                    cpu_ext.set_isa("generic")
             if args.llama:
                 row["llama.cpp"] = compare(llama_logits(args.llama, path, toks, loaded.config.n_vocab, "f16"), exact)
                 row["llama.cpp-f32kv"] = compare(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -309,10 +310,16 @@ def test_model_card_tokenize_and_the_access_log(server, oai):
     assert back == {"content": "hello world"}
     r = httpx.post(url + "/detokenize", json={"tokens": [10 ** 6]}, headers=h)
     assert r.status_code == 400 and r.headers["x-should-retry"] == "false"
+    def chats():
+        return [x for x in log.getvalue().splitlines() if "path=/v1/chat/completions" in x]
+    before = len(chats())
     oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                 max_tokens=2)
+    deadline = time.monotonic() + 5   # the line is written once the response has gone out
+    while len(chats()) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
     lines = log.getvalue().splitlines()
-    chat = [x for x in lines if "path=/v1/chat/completions" in x][-1]
+    chat = chats()[-1]
     assert "status=200" in chat and "prompt_tokens=" in chat and "completion_tokens=2" in chat
     bad = [x for x in lines if "path=/detokenize" in x and "status=400" in x][-1]
     assert 'error="tokens=1000000' in bad
