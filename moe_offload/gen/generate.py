@@ -21,7 +21,7 @@ from .stream import DoneEvent, TokenEvent, TokenStream
 
 def generate(model, state: State, prompt: Sequence[int], params: SamplingParams = GREEDY, *,
              tokenizer=None, eog_ids: Iterable[int] | None = None, history: Sequence[int] = (),
-             prefill_chunk: int = 512, draft=None, constraint=None
+             prefill_chunk: int | None = None, draft=None, constraint=None
              ) -> Iterator[TokenEvent | DoneEvent]:
     """Stream tokens after `prompt` (fed on top of what `state` holds; `history` = the ids
     already in it, for the penalties). eog_ids default to the tokenizer's. draft (a
@@ -29,7 +29,9 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     several tokens). The cache holds every token yielded but the last -- or, on a GPU, all of
     them when the caller leaves early or the last is an end-of-generation id (the next step was
     queued already): state.n_past tells. constraint (constraint.TokenConstraint): only ids it
-    allows are drawn (not with a draft: its steps draw several ids from one verify)."""
+    allows are drawn (not with a draft: its steps draw several ids from one verify).
+    prefill_chunk: tokens a prompt chunk (None: the model's own; under a cap the offload
+    policy's, whose every chunk streams the cold experts once)."""
     if not len(prompt):
         raise OffloadError("the prompt is empty; give at least one token")
     if state.batch != 1:
@@ -45,7 +47,8 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     t0 = time.perf_counter()
     prompt_t = torch.tensor([list(prompt)], device=dev)
     if draft is None:
-        logits = model.prefill(prompt_t, state, chunk=prefill_chunk)
+        logits = model.prefill(prompt_t, state,
+                               **({} if prefill_chunk is None else {"chunk": prefill_chunk}))
     else:
         n_hist = state.n_past
         logits = draft.prefill(prompt_t, state, prefill_chunk,

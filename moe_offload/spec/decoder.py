@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import as_backend
-from ..config import DRAFT
+from ..config import DRAFT, PREFILL
 from ..errors import OffloadError
 from ..gen.readback import TokenReadback
 from ..instrument.phases import Phases, SyncedPhases
@@ -123,7 +123,7 @@ class SpeculativeDecoder:
 
     # -- the prompt -----------------------------------------------------------------------------
 
-    def prefill(self, tokens: torch.Tensor, state: State, chunk: int = 512,
+    def prefill(self, tokens: torch.Tensor, state: State, chunk: int | None = None,
                 history: list[int] | None = None) -> torch.Tensor:
         """The prompt tokens [1, T] on top of `state` -> last logits [1, V]; its hidden states
         are owed to the MTP head. history: the ids already in the state (when they are not
@@ -141,7 +141,7 @@ class SpeculativeDecoder:
             state.mtp_hidden = torch.cat((owed, hidden[0]))
         else:
             state.mtp_past, state.mtp_hidden = n0, hidden[0]
-        self._catch_up(state, chunk)
+        self._catch_up(state, chunk or PREFILL.default_chunk)
         self._last = 0
         return logits
 
