@@ -39,6 +39,17 @@ class AnthropicTool(_Strict):
     type: str | None = None
 
 
+class ToolChoice(_Strict):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Strict):
+    type: str
+    budget_tokens: int | None = None
+
+
 class MessagesRequest(_Strict):
     model: str
     max_tokens: int
@@ -50,8 +61,8 @@ class MessagesRequest(_Strict):
     top_k: int | None = None
     stream: bool = False
     tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
     metadata: dict[str, Any] | None = None
 
 
@@ -177,20 +188,19 @@ def _assistant(content, where: str) -> dict:
 def forced_tool(req: MessagesRequest) -> tuple[bool, str | None]:
     """tool_choice any -> a tool call of the model's choosing; tool -> that tool (checked by
     tools_for_template); auto / none -> nothing forced."""
-    choice = req.tool_choice or {"type": "auto"}
-    kind = choice.get("type")
-    if kind == "any":
+    choice = req.tool_choice or ToolChoice(type="auto")
+    if choice.type == "any":
         return True, None
-    if kind == "tool":
-        return True, choice.get("name")
+    if choice.type == "tool":
+        return True, choice.name
     return False, None
 
 
 def tools_for_template(req: MessagesRequest) -> list[dict] | None:
     """The request's tools as function tools (None when there are none or tool_choice is
     none); `forced_tool` says whether the reply must call one."""
-    choice = req.tool_choice or {"type": "auto"}
-    kind = choice.get("type")
+    choice = req.tool_choice or ToolChoice(type="auto")
+    kind = choice.type
     if kind not in ("auto", "any", "tool", "none"):
         raise _bad(f"tool_choice.type={json.dumps(kind)}: give auto, any, tool or none",
                    "tool_choice")
@@ -202,8 +212,8 @@ def tools_for_template(req: MessagesRequest) -> list[dict] | None:
         tools.append({"type": "function", "function": {
             "name": t.name, "description": t.description or "",
             "parameters": t.input_schema or {"type": "object", "properties": {}}}})
-    if kind == "tool" and choice.get("name") not in {t.name for t in req.tools or []}:
-        raise _bad(f"tool_choice.name={json.dumps(choice.get('name'))} is not among the tools; "
+    if kind == "tool" and choice.name not in {t.name for t in req.tools or []}:
+        raise _bad(f"tool_choice.name={json.dumps(choice.name)} is not among the tools; "
                    "name one of them", "tool_choice.name")
     if kind == "none" or not tools:
         return None
@@ -220,7 +230,7 @@ def enable_thinking(req: MessagesRequest) -> bool:
     length is bounded by max_tokens only."""
     if req.thinking is None:
         return False
-    kind = req.thinking.get("type")
+    kind = req.thinking.type
     if kind not in THINKING:
         raise _bad(f"thinking.type={json.dumps(kind)}: give {', '.join(THINKING)}",
                    "thinking.type")

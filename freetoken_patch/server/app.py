@@ -25,6 +25,7 @@ from .openai_format import ApiError, OutputParser, new_id
 from .served import Served
 from .validate import (ChatCompletion, ChatRequest, Completion, CompletionRequest,
                        anthropic_sampling_params, bad_value, check_model, check_no_suffix,
+                       check_text,
                        forced_tool, sampling_params, validation_message)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
@@ -145,6 +146,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req.model, served.model_id)
+        check_text(req.model_dump())
         params = sampling_params(req, req.max_completion_tokens)
         schema = structured.response_format_schema(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -169,6 +171,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
         check_model(req.model, served.model_id, anthropic=True)
+        check_text(req.model_dump())
         params = anthropic_sampling_params(req)
         forced = anthropic.forced_tool(req) if req.tools else (False, None)
         _check_mode(served, params, forced[0])
@@ -186,6 +189,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest, request: Request):
         check_model(req.model, served.model_id, anthropic=True)
+        check_text(req.model_dump())
         p = await run_in_threadpool(prompt.render_messages, served, req, False)
         request.scope.get("ftpatch.log", {})["input_tokens"] = len(p.ids)
         return {"input_tokens": len(p.ids)}
@@ -193,6 +197,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model, served.model_id)
+        check_text(req.model_dump())
         params = sampling_params(req, None)
         check_no_suffix(req)
         _check_mode(served, params, False, echo=req.echo and params.logprobs is not None)

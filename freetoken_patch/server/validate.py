@@ -23,11 +23,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -41,6 +52,15 @@ class FunctionDef(_Strict):
 class Tool(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -75,7 +95,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    tool_choice: Union[str, NamedToolChoice, None] = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -161,8 +181,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def _field(e: dict) -> str:
     """An error's location as the client spells it (messages[0].role), union tags dropped."""
-    loc = [p for p in e.get("loc", ()) if p != "body"
-           and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    loc = [p for p in e.get("loc", ()) if p != "body"   # union tags: a type's or a model's name
+           and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p[:1].isupper()))]
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
 
 
@@ -277,6 +297,23 @@ def anthropic_sampling_params(req) -> SamplingParams:
                                      top_p=req.top_p, top_k=req.top_k, stop=stops), None)
 
 
+def check_text(value: Any, where: str = "") -> None:
+    """Every string in a request is Unicode text: JSON can spell a lone surrogate (\\ud800),
+    which no UTF-8 encoder takes; one is a 400 naming its field, not a failure further on."""
+    if isinstance(value, str):
+        if any("\ud800" <= ch <= "\udfff" for ch in value):
+            raise ApiError(400, f"{where or 'a string'}: holds a lone UTF-16 surrogate, which is "
+                                "not Unicode text; send valid text", param=where or None,
+                           code="invalid_value")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where)
+            check_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{where}[{i}]")
+
+
 def check_no_suffix(req: CompletionRequest) -> None:
     if req.suffix:
         raise ApiError(400, "suffix (fill in the middle) is not supported; leave it out",
@@ -292,8 +329,8 @@ def forced_tool(choice, tools: list[dict]) -> tuple[bool, str | None]:
         if not tools:
             raise bad_value("tool_choice", choice, "required needs tools; send some, or use auto")
         return True, None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
         if name not in names:
             raise bad_value("tool_choice.function.name", name, "name one of the request's tools")
         return True, name
