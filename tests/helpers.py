@@ -148,3 +148,18 @@ def poison(src: str | Path, dst: str | Path, tensor: str, *, row: int | None = N
                     out.seek(base + b * q.block_bytes + q.d_offset)
                     out.write(np.array([value], np.float16).tobytes())
     return Path(dst)
+
+
+def ftpatch_cmd(*args: str) -> list[str]:
+    """`python -P -m freetoken_patch.cli ARGS`: -P keeps the working folder (a source tree whose
+    native/ holds no built extension, in CI) off the child's import path; with child_env() the
+    child imports the packages the tests import."""
+    import sys
+    return [sys.executable, "-P", "-m", "freetoken_patch.cli", *args]
+
+
+def child_env(**extra: str) -> dict:
+    """os.environ with PYTHONPATH = this process's import path (and `extra`)."""
+    import os
+    import sys
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import os
 import secrets
 import signal
 import socket
@@ -207,13 +208,16 @@ def _own_server(args: argparse.Namespace, queue: int):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "freetoken_patch.cli", "serve",
+    # -P and PYTHONPATH = our import path: the child imports the same freetoken_patch (and built
+    # extension) as this process, not a source tree that happens to be the working folder.
+    cmd = [sys.executable, "-P", "-m", "freetoken_patch.cli", "serve",
            *serve_argv(getattr(args, "argv", [])), "--host", "127.0.0.1", "--port", str(port),
            "--queue", str(queue), "--prefix-cache", "4"]
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile(mode="w+")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def failed(why: str) -> CLIError:
         log.seek(0)

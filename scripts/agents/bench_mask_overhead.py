@@ -48,7 +48,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             n = 0
             for i in range(args.tokens):
-                evs = s.push(logits[i % 64], 10 ** 6)
+                s.push(logits[i % 64], 10 ** 6)
                 n += 1
                 if s.done:
                     break

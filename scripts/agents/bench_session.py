@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_structured import _free_port, _wait  # noqa: E402
+from bench_structured import _free_port, _same_imports, _wait  # noqa: E402
 
 FIXTURE = Path(__file__).parents[2] / "tests/fixtures/claude_code/first_request.json"
 WORDS = ("the parser reads each block of the file and checks its offsets against the header "
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     url = args.url
     if url is None:
         port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "freetoken_patch.cli", "serve", *serve,
-                                 "--port", str(port)])
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "freetoken_patch.cli", "serve", *serve,
+                                 "--port", str(port)], env=_same_imports())
         url = f"http://127.0.0.1:{port}"
     rows = []
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -30,6 +31,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _same_imports() -> dict:
+    """Environment for a child `python -P`: our import path, so it loads the same
+    freetoken_patch (and built extension) as this script, whatever the working folder."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
 def _wait(url: str, proc, timeout: float = 900) -> None:
@@ -82,8 +89,8 @@ def main(argv=None) -> int:
     url = args.url
     if url is None:
         port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "freetoken_patch.cli", "serve", *serve,
-                                 "--port", str(port), "--log-format", "off"])
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "freetoken_patch.cli", "serve", *serve,
+                                 "--port", str(port), "--log-format", "off"], env=_same_imports())
         url = f"http://127.0.0.1:{port}"
     try:
         _wait(url, proc)

@@ -55,7 +55,13 @@ PORT=${PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 
 if [[ -n $RECORD ]]; then
   server=("$PY" scripts/agents/record_requests.py --record "$RECORD")
 else
-  server=("$PY" -m freetoken_patch.cli serve)
+  # -P: import the installed package (with its built extension) rather than a source tree in
+  # the working folder, where one imports at all that way
+  if "$PY" -P -c 'import freetoken_patch' 2>/dev/null; then
+    server=("$PY" -P -m freetoken_patch.cli serve)
+  else
+    server=("$PY" -m freetoken_patch.cli serve)
+  fi
 fi
 "${server[@]}" "${SERVE[@]}" --port "$PORT" > "$work/server.log" 2>&1 &
 pid=$!

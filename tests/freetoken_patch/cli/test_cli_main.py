@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,9 @@ def test_a_closed_pipe_ends_quietly(args):
     swallows the error itself)."""
     r, w = os.pipe()
     os.close(r)                      # the reader is gone: every write fails with EPIPE
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-m", "freetoken_patch.cli", *args], stdout=w,
-                       stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    from helpers import child_env, ftpatch_cmd
+    p = subprocess.run(ftpatch_cmd(*args), stdout=w, stderr=subprocess.PIPE, text=True,
+                       env=child_env(), timeout=120)
     os.close(w)
     assert p.stderr == "", p.stderr
     assert p.returncode in (0, 141)

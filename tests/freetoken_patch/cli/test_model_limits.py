@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -76,7 +75,8 @@ def test_run_names_the_file_the_position_and_the_tensor(nan_model, sampling, cap
 
 @pytest.mark.slow
 def test_chat_exits_at_the_first_bad_answer(nan_model):
-    r = subprocess.run([sys.executable, "-m", "freetoken_patch.cli", "chat", str(nan_model)],
+    from helpers import child_env, ftpatch_cmd
+    r = subprocess.run(ftpatch_cmd("chat", str(nan_model)), env=child_env(),
                        input="hi\nhello again\n", capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]

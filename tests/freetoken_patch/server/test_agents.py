@@ -253,9 +253,9 @@ def test_constraint_mask_leaves_only_allowed_ids(tiny_parts):
 def _logits(tmp_path, model_path, ids) -> np.ndarray:
     """`ftpatch logits` on these ids -> log-softmax [n, V]."""
     out = tmp_path / "l.npy"
-    subprocess.run([sys.executable, "-m", "freetoken_patch.cli", "logits", str(model_path),
-                    "--tokens", ",".join(map(str, ids)), "--out", str(out)], check=True,
-                   cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    from helpers import child_env, ftpatch_cmd
+    subprocess.run(ftpatch_cmd("logits", str(model_path), "--tokens", ",".join(map(str, ids)),
+                               "--out", str(out)), check=True, env=child_env())
     x = np.load(out).astype(np.float64)
     return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - x.max(-1, keepdims=True)
@@ -263,7 +263,6 @@ def _logits(tmp_path, model_path, ids) -> np.ndarray:
 
 def test_logprobs_equal_ftpatch_logits(oai, server, tiny_parts, tiny_model, tmp_path):
     from moe_offload import SamplingParams, generate
-    served = server[0]
     model, tok, _ = tiny_parts
     prompt = "The sea is"
     r = oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
@@ -271,7 +270,6 @@ def test_logprobs_equal_ftpatch_logits(oai, server, tiny_parts, tiny_model, tmp_
     c = r.choices[0]
     lp = c.logprobs
     ids = tok.encode(prompt, add_special=True, parse_special=True)
-    n = len(ids)
     *_, done = generate(model, model.new_state(1, 64), ids,
                         SamplingParams(temperature=0, max_tokens=4), tokenizer=tok)
     all_ids = ids + list(done.tokens)

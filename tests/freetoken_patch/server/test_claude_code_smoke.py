@@ -3,7 +3,6 @@ tiny model, `claude -p` in json and stream-json modes. Where node and npm are pr
 package is installed or installable; skipped otherwise (the script exits 77)."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +17,8 @@ ROOT = Path(__file__).parents[3]
 def test_claude_code_smoke():
     if not (shutil.which("node") and shutil.which("npm")):
         pytest.skip("node and npm are not installed")
-    env = dict(os.environ, PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    from helpers import child_env
+    env = child_env(PYTHON=sys.executable)   # the script starts the server with python -P
     r = subprocess.run(["bash", str(ROOT / "scripts/agents/claude_code.sh")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1200)
     if r.returncode == 77:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -69,10 +68,10 @@ def test_sigint_drains_then_exits(tiny_model):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "freetoken_patch.cli", "serve", str(tiny_model),
-                             "--port", str(port), "--ctx", "128"],
+    from helpers import child_env, ftpatch_cmd
+    proc = subprocess.Popen(ftpatch_cmd("serve", str(tiny_model), "--port", str(port), "--ctx", "128"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env=child_env(PYTHONUNBUFFERED="1"))
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import resource
 import signal
@@ -196,9 +195,9 @@ def _start(args: list[str], nofile: int | None = None):
     def lower():
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    proc = subprocess.Popen([sys.executable, "-m", "freetoken_patch.cli", "serve", *args,
-                             "--port", "0"], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lower, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    from helpers import child_env, ftpatch_cmd
+    proc = subprocess.Popen(ftpatch_cmd("serve", *args, "--port", "0"), stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lower, env=child_env(PYTHONUNBUFFERED="1"))
     lines = []
     while True:
         line = proc.stderr.readline()
