@@ -210,7 +210,8 @@ def _own_server(args: argparse.Namespace, queue: int):
         port = s.getsockname()[1]
     # -P and PYTHONPATH = our import path: the child imports the same freetoken_patch (and built
     # extension) as this process, not a source tree that happens to be the working folder.
-    cmd = [sys.executable, "-P", "-m", "freetoken_patch.cli", "serve",
+    launcher = [sys.executable, "-P", "-m", "freetoken_patch.cli"]
+    cmd = [*launcher, "serve",
            *serve_argv(getattr(args, "argv", [])), "--host", "127.0.0.1", "--port", str(port),
            "--queue", str(queue), "--prefix-cache", "4"]
     url = f"http://127.0.0.1:{port}"
@@ -244,7 +245,7 @@ def _own_server(args: argparse.Namespace, queue: int):
                 "prefix_cache": h.get("prefix_cache"), "n_ctx": h.get("n_ctx"),
                 "device": str(args.device or ("cuda" if args.vram is not None else "cpu")),
                 "vram": args.vram, "load_s": round(time.perf_counter() - t0, 3),
-                "command": ["ftpatch", *cmd[3:]]}
+                "command": ["ftpatch", *cmd[len(launcher):]]}
         yield url, info
     finally:
         if proc.poll() is None:
