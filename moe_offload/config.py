@@ -63,7 +63,9 @@ class OffloadPolicy:
     graph_bucket: int = 256              # attention-length bucket per captured decode graph
     max_graphs: int = 64                 # captured steps kept before all are dropped (batches of
                                          # several sequences make a key per lengths' combination)
-    prefill_chunk: int = 2048            # tokens per prefill chunk
+    prefill_chunk: int = 2048            # tokens per prefill chunk attending over the whole context:
+                                         # the workspace the plan reserves (a prompt that attends
+                                         # over less goes in fewer, larger chunks that fit it)
     short_prompt: int = 64               # prompts of at most this many tokens run as decode steps of
                                          # 8 tokens each (experts fetched into the cache by the
                                          # plan kernel, no host sync) instead of the prefill path, whose

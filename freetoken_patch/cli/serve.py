@@ -88,7 +88,8 @@ def add_parser(sub) -> None:
                    help="prompt tokens a new request feeds between two decode steps of the "
                         "running ones (batched mode; default 256, 1024 under --vram, where "
                         "every chunk streams the cold experts once); a prompt with no one "
-                        "waiting goes in whole")
+                        "waiting goes in the model's own chunks (under --vram as large as the "
+                        "reserved workspace holds)")
     s.add_argument("--no-batch", action="store_true",
                    help="let active requests take turns, one decode step each, instead of "
                         "stepping them together (to compare)")

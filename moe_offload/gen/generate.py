@@ -30,8 +30,8 @@ def generate(model, state: State, prompt: Sequence[int], params: SamplingParams 
     them when the caller leaves early or the last is an end-of-generation id (the next step was
     queued already): state.n_past tells. constraint (constraint.TokenConstraint): only ids it
     allows are drawn (not with a draft: its steps draw several ids from one verify).
-    prefill_chunk: tokens a prompt chunk (None: the model's own; under a cap the offload
-    policy's, whose every chunk streams the cold experts once)."""
+    prefill_chunk: tokens a prompt chunk (None: the model's own; under a cap the fewest chunks
+    the reserved workspace holds, since every chunk streams the cold experts once)."""
     if not len(prompt):
         raise OffloadError("the prompt is empty; give at least one token")
     if state.batch != 1:

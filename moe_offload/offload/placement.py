@@ -83,15 +83,19 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     over `kv_len` positions. The phases of a layer do not overlap, so it is what lives through the
     layer plus the largest phase; +25% and 64 MiB for the allocator's rounding and fragmentation
     (a 2,048-token prefill at 8 GiB failed with 298 MiB reserved but unusable). Measured on the
-    35B (peak allocated above the start): 194 MiB at 16 tokens, 790 MiB at 2,048 (the runtime
-    records both for every prefill: `prefill_memory`)."""
+    35B (peak allocated above the start): 194 MiB at 16 tokens, 790 MiB at 2,048, and as one
+    chunk at the start of a sequence 1,152 MiB at 3,000 tokens, 3,800 MiB at 10,000, where the
+    delta net's chunked rule is the largest phase (the runtime records the estimate and the use
+    for every prefill: `prefill_memory`)."""
     T, H = n_tokens, c.n_embd
     fused_ssm_in = c.ssm_conv_dim + c.ssm_d_inner + 2 * c.ssm_n_v_heads  # qwen35moe.SSM_IN as one
     widest = max(2 * c.n_head * c.head_dim, fused_ssm_in, c.n_embd * 2, c.ssm_d_inner * 2)
     live = T * H * 4 * 4                                       # residual stream, norms, mixer out
     proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
     attn = (T * 6 + kv_len * 4) * c.n_head * c.head_dim * 4 + T * kv_len * 4   # fused kernel
-    delta = c.ssm_n_v_heads * T * PREFILL.delta_chunk * 4 * 4 + T * fused_ssm_in * 4 * 2  # chunk blocks
+    # the chunked delta rule: about 16 [T, delta_chunk] f32 blocks per value head live at its
+    # peak (queries, keys, their decayed copies, the in-chunk products), and the mixer's input
+    delta = c.ssm_n_v_heads * T * PREFILL.delta_chunk * 4 * 16 + T * fused_ssm_in * 4 * 2
     # routed experts (native.ops.cuda_prefill_moe): a group of 32 experts dequantized to bf16,
     # the T*K token copies (bf16 in, f32 out), their gate/up/activation rows; a short prompt
     # runs the decode kernels instead (no dequantized copy)
@@ -106,6 +110,28 @@ def gpu_workspace_bytes(c, n_ctx: int, policy: OffloadPolicy = OffloadPolicy()) 
     """The workspace a cap must always leave besides the expert cache: the worst prefill chunk
     (a full chunk attending over the whole context) and the decode graph pools."""
     return prefill_workspace_bytes(c, min(policy.prefill_chunk, n_ctx), n_ctx) + policy.decode_graphs
+
+
+def prompt_chunk(c, n_tokens: int, kv_end: int, n_ctx: int, policy: OffloadPolicy,
+                 all_logits: bool = False) -> int:
+    """Tokens a chunk of an n_tokens prompt whose last token lands at kv_end: the fewest chunks,
+    of even size, whose workspace is no larger than the one the plan reserves (policy's chunk
+    attending over all n_ctx). Under a cap every chunk streams the cold experts it routes to,
+    so a follow-up of 2,300 tokens at 29K costs one stream instead of two, and a first prompt
+    attending over less than the whole context goes in fewer, larger chunks."""
+    base = max(1, min(policy.prefill_chunk, n_ctx))
+    if n_tokens <= base:
+        return base
+    budget = prefill_workspace_bytes(c, base, n_ctx, all_logits)
+    lo, hi = base, n_tokens                       # the estimate grows with the chunk
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if prefill_workspace_bytes(c, mid, kv_end, all_logits) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    pieces = -(-n_tokens // lo)
+    return -(-n_tokens // pieces)
 
 
 def staging_bytes(expert_bytes: int, staging_experts: int = OffloadPolicy.staging_experts) -> int:

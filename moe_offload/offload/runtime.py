@@ -33,7 +33,7 @@ from .build import RuntimeOptions, assemble
 from . import mtp_steps
 from .graphs import GraphCache, GraphKey
 from .guessing import Guessing
-from .placement import prefill_workspace_bytes
+from .placement import prefill_workspace_bytes, prompt_chunk
 from .report import RoutingRecorder, RuntimeStats
 from .sequences import StatePool
 
@@ -128,9 +128,11 @@ class OffloadRuntime(Backend):
     def prefill(self, tokens: torch.Tensor, state: State, chunk: int | None = None,
                 all_logits: bool = False, hidden: bool = False):
         """tokens [B, T] on the device -> last logits [B, V] (or all [B, T, V]); hidden: and
-        every position's final-normed hidden state [B, T, H] (the MTP head's input)."""
-        chunk = chunk or self.policy.prefill_chunk
+        every position's final-normed hidden state [B, T, H] (the MTP head's input). chunk:
+        tokens a chunk (None: as large as the reserved workspace holds, placement.prompt_chunk)."""
         n = tokens.shape[1]
+        chunk = chunk or prompt_chunk(self.config, n, state.n_past + n, self.opts.n_ctx,
+                                      self.policy, all_logits)
         if n <= self.policy.short_prompt and not all_logits:
             return self._prefill_in_steps(tokens, state, hidden)
         with self._prompt("prefill", n, state, chunk, all_logits):

@@ -329,3 +329,39 @@ def test_short_prompts_need_no_dequantized_expert_group(mixed, monkeypatch):
     assert prefill_workspace_bytes(c, 16, 16) >= short
     group = 3 * 32 * c.n_ff_exp * c.n_embd * 2
     assert prefill_workspace_bytes(c, 128, 128) >= group    # long prompts: the GEMM path
+
+
+def test_prompt_chunk_grows_within_the_reserved_workspace():
+    """Without a chunk asked for, a prompt goes in the fewest even chunks whose workspace (at the
+    prompt's last position) is within the one the plan reserves: the policy's chunk attending
+    over the whole context. The 35B's shapes, a 53K context (what --ctx auto picks at 8 GiB)."""
+    from loaders.synth import PRESETS, _config
+    from moe_offload.config import OffloadPolicy
+    from moe_offload.offload.placement import prefill_workspace_bytes as ws, prompt_chunk
+    c, pol, n_ctx = _config(PRESETS["35b-a3b"], 248320, 40), OffloadPolicy(), 53248
+    budget = ws(c, pol.prefill_chunk, n_ctx)
+    assert prompt_chunk(c, 100, 100, n_ctx, pol) == pol.prefill_chunk        # one chunk anyway
+    # a follow-up of 2,323 tokens at 29K: one chunk, not 2,048 + 275
+    assert prompt_chunk(c, 2323, 29123, n_ctx, pol) == 2323
+    # at the end of the context nothing grows: the reserve is exactly the policy's chunk there
+    assert prompt_chunk(c, 3 * pol.prefill_chunk, n_ctx, n_ctx, pol) == pol.prefill_chunk
+    for n, past in [(17657, 0), (30000, 0), (9000, 40000), (50000, 0), (4097, 1000)]:
+        chunk = prompt_chunk(c, n, past + n, n_ctx, pol)
+        pieces = -(-n // chunk)
+        assert chunk >= pol.prefill_chunk and ws(c, chunk, past + n) <= budget, (n, past)
+        assert pieces * chunk - n < pieces       # even: no short last chunk
+        if pieces > 1:                           # one chunk fewer would not fit
+            assert ws(c, -(-n // (pieces - 1)), past + n) > budget, (n, past)
+
+
+def test_prefill_workspace_covers_what_the_35b_used():
+    """The estimate stays above torch's measured peak on the 35B under an 8 GiB cap, where one
+    large chunk at the start of a sequence makes the chunked delta rule the largest phase (an
+    estimate that counted a quarter of its blocks let a 3,000-token first prompt run out of
+    memory). Measured use in MiB, with the allocator's slack the estimate keeps on top."""
+    from loaders.synth import PRESETS, _config
+    from moe_offload.offload.placement import prefill_workspace_bytes as ws
+    c = _config(PRESETS["35b-a3b"], 248320, 40)
+    for tokens, kv_end, used in [(2048, 2048, 790), (3000, 3000, 1152), (6000, 6000, 2269),
+                                 (10000, 10000, 3800), (8829, 17657, 3334)]:
+        assert ws(c, tokens, kv_end) >= 1.15 * used * 2**20, (tokens, kv_end)
