@@ -4,7 +4,8 @@ the model and server flags given here) and stops it at the end; with --url it dr
 loopback address only.
 
 Per concurrency level: --requests streamed chat completions, --concurrency clients at once
-(asyncio + httpx), each timing its first content/reasoning chunk (TTFT) and its decode rate;
+(asyncio + httpx), each timing its first content/reasoning chunk (TTFT), its decode rate and
+the gaps between its chunks (inter-token latency);
 then a conversation of --turns turns whose follow-ups are timed with prefix reuse and without
 (the same messages with a system message that differs from its first word on, so no cached
 prefix matches). Registered on `ftpatch bench` by `attach` (the word `serve` in the place of
@@ -32,7 +33,7 @@ from .model_args import add_model_args, add_template_arg, add_vram_arg, resolve_
 
 DESCRIPTION = """\
 Load an OpenAI-compatible server on this machine with streamed chat completions and measure
-time to first token, decode speed per stream and in aggregate, and the effect of prefix reuse
+time to first token, inter-token latency, decode speed per stream and in aggregate, and the effect of prefix reuse
 on follow-up turns. Without --url it starts `ftpatch serve` on MODEL (default: the embedded
 random-weights model) in a child process, on 127.0.0.1 at a free port, and stops it at the
 end: a process of its own, as a real client's server would be, so these clients never hold the
@@ -47,7 +48,8 @@ METHOD = (
     "content or reasoning_content. Per-stream decode tok/s = (usage.completion_tokens - 1) / "
     "(finish chunk - first content chunk), streams of 2+ tokens only. Aggregate decode tok/s = "
     "sum of completion_tokens / wall time of the level (first request sent -> last stream "
-    "ended). Engine: the server's own counters (GET /metrics) read before and after the level: "
+    "ended). Inter-token latency (ITL) = the gaps between a stream's consecutive chunks "
+    "that carry output, every stream's pooled. Engine: the server's own counters (GET /metrics) read before and after the level: "
     "its engine thread's seconds in prompt chunks and in decode steps, and its graph captures "
     "(absent when /metrics does not answer). Percentiles: linear interpolation between order statistics. Follow-up: turn 1 is "
     "a system message and a user message of filler words sized to about `prompt_tokens` "
@@ -261,11 +263,13 @@ def _own_server(args: argparse.Namespace, queue: int):
 # ---- one request ----------------------------------------------------------------------------
 
 async def _chat(client, url: str, messages: list, max_tokens: int, seed: int) -> dict:
-    """One streamed chat completion, timed: ttft_s, decode_tps, usage, error."""
+    """One streamed chat completion, timed: ttft_s, decode_tps, itl_s (the gaps between
+    consecutive events that carry output, as a client sees its text arrive), usage, error."""
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "seed": seed,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = end = None
+    first = end = last = None
+    gaps: list[float] = []
     usage = None
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -289,9 +293,13 @@ async def _chat(client, url: str, messages: list, max_tokens: int, seed: int) ->
                     usage = obj["usage"]
                 for ch in obj.get("choices") or ():
                     d = ch.get("delta") or {}
-                    if first is None and (d.get("content") or d.get("reasoning_content")
-                                          or d.get("tool_calls")):
-                        first = time.perf_counter()
+                    if d.get("content") or d.get("reasoning_content") or d.get("tool_calls"):
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                        else:
+                            gaps.append(now - last)
+                        last = now
                     if ch.get("finish_reason"):
                         end = time.perf_counter()
     except Exception as e:   # noqa: BLE001 -- a failed request is counted, the run goes on
@@ -302,7 +310,7 @@ async def _chat(client, url: str, messages: list, max_tokens: int, seed: int) ->
     out = {"ttft_s": None if first is None else first - t0, "completion_tokens": n,
            "prompt_tokens": usage.get("prompt_tokens", 0),
            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-           "decode_tps": None, "error": None}
+           "decode_tps": None, "itl_s": gaps, "error": None}
     if first is not None and end is not None and n >= 2 and end > first:
         out["decode_tps"] = (n - 1) / (end - first)
     return out
@@ -352,6 +360,7 @@ async def _level(url: str, headers: dict, concurrency: int, n_req: int, max_toke
     ok = [r for r in results if r["error"] is None]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     per = [r["decode_tps"] for r in ok if r["decode_tps"] is not None]
+    itl = [g for r in ok for g in r["itl_s"]]
     total = sum(r["completion_tokens"] for r in ok)
     errors = [r["error"] for r in results if r["error"] is not None]
     return {
@@ -367,6 +376,11 @@ async def _level(url: str, headers: dict, concurrency: int, n_req: int, max_toke
         "ttft_s": {"p50": _r(percentile(ttft, 50)), "p90": _r(percentile(ttft, 90)),
                    "p99": _r(percentile(ttft, 99)), "n": len(ttft)},
         "no_content": len(ok) - len(ttft),
+        # every stream's gaps pooled (as vLLM's benchmark_serving reports ITL): a newcomer's
+        # prompt chunk shows as a long gap in the streams already running
+        "inter_token_s": {"p50": _r(percentile(itl, 50)), "p90": _r(percentile(itl, 90)),
+                          "p99": _r(percentile(itl, 99)), "max": _r(max(itl) if itl else None),
+                          "n": len(itl)},
     }
 
 
@@ -579,6 +593,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ms(s):
+    return None if s is None else s * 1000
+
+
 def _fmt(x, spec=".1f", unit="") -> str:
     return "-" if x is None else f"{x:{spec}}{unit}"
 
@@ -589,16 +607,17 @@ def _table(result: dict) -> None:
     p(f"bench serve: {result['model']} at {srv['url']} ({srv['mode']}, parallel "
       f"{srv.get('parallel')}, {srv.get('decode') or 'decode mode not reported'})")
     p(f"{'conc':>4} {'ok':>4} {'err':>4} {'agg tok/s':>10} {'stream med':>10} {'min':>7} "
-      f"{'max':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8}")
+      f"{'max':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p99':>8}")
     for lv in result["levels"]:
         if "skipped" in lv:
             p(f"{lv['concurrency']:>4} skipped ({lv['skipped']})")
             continue
-        ps, t = lv["per_stream_decode_tps"], lv["ttft_s"]
+        ps, t, itl = lv["per_stream_decode_tps"], lv["ttft_s"], lv["inter_token_s"]
         p(f"{lv['concurrency']:>4} {lv['ok']:>4} {lv['errors']:>4} "
           f"{_fmt(lv['aggregate_decode_tps']):>10} {_fmt(ps['median']):>10} "
           f"{_fmt(ps['min']):>7} {_fmt(ps['max']):>7} {_fmt(t['p50'], '.3f', 's'):>9} "
-          f"{_fmt(t['p90'], '.3f', 's'):>8} {_fmt(t['p99'], '.3f', 's'):>8}")
+          f"{_fmt(t['p90'], '.3f', 's'):>8} {_fmt(t['p99'], '.3f', 's'):>8} "
+          f"{_fmt(_ms(itl['p50']), '.1f', 'ms'):>8} {_fmt(_ms(itl['p99']), '.1f', 'ms'):>8}")
         e = lv.get("engine")
         if e:
             p("     engine: " + ", ".join(f"{k} {v:.2f}s" for k, v in e["busy_s"].items() if v)

@@ -39,6 +39,9 @@ def test_own_server_levels_and_followup(tiny_model, capsys, tmp_path):
         assert lv["ttft_s"]["n"] + lv["no_content"] == 2
         if lv["ttft_s"]["n"]:
             assert all(lv["ttft_s"][k] > 0 for k in ("p50", "p90", "p99"))
+        itl = lv["inter_token_s"]
+        if itl["n"]:
+            assert 0 < itl["p50"] <= itl["p90"] <= itl["p99"] <= itl["max"]
         ps = lv["per_stream_decode_tps"]
         if ps["streams"]:
             assert 0 < ps["min"] <= ps["median"] <= ps["max"]
@@ -114,3 +117,43 @@ def test_url_mode_against_a_running_server(tiny_parts, kit, capsys):
                            "decode": "batched"}
     [lv] = r["levels"]
     assert lv["sent"] == lv["ok"] == 3 and r["followup"] is None
+
+
+def test_a_stream_is_timed_chunk_by_chunk():
+    """_chat against a scripted SSE stream: TTFT is the first chunk with output (not the role
+    chunk before it), and each later output chunk adds one gap to the inter-token latencies."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from freetoken_patch.cli.bench_serve import _chat
+
+    def chunk(delta=None, finish=None, usage=None):
+        obj = {"choices": [] if usage else [{"delta": delta or {}, "finish_reason": finish}]}
+        if usage:
+            obj["usage"] = usage
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    script = [(0.0, chunk({"role": "assistant"})), (0.15, chunk({"content": "a"})),
+              (0.05, chunk({"content": "b"})), (0.25, chunk({"content": "c"})),
+              (0.0, chunk(finish="stop")),
+              (0.0, chunk(usage={"prompt_tokens": 5, "completion_tokens": 3})),
+              (0.0, b"data: [DONE]\n\n")]
+
+    async def body():
+        for delay, data in script:
+            await asyncio.sleep(delay)
+            yield data
+
+    async def run():
+        transport = httpx.MockTransport(lambda req: httpx.Response(200, content=body()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await _chat(client, "http://127.0.0.1:1", [], 4, seed=0)
+
+    t0 = time.perf_counter()
+    r = asyncio.run(run())
+    assert r["error"] is None and r["completion_tokens"] == 3
+    assert 0.14 <= r["ttft_s"] < time.perf_counter() - t0
+    assert len(r["itl_s"]) == 2
+    assert 0.04 <= r["itl_s"][0] < 0.2 and 0.24 <= r["itl_s"][1] < 0.4
