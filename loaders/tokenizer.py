@@ -62,6 +62,10 @@ class Tokenizer:
         # control tokens (turn and role markup): chat prompts keep them out of client text
         self.control_texts = frozenset(
             self.tokens[i] for i in np.flatnonzero(types == CONTROL).tolist() if self.tokens[i])
+        # user-defined tags a template writes (<think>, <tool_call>): one token each, not BPE
+        self.markup_texts = frozenset(
+            t for t in self._special_id if t not in self.control_texts
+            and len(t) > 2 and t.startswith("<") and t.endswith(">"))
         self._specials = _SpecialFinder(self._special_id) if self._special_id else None
         self.longest_special = max(map(len, self._special_id), default=0)
         self._split = regex.compile(self.pre.pattern).findall

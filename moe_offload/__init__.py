@@ -16,7 +16,8 @@ Generation (gen/) and speculative decoding (spec/):
   generate, Session, TokenStream, TokenEvent, DoneEvent, Timings, TokenReadback
   SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem, default_of
   PrefixIndex, Cached, continue_ids                 prefix reuse (the chat session's rule too)
-  GrammarConstraint, ConstraintUnavailable, check_grammar, apply_mask   constrained decoding
+  GrammarConstraint, TriggeredConstraint, ConstraintUnavailable, check_grammar, apply_mask
+                                                    constrained decoding
   TokenLogprob, prompt_logprobs                     log probabilities (a stream's, a prompt's)
   SpeculativeDecoder, DraftPolicy, SpecStats
 Policy and defaults (config.py): OffloadPolicy, DRAFT, SERVING, PREFILL, CONTEXT, DEFAULT_N_CTX,
@@ -35,7 +36,7 @@ from .config import CONTEXT, DEFAULT_N_CTX, DRAFT, PREFILL, SERVING, OffloadPoli
 from .errors import NonFiniteLogits, OffloadError
 from .gen import (DEFAULTS, GREEDY, SAMPLING_RULES, Cached, ConstraintUnavailable, DoneEvent,
                   GrammarConstraint, PrefixIndex, Sampler, SamplingParams, Session, Timings,
-                  TokenEvent, TokenLogprob, TokenReadback, TokenStream, apply_mask,
+                  TokenEvent, TokenLogprob, TokenReadback, TokenStream, TriggeredConstraint, apply_mask,
                   check_grammar, continue_ids, default_of, generate, prompt_logprobs,
                   sampling_problem)
 from .instrument.trace import TraceParams, make_trace, routing_stats, trace_stats
@@ -57,7 +58,8 @@ __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backen
            "OffloadError", "NonFiniteLogits", "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Cached", "DoneEvent",
            "PrefixIndex", "Sampler", "SamplingParams", "Session", "Timings", "TokenEvent",
            "TokenReadback", "TokenStream", "continue_ids", "default_of", "generate",
-           "sampling_problem", "ConstraintUnavailable", "GrammarConstraint", "TokenLogprob",
+           "sampling_problem", "ConstraintUnavailable", "GrammarConstraint", "TriggeredConstraint",
+           "TokenLogprob",
            "apply_mask", "check_grammar", "prompt_logprobs", "TraceParams", "make_trace", "routing_stats", "trace_stats",
            "MODELS", "Qwen35Moe", "ResidentExperts", "build_model", "save_profile",
            "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "CUDA_CONTEXT_MEASURED",

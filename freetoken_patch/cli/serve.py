@@ -200,6 +200,7 @@ def run(args: argparse.Namespace, wrap=None) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     note(f"http://{shown}:{port}/v1 (Ctrl-C finishes the requests in flight and exits)")
+    _index_vocabulary(served)
     app = create_app(served, log_format=args.log_format)
     config = uvicorn.Config(app if wrap is None else wrap(app), log_level="warning", http=http,
                             backlog=http.backlog, timeout_graceful_shutdown=None)
@@ -210,6 +211,19 @@ def run(args: argparse.Namespace, wrap=None) -> int:
         sock.close()
     note("stopped")
     return 0
+
+
+def _index_vocabulary(served) -> None:
+    """Constrained decoding's index of the vocabulary (about a second for Qwen3.5's, once),
+    built in the background from start-up rather than on the first request with tools or a
+    response_format; skipped without the structured extra."""
+    import importlib.util
+    import threading
+    if importlib.util.find_spec("llguidance") is None:
+        return
+    from moe_offload.gen.constraint import grammar_tokenizer
+    threading.Thread(target=grammar_tokenizer, args=(served.tokenizer,),
+                     name="vocabulary index", daemon=True).start()
 
 
 def listen(host: str, port: int):

@@ -159,7 +159,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
         _check_mode(served, params, schema is not None or forced[0])
         p = await run_in_threadpool(prompt.render_chat, served, req,
                                     tools if use_tools else None, forced, schema is not None)
-        constraint = await run_in_threadpool(_constraint, served, p, tools, schema)
+        constraint = await run_in_threadpool(_constraint, served, p, tools, schema, use_tools)
         job = _submit(served, p, params, constraint, request)
         parser = OutputParser(p.text, tools, parse_tools=use_tools, output_prefix=p.prefix)
         rid = new_id("chatcmpl")
@@ -176,7 +176,8 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
         forced = anthropic.forced_tool(req) if req.tools else (False, None)
         _check_mode(served, params, forced[0])
         p = await run_in_threadpool(prompt.render_messages, served, req)
-        constraint = await run_in_threadpool(_constraint, served, p, p.tools or [], None)
+        constraint = await run_in_threadpool(_constraint, served, p, p.tools or [], None,
+                                             bool(p.tools))
         job = _submit(served, p, params, constraint, request)
         parser = OutputParser(p.text, p.tools, parse_tools=p.tools is not None,
                               output_prefix=p.prefix)
@@ -230,15 +231,17 @@ def _check_mode(served: Served, params, constrained: bool, echo: bool = False) -
                        code="unsupported")
 
 
-def _constraint(served: Served, p, tools: list, schema: dict | None):
-    """The request's mask (a GrammarConstraint), or None when the reply is free."""
+def _constraint(served: Served, p, tools: list, schema: dict | None, use_tools: bool):
+    """The request's mask: a GrammarConstraint (a schema, a forced call), a TriggeredConstraint
+    (tools the reply may call: a call it begins must parse), or None when the reply is free."""
     if schema is not None:
         return structured.constraint_for(served, schema=schema)
     force, name = p.forced
     if not force:
-        return None
+        return structured.lazy_tool_calls(served, tools, p.text) if use_tools else None
     grammar = structured.tool_call_grammar(tools, name,
-                                           xml="<function=" in served.template.source)
+                                           xml="<function=" in served.template.source,
+                                           tags=served.tokenizer.markup_texts)
     return structured.constraint_for(served, grammar=grammar)
 
 

@@ -8,6 +8,9 @@ becomes a grammar over what the reply may say, so the reply parses whatever the 
     reply is one call, its arguments valid for the tool's parameters (input_schema), in the
     template's own format: Qwen3.5's XML (<function=NAME><parameter=P>...), or Hermes-style
     JSON ({"name": NAME, "arguments": {...}}), after the opening the prompt already holds.
+  tools with tool_choice auto (or none given): no mask until the reply writes the <tool_call>
+    token; from there to </tool_call> one call of some tool, as above (a lazy grammar, as
+    llama-server's for tool calls). A reply that calls no tool is not masked at all.
 
 The library is optional (pip install 'ftpatch[structured]'); without it these requests get a
 400 naming the extra."""
@@ -63,7 +66,13 @@ def _json(schema) -> str:
     return "%json " + json.dumps(_options(schema, True))
 
 
-def _xml_function(i: int, name: str, params: dict) -> list[str]:
+def _close(tags) -> str:
+    """</tool_call> in a grammar: the vocabulary's own token where it has one (special to
+    llguidance, named bare), else its text."""
+    return "</tool_call>" if "</tool_call>" in tags else _lit("</tool_call>")
+
+
+def _xml_function(i: int, name: str, params: dict, close: str) -> list[str]:
     """Lark rules for one call in Qwen3.5's XML form, from <function=NAME> to </tool_call>:
     the schema's properties in its order, the required ones always, string values as raw
     text (no "</" inside), the others as JSON."""
@@ -96,13 +105,16 @@ def _xml_function(i: int, name: str, params: dict) -> list[str]:
         rules.append(f"p{i}_any: \"<parameter=\" /[A-Za-z0-9_.:-]+/ \">\\n\" STRING_PARAM")
         parts.append(f"p{i}_any*")
     head = _lit(f"<function={name}>\n")
-    rules.insert(0, f"call{i}: {head} {' '.join(parts)} {_lit('</function>' + chr(10) + '</tool_call>')}")
+    rules.insert(0, f"call{i}: {head} {' '.join(parts)} {_lit('</function>' + chr(10))} {close}")
     return rules
 
 
-def tool_call_grammar(tools: list[dict], name: str | None, xml: bool) -> str:
+def tool_call_grammar(tools: list[dict], name: str | None, xml: bool,
+                      after_open: bool = False, tags=frozenset()) -> str:
     """The Lark grammar of the reply after forced_call_prefix(template, name): one call of
-    `name` (or of any of `tools` when None), closed by </tool_call>."""
+    `name` (or of any of `tools` when None), closed by </tool_call>; after_open: of what
+    follows the <tool_call> token itself (the newline, then the call); tags: the
+    vocabulary's tag tokens (Tokenizer.markup_texts), written as themselves."""
     from moe_offload import GrammarConstraint  # noqa: F401 -- the library is there
     fns = [(t.get("function") or {}) for t in tools]
     if name is not None:
@@ -118,13 +130,13 @@ def tool_call_grammar(tools: list[dict], name: str | None, xml: bool) -> str:
     rules: list[str] = []
     if xml:
         for i, f in enumerate(fns):
-            rules += _xml_function(i, f["name"], f.get("parameters") or {})
+            rules += _xml_function(i, f["name"], f.get("parameters") or {}, _close(tags))
         calls = [f"call{i}" for i in range(len(fns))]
         if name is not None:   # the prompt holds <function=NAME> already: start at its body
             rules[0] = rules[0].replace(_lit(f"<function={name}>\n"), "", 1)
         rules.append(r"STRING_PARAM: /([^<]|<[^\/])*\n<\/parameter>\n/")
     else:
-        close = _lit("}\n</tool_call>")
+        close = _lit("}\n") + " " + _close(tags)
         if name is not None:   # the prompt holds {"name": NAME, "arguments": already
             rules.append(f"call0: {_json(fns[0].get('parameters') or {'type': 'object'})} {close}")
             calls = ["call0"]
@@ -135,7 +147,8 @@ def tool_call_grammar(tools: list[dict], name: str | None, xml: bool) -> str:
                 rules.append(f"call{i}: {head} "
                              f"{_json(f.get('parameters') or {'type': 'object'})} {close}")
                 calls.append(f"call{i}")
-    return "start: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
+    lead = '"\\n" ' if after_open else ""
+    return f"start: {lead}(" + " | ".join(calls) + ")\n" + "\n".join(rules) + "\n"
 
 
 def constraint_for(served, grammar: str | None = None, schema: dict | None = None):
@@ -164,3 +177,36 @@ def constraint_for(served, grammar: str | None = None, schema: dict | None = Non
         raise ApiError(400, f"{'response_format' if schema is not None else 'the tools'}: "
                             f"{e}"[:400], param="response_format" if schema is not None
                        else "tools", code="invalid_value") from None
+
+
+def lazy_tool_calls(served, tools: list[dict], prompt_text: str = ""):
+    """tool_choice auto: a TriggeredConstraint that holds a call the reply begins (its
+    <tool_call> token) to the form and the tools' parameters, or None where that cannot be
+    had -- the constrained-decoding library is missing, the vocabulary has no <tool_call>
+    token, a tool's name cannot be written in the grammar, speculative decoding (--draft)
+    draws without a mask: the reply is then free, as it always is for auto. Inside a
+    reasoning block (from <think>, or from the start where the prompt opened one, to </think>)
+    the <tool_call> token opens nothing."""
+    from moe_offload import OffloadError, TriggeredConstraint
+    from .openai_format import CALL_OPEN, THINK_CLOSE, THINK_OPEN
+    if not tools or served.engine.draft is not None:
+        return None
+    trigger = served.tokenizer.token_id(CALL_OPEN)
+    if trigger is None:
+        return None
+    try:
+        import llguidance  # noqa: F401
+        grammar = tool_call_grammar(tools, None, xml="<function=" in served.template.source,
+                                    after_open=True, tags=served.tokenizer.markup_texts)
+        first = constraint_for(served, grammar=grammar)   # compiles it: errors show here
+    except (ImportError, ApiError, OffloadError):
+        return None
+    pending = [first]
+
+    def start():
+        return pending.pop() if pending else constraint_for(served, grammar=grammar)
+    tok = served.tokenizer
+    ids = lambda text: [i for i in [tok.token_id(text)] if i is not None]  # noqa: E731
+    return TriggeredConstraint([trigger], start, pause_ids=ids(THINK_OPEN),
+                               resume_ids=ids(THINK_CLOSE),
+                               paused=prompt_text.rstrip().endswith(THINK_OPEN))

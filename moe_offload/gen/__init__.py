@@ -7,11 +7,11 @@
   Session                                                              a chat on one State
   PrefixIndex, Cached, continue_ids, usable_prefix                     prefix reuse
   TokenReadback                                                        an id read while the next step runs
-  TokenConstraint, GrammarConstraint, apply_mask                      constrained decoding (a mask hook)
+  TokenConstraint, GrammarConstraint, TriggeredConstraint, apply_mask constrained decoding (a mask hook)
   TokenLogprob, prompt_logprobs                                        log probabilities
 """
-from .constraint import (ConstraintUnavailable, GrammarConstraint, TokenConstraint, apply_mask,
-                         check_grammar, grammar_tokenizer)
+from .constraint import (ConstraintUnavailable, GrammarConstraint, TokenConstraint,
+                         TriggeredConstraint, apply_mask, check_grammar, grammar_tokenizer)
 from .logprobs import TokenLogprob, prompt_logprobs
 from .generate import generate
 from .prefix import Cached, PrefixIndex, continue_ids, usable_prefix
@@ -26,5 +26,6 @@ __all__ = ["generate", "Cached", "PrefixIndex", "continue_ids", "usable_prefix",
            "DEFAULTS", "GREEDY", "SAMPLING_RULES", "Sampler", "SamplingParams", "default_of",
            "recent_ids", "sampling_problem", "Session", "DoneEvent", "StopScanner", "Timings",
            "TokenEvent", "TokenStream", "text_decoder", "ScreenedSampler", "screen_logits",
-           "ConstraintUnavailable", "GrammarConstraint", "TokenConstraint", "apply_mask",
+           "ConstraintUnavailable", "GrammarConstraint", "TokenConstraint", "TriggeredConstraint",
+           "apply_mask",
            "check_grammar", "grammar_tokenizer", "TokenLogprob", "prompt_logprobs"]

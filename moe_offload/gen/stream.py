@@ -133,6 +133,9 @@ def text_decoder(tokenizer):
     return lambda tok: dec.flush() if tok is None else dec.push(tok)
 
 
+_NOT_YET = object()   # a stream's mask not computed yet for its next draw
+
+
 class TokenStream:
     """One sequence's stream. Its driver calls prefilled(n, s) for the prompt's time, then for
     each id: draw(logits [1, V]) on the device, then take(id, n_free) once the id is on the host
@@ -144,16 +147,16 @@ class TokenStream:
     the driver times its own steps (stepped(): generate() counts only its steps, not the time
     its consumer spends between tokens).
 
-    constraint (constraint.TokenConstraint): each draw takes only ids it allows; the mask for
-    the next draw is computed as soon as an id is taken (take()), so on a GPU it overlaps the
-    step queued ahead. params.logprobs (n): each TokenEvent carries the id's log probability
+    constraint (constraint.TokenConstraint): each draw takes only ids it allows (no mask at all
+    where it allows any); the mask for the next draw is computed as soon as an id is taken
+    (take()), so on a GPU it overlaps the step queued ahead. params.logprobs (n): each TokenEvent carries the id's log probability
     and the n likeliest, computed on the device in draw() and read with the id."""
 
     def __init__(self, params: SamplingParams, device, tokenizer, context: list[int],
                  n_prompt: int, eog_ids: Iterable[int] | None = None, constraint=None):
         self.p = params
         self.constraint = constraint
-        self._allowed = None             # the constraint's mask for the next draw
+        self._allowed = _NOT_YET         # the constraint's mask for the next draw (None: any id)
         self._lp = None                  # the last draw's logprob row (on the host once read)
         self.device = device
         self.sample = ScreenedSampler(params, device)
@@ -196,10 +199,10 @@ class TokenStream:
         take() raises NonFiniteLogits if these held NaN or Inf: the sampler screens the model's
         logits, which the constraint's mask leaves finite)."""
         x = logits
-        if self.constraint is not None:
-            if self._allowed is None:
-                self._allowed = self.constraint.allowed()
-            words = self._allowed
+        if self.constraint is not None and self._allowed is _NOT_YET:
+            self._allowed = self.constraint.allowed()
+        words = self._allowed if self.constraint is not None else None
+        if words is not None:
             if logits.device.type == "cuda":
                 # through pinned memory, so the copy up is queued, not waited for; the last
                 # one is done (the host read that draw's id since)
@@ -239,7 +242,7 @@ class TokenStream:
         self.context.append(tok)
         self.pending = None
         if self.constraint is not None:
-            self._allowed = None
+            self._allowed = _NOT_YET
             self.constraint.advance(tok)
         lp, self._lp = self._lp, None
         if tok in self.eog and not p.ignore_eog:

@@ -67,3 +67,49 @@ def test_logprobs_are_the_models_log_softmax(parts):
     assert [v for _, v in ev.logprob.top] == pytest.approx(top.values.tolist(), abs=1e-5)
     off = TokenStream(SamplingParams(temperature=0, max_tokens=5), "cpu", tok, ids, len(ids))
     assert off.push(logits, 10)[0].logprob is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_triggered_grammar_holds_only_what_follows_its_trigger(parts, seed):
+    """TriggeredConstraint in generate(): the reply is the unconstrained one up to and with the
+    trigger id (no mask before it), then what the grammar allows, closed; then free again."""
+    from moe_offload import TriggeredConstraint
+    model, tok = parts
+    ids = tok.encode("json:")
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=120, ignore_eog=True)
+    *free, _ = generate(model, model.new_state(1, 256), ids, params, tokenizer=tok)
+    trigger = free[2].token                     # the third id the model takes by itself
+    grammar = 'start: "<" /[a-z]{1,6}/ ">"\n'   # a short tag, then free again
+    c = TriggeredConstraint([trigger], lambda: GrammarConstraint(grammar, tok, model.config.n_vocab))
+    *evs, _ = generate(model, model.new_state(1, 256), ids, params, tokenizer=tok, constraint=c)
+    got = [e.token for e in evs]
+    cut = got.index(trigger) + 1
+    assert got[:cut] == [e.token for e in free[:cut]]
+    assert c.triggered >= 1
+    text = tok.decode(got[cut:])
+    import re
+    assert re.match(r"<[a-z]{1,6}>", text), text
+
+
+def test_a_reasoning_block_pauses_the_trigger():
+    """Between a pause id and a resume id the trigger opens nothing."""
+    from moe_offload import TriggeredConstraint
+
+    class Once:
+        finished = False
+
+        def allowed(self):
+            return torch.ones(1, dtype=torch.int32)
+
+        def advance(self, token):
+            self.finished = True
+    c = TriggeredConstraint([5], Once, pause_ids=[1], resume_ids=[2], paused=True)
+    for t in (5, 3, 2):
+        c.advance(t)
+    assert c.triggered == 0 and c.allowed() is None
+    c.advance(1), c.advance(5)
+    assert c.triggered == 0 and c.paused
+    c.advance(2), c.advance(5)
+    assert c.triggered == 1 and c.allowed() is not None
+    c.advance(9)
+    assert c.finished and c.allowed() is None

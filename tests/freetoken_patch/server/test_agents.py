@@ -373,3 +373,71 @@ def test_without_the_library_or_with_a_bad_schema_a_400_says_why(server, oai, mo
     with pytest.raises(ApiError, match=r"pip install 'ftpatch\[structured\]'") as e:
         structured.constraint_for(server[0], schema={"type": "object"})
     assert e.value.status == 400
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    """The built-in vocabulary with <tool_call> and </tool_call> as tokens of their own
+    (user-defined, as in Qwen3.5's GGUF vocabulary; the tests' copy of llama.cpp's holds
+    only its regular tokens)."""
+    from dataclasses import replace
+    from loaders.tokenizer import Tokenizer
+    from loaders.vocab import USER_DEFINED, builtin_vocab
+    v = builtin_vocab()
+    return Tokenizer.from_vocab(replace(
+        v, tokens=v.tokens + ["<tool_call>", "</tool_call>"],
+        token_types=np.concatenate([v.token_types, [USER_DEFINED] * 2]).astype(np.int32)))
+
+
+def _walk(c, tok, text: str) -> None:
+    """Feed `text`'s ids to constraint c, each checked against the mask before it is taken."""
+    from moe_offload.gen.constraint import allowed_ids
+    for i in tok.encode(text, parse_special=True):
+        words = c.allowed()
+        if words is not None:
+            assert i in set(allowed_ids(words, len(tok)).tolist()), (text, tok.decode([i]))
+        c.advance(i)
+
+
+@pytest.mark.parametrize("style", ["json", "xml"])
+def test_tools_on_auto_hold_a_begun_call_to_its_form(tiny_parts, kit, qwen_tokenizer, style):
+    """tool_choice auto: no mask while the reply is text; from the <tool_call> token to
+    </tool_call>, one call of one of the tools, arguments in its schema, in the template's
+    form; then text again and a second call. Inside a reasoning block the token opens nothing."""
+    from loaders.chat_template import ChatTemplate
+    from moe_offload import OffloadError, TriggeredConstraint
+    from freetoken_patch.server.app import _constraint
+    from freetoken_patch.server.prompt import Prompt
+    model, _, _ = tiny_parts
+    template = ChatTemplate(kit.tool_template if style == "json" else XML_TEMPLATE)
+    served = kit.make_served((model, qwen_tokenizer, template), n_ctx=256)
+    tok = qwen_tokenizer
+    call = ('\n{"name": "clock", "arguments": {"zone": "UTC"}}\n</tool_call>' if style == "json"
+            else "\n<function=clock>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n"
+                 "</tool_call>")
+    c = _constraint(served, Prompt("<|im_start|>assistant\n", []), TOOLS, None, True)
+    assert isinstance(c, TriggeredConstraint)
+    _walk(c, tok, "Let me check. ")
+    assert c.allowed() is None and c.triggered == 0          # free text: no mask at all
+    _walk(c, tok, "<tool_call>" + call)
+    assert c.triggered == 1 and c.finished and c.allowed() is None
+    _walk(c, tok, "\nAnd the other one: <tool_call>")
+    assert c.allowed() is not None                           # a second call, a fresh grammar
+    bad = ('\n{"name": "clock", "arguments": {"zone": 7}}' if style == "json"
+           else "\n<function=clock>\n<parameter=city>\n")
+    with pytest.raises((AssertionError, OffloadError)):
+        _walk(c, tok, bad)                                   # no such argument / type
+    # a prompt that opened a reasoning block: <tool_call> inside it opens nothing
+    c = _constraint(served, Prompt("<|im_start|>assistant\n<think>\n", []), TOOLS, None, True)
+    _walk(c, tok, "maybe <tool_call> later")
+    assert c.allowed() is None and c.triggered == 0
+    _walk(c, tok, "</think>\n\n<tool_call>")
+    assert c.triggered == 1 and c.allowed() is not None
+    # a forced call ends with the vocabulary's </tool_call> token too, not its text in pieces
+    forced = _constraint(served, Prompt("x", [], forced=(True, None)), TOOLS, None, True)
+    _walk(forced, tok, call[1:])
+    assert forced.finished
+    # tool_choice none, or a vocabulary without the token (the tiny model's): nothing
+    assert _constraint(served, Prompt("x", []), TOOLS, None, False) is None
+    tiny = kit.make_served(tiny_parts, n_ctx=256, template=template)
+    assert _constraint(tiny, Prompt("x", []), TOOLS, None, True) is None
