@@ -147,7 +147,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req.model, served.model_id)
         check_text(req.model_dump())
-        params = sampling_params(req, req.max_completion_tokens)
+        params = sampling_params(req, req.max_completion_tokens, _n_ids(served))
         schema = structured.response_format_schema(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         forced = forced_tool(req.tool_choice, tools)
@@ -199,7 +199,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model, served.model_id)
         check_text(req.model_dump())
-        params = sampling_params(req, None)
+        params = sampling_params(req, None, _n_ids(served))
         check_no_suffix(req)
         _check_mode(served, params, False, echo=req.echo and params.logprobs is not None)
         ids = await run_in_threadpool(prompt.encode_prompt, served, req.prompt)
@@ -215,6 +215,12 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
         return streams.completion_reply(served, job, rid, done, parts, echo)
 
     return AccessLog(Guarded(app, served, ENDPOINTS), log_format, log_out)
+
+
+def _n_ids(served: Served) -> int:
+    """The token ids a request may name: the tokenizer's, within the model's logits."""
+    n_vocab = getattr(getattr(served.engine.model, "config", None), "n_vocab", None)
+    return min(len(served.tokenizer), n_vocab or len(served.tokenizer))
 
 
 def _check_mode(served: Served, params, constrained: bool, echo: bool = False) -> None:

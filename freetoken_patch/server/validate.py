@@ -83,6 +83,7 @@ class _Sampling(_Strict):
     stop: Union[str, list[str], None] = None
     n: int | None = None
     logprobs: Union[bool, int, None] = None
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -239,8 +240,10 @@ def logprobs_of(req: _Sampling) -> int | None:
     return int(lp)
 
 
-def sampling_params(req: _Sampling, max_completion_tokens: int | None) -> SamplingParams:
-    """The request's sampling fields, each range-checked, as SamplingParams."""
+def sampling_params(req: _Sampling, max_completion_tokens: int | None,
+                    n_vocab: int | None = None) -> SamplingParams:
+    """The request's sampling fields, each range-checked, as SamplingParams; n_vocab: the ids
+    logit_bias may name."""
     if req.n not in (None, 1):
         raise bad_value("n", req.n, "this server returns one choice per request; leave n out or "
                                     "send 1 (send several requests for several answers)")
@@ -273,6 +276,7 @@ def sampling_params(req: _Sampling, max_completion_tokens: int | None) -> Sampli
         raise bad_value("seed", req.seed, "give an integer that fits 64 bits")
     d = SamplingParams()
     return SamplingParams(
+        logit_bias=_logit_bias(req.logit_bias, n_vocab),
         temperature=d.temperature if t is None else t,
         top_k=d.top_k if req.top_k is None else req.top_k,
         top_p=d.top_p if req.top_p is None else req.top_p,
@@ -283,6 +287,25 @@ def sampling_params(req: _Sampling, max_completion_tokens: int | None) -> Sampli
         seed=None if req.seed is None else req.seed % (1 << 64),
         max_tokens=sys.maxsize if n_max is None else n_max,
         stop=tuple(s for s in stop if s), logprobs=logprobs_of(req))
+
+
+def _logit_bias(bias: dict[str, float] | None, n_vocab: int | None) -> tuple:
+    """OpenAI's logit_bias ({"token id": bias}) as ((id, bias), ...), each entry checked."""
+    if not bias:
+        return ()
+    if len(bias) > 1024:
+        raise bad_value("logit_bias", f"{len(bias)} entries", "give at most 1024 token ids")
+    out = []
+    for key, value in bias.items():
+        i = int(key) if key.isdigit() and len(key) < 12 else -1
+        if i < 0 or (n_vocab is not None and i >= n_vocab):
+            top = "the vocabulary size - 1" if n_vocab is None else n_vocab - 1
+            raise bad_value(f"logit_bias.{key[:40]}", value, f"keys are token ids from 0 to "
+                            f"{top} (POST /tokenize gives a text's ids)")
+        if not (_finite(value) and -100 <= value <= 100):
+            raise bad_value(f"logit_bias.{key}", value, "give a bias from -100 to 100")
+        out.append((i, float(value)))
+    return tuple(out)
 
 
 def anthropic_sampling_params(req) -> SamplingParams:

@@ -12,7 +12,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """llama.cpp's order: penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+    """llama.cpp's order: penalties -> logit bias -> top-k -> top-p -> min-p -> temperature ->
+    draw.
     temperature <= 0 is greedy (argmax after penalties). 0 / 1.0 disable k, p and min-p."""
 
     temperature: float = 0.8
@@ -29,6 +30,8 @@ class SamplingParams:
     ignore_eog: bool = False         # keep going past end-of-generation ids
     logprobs: int | None = None      # each token's log probability and this many likeliest
                                      # (None: off; 0: the token's own only)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (id, added to its logit) after the
+                                     # penalties (OpenAI's logit_bias; -100 bans, +100 forces)
 
     @property
     def penalized(self) -> bool:
@@ -55,6 +58,9 @@ SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or 0 <= v < 2**64, "give a whole number from 0 to 2**64 - 1"),
     "max_tokens": (lambda v: v >= 1, "give 1 or more"),
     "logprobs": (lambda v: v is None or 0 <= v <= 20, "give 0 to 20 likeliest tokens"),
+    "logit_bias": (lambda v: len(v) <= 1024 and all(i >= 0 and _finite(b) and -100 <= b <= 100
+                                                    for i, b in v),
+                   "give at most 1024 token ids, each with a bias from -100 to 100"),
 }
 
 
@@ -76,6 +82,7 @@ class Sampler:
         self.p = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._bias = None                # (ids, values) of logit_bias on the logits' device
 
     def __call__(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, V]; recent [B, n] context ids the penalties see (or None)."""
@@ -111,7 +118,8 @@ class Sampler:
         return self.nucleus(x)
 
     def penalized(self, logits: torch.Tensor, recent: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (a float copy) after the repeat, presence and frequency penalties."""
+        """Logits (a float copy) after the repeat, presence and frequency penalties, then the
+        logit bias."""
         p, x = self.p, logits.float().clone()
         if recent is not None and recent.numel() and p.penalized:
             seen = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, recent, True)
@@ -120,6 +128,13 @@ class Sampler:
             if p.frequency_penalty:
                 counts = torch.zeros_like(x).scatter_add_(-1, recent, torch.ones_like(recent, dtype=x.dtype))
                 x = x - p.frequency_penalty * counts
+        if p.logit_bias:
+            if self._bias is None or self._bias[0].device != x.device:
+                ids, vals = zip(*p.logit_bias)
+                self._bias = (torch.tensor(ids, dtype=torch.int64, device=x.device),
+                              torch.tensor(vals, dtype=x.dtype, device=x.device))
+            ids, vals = self._bias
+            x[..., ids] += vals
         return x
 
     def nucleus(self, x: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,21 @@ def test_penalties():
     assert Sampler(freq)(LOGITS, torch.tensor([[4]])).tolist() == [4]
 
 
+def test_logit_bias_after_the_penalties():
+    """OpenAI's logit_bias: added to the logits after the penalties, before top-k and the rest;
+    -100 takes the best id out of a greedy draw, +100 makes a sampled one certain."""
+    top = LOGITS.argmax(-1).item()
+    banned = Sampler(SamplingParams(temperature=0, logit_bias=((top, -100.0),)))(LOGITS)
+    assert banned.item() != top
+    sure = SamplingParams(temperature=1.0, top_k=2, seed=3, logit_bias=((1, 100.0),))
+    assert Sampler(sure)(LOGITS.repeat(64, 1)).tolist() == [1] * 64
+    # the penalty first, then the bias: token 4 (3.0) halved to 1.5, +0.6 puts it back above 2.0
+    both = SamplingParams(temperature=0, repeat_penalty=2.0, logit_bias=((4, 0.6),))
+    assert Sampler(both)(LOGITS, torch.tensor([[4]])).tolist() == [4]
+    x = Sampler(SamplingParams(logit_bias=((2, 1.5), (0, -1.0)))).penalized(LOGITS)
+    torch.testing.assert_close(x - LOGITS, torch.tensor([[-1.0, 0, 1.5, 0, 0, 0]]))
+
+
 def test_stop_scanner_holds_back_partial_matches():
     s = StopScanner(["</end>", "STOP"])
     assert s.push("hello </") == ("hello ", False)
