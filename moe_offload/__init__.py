@@ -16,8 +16,9 @@ Generation (gen/) and speculative decoding (spec/):
   generate, Session, TokenStream, TokenEvent, DoneEvent, Timings, TokenReadback
   SamplingParams, GREEDY, Sampler, SAMPLING_RULES, sampling_problem, default_of
   PrefixIndex, Cached, continue_ids                 prefix reuse (the chat session's rule too)
-  GrammarConstraint, TriggeredConstraint, ConstraintUnavailable, check_grammar, apply_mask
-                                                    constrained decoding
+  GrammarConstraint, TriggeredConstraint, ConstraintUnavailable, check_grammar, apply_mask,
+  grammar_tokenizer                                 constrained decoding (and its index of a
+                                                    vocabulary, built once)
   TokenLogprob, prompt_logprobs                     log probabilities (a stream's, a prompt's)
   SpeculativeDecoder, DraftPolicy, SpecStats
 Policy and defaults (config.py): OffloadPolicy, DRAFT, SERVING, PREFILL, CONTEXT, DEFAULT_N_CTX,
@@ -37,7 +38,8 @@ from .errors import NonFiniteLogits, OffloadError
 from .gen import (DEFAULTS, GREEDY, SAMPLING_RULES, Cached, ConstraintUnavailable, DoneEvent,
                   GrammarConstraint, PrefixIndex, Sampler, SamplingParams, Session, Timings,
                   TokenEvent, TokenLogprob, TokenReadback, TokenStream, TriggeredConstraint, apply_mask,
-                  check_grammar, continue_ids, default_of, generate, prompt_logprobs,
+                  check_grammar, continue_ids, default_of, generate, grammar_tokenizer,
+                  prompt_logprobs,
                   sampling_problem)
 from .instrument.trace import TraceParams, make_trace, routing_stats, trace_stats
 from .memory import check_host as check_host_memory, check_vram as check_vram_memory
@@ -60,7 +62,7 @@ __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backen
            "TokenReadback", "TokenStream", "continue_ids", "default_of", "generate",
            "sampling_problem", "ConstraintUnavailable", "GrammarConstraint", "TriggeredConstraint",
            "TokenLogprob",
-           "apply_mask", "check_grammar", "prompt_logprobs", "TraceParams", "make_trace", "routing_stats", "trace_stats",
+           "apply_mask", "check_grammar", "grammar_tokenizer", "prompt_logprobs", "TraceParams", "make_trace", "routing_stats", "trace_stats",
            "MODELS", "Qwen35Moe", "ResidentExperts", "build_model", "save_profile",
            "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "CUDA_CONTEXT_MEASURED",
            "kv_bytes_per_token", "recurrent_state_bytes", "auto_context_under_cap",

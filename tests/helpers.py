@@ -163,3 +163,31 @@ def child_env(**extra: str) -> dict:
     import os
     import sys
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **extra}
+
+
+def tagged_vocab(tags: Iterable[str] = ("<tool_call>", "</tool_call>")):
+    """The built-in vocabulary with `tags` appended as user-defined tokens of their own, as
+    Qwen3.5's GGUF vocabulary has <tool_call> and </tool_call> (the tests' copy of llama.cpp's
+    Qwen3.5 vocabulary keeps only its regular tokens)."""
+    from dataclasses import replace
+    from loaders.vocab import USER_DEFINED, builtin_vocab
+    v, tags = builtin_vocab(), list(tags)
+    return replace(v, tokens=v.tokens + tags, token_types=np.concatenate(
+        [v.token_types, [USER_DEFINED] * len(tags)]).astype(np.int32))
+
+
+def write_vocab(path: str | Path, vocab) -> Path:
+    """A vocabulary-only GGUF of `vocab` (what `ftpatch synth --vocab` copies a tokenizer from)."""
+    from loaders.vocab import vocab_metadata
+    kv = []
+    for key, val in vocab_metadata(vocab).items():
+        if isinstance(val, str):
+            kv.append((key, 8, val, None))
+        elif isinstance(val, np.ndarray):
+            kv.append((key, 9, val.astype(np.int32).tolist(), 5))
+        elif isinstance(val, list):
+            kv.append((key, 9, val, 8))
+        else:
+            kv.append((key, 4, int(val), None))
+    Path(path).write_bytes(build_gguf(kv, []))
+    return Path(path)

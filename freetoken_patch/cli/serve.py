@@ -221,7 +221,7 @@ def _index_vocabulary(served) -> None:
     import threading
     if importlib.util.find_spec("llguidance") is None:
         return
-    from moe_offload.gen.constraint import grammar_tokenizer
+    from moe_offload import grammar_tokenizer
     threading.Thread(target=grammar_tokenizer, args=(served.tokenizer,),
                      name="vocabulary index", daemon=True).start()
 
