@@ -17,8 +17,9 @@ README = (ROOT / "README.md").read_text()
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 CI = (ROOT / ".ci" / "run").read_text()
-# flags in the README that belong to other programs: pip, llama.cpp's llama-bench
-OTHER_PROGRAMS = {"--index-url", "--no-deps", "--n-cpu-moe", "--cpu-moe"}   # pip's, llama.cpp's
+# flags in the README that belong to other programs: pip, llama.cpp's llama-bench, llm
+OTHER_PROGRAMS = {"--index-url", "--no-deps", "--n-cpu-moe", "--cpu-moe",   # pip's, llama.cpp's,
+                  "--schema"}                                            # llm's
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
