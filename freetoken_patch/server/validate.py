@@ -297,13 +297,13 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int | None) -> tuple:
         raise bad_value("logit_bias", f"{len(bias)} entries", "give at most 1024 token ids")
     out = []
     for key, value in bias.items():
-        i = int(key) if key.isdigit() and len(key) < 12 else -1
+        i = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
         if i < 0 or (n_vocab is not None and i >= n_vocab):
             top = "the vocabulary size - 1" if n_vocab is None else n_vocab - 1
             raise bad_value(f"logit_bias.{key[:40]}", value, f"keys are token ids from 0 to "
                             f"{top} (POST /tokenize gives a text's ids)")
         if not (_finite(value) and -100 <= value <= 100):
-            raise bad_value(f"logit_bias.{key}", value, "give a bias from -100 to 100")
+            raise bad_value(f"logit_bias.{key[:40]}", value, "give a bias from -100 to 100")
         out.append((i, float(value)))
     return tuple(out)
 

@@ -149,8 +149,9 @@ class TokenStream:
 
     constraint (constraint.TokenConstraint): each draw takes only ids it allows (no mask at all
     where it allows any); the mask for the next draw is computed as soon as an id is taken
-    (take()), so on a GPU it overlaps the step queued ahead. params.logprobs (n): each TokenEvent carries the id's log probability
-    and the n likeliest, computed on the device in draw() and read with the id."""
+    (take()), so on a GPU it overlaps the step queued ahead. params.logprobs (n): each
+    TokenEvent carries the id's log probability and the n likeliest, computed on the device in
+    draw() and read with the id."""
 
     def __init__(self, params: SamplingParams, device, tokenizer, context: list[int],
                  n_prompt: int, eog_ids: Iterable[int] | None = None, constraint=None):

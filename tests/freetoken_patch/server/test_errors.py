@@ -49,6 +49,8 @@ BAD = [
      "logit_bias.999999=5: keys are token ids from 0 to", "logit_bias.999999", 400),
     ("logit_bias key not an id", {**OK, "logit_bias": {"hello": 5}}, "logit_bias.hello=5",
      "logit_bias.hello", 400),
+    ("logit_bias key a superscript digit", {**OK, "logit_bias": {"\u00b2": 1}},
+     "logit_bias.\u00b2=1", "logit_bias.\u00b2", 400),
     ("logit_bias beyond 100", {**OK, "logit_bias": {"7": 150}},
      "logit_bias.7=150: give a bias from -100 to 100", "logit_bias.7", 400),
     ("logit_bias not a number", {**OK, "logit_bias": {"7": "up"}}, "logit_bias.7",
