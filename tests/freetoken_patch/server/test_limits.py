@@ -216,6 +216,15 @@ def _start(args: list[str], nofile: int | None = None):
         time.sleep(0.1)
 
 
+def _streaming(got: list, limit: float = 30.0) -> None:
+    """Wait until the stream has its first event: a request is running (a fixed sleep let a
+    loaded machine send Ctrl-C before it arrived, and the server stopped with none to drain)."""
+    deadline = time.monotonic() + limit
+    while not got:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.01)
+
+
 def _stream(url: str, got: list, max_tokens: int) -> threading.Thread:
     body = {"prompt": "Once", "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stop": ["\x01never\x02"]}
@@ -245,7 +254,7 @@ def test_a_flood_of_idle_connections_under_a_low_file_limit(tiny_model):
         host, port = url[7:].split(":")
         got: list = []
         th = _stream(url, got, 600)
-        time.sleep(0.3)
+        _streaming(got)
         idle = [socket.create_connection((host, int(port))) for _ in range(cap + 20)]
         time.sleep(0.3)
         r = httpx.get(url + "/health", timeout=5)
@@ -274,7 +283,7 @@ def test_ctrl_c_twice_stops_at_once_and_the_drain_is_bounded(tiny_model):
     proc, url, _ = _start([str(tiny_model), "--ctx", "4096"])
     got: list = []
     th = _stream(url, got, 3000)
-    time.sleep(1.0)
+    _streaming(got)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
     with pytest.raises(httpx.ConnectError):        # no longer accepting
@@ -293,7 +302,7 @@ def test_ctrl_c_twice_stops_at_once_and_the_drain_is_bounded(tiny_model):
     proc, url, _ = _start([str(tiny_model), "--ctx", "4096", "--drain-timeout", "1"])
     got = []
     th = _stream(url, got, 3000)
-    time.sleep(1.0)
+    _streaming(got)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(20) == 0 and time.monotonic() - t0 < 5
