@@ -45,13 +45,19 @@ def _cuda_accumulation() -> dict[str, str]:
         return {}
 
 
+def _round_per_32(x: torch.Tensor, qmax: float) -> torch.Tensor:
+    """x [..., n] (n a multiple of 32) -> float64 d * round(x / d) per 32 values,
+    d = amax / qmax in float32."""
+    g = x.detach().to(torch.float32).reshape(*x.shape[:-1], -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / qmax
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(g * inv).double() * d.double()).reshape(x.shape)
+
+
 def q8_round(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] (n a multiple of 32) -> float64 x_hat = d * round(x / d) per 32 values,
     d = amax / 127 in float32 (the CUDA kernels' and ggml's q8_1 rounding)."""
-    g = x.detach().to(torch.float32).reshape(*x.shape[:-1], -1, 32)
-    d = g.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(g * inv).double() * d.double()).reshape(x.shape)
+    return _round_per_32(x, 127.0)
 
 
 # ggml-cpu's vec_dot_type per weight type (type_traits_cpu in ggml-cpu.c): the activation type
@@ -125,10 +131,7 @@ def ggml_cpu_matmul(x: torch.Tensor, w64: torch.Tensor, qtype: str,
 def q16_round(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] (n a multiple of 32) -> float64 d * round(x / d) per 32 values, d = amax / 32767
     in float32 (the CPU's int16 activations)."""
-    g = x.detach().to(torch.float32).reshape(*x.shape[:-1], -1, 32)
-    d = g.abs().amax(-1, keepdim=True) / 32767.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(g * inv).double() * d.double()).reshape(x.shape)
+    return _round_per_32(x, 32767.0)
 
 
 def _cpu_accumulation() -> dict[str, str]:
