@@ -34,6 +34,14 @@ REFERENCE: dict[str, tuple[str, int]] = {
 CTX_REFERENCE = 4096   # the context run, chat and serve choose when none is asked for
 
 
+def gib(n: int) -> str:
+    """A size for a message: GiB (3 significant digits past a PiB: hostile metadata asks for
+    absurd sizes) or MiB."""
+    if n >= 1 << 50:
+        return f"{n / 2**30:.3g} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 1 << 30 else f"{n / 2**20:.1f} MiB"
+
+
 def recurrent_state_bytes(c, bytes_per_value: int = 4) -> int:
     """One sequence's delta-net state: conv window + recurrent state S of every delta-net layer
     (S is [Hv, state_size, inner_size / Hv] a layer, so inner_size x state_size values)."""

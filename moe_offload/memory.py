@@ -7,7 +7,8 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from loaders.footprint import Culprit, culprit, kv_bytes_per_position, recurrent_state_bytes
+from loaders.footprint import (Culprit, culprit, kv_bytes_per_position, recurrent_state_bytes,
+                               gib as _gib)
 
 from .config import PREFILL, OffloadPolicy
 from .errors import OffloadError
@@ -110,12 +111,6 @@ def host_room() -> tuple[int | None, str]:
         if soft != resource.RLIM_INFINITY and used is not None:
             take(soft - used, f"the address-space limit ({what})")
     return best
-
-
-def _gib(n: int) -> str:
-    if n >= 1 << 50:
-        return f"{n / 2**30:.3g} GiB"
-    return f"{n / 2**30:.2f} GiB" if n >= 1 << 30 else f"{n / 2**20:.1f} MiB"
 
 
 # ---- the estimate ---------------------------------------------------------------------------

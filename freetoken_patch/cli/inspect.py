@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from loaders import LoadedModel
+from loaders.footprint import gib as _gib
 from loaders.quants import QUANT_TYPES
 from moe_offload import is_expert_tensor, plan_sketch
 
@@ -173,12 +174,6 @@ def memory_estimate(model: LoadedModel, n_ctx: int) -> dict[str, Any]:
     return {**est.as_dict(), "host_room_bytes": room, "host_room_limit": limit or None,
             "fits": room is None or est.total <= room,
             "fix": est.fix() if est.culprit is not None else None}
-
-
-def _gib(n: int) -> str:
-    if n >= 1 << 50:
-        return f"{n / (1 << 30):.3g} GiB"
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def render(d: dict[str, Any], console) -> None:
