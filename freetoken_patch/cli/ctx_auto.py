@@ -54,7 +54,7 @@ def _gib(n: int) -> str:
 def choose_context(args, loaded, dev, n_states: int) -> ContextChoice:
     """--ctx for `loaded` on `dev` (args.vram: under the runtime), with `n_states` sequences
     holding a KV at once (serve: --parallel plus the prefix cache; chat: 1); sets args.ctx to
-    the number (what load_for_text and open_for read)."""
+    the number."""
     import torch
 
     from moe_offload import (CONTEXT, DEFAULT_N_CTX, RuntimeOptions, auto_context_host,

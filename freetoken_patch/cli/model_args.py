@@ -206,9 +206,10 @@ def chat_template_for(args, metadata, model_path):
 
 def load_for_text(args, path, dev, what: str):
     """A model that reads and writes text, as chat and serve open it: (loaded, tokenizer, chat
-    template, n_ctx, model). `what` names the command in the error for a file without a
-    tokenizer."""
+    template, the context chosen (ctx_auto.ContextChoice), model). `what` names the command in
+    the error for a file without a tokenizer."""
     from loaders.tokenizer import Tokenizer
+    from .ctx_auto import choose_context
     loaded = open_model_named(path)
     md = loaded.metadata
     if "tokenizer.ggml.tokens" not in md:
@@ -216,8 +217,12 @@ def load_for_text(args, path, dev, what: str):
                        "use `ftpatch logits MODEL --tokens IDS` instead")
     tok = Tokenizer.from_metadata(md, str(path))
     template = chat_template_for(args, md, path)
-    n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
-    return loaded, tok, template, n_ctx, open_for(args, loaded, dev, n_ctx)
+    # sequences that hold a KV at once: under --vram the runtime's (--parallel); on the plain
+    # model every State (serve: every active request's and every cached conversation's)
+    n_states = (getattr(args, "parallel", None) or 1) if args.vram is not None \
+        else states_held(args)
+    choice = choose_context(args, loaded, dev, n_states)
+    return loaded, tok, template, choice, open_for(args, loaded, dev, choice.n_ctx)
 
 
 def add_vram_arg(s: argparse.ArgumentParser) -> None:

@@ -12,10 +12,8 @@ from pathlib import Path
 
 from ..errors import CLIError
 from .inputs import check
-from .ctx_auto import choose_context
 from .model_args import (add_draft_arg, add_model_args, add_template_arg, add_vram_arg,
-                         chat_template_for, context_size, device_for, open_for,
-                         open_model_named, resolve_parallel, size_arg, speculative_for)
+                         device_for, load_for_text, resolve_parallel, size_arg, speculative_for)
 
 DESCRIPTION = """\
 Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming, tools,
@@ -325,20 +323,8 @@ def load(args: argparse.Namespace):
         ensure_default_model()
     else:
         path = args.model
-    from loaders.tokenizer import Tokenizer
-    loaded = open_model_named(path)
-    md = loaded.metadata
-    if "tokenizer.ggml.tokens" not in md:
-        raise CLIError(f"{path} has no tokenizer metadata, so the server cannot read or write "
-                       "text; use `ftpatch logits MODEL --tokens IDS` instead")
-    tok = Tokenizer.from_metadata(md, str(path))
-    template = chat_template_for(args, md, path)
-    # sequences that hold a KV at once: under --vram the runtime's (--parallel); on the plain
-    # model every active request's and every cached conversation's State
-    n_states = args.parallel if args.vram is not None else args.parallel + args.prefix_cache
-    choice = choose_context(args, loaded, dev, max(1, n_states))
-    n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
-    model = open_for(args, loaded, dev, n_ctx)
+    loaded, tok, template, choice, model = load_for_text(args, path, dev, "the server")
+    n_ctx = choice.n_ctx
     metrics = Metrics()
     engine = Engine(model, tok, n_ctx, parallel=args.parallel, queue_size=args.queue,
                     prefix_cache=args.prefix_cache, metrics=metrics,

@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...errors import CLIError
-from ..ctx_auto import choose_context
 from ..model_args import (add_draft_arg, add_model_args, add_sampling_args, add_template_arg,
-                          add_vram_arg, chat_template_for, context_size, device_for,
-                          nonfinite_error, open_for, open_model_named, sampling_params,
-                          speculative_for)
+                          add_vram_arg, device_for, load_for_text, nonfinite_error,
+                          sampling_params, speculative_for)
 from .conversation import HELP, Conversation, answer, command
 from .screens import PlainScreen, TerminalScreen
 
@@ -92,17 +89,8 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
     else:
         path = args.model
     with screen.busy(f"loading {path}"):
-        from loaders.tokenizer import Tokenizer
-        loaded = open_model_named(path)
-        md = loaded.metadata
-        if "tokenizer.ggml.tokens" not in md:
-            raise CLIError(f"{path} has no tokenizer metadata, so chat cannot read or write "
-                           "text; use `ftpatch logits MODEL --tokens IDS` instead")
-        tok = Tokenizer.from_metadata(md, str(path))
-        template = chat_template_for(args, md, path)
-        choice = choose_context(args, loaded, dev, 1)
-        n_ctx = context_size(args.ctx, loaded.config.n_ctx_train, args.allow_long_ctx)
-        model = open_for(args, loaded, dev, n_ctx)
+        loaded, tok, template, choice, model = load_for_text(args, path, dev, "chat")
+        n_ctx = choice.n_ctx
         session = Session(model, model.new_state(1, n_ctx), tok, template,
                           draft=speculative_for(args, model))
     conv = Conversation(session, params, args.system, False if args.no_think else None,
@@ -114,7 +102,7 @@ def load(args: argparse.Namespace, screen) -> tuple[Conversation, list[str]]:
                   "trying the machinery; its replies are gibberish, not a bug.",
                   "Pass a GGUF file (ftpatch chat MODEL.gguf) to talk to a real model."]
     else:
-        banner = [f"{md.get('general.name') or path}"]
+        banner = [f"{loaded.metadata.get('general.name') or path}"]
     banner.append(f"{where} | {choice.describe()} | /help lists the commands, Ctrl-D quits")
     if args.no_think and "enable_thinking" not in template.source:
         banner.append("note: this model's chat template has no thinking switch; --no-think "
