@@ -92,7 +92,11 @@ def header_parse(model: str, compare: bool = False) -> dict:
         index = reader.gguf_tensor_index(path)
         return time.perf_counter() - t0, meta, index
 
-    seconds, meta, index = timed()
+    try:
+        seconds, meta, index = timed()
+    except ValueError as e:    # the header reader's: not a GGUF, ends early (names the file)
+        from ..errors import CLIError
+        raise CLIError(str(e)) from None
     out = {"model": path, "files": len(reader.gguf_split_paths(path)), "keys": len(meta) - 3,
            "tensors": len(index), "seconds": seconds, "reader": "ftpatch (lean header)"}
     if compare:

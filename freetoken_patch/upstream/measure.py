@@ -358,6 +358,7 @@ def header(model: str, *, tasks=tuple(HEADER_TASKS), readers=("freetoken", "patc
         if not pr_tree:
             raise ValueError("the pr reader needs pr_tree (BUILD/upstream of `pr-notes build`)")
         tree = str((Path(pr_tree) / "python").resolve())
+    meta = _header_facts(model)     # first: a file that is not a GGUF is one line, no runs
     runs = []
     for task in tasks:
         for rep in range(repeats):
@@ -370,10 +371,11 @@ def header(model: str, *, tasks=tuple(HEADER_TASKS), readers=("freetoken", "patc
                                       "_header", model, reader, task, tree],
                                      capture_output=True, text=True, check=False)
                 if out.returncode:
-                    raise RuntimeError(f"{task} ({reader}) failed: {out.stderr[-2000:]}")
+                    from ..errors import CLIError
+                    last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise CLIError(f"{task} with the {reader} reader failed: {last}")
                 rec = json.loads(out.stdout.strip().splitlines()[-1])
                 runs.append(dict(rec, task=task, reader=reader, repeat=rep))
-    meta = _header_facts(model)
     return {"kind": "header", "model": Path(model).name, "files": len(paths),
             "file_bytes": sum(p.stat().st_size for p in paths), **meta,
             "machine": machine(), "versions": _versions(), "cache": cache,

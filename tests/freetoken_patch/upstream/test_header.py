@@ -128,3 +128,22 @@ def test_doctor_times_the_parse(lean, synth_model):
 
     from freetoken_patch.upstream import header
     assert reader._reader is header.reader   # the comparison put the hook back
+
+
+def test_doctor_refuses_a_file_that_is_not_gguf_in_one_line(lean, tmp_path):
+    from freetoken_patch.errors import CLIError
+    from freetoken_patch.upstream import doctor
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"hello, not a model at all")
+    with pytest.raises(CLIError, match="not a GGUF file"):
+        doctor.header_parse(str(bad))
+
+
+def test_measure_header_refuses_a_file_that_is_not_gguf_before_any_run(tmp_path, monkeypatch):
+    from loaders import GGUFError
+    from freetoken_patch.upstream import measure
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"hello, not a model at all")
+    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        measure.header(str(bad), repeats=1)
