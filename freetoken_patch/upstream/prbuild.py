@@ -328,12 +328,14 @@ def _with_takes(fragment: str, takes: list[str]) -> str:
     return "".join(lines[:cut]) + "\n\n" + "\n\n\n".join(takes) + "\n\n\n" + "".join(lines[cut:])
 
 
-def _git(cwd: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def _git(cwd: Path, *args: str, env: dict | None = None, check: bool = True,
+         input: str | None = None) -> subprocess.CompletedProcess:
+    """git in `cwd` with no user or system config, ftpatch's identity unless `env` gives one."""
     ident = {"GIT_AUTHOR_NAME": "ftpatch", "GIT_AUTHOR_EMAIL": "ftpatch@localhost",
              "GIT_COMMITTER_NAME": "ftpatch", "GIT_COMMITTER_EMAIL": "ftpatch@localhost",
              "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
     proc = subprocess.run(["git", "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false", *args],
-                          cwd=cwd, env={**os.environ, **ident, **(env or {})},
+                          cwd=cwd, env={**os.environ, **ident, **(env or {})}, input=input,
                           capture_output=True, text=True, check=False)
     if check and proc.returncode:
         raise CLIError(f"git {' '.join(args[:2])} failed in {cwd}: {proc.stderr.strip()[-500:]}")
@@ -429,14 +431,9 @@ def _author(author: str | None) -> tuple[str, str]:
 
 
 def _commit(repo: Path, message: str, name: str, email: str, date: str | None) -> None:
-    proc = subprocess.run(
-        ["git", "-c", "commit.gpgsign=false", "commit", "-q", "-F", "-"], cwd=repo, input=message,
-        env={**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
-             "GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_COMMITTER_NAME": name,
-             "GIT_COMMITTER_EMAIL": email, **_dates(date or "2026-01-01T00:00:00+00:00")},
-        capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise CLIError(f"git commit failed in {repo}: {proc.stderr.strip()[-500:]}")
+    _git(repo, "commit", "-q", "-F", "-", input=message,
+         env={"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_COMMITTER_NAME": name,
+              "GIT_COMMITTER_EMAIL": email, **_dates(date or "2026-01-01T00:00:00+00:00")})
 
 
 # -- check: the series applies to 0.2.1, its tests fail before (for the reason) and pass after -----
