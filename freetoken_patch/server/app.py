@@ -3,17 +3,16 @@ prompt, submit a job to the engine, send the reply streamed or whole), and the h
 turn any error into one error object in the wire format of the route's API."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_offload import SamplingParams
-
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict
 
 from . import anthropic_format as anthropic
 from . import prompt, streams, structured
@@ -147,7 +146,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req.model, served.model_id)
         check_text(req.model_dump())
-        params = sampling_params(req, req.max_completion_tokens, _n_ids(served))
+        params = sampling_params(req, req.max_completion_tokens, served.n_ids)
         schema = structured.response_format_schema(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         forced = forced_tool(req.tool_choice, tools)
@@ -199,7 +198,7 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model, served.model_id)
         check_text(req.model_dump())
-        params = sampling_params(req, None, _n_ids(served))
+        params = sampling_params(req, None, served.n_ids)
         check_no_suffix(req)
         _check_mode(served, params, False, echo=req.echo and params.logprobs is not None)
         ids = await run_in_threadpool(prompt.encode_prompt, served, req.prompt)
@@ -215,12 +214,6 @@ def create_app(served: Served, log_format: str = "text", log_out=None) -> Access
         return streams.completion_reply(served, job, rid, done, parts, echo)
 
     return AccessLog(Guarded(app, served, ENDPOINTS), log_format, log_out)
-
-
-def _n_ids(served: Served) -> int:
-    """The token ids a request may name: the tokenizer's, within the model's logits."""
-    n_vocab = getattr(getattr(served.engine.model, "config", None), "n_vocab", None)
-    return min(len(served.tokenizer), n_vocab or len(served.tokenizer))
 
 
 def _check_mode(served: Served, params, constrained: bool, echo: bool = False) -> None:
@@ -245,10 +238,7 @@ def _constraint(served: Served, p, tools: list, schema: dict | None, use_tools: 
     force, name = p.forced
     if not force:
         return structured.lazy_tool_calls(served, tools, p.text) if use_tools else None
-    grammar = structured.tool_call_grammar(tools, name,
-                                           xml="<function=" in served.template.source,
-                                           tags=served.tokenizer.markup_texts)
-    return structured.constraint_for(served, grammar=grammar)
+    return structured.constraint_for(served, grammar=structured.call_grammar(served, tools, name))
 
 
 def _error(request: Request, e: ApiError) -> JSONResponse:

@@ -260,6 +260,12 @@ class ToolCallParser:
             out.append(("tool_call", {"id": "call_" + secrets.token_hex(12), **c}))
 
 
+def xml_tool_calls(template_source: str) -> bool:
+    """Whether the template writes a tool call as Qwen3.5's XML block (`<function=NAME>`),
+    else as Hermes-style JSON (`{"name": NAME, "arguments": ...}`)."""
+    return "<function=" in template_source
+
+
 def forced_call_prefix(template_source: str, name: str | None) -> str:
     """The start of the assistant's reply that makes the model call a tool (tool_choice
     required / any), or the named one: Qwen3.5's templates write a call as an XML block
@@ -268,7 +274,7 @@ def forced_call_prefix(template_source: str, name: str | None) -> str:
     head = CALL_OPEN + "\n"
     if name is None:
         return head
-    if "<function=" in template_source:
+    if xml_tool_calls(template_source):
         return head + f"<function={name}>\n"
     return head + '{"name": ' + json.dumps(name) + ', "arguments": '
 

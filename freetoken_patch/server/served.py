@@ -27,6 +27,16 @@ class Served:
     context: Any = None               # cli.ctx_auto.ContextChoice: how n_ctx was chosen
     n_ctx_train: int | None = None
 
+    @property
+    def n_logits(self) -> int | None:
+        """The model's logits width (a padded head may pass the tokenizer), None if unknown."""
+        return getattr(getattr(self.engine.model, "config", None), "n_vocab", None)
+
+    @property
+    def n_ids(self) -> int:
+        """The token ids a request may name: the tokenizer's, within the model's logits."""
+        return min(len(self.tokenizer), self.n_logits or len(self.tokenizer))
+
     def model_meta(self) -> dict:
         """/v1/models' `meta` (llama-server's n_ctx, and how the context was chosen)."""
         meta = {"n_ctx": self.n_ctx, "n_vocab": len(self.tokenizer)}

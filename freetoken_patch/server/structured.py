@@ -151,6 +151,14 @@ def tool_call_grammar(tools: list[dict], name: str | None, xml: bool,
     return f"start: {lead}(" + " | ".join(calls) + ")\n" + "\n".join(rules) + "\n"
 
 
+def call_grammar(served, tools: list[dict], name: str | None, after_open: bool = False) -> str:
+    """tool_call_grammar in the served template's call form, closed with its vocabulary's
+    </tool_call> token where it has one."""
+    from .openai_format import xml_tool_calls
+    return tool_call_grammar(tools, name, xml=xml_tool_calls(served.template.source),
+                             after_open=after_open, tags=served.tokenizer.markup_texts)
+
+
 def constraint_for(served, grammar: str | None = None, schema: dict | None = None):
     """A GrammarConstraint for this request (a Lark grammar, or a JSON schema), or a 400 that
     names the extra when the library is missing, or the grammar's problem."""
@@ -168,9 +176,8 @@ def constraint_for(served, grammar: str | None = None, schema: dict | None = Non
         except (ValueError, TypeError) as e:
             raise ApiError(400, f"response_format's schema is not usable: {e}"[:300],
                            param="response_format", code="invalid_value") from None
-    n_vocab = getattr(getattr(served.engine.model, "config", None), "n_vocab", None)
     try:
-        return GrammarConstraint(grammar, served.tokenizer, n_vocab)
+        return GrammarConstraint(grammar, served.tokenizer, served.n_logits)
     except ConstraintUnavailable as e:
         raise ApiError(400, str(e), code="unsupported") from None
     except OffloadError as e:
@@ -196,8 +203,7 @@ def lazy_tool_calls(served, tools: list[dict], prompt_text: str = ""):
         return None
     try:
         import llguidance  # noqa: F401
-        grammar = tool_call_grammar(tools, None, xml="<function=" in served.template.source,
-                                    after_open=True, tags=served.tokenizer.markup_texts)
+        grammar = call_grammar(served, tools, None, after_open=True)
         first = constraint_for(served, grammar=grammar)   # compiles it: errors show here
     except (ImportError, ApiError, OffloadError):
         return None
