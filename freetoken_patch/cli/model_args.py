@@ -72,22 +72,17 @@ def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
 
 def sampling_params(args: argparse.Namespace):
     """The SamplingParams the flags of `add_sampling_args` ask for, each checked."""
-    from moe_offload import SamplingParams
+    from moe_offload import SamplingParams, sampling_problem
     n = args.max_tokens
     check("-n", n, n >= 1 or n == -1,
           "give 1 or more tokens, or -1 for no limit (until the end of text or a full context)")
-    check("--temp", args.temp, math.isfinite(args.temp) and args.temp >= 0,
-          "give a number >= 0 (0 = greedy)")
-    check("--top-k", args.top_k, args.top_k >= 0, "give 0 (off) or more")
-    check("--top-p", args.top_p, 0 < args.top_p <= 1,
-          "give a number above 0 and at most 1 (1 = off)")
-    check("--min-p", args.min_p, 0 <= args.min_p <= 1, "give a number from 0 (off) to 1")
-    check("--repeat-penalty", args.repeat_penalty,
-          math.isfinite(args.repeat_penalty) and args.repeat_penalty > 0,
-          "give a number above 0 (1 = off)")
-    for flag, v in (("--presence-penalty", args.presence_penalty),
-                    ("--frequency-penalty", args.frequency_penalty)):
-        check(flag, v, math.isfinite(v), "give a finite number (0 = off)")
+    for flag, field, v in (("--temp", "temperature", args.temp), ("--top-k", "top_k", args.top_k),
+                           ("--top-p", "top_p", args.top_p), ("--min-p", "min_p", args.min_p),
+                           ("--repeat-penalty", "repeat_penalty", args.repeat_penalty),
+                           ("--presence-penalty", "presence_penalty", args.presence_penalty),
+                           ("--frequency-penalty", "frequency_penalty", args.frequency_penalty)):
+        problem = sampling_problem(field, v)     # moe_offload's ranges: one table
+        check(flag, v, problem is None, problem)
     check_seed("--seed", args.seed)
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, repeat_penalty=args.repeat_penalty,

@@ -1,5 +1,5 @@
-"""Sampling: the parameters, their allowed ranges (one table: the CLI and the server check with
-it), and the sampler that turns logits into token ids."""
+"""Sampling: the parameters, their allowed ranges (one table the CLI checks with), and the
+sampler that turns logits into token ids."""
 from __future__ import annotations
 
 import math
@@ -46,7 +46,8 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-# field -> (whether a value is allowed, what to give instead): the ranges every front end checks
+# field -> (whether a value is allowed, what to give instead): the ranges the CLI's flags and
+# chat's commands check with (the server takes OpenAI's narrower ones: server/validate.py)
 SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (lambda v: _finite(v) and v >= 0, "give a number >= 0 (0 = greedy)"),
     "top_k": (lambda v: v >= 0, "give 0 (off) or more"),
@@ -58,9 +59,6 @@ SAMPLING_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v is None or 0 <= v < 2**64, "give a whole number from 0 to 2**64 - 1"),
     "max_tokens": (lambda v: v >= 1, "give 1 or more"),
     "logprobs": (lambda v: v is None or 0 <= v <= 20, "give 0 to 20 likeliest tokens"),
-    "logit_bias": (lambda v: len(v) <= 1024 and all(i >= 0 and _finite(b) and -100 <= b <= 100
-                                                    for i, b in v),
-                   "give at most 1024 token ids, each with a bias from -100 to 100"),
 }
 
 

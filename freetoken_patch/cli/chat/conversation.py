@@ -3,13 +3,12 @@ time, the /commands and the statistics. No terminal I/O here: what is shown goes
 screen object (say, note, error, streaming, finish; see screens.py)."""
 from __future__ import annotations
 
-import math
 import signal
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from moe_offload import as_backend
+from moe_offload import as_backend, sampling_problem
 
 from ..model_args import offload_stats_lines, stop_reason
 
@@ -189,8 +188,9 @@ def command(conv: Conversation, screen, line: str) -> bool:
                 value = float(arg)
             except ValueError:
                 value = -1.0
-            if not (math.isfinite(value) and value >= 0):
-                screen.error(f"/temp {arg}: give a number >= 0 (0 = greedy)")
+            problem = sampling_problem("temperature", value)
+            if problem:
+                screen.error(f"/temp {arg}: {problem}")
                 return True
             conv.params = replace(conv.params, temperature=value)
         temp = conv.params.temperature
