@@ -272,7 +272,7 @@ class Engine:
             if job.echo_logprobs is not None:   # every prompt position's logits, by chunks
                 with self.timed("prefill"):
                     job.prompt_logprobs = prompt_logprobs(self.model, state, job.prompt,
-                                                          job.echo_logprobs, SERVING.echo_chunk)
+                                                          job.echo_logprobs)
                 history = job.prompt[:-1]
                 self.prefilled_tokens += len(history)
             cuts = [] if job.echo_logprobs is not None else self._rewind_points(job.prompt)

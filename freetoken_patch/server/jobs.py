@@ -46,6 +46,11 @@ class Job:
     n_generated: int = 0              # tokens generated, once done (the access log)
     error: str | None = None          # the failure's message (the access log)
 
+    def echoed_logprobs(self) -> list:
+        """A completion's echoed prompt as completion_logprobs takes it: the first id bare (it
+        has no logprob), then the logprob of each later one."""
+        return [self.prompt[0]] + list(self.prompt_logprobs or [])
+
     def __post_init__(self):
         if self.loop is None:
             self.loop = asyncio.get_running_loop()

@@ -345,9 +345,14 @@ def sse(obj: Any) -> str:
 
 # ---- logprobs ---------------------------------------------------------------------------------
 
+def _piece(tokenizer, token: int) -> str:
+    """A token's text as logprobs show it (a piece of a character: U+FFFD)."""
+    return tokenizer.token_bytes(token).decode("utf-8", "replace")
+
+
 def _entry(tokenizer, token: int, logprob: float) -> dict:
-    b = tokenizer.token_bytes(token)
-    return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+    return {"token": _piece(tokenizer, token), "logprob": logprob,
+            "bytes": list(tokenizer.token_bytes(token))}
 
 
 def chat_logprobs(tokenizer, lps: Iterable) -> dict:
@@ -364,7 +369,7 @@ def completion_logprobs(tokenizer, lps: list, offset: int = 0) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for lp in lps:
         tid = lp if isinstance(lp, int) else lp.token
-        text = tokenizer.token_bytes(tid).decode("utf-8", "replace")
+        text = _piece(tokenizer, tid)
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
@@ -375,6 +380,6 @@ def completion_logprobs(tokenizer, lps: list, offset: int = 0) -> dict:
             out["token_logprobs"].append(lp.logprob)
             top: dict = {}
             for i, v in lp.top:
-                top.setdefault(tokenizer.token_bytes(i).decode("utf-8", "replace"), v)
+                top.setdefault(_piece(tokenizer, i), v)
             out["top_logprobs"].append(top)
     return out

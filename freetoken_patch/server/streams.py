@@ -106,7 +106,7 @@ def completion_reply(served: Served, job: Job, rid: str, done: DoneEvent, parts:
     text = "".join(t for _, t in parts)
     lps = None
     if job.params.logprobs is not None:
-        head = ([job.prompt[0]] + list(job.prompt_logprobs or [])) if echo is not None else []
+        head = job.echoed_logprobs() if echo is not None else []
         lps = completion_logprobs(served.tokenizer, head + job.token_logprobs)
     if echo is not None:
         text = echo + text
@@ -137,9 +137,7 @@ def chat_stream(served: Served, job: Job, parser: OutputParser, rid: str,
 
 def completion_stream(served: Served, job: Job, rid: str, include_usage: bool,
                       echo: str | None = None) -> StreamingResponse:
-    stream = _CompletionStream(served, job, None, rid, include_usage)
-    stream.echo = echo
-    return _respond(stream.chunks())
+    return _respond(_CompletionStream(served, job, None, rid, include_usage, echo).chunks())
 
 
 def message_stream(served: Served, job: Job, parser: OutputParser, mid: str,
@@ -287,21 +285,24 @@ class _ChatStream(_OpenAIStream):
 
 class _CompletionStream(_OpenAIStream):
     object, key = "text_completion", "text"
-    offset = 0
+
+    def __init__(self, served, job, parser, rid: str, include_usage: bool,
+                 echo: str | None = None):
+        super().__init__(served, job, parser, rid, include_usage)
+        self.echo = echo              # the prompt's text, sent first
+        self.offset = 0               # characters of text the chunks' logprobs have covered
 
     def logprobs(self, lps: list) -> dict:
         out = completion_logprobs(self.served.tokenizer, lps, self.offset)
         self.offset += sum(len(t) for t in out["tokens"])
         return out
 
-    echo: str | None = None
-
     def started(self) -> list[str]:
         """With echo: the prompt's text first (its logprobs, once the engine has them)."""
         if self.echo is None:
             return []
         if self.job.params.logprobs is not None:
-            self.lps = [self.job.prompt[0]] + list(self.job.prompt_logprobs or []) + self.lps
+            self.lps = self.job.echoed_logprobs() + self.lps
         return [self.chunk(self.echo)]
 
     def text(self, text: str) -> list[str]:

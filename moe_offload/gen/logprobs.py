@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import SERVING
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -33,8 +35,8 @@ def unpack(row, token: int, n_top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(row[0]), top)
 
 
-def prompt_logprobs(backend, state, ids: list[int], n_top: int, chunk: int = 256
-                    ) -> list[TokenLogprob]:
+def prompt_logprobs(backend, state, ids: list[int], n_top: int,
+                    chunk: int = SERVING.echo_chunk) -> list[TokenLogprob]:
     """Prefill ids[:-1] into `state` (on top of what it holds) with every position's logits, a
     chunk at a time (memory: chunk x vocabulary floats), and return the logprob of each of
     ids[1:] given the ids before it. The last id is left for the caller to feed (its logits

@@ -159,6 +159,7 @@ class TokenStream:
         self.constraint = constraint
         self._allowed = _NOT_YET         # the constraint's mask for the next draw (None: any id)
         self._lp = None                  # the last draw's logprob row (on the host once read)
+        self._pinned = None              # on a GPU: the mask's pinned copy for its upload
         self.device = device
         self.sample = ScreenedSampler(params, device)
         self.eog = frozenset(eog_ids if eog_ids is not None else
@@ -207,7 +208,7 @@ class TokenStream:
             if logits.device.type == "cuda":
                 # through pinned memory, so the copy up is queued, not waited for; the last
                 # one is done (the host read that draw's id since)
-                if getattr(self, "_pinned", None) is None or self._pinned.shape != words.shape:
+                if self._pinned is None or self._pinned.shape != words.shape:
                     self._pinned = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
                 words = self._pinned.copy_(words)
             x = apply_mask(logits, words)
