@@ -200,10 +200,12 @@ def serve_argv(argv: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _own_server(args: argparse.Namespace, queue: int):
-    """`ftpatch serve` with this command's model and server flags, a child process on
-    127.0.0.1 at a free port (its own interpreter: the clients here never take the server's
-    time); yields (base URL, description). Stopped by SIGINT (it drains) at the end."""
+def child_server(serve_args: list[str], extra: tuple[str, ...] = (), capture: bool = True):
+    """`ftpatch serve SERVE_ARGS --host 127.0.0.1 --port PORT EXTRA` as a child process on 127.0.0.1 at a free port, its own
+    interpreter (the clients here never take the server's time), importing what this process
+    imports; yields (base URL, its /health, the command, seconds to start). Its output goes to
+    a file read for the error when it does not start (capture), else to ours. Stopped by
+    SIGINT (it drains) at the end. The agents' benchmarks start theirs with it too."""
     import subprocess
     import tempfile
     import httpx
@@ -213,16 +215,17 @@ def _own_server(args: argparse.Namespace, queue: int):
     # -P and PYTHONPATH = our import path: the child imports the same freetoken_patch (and built
     # extension) as this process, not a source tree that happens to be the working folder.
     launcher = [sys.executable, "-P", "-m", "freetoken_patch.cli"]
-    cmd = [*launcher, "serve",
-           *serve_argv(getattr(args, "argv", [])), "--host", "127.0.0.1", "--port", str(port),
-           "--queue", str(queue), "--prefix-cache", "4"]
+    cmd = [*launcher, "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port), *extra]
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile(mode="w+")
+    log = tempfile.TemporaryFile(mode="w+") if capture else None
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if capture else None,
+                            env=env)
 
     def failed(why: str) -> CLIError:
+        if log is None:
+            return CLIError(f"the server did not start ({why}); its output is above")
         log.seek(0)
         tail = [ln for ln in log.read().splitlines() if ln.strip()][-1:] or ["(no output)"]
         return CLIError(f"the server did not start ({why}): "
@@ -241,14 +244,7 @@ def _own_server(args: argparse.Namespace, queue: int):
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        h = health.json()
-        info = {"mode": "child process", "url": url, "parallel": h.get("parallel"),
-                "decode": h.get("mode"), "queue": h.get("queue_size"),
-                "prefix_cache": h.get("prefix_cache"), "n_ctx": h.get("n_ctx"),
-                "device": str(args.device or ("cuda" if args.vram is not None else "cpu")),
-                "vram": args.vram, "load_s": round(time.perf_counter() - t0, 3),
-                "command": ["ftpatch", *cmd[len(launcher):]]}
-        yield url, info
+        yield url, health.json(), ["ftpatch", *cmd[len(launcher):]], time.perf_counter() - t0
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -257,7 +253,21 @@ def _own_server(args: argparse.Namespace, queue: int):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        log.close()
+        if log is not None:
+            log.close()
+
+
+@contextlib.contextmanager
+def _own_server(args: argparse.Namespace, queue: int):
+    """child_server with this command's model and server flags; yields (base URL,
+    description)."""
+    with child_server(serve_argv(getattr(args, "argv", [])),
+                      ("--queue", str(queue), "--prefix-cache", "4")) as (url, h, command, load_s):
+        yield url, {"mode": "child process", "url": url, "parallel": h.get("parallel"),
+                    "decode": h.get("mode"), "queue": h.get("queue_size"),
+                    "prefix_cache": h.get("prefix_cache"), "n_ctx": h.get("n_ctx"),
+                    "device": str(args.device or ("cuda" if args.vram is not None else "cpu")),
+                    "vram": args.vram, "load_s": round(load_s, 3), "command": command}
 
 
 # ---- one request ----------------------------------------------------------------------------

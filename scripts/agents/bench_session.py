@@ -20,13 +20,12 @@ import copy
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_structured import _free_port, _same_imports, _wait  # noqa: E402
+from bench_structured import serving  # noqa: E402
 
 FIXTURE = Path(__file__).parents[2] / "tests/fixtures/claude_code/first_request.json"
 WORDS = ("the parser reads each block of the file and checks its offsets against the header "
@@ -78,16 +77,8 @@ def main(argv=None) -> int:
     extra = {k: v for k, v in body.items() if k not in known | {"stream"}}
     body = {k: v for k, v in body.items() if k in known}
     body.update(model="default", max_tokens=args.max_tokens, thinking={"type": "disabled"})
-    proc = None
-    url = args.url
-    if url is None:
-        port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "freetoken_patch.cli", "serve", *serve,
-                                 "--port", str(port)], env=_same_imports())
-        url = f"http://127.0.0.1:{port}"
     rows = []
-    try:
-        _wait(url, proc)
+    with serving(args.url, serve) as url:
         client = anthropic.Anthropic(base_url=url, api_key="unused", timeout=3600, max_retries=0,
                                      default_headers={"anthropic-beta":
                                                       rec["headers"]["anthropic-beta"]})
@@ -108,10 +99,6 @@ def main(argv=None) -> int:
             add = rng.randint(lo, hi)
             body["messages"] += [{"role": "assistant", "content": r["reply"]},
                                  {"role": "user", "content": filler(rng, int(add / per_word))}]
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
     follow = [r["ttft_s"] for r in rows[1:] if r["ttft_s"] is not None]
     if follow:
         print(f"first request TTFT {rows[0]['ttft_s']:.2f} s; follow-ups: median "

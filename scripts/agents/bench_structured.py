@@ -14,11 +14,9 @@ ends early is reported with its own count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -27,29 +25,26 @@ LONG = {"type": "array", "minItems": 10000, "items": {"type": "string", "maxLeng
 PROMPT = "List many short phrases about the sea."
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _same_imports() -> dict:
-    """Environment for a child `python -P`: our import path, so it loads the same
-    freetoken_patch (and built extension) as this script, whatever the working folder."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-
-
-def _wait(url: str, proc, timeout: float = 900) -> None:
+@contextlib.contextmanager
+def serving(url: str | None, serve: list[str], extra: tuple[str, ...] = ()):
+    """The server to measure: the running one at `url` once it answers, or `ftpatch serve
+    SERVE EXTRA` started for the run (bench serve's child_server: our import path, SIGINT at
+    the end), its output on ours."""
+    if url is None:
+        from freetoken_patch.cli.bench_serve import child_server
+        with child_server(serve, extra, capture=False) as (own, *_):
+            yield own
+        return
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit("the server exited before it was ready")
+    while True:
         try:
             urllib.request.urlopen(url + "/health", timeout=2)
-            return
+            break
         except OSError:
+            if time.monotonic() - t0 > 900:
+                raise SystemExit(f"{url} did not answer in time") from None
             time.sleep(0.5)
-    raise SystemExit("the server did not start in time")
+    yield url
 
 
 def one(client, structured: bool, max_tokens: int) -> dict:
@@ -85,25 +80,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     from openai import OpenAI
-    proc = None
-    url = args.url
-    if url is None:
-        port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "freetoken_patch.cli", "serve", *serve,
-                                 "--port", str(port), "--log-format", "off"], env=_same_imports())
-        url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url, proc)
+    with serving(args.url, serve, ("--log-format", "off")) as url:
         client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=3600, max_retries=0)
         one(client, False, 8)               # warm-up: graphs, the grammar library's index
         one(client, True, 8)
         rows = []
         for _ in range(args.requests):
             rows += [one(client, False, args.max_tokens), one(client, True, args.max_tokens)]
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
     plain = [r["decode_tps"] for r in rows if not r["structured"]]
     constrained = [r["decode_tps"] for r in rows if r["structured"]]
     p, c = statistics.median(plain), statistics.median(constrained)
