@@ -318,13 +318,13 @@ class Spec:
 
     def round(self, settings: list) -> dict:
         from freetoken_patch.cli.bench import draft_guess_stats
-        from freetoken_patch.cli.bench_spec import parse_draft, speculative_tg
+        from freetoken_patch.cli.bench_spec import speculative_tg
         rt, args = self.rt, self.args
         undo = apply(rt, settings)
         out = {}
-        for k in args.drafts.split(","):
+        for k in args.drafts:          # parsed in main
             rt.reset_stats()
-            res = speculative_tg(rt, parse_draft(k), gen=args.gen, reps=2, n_vocab=rt.config.n_vocab,
+            res = speculative_tg(rt, k, gen=args.gen, reps=2, n_vocab=rt.config.n_vocab,
                                  new_state=lambda: rt.new_state(1, 4096),
                                  sync=lambda: self.torch.cuda.synchronize(rt.device))
             g, s = draft_guess_stats(rt), rt.stats()
@@ -351,13 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     names = args.variants.split(",")
     variants = {name: parse_variant(name) for name in names}   # a typo ends the run before loading
-    if args.measure == "spec":
-        from freetoken_patch.cli.bench_spec import parse_draft
-        for k in args.drafts.split(","):
-            try:
-                parse_draft(k)
-            except argparse.ArgumentTypeError as e:
-                raise SystemExit(f"--drafts {k}: {e}") from None
+    if args.measure == "spec":   # parsed once, before loading: a typo ends the run here
+        from freetoken_patch.cli.bench_spec import parse_drafts
+        try:
+            args.drafts = parse_drafts(args.drafts)
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"--drafts {args.drafts}: {e}") from None
     from moe_offload import OffloadPolicy, TraceParams, make_trace, open_runtime
     spec = args.measure == "spec"
     rt = open_runtime(args.model, args.vram, ctx=4096, mtp=spec, max_sequences=args.batch,

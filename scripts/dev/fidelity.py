@@ -67,8 +67,7 @@ def llama_logits(binary: str, path: Path, toks: torch.Tensor, n_vocab: int, kv: 
 def per_matmul(seed: int = 0) -> None:
     from loaders.quants import QUANT_TYPES, dequantize_reference, random_tensor
     from native.numerics import GGML_CPU_ACTIVATION, ggml_cpu_matmul, q8_round
-    cpu = cpu_ext
-    print(f"CPU ISA {cpu.isa()}; relative RMS error of y = x W^T, gaussian / wide-range x")
+    print(f"CPU ISA {cpu_ext.isa()}; relative RMS error of y = x W^T, gaussian / wide-range x")
     print("| type | ggml CPU (activation) | int8 per 32 | ours (kernels) | ours / ggml |")
     print("|---|---|---|---|---|")
     for name, q in QUANT_TYPES.items():
@@ -95,7 +94,7 @@ def per_matmul(seed: int = 0) -> None:
                     m = raw.reshape(o, -1, q.block_bytes)[:, :, q.m_offset:q.m_offset + 2]
                     mins = torch.from_numpy(np.ascontiguousarray(m).view(np.float16)[..., 0].astype(np.float32))
                 y = np.zeros((t, o), np.float32)
-                cpu.matmul(q.type_id, raw.ctypes.data, o, h, raw.shape[1], x.ctypes.data, t, y.ctypes.data, 0)
+                cpu_ext.matmul(q.type_id, raw.ctypes.data, o, h, raw.shape[1], x.ctypes.data, t, y.ctypes.data, 0)
                 for k, got in (("ggml", ggml_cpu_matmul(xt, w, name, mins)), ("q8", q8_round(xt) @ w.T),
                                ("ours", torch.from_numpy(y).double())):
                     err[k] += float((got - ref).pow(2).sum())
@@ -105,7 +104,7 @@ def per_matmul(seed: int = 0) -> None:
         ratio = " / ".join(f"{a / b:.3f}" for a, b in zip(cells["ours"], cells["ggml"]))
         fmt = lambda v: " / ".join(f"{e:.2e}" for e in v)  # noqa: E731
         print(f"| {name} | {fmt(cells['ggml'])} ({GGML_CPU_ACTIVATION[name]}) | {fmt(cells['q8'])} | "
-              f"{fmt(cells['ours'])} ({cpu.accumulation(name)}) | {ratio} |")
+              f"{fmt(cells['ours'])} ({cpu_ext.accumulation(name)}) | {ratio} |")
 
 
 def main() -> int:
@@ -137,9 +136,8 @@ def main() -> int:
     if not args.out:
         ap.error("--out is required (except with --per-matmul)")
     cuda = torch.cuda.is_available()
-    best_isa = cpu_ext.isa() if cpu_ext is not None else None
-    if cpu_ext is not None:   # the exact CPU path: float activations (avx2 / avx512 round to int8)
-        cpu_ext.set_isa("generic")
+    best_isa = cpu_ext.isa()   # (the import above fails without the CPU extension)
+    cpu_ext.set_isa("generic")  # the exact CPU path: float activations (avx2 / avx512 round)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.types.split(","):
@@ -158,7 +156,7 @@ def main() -> int:
             for scheme in [s for s in args.schemes.split(",") if s]:
                 with emulate(scheme):
                     row[f"{scheme}-emulated"] = compare(logits(cpu, toks), exact)
-            if not args.no_cpu and best_isa not in (None, "generic"):
+            if not args.no_cpu and best_isa != "generic":
                 cpu_ext.set_isa(best_isa)
                 try:
                     row["cpu-prompt"] = compare(logits(cpu, toks), exact)
