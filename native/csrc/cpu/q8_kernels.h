@@ -53,21 +53,27 @@ inline int hsum_epi32(__m256i v) {
 }
 
 // ---- activations ----------------------------------------------------------------------------------
+// 32 floats from p into v[4]; returns their largest magnitude (the per-32 scale's numerator of the
+// int8 and int16 activations alike).
+inline float load_amax32(const float* p, __m256 v[4]) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
 inline void quantize_q8(const float* x, int64_t ldx, int64_t t0, int64_t t1, int64_t n, int8_t* q,
                         float* d, float* m16) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t t = t0; t < t1; ++t) {
         const float* xt = x + t * ldx;
         for (int64_t c = 0; c < n / 32; ++c) {
             __m256 v[4];
-            for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xt + 32 * c + 8 * i);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float dd = _mm_cvtss_f32(m4) / 127.f;  // q8_round: d = amax / 127, x * (1 / d)
+            const float dd = load_amax32(xt + 32 * c, v) / 127.f;  // q8_round: d = amax / 127, x * (1 / d)
             const __m256 id = _mm256_set1_ps(dd > 0.f ? 1.f / dd : 0.f);
             __m256i iv[4];
             for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
