@@ -781,13 +781,40 @@ def step_residual_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     return out
 
 
-def _state_ptrs(states, per: int, what: str) -> list[int]:
-    """data_ptr of each sequence's state: float32, contiguous, `per` values each."""
-    for st in states:
+@dataclass(frozen=True)
+class SeqTable:
+    """Sequences' buffers reached through a device table of their addresses (api.h's SeqTable),
+    where a step kernel takes a list of tensors: a step captured on it is bound to the table, not
+    to the buffers, so the same graph runs other sequences once the table is rewritten.
+    table: int64 on the device; at[s]: the flat index of sequence s's address in it; like: one
+    of the buffers, whose shape, dtype and layout stand for all of them."""
+    table: torch.Tensor
+    at: tuple[int, ...]
+    like: torch.Tensor
+
+    def __post_init__(self):
+        t = self.table
+        if t.dtype != torch.int64 or not t.is_contiguous() or not t.is_cuda:
+            raise NativeError("a sequence table must be contiguous int64 on a CUDA device")
+        if any(not 0 <= a < t.numel() for a in self.at):
+            raise NativeError(f"sequence table places {list(self.at)} outside its "
+                              f"{t.numel()} entries")
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+
+def _sequences(states, per: int, what: str) -> tuple[list[int], int, list[int]]:
+    """Where a step kernel finds each sequence's state (float32, contiguous, `per` values each):
+    (addresses, 0, []) for a list of tensors, ([], table address, places) for a SeqTable."""
+    like = [states.like] if isinstance(states, SeqTable) else states
+    for st in like:
         if st.dtype != torch.float32 or not st.is_contiguous() or st.numel() != per:
             raise NativeError(f"{what}: each state must be contiguous float32 of {per} values, got "
                               f"{st.dtype} {list(st.shape)}")
-    return [st.data_ptr() for st in states]
+    if isinstance(states, SeqTable):
+        return [], states.table.data_ptr(), list(states.at)
+    return [st.data_ptr() for st in states], 0, []
 
 
 def _keep_ptr(keep: torch.Tensor | None, n: int, what: str) -> int:
@@ -798,35 +825,35 @@ def _keep_ptr(keep: torch.Tensor | None, n: int, what: str) -> int:
     return keep.data_ptr()
 
 
-def cuda_conv_silu_steps(x: torch.Tensor, states: list[torch.Tensor], w: torch.Tensor, n_tok: int,
-                         keep: torch.Tensor | None = None) -> torch.Tensor:
+def cuda_conv_silu_steps(x: torch.Tensor, states: list[torch.Tensor] | SeqTable, w: torch.Tensor,
+                         n_tok: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv + SiLU (api.h) over n_tok tokens of each of len(states) sequences in
     one launch: x [S*n_tok, C] (rows s*n_tok + t); states[s] that sequence's [.., C, Kc-1]
-    (separate tensors, shifted in place); keep [n_tok-1, S, C, Kc-1] or None: the state after
+    (separate tensors, shifted in place; or a SeqTable of them); keep [n_tok-1, S, C, Kc-1] or None: the state after
     each token but the last -> [S*n_tok, C]."""
     rows, ch = x.shape
     kc = w.shape[1]
-    ptrs = _state_ptrs(states, ch * (kc - 1), "conv_silu_steps")
+    ptrs, table, at = _sequences(states, ch * (kc - 1), "conv_silu_steps")
     if rows != len(states) * n_tok:
         raise NativeError(f"conv_silu_steps: {rows} rows for {len(states)} sequences of {n_tok}")
     y = torch.empty(rows, ch, dtype=torch.float32, device=x.device)
     kp = _keep_ptr(keep, (n_tok - 1) * len(states) * ch * (kc - 1), "conv_silu_steps")
     _cuda.conv_silu_steps(x.data_ptr(), _ld(x, "conv_silu_steps x"), ptrs, w.data_ptr(), ch, kc,
-                          n_tok, y.data_ptr(), kp, _stream(x.device))
+                          n_tok, y.data_ptr(), kp, table, at, _stream(x.device))
     return y
 
 
 def cuda_delta_rule_steps(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                           alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
-                          states: list[torch.Tensor], norm_w: torch.Tensor, n_k_heads: int,
+                          states: list[torch.Tensor] | SeqTable, norm_w: torch.Tensor, n_k_heads: int,
                           eps: float, n_tok: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule + gated norm (api.h) over n_tok tokens of each of len(states)
     sequences in one launch, with one token's arithmetic: y [S*n_tok, q|k|v] after the conv,
     z [.., Hv*dv], beta_raw / alpha_raw [.., Hv], rows s*n_tok + t; states[s] that
-    sequence's [.., Hv, dk, dv] (separate tensors, updated in place); keep [n_tok-1, S, Hv, dk,
+    sequence's [.., Hv, dk, dv] (separate tensors, updated in place; or a SeqTable); keep [n_tok-1, S, Hv, dk,
     dv] or None: the state after each token but the last -> [S*n_tok, Hv*dv]."""
-    hv, dk, dv = states[0].shape[-3:]
-    ptrs = _state_ptrs(states, hv * dk * dv, "delta_rule_steps")
+    hv, dk, dv = (states.like if isinstance(states, SeqTable) else states[0]).shape[-3:]
+    ptrs, table, at = _sequences(states, hv * dk * dv, "delta_rule_steps")
     rows = y.shape[0]
     if rows != len(states) * n_tok:
         raise NativeError(f"delta_rule_steps: {rows} rows for {len(states)} sequences of {n_tok}")
@@ -838,7 +865,8 @@ def cuda_delta_rule_steps(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tens
     _cuda.delta_rule_steps(y.data_ptr(), _ld(y, "delta_rule_steps y"), z.data_ptr(),
                            _ld(z, "delta_rule_steps z"), beta_raw.data_ptr(), alpha_raw.data_ptr(),
                            ldg, ssm_a.data_ptr(), dt_bias.data_ptr(), ptrs, norm_w.data_ptr(), n_tok,
-                           n_k_heads, hv, dk, dv, eps, out.data_ptr(), kp, _stream(y.device))
+                           n_k_heads, hv, dk, dv, eps, out.data_ptr(), kp, table, at,
+                           _stream(y.device))
     return out
 
 
@@ -871,17 +899,24 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
 
 def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                         k_norm: torch.Tensor, eps: float, pos: list[torch.Tensor], n_rot: int,
-                        base: float, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                        n_head: int, n_attn: int, write_first: bool = False) -> torch.Tensor:
+                        base: float, k_caches: list[torch.Tensor] | SeqTable,
+                        v_caches: list[torch.Tensor] | SeqTable, n_head: int, n_attn: int,
+                        write_first: bool = False) -> torch.Tensor:
     """One token of gated attention (api.h) for each of S entries with caches and positions of
     their own, in one launch: rows s of qg [S, Hq*2d], k, v [S, Hkv*d]; k_caches[s], v_caches[s]
-    [.., n_ctx, Hkv, d] (contiguous, one dtype); pos[s] int64 device scalars; n_attn the most
-    rows any of them attends -> [S, Hq*d]. write_first: every entry's k, v rows are written
-    before any entry attends, so entries may share a cache (tokens of one sequence)."""
-    hkv, d = k_caches[0].shape[-2:]
-    dt = k_caches[0].dtype
+    [.., n_ctx, Hkv, d] (contiguous, one dtype; or SeqTables of one table); pos[s] int64 device
+    scalars; n_attn the most rows any of them attends -> [S, Hq*d]. write_first: every entry's
+    k, v rows are written before any entry attends, so entries may share a cache (tokens of one
+    sequence)."""
+    tabled = isinstance(k_caches, SeqTable)
+    if tabled != isinstance(v_caches, SeqTable) or (
+            tabled and k_caches.table.data_ptr() != v_caches.table.data_ptr()):
+        raise NativeError("attention_steps: K and V caches both as lists or both in one table")
+    ks, vs = ([k_caches.like], [v_caches.like]) if tabled else (k_caches, v_caches)
+    hkv, d = ks[0].shape[-2:]
+    dt = ks[0].dtype
     if dt not in (torch.float32, torch.float16) or any(
-            c.dtype != dt or not c.is_contiguous() for c in (*k_caches, *v_caches)) \
+            c.dtype != dt or not c.is_contiguous() for c in (*ks, *vs)) \
             or any(p.dtype != torch.int64 for p in pos):
         raise NativeError("attention_steps: caches must be contiguous F32 or F16 of one dtype, "
                           "positions int64")
@@ -896,9 +931,13 @@ def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
                        device=qg.device)
     _cuda.attention_steps(qg.data_ptr(), _ld(qg, "attention_steps qg"), k.data_ptr(), v.data_ptr(),
                           ldkv, q_norm.data_ptr(), k_norm.data_ptr(), eps,
-                          [p.data_ptr() for p in pos], n_rot, base, [c.data_ptr() for c in k_caches],
-                          [c.data_ptr() for c in v_caches], _GGML_DTYPE[dt], n_attn, n_head, hkv, d,
-                          work.data_ptr(), out.data_ptr(), write_first, _stream(qg.device))
+                          [p.data_ptr() for p in pos], n_rot, base,
+                          [] if tabled else [c.data_ptr() for c in k_caches],
+                          [] if tabled else [c.data_ptr() for c in v_caches], _GGML_DTYPE[dt],
+                          n_attn, n_head, hkv, d, work.data_ptr(), out.data_ptr(), write_first,
+                          k_caches.table.data_ptr() if tabled else 0,
+                          list(k_caches.at) if tabled else [], list(v_caches.at) if tabled else [],
+                          _stream(qg.device))
     return out
 
 

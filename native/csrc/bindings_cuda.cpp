@@ -42,7 +42,9 @@
 //       bytes, 16-byte aligned, caller-owned, not read before it is written.
 //   moe_scratch_bytes(n_tok, top_k, ff, hidden) -> int
 //   residual_rms_norm, conv_silu_steps, delta_rule_steps, route_topk, attention_steps, swiglu: the decode-step
-//       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0).
+//       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0). The
+//       sequence kernels take their states' addresses as lists, or table (a device int64 address)
+//       with at / at_k, at_v (each sequence's index there) and empty lists: api.h's SeqTable.
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
@@ -78,6 +80,22 @@ using namespace ft;
 namespace {
 
 template <class T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+// A step kernel's sequences: their states' addresses, or (table != 0) a device table of addresses
+// and each sequence's place in it (api.h, SeqTable). `at` must outlive the call.
+struct Sequences {
+    cuda::SeqTable table;
+    int64_t n = 0;
+    Sequences(size_t n_ptrs, uintptr_t t, const std::vector<int32_t>& at, const char* what) {
+        if (t ? n_ptrs != 0 : !at.empty())
+            throw std::invalid_argument(std::string(what) + ": give the states' addresses, or a table "
+                                        "and each state's place in it, not both");
+        for (int32_t a : at)
+            if (a < 0) throw std::invalid_argument(std::string(what) + ": a negative place in the table");
+        table = {ptr<const int64_t>(t), t ? at.data() : nullptr};
+        n = int64_t(t ? at.size() : n_ptrs);
+    }
+};
 
 std::vector<uint8_t> buffer_bytes(const py::handle& obj) {
     const py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
@@ -180,35 +198,39 @@ PYBIND11_MODULE(_cuda, m) {
           py::arg("out"), py::arg("stream") = 0, release);
     m.def("conv_silu_steps",
           [](uintptr_t x, int64_t ldx, const std::vector<uintptr_t>& states, uintptr_t w,
-             int64_t channels, int64_t kc, int64_t n_tok, uintptr_t y, uintptr_t keep, uintptr_t stream) {
+             int64_t channels, int64_t kc, int64_t n_tok, uintptr_t y, uintptr_t keep,
+             uintptr_t table, const std::vector<int32_t>& at, uintptr_t stream) {
               std::vector<float*> st;
               for (uintptr_t a : states) st.push_back(ptr<float>(a));
-              cuda::conv_silu_steps(ptr<const float>(x), ldx, st.data(), int64_t(st.size()),
+              const Sequences seqs(st.size(), table, at, "conv_silu_steps");
+              cuda::conv_silu_steps(ptr<const float>(x), ldx, st.data(), seqs.table, seqs.n,
                                     ptr<const float>(w), channels, kc, n_tok, ptr<float>(y),
                                     ptr<float>(keep), stream);
           },
           py::arg("x"), py::arg("ldx"), py::arg("states"), py::arg("w"), py::arg("channels"),
-          py::arg("kc"), py::arg("n_tok"), py::arg("y"), py::arg("keep") = 0, py::arg("stream") = 0,
-          release);
+          py::arg("kc"), py::arg("n_tok"), py::arg("y"), py::arg("keep") = 0, py::arg("table") = 0,
+          py::arg("at") = std::vector<int32_t>{}, py::arg("stream") = 0, release);
     m.def("delta_rule_steps",
           [](uintptr_t y, int64_t ldy, uintptr_t z, int64_t ldz, uintptr_t beta_raw,
              uintptr_t alpha_raw, int64_t ldg, uintptr_t ssm_a, uintptr_t dt_bias,
              const std::vector<uintptr_t>& states, uintptr_t norm_w, int64_t n_tok, int64_t hk,
              int64_t hv, int64_t dk, int64_t dv, float eps, uintptr_t out, uintptr_t keep,
-             uintptr_t stream) {
+             uintptr_t table, const std::vector<int32_t>& at, uintptr_t stream) {
               std::vector<float*> st;
               for (uintptr_t a : states) st.push_back(ptr<float>(a));
+              const Sequences seqs(st.size(), table, at, "delta_rule_steps");
               cuda::delta_rule_steps(ptr<const float>(y), ldy, ptr<const float>(z), ldz,
                                      ptr<const float>(beta_raw), ptr<const float>(alpha_raw), ldg,
                                      ptr<const float>(ssm_a), ptr<const float>(dt_bias), st.data(),
-                                     int64_t(st.size()), ptr<const float>(norm_w), n_tok, hk, hv, dk,
+                                     seqs.table, seqs.n, ptr<const float>(norm_w), n_tok, hk, hv, dk,
                                      dv, eps, ptr<float>(out), ptr<float>(keep), stream);
           },
           py::arg("y"), py::arg("ldy"), py::arg("z"), py::arg("ldz"), py::arg("beta_raw"),
           py::arg("alpha_raw"), py::arg("ldg"), py::arg("ssm_a"), py::arg("dt_bias"),
           py::arg("states"), py::arg("norm_w"), py::arg("n_tok"), py::arg("hk"), py::arg("hv"),
           py::arg("dk"), py::arg("dv"), py::arg("eps"), py::arg("out"), py::arg("keep") = 0,
-          py::arg("stream") = 0, release);
+          py::arg("table") = 0, py::arg("at") = std::vector<int32_t>{}, py::arg("stream") = 0,
+          release);
     m.def("route_topk",
           [](uintptr_t logits, int64_t rows, int64_t ld, int64_t n_experts, int64_t top_k,
              float floor, uintptr_t ids, uintptr_t weights, uintptr_t stream) {
@@ -222,27 +244,35 @@ PYBIND11_MODULE(_cuda, m) {
              uintptr_t k_norm, float eps, const std::vector<uintptr_t>& pos, int64_t n_rot, float base,
              const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
              int cache_dtype, int64_t n_attn, int64_t hq, int64_t hkv, int64_t d, uintptr_t workspace,
-             uintptr_t out, bool write_first, uintptr_t stream) {
-              if (pos.size() != k_caches.size() || pos.size() != v_caches.size())
-                  throw std::invalid_argument("attention_steps: one position and one pair of caches a sequence");
+             uintptr_t out, bool write_first, uintptr_t table, const std::vector<int32_t>& at_k,
+             const std::vector<int32_t>& at_v, uintptr_t stream) {
+              const size_t n = pos.size();
+              if (table ? (at_k.size() != n || at_v.size() != n || !k_caches.empty() || !v_caches.empty())
+                        : (k_caches.size() != n || v_caches.size() != n || !at_k.empty() || !at_v.empty()))
+                  throw std::invalid_argument("attention_steps: one position and one pair of caches "
+                                              "(or of table places) a sequence");
               std::vector<const int64_t*> ps;
               std::vector<void*> kc, vc;
-              for (size_t i = 0; i < pos.size(); ++i) {
-                  ps.push_back(ptr<const int64_t>(pos[i]));
+              for (size_t i = 0; i < n; ++i) ps.push_back(ptr<const int64_t>(pos[i]));
+              for (size_t i = 0; i < k_caches.size(); ++i) {
                   kc.push_back(ptr<void>(k_caches[i]));
                   vc.push_back(ptr<void>(v_caches[i]));
               }
+              const cuda::SeqTable kt{ptr<const int64_t>(table), table ? at_k.data() : nullptr};
+              const cuda::SeqTable vt{ptr<const int64_t>(table), table ? at_v.data() : nullptr};
               cuda::attention_steps(ptr<const float>(qg), ldq, ptr<const float>(k), ptr<const float>(v),
                                     ldkv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps,
-                                    ps.data(), n_rot, base, kc.data(), vc.data(), cache_dtype, n_attn,
-                                    int64_t(ps.size()), hq, hkv, d, ptr<float>(workspace),
+                                    ps.data(), n_rot, base, kc.data(), vc.data(), kt, vt, cache_dtype,
+                                    n_attn, int64_t(n), hq, hkv, d, ptr<float>(workspace),
                                     ptr<float>(out), write_first, stream);
           },
           py::arg("qg"), py::arg("ldq"), py::arg("k"), py::arg("v"), py::arg("ldkv"),
           py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("pos"), py::arg("n_rot"),
           py::arg("base"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cache_dtype"),
           py::arg("n_attn"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("workspace"),
-          py::arg("out"), py::arg("write_first") = false, py::arg("stream") = 0, release);
+          py::arg("out"), py::arg("write_first") = false, py::arg("table") = 0,
+          py::arg("at_k") = std::vector<int32_t>{}, py::arg("at_v") = std::vector<int32_t>{},
+          py::arg("stream") = 0, release);
     m.def("attention_splits", [](int64_t n_attn) { return cuda::attention_splits(n_attn); },
           py::arg("n_attn"));  // a call, not an address: the CPU emulator resolves it lazily
     m.def("swiglu",

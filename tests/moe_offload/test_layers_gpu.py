@@ -269,3 +269,117 @@ def test_gated_attention_one_token(cache_dtype, dims, batch, pos):
     # by pos ulps (torch's float32 pow is not correctly rounded; the kernel's is)
     _close(kk.float(), kr.float(), 2e-3 if cache_dtype == torch.float16 else 1e-5 + pos * 1e-8)
     _close(vk.float(), vr.float(), 0)
+
+
+def _table(rows: list[list[torch.Tensor]]) -> torch.Tensor:
+    """[S, W] int64 on the device: row s the addresses of sequence s's buffers."""
+    return torch.tensor([[b.data_ptr() for b in bufs] for bufs in rows], dtype=torch.int64,
+                        device=DEV)
+
+
+def _through(table: torch.Tensor, col: int, like: torch.Tensor):
+    from native import ops
+    W = table.shape[1]
+    return ops.SeqTable(table, tuple(b * W + col for b in range(table.shape[0])), like)
+
+
+def _attention_inputs(g, n, T=1, hq=8, hkv=2, d=128, n_ctx=2048):
+    proj = _rand(n, T, hq * 2 * d + 2 * hkv * d, g=g)
+    qg, k, v = proj.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    norms = (_rand(d, g=g) * 0.1 + 1, _rand(d, g=g) * 0.1 + 1)
+    kc = [_rand(1, n_ctx, hkv, d, g=g).half() for _ in range(n)]
+    vc = [_rand(1, n_ctx, hkv, d, g=g).half() for _ in range(n)]
+    return (qg, k, v), norms, kc, vc
+
+
+@pytest.mark.parametrize("n", [3, 10])   # 10: two launches of at most 8 sequences
+def test_sequences_through_a_table_equal_by_address(n):
+    """The step kernels reaching each sequence's state through a device table of addresses (how a
+    batched server's captured steps reach them) compute what they compute given the addresses,
+    bit for bit: decode_many's delta-net and attention, and a verify step's tokens of one
+    sequence."""
+    g = torch.Generator(DEV).manual_seed(100 + n)
+    proj, w, conv, ssm = _delta_inputs(g, n, 1)
+    convs = [conv[b:b + 1].clone() for b in range(n)]
+    ssms = [ssm[b:b + 1].clone() for b in range(n)]
+    convs_t, ssms_t = [c.clone() for c in convs], [s.clone() for s in ssms]
+    table = _table([[c, s] for c, s in zip(convs_t, ssms_t)])
+    ref = layers.gated_delta_net_many(*proj, convs, ssms, *w)
+    got = layers.gated_delta_net_many(*proj, _through(table, 0, convs_t[0]),
+                                      _through(table, 1, ssms_t[0]), *w)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(convs + ssms, convs_t + ssms_t))
+
+    positions = torch.randint(0, 1900, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    (qg, k, v), norms, kc, vc = _attention_inputs(g, n)
+    kc_t, vc_t = [c.clone() for c in kc], [c.clone() for c in vc]
+    pos = [torch.tensor([p], device=DEV) for p in positions]
+    n_attn = [min(2048, (p // 256 + 1) * 256) for p in positions]
+    table = _table([[a, b] for a, b in zip(kc_t, vc_t)])
+    ref = layers.gated_attention_many(qg, k, v, *norms, 1e-6, pos, 64, 1e7, kc, vc, n_attn)
+    got = layers.gated_attention_many(qg, k, v, *norms, 1e-6, pos, 64, 1e7,
+                                      _through(table, 0, kc_t[0]), _through(table, 1, vc_t[0]),
+                                      n_attn)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(kc + vc, kc_t + vc_t))
+
+    for T in (1, 5):   # one sequence's tokens (a verify step), its caches through the table
+        (qg, k, v), norms, (kc1,), (vc1,) = _attention_inputs(g, 1, T)
+        kc1_t, vc1_t = kc1.clone(), vc1.clone()
+        at = torch.arange(T, device=DEV) + 700
+        ref = layers.gated_attention(qg, k, v, *norms, 1e-6, at, 64, 1e7, kc1, vc1, 768)
+        table = _table([[kc1_t, vc1_t]])
+        got = layers.gated_attention(qg, k, v, *norms, 1e-6, at, 64, 1e7,
+                                     _through(table, 0, kc1_t), _through(table, 1, vc1_t), 768)
+        assert torch.equal(got, ref), f"{T} tokens"
+        assert torch.equal(kc1, kc1_t) and torch.equal(vc1, vc1_t)
+
+
+def test_a_step_captured_on_a_table_runs_whichever_sequences_it_names():
+    """A CUDA graph of decode_many's mixers captured on a table naming sequences A replays on
+    sequences B once the table is rewritten to name them: B's outputs and states are the eager
+    call's on B, bit for bit, and A's buffers are left as they were."""
+    n = 3
+    g = torch.Generator(DEV).manual_seed(7)
+    proj, w, conv, ssm = _delta_inputs(g, 2 * n, 1)
+    (qg, k, v), norms, kc, vc = _attention_inputs(g, 2 * n)
+    convs = [conv[b:b + 1].clone() for b in range(2 * n)]
+    ssms = [ssm[b:b + 1].clone() for b in range(2 * n)]
+    positions = [40, 900, 1300, 5, 600, 1800]
+    rows = [[kc[b], vc[b], convs[b], ssms[b]] for b in range(2 * n)]
+    before = [[t.clone() for t in r] for r in rows]
+    pos_b = [torch.tensor([p], device=DEV) for p in positions[n:]]
+    ref_rows = [[t.clone() for t in r] for r in rows[n:]]     # eager on B, by address
+    ref_a = layers.gated_attention_many(qg[:n], k[:n], v[:n], *norms, 1e-6, pos_b, 64, 1e7,
+                                        [r[0] for r in ref_rows], [r[1] for r in ref_rows],
+                                        [2048] * n)
+    ref_d = layers.gated_delta_net_many(*(u[:n] for u in proj), [r[2] for r in ref_rows],
+                                        [r[3] for r in ref_rows], *w)
+
+    table = _table(rows[:n])
+    pos = torch.tensor([[p] for p in positions[:n]], device=DEV)
+    scratch = [[t.clone() for t in r] for r in rows[:n]]   # the warm-up runs on copies of A
+
+    def step(tab):
+        p = [pos[b] for b in range(n)]
+        a = layers.gated_attention_many(qg[:n], k[:n], v[:n], *norms, 1e-6, p, 64, 1e7,
+                                        _through(tab, 0, kc[0]), _through(tab, 1, vc[0]),
+                                        [2048] * n)
+        d = layers.gated_delta_net_many(*(u[:n] for u in proj), _through(tab, 2, convs[0]),
+                                        _through(tab, 3, ssms[0]), *w)
+        return a, d
+
+    step(_table(scratch))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(table)
+    table.copy_(_table(rows[n:]))
+    pos.copy_(torch.tensor([[p] for p in positions[n:]], device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], ref_a) and torch.equal(out[1], ref_d)
+    for got, ref in zip(rows[n:], ref_rows):
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    for got, was in zip(rows[:n], before[:n]):
+        assert all(torch.equal(a, b) for a, b in zip(got, was))

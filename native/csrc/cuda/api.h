@@ -99,13 +99,23 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
 // delta-net, n_tok tokens of each in order (rows s*n_tok + t of every per-token input and
 // output). keep (or null) [n_tok-1, n_seq, ..state] receives each sequence's state after every
 // token but the last (a speculative verify step rewinds to one of them).
+//
+// With a SeqTable the addresses are read on the device instead: sequence s's buffer is at
+// table[at[s]] (table: int64 device memory; at: n_seq host ints), and the address arrays may be
+// null. A graph captured so is bound to the table, not to the sequences: the host rewrites the
+// table to run the same captured step on other sequences (a server's batch as requests come and go).
+struct SeqTable {
+    const int64_t* table = nullptr;
+    const int32_t* at = nullptr;
+};
+
 
 // Depthwise causal conv + SiLU: y[row, c] = silu(sum_j xs[j] * w[c, j]), xs = (the state's
 // [c, 0 .. kc-2], x[row, c]); each state [channels, kc-1] shifts by one a token. x rows at
 // stride ldx, y [n_seq*n_tok, channels].
-void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t n_seq, const float* w,
-                     int64_t channels, int64_t kc, int64_t n_tok, float* y, float* keep,
-                     uintptr_t stream);
+void conv_silu_steps(const float* x, int64_t ldx, float* const* states, const SeqTable& table,
+                     int64_t n_seq, const float* w, int64_t channels, int64_t kc, int64_t n_tok,
+                     float* y, float* keep, uintptr_t stream);
 
 // The gated delta rule + gated RMS norm (qwen35moe's delta-net after the conv), one token's
 // arithmetic whatever n_tok: a row of y (stride ldy) holds q (hk*dk) | k (hk*dk) | v (hv*dv)
@@ -116,9 +126,9 @@ void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t 
 // norm_w[dv] * silu(z) (z rows at stride ldz). dv <= 512; dk / (threads per value column) <= 64.
 void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
                       const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
-                      float* const* S, int64_t n_seq, const float* norm_w, int64_t n_tok, int64_t hk,
-                      int64_t hv, int64_t dk, int64_t dv, float eps, float* out, float* keep,
-                      uintptr_t stream);
+                      float* const* S, const SeqTable& table, int64_t n_seq, const float* norm_w,
+                      int64_t n_tok, int64_t hk, int64_t hv, int64_t dk, int64_t dv, float eps,
+                      float* out, float* keep, uintptr_t stream);
 
 // Router: p = softmax(logits[r, 0:E]) (rows at logits + r*ld), the top_k largest (ties: lower id
 // first, in descending order) -> ids [rows, top_k] int32, weights = p / max(sum of the k, floor).
@@ -132,7 +142,8 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 // k, v are written to that sequence's caches k_caches[s], v_caches[s] [n_ctx, hkv, d]
 // (cache_dtype 0 F32, 1 F16; d 64, 128, 256 or 512) at *pos[s]; softmax attention over its
 // positions 0..*pos[s] (scale d^-0.5); out [n_seq, hq*d] = attention * sigmoid(gate).
-// workspace: >= n_seq * hq * attention_splits(n_attn) * (d + 2) floats. Two launches per 8
+// (k_table, v_table: the caches through a SeqTable; one table for both.) workspace: >= n_seq *
+// hq * attention_splits(n_attn) * (d + 2) floats. Two launches per 8
 // sequences; a sequence attending fewer rows than n_attn leaves its last splits empty.
 // write_first: every entry's k, v rows are written (one more launch per 8) before any entry
 // attends, so entries may share caches: T tokens of one sequence at T positions (a speculative
@@ -140,8 +151,9 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                      const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
                      int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
-                     int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
-                     float* workspace, float* out, bool write_first, uintptr_t stream);
+                     const SeqTable& k_table, const SeqTable& v_table, int cache_dtype, int64_t n_attn,
+                     int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, float* workspace, float* out,
+                     bool write_first, uintptr_t stream);
 int64_t attention_splits(int64_t n_attn);
 
 // out [rows, n] = silu(gate) * up (gate, up: [rows, ld]).

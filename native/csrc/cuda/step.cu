@@ -22,15 +22,27 @@ constexpr int kRouteValues = 8;  // experts per thread: E <= 2048
 constexpr int kMaxSeqs = 8;      // sequences a delta-net or attention launch (by value below)
 
 // The state of each sequence of a launch: separate tensors (one per server request) in one launch.
+// Either their addresses (a graph captured on them is bound to those sequences) or, with `table`
+// set, where to read them on the device: sequence i's address is table[at[i]], so a captured step
+// is bound to the table and the host changes which sequences it runs by rewriting the table.
 struct SeqPtrs {
     float* p[kMaxSeqs];
+    const int64_t* table;
+    int32_t at[kMaxSeqs];
+    __device__ float* get(int i) const { return table ? reinterpret_cast<float*>(table[at[i]]) : p[i]; }
 };
 
-// Each sequence's KV cache ([n_ctx, Hkv, d], F32 or F16) and position (int64 on the device).
+// Each sequence's KV cache ([n_ctx, Hkv, d], F32 or F16; by address or through `table` as above)
+// and position (int64 on the device).
 struct SeqKV {
     void* k[kMaxSeqs];
     void* v[kMaxSeqs];
     const int64_t* pos[kMaxSeqs];
+    const int64_t* table;
+    int32_t at_k[kMaxSeqs];
+    int32_t at_v[kMaxSeqs];
+    __device__ void* key(int i) const { return table ? reinterpret_cast<void*>(table[at_k[i]]) : k[i]; }
+    __device__ void* value(int i) const { return table ? reinterpret_cast<void*>(table[at_v[i]]) : v[i]; }
 };
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
@@ -103,7 +115,7 @@ __global__ void conv_silu_kernel(const float* x, int64_t ldx, SeqPtrs states, in
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= int64_t(n_seq) * channels) return;
     const int si = int(i / channels), c = int(i - int64_t(si) * channels);
-    float* st = states.p[si] + int64_t(c) * (kc - 1);
+    float* st = states.get(si) + int64_t(c) * (kc - 1);
     const float* wc = w + int64_t(c) * kc;
     for (int t = 0; t < n_tok; ++t) {
         const int64_t row = int64_t(si) * n_tok + t;
@@ -167,7 +179,7 @@ __global__ void __launch_bounds__(512) delta_step_kernel(const float* y, int64_t
     const int warp = tid >> 5, lane = tid & 31, nw = nthreads >> 5;
     const int i0 = r * rows, k0 = r * seg;  // k0: key row i0 in qs / ks
     const int64_t head = int64_t(vh) * dk * dv;
-    float* Sh = S.p[si] + head + c;
+    float* Sh = S.get(si) + head + c;
     float s[CAP];
 #pragma unroll
     for (int j = 0; j < CAP; ++j)
@@ -497,8 +509,8 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (MODE == kWriteRows && h % group != 0) return;   // one block a kv head writes
     const int64_t pos = *kv.pos[b];
-    C* const k_cache = static_cast<C*>(kv.k[b]);  // this sequence's [n_ctx, Hkv, d]
-    C* const v_cache = static_cast<C*>(kv.v[b]);
+    C* const k_cache = static_cast<C*>(kv.key(b));  // this sequence's [n_ctx, Hkv, d]
+    C* const v_cache = static_cast<C*>(kv.value(b));
     const float* qb = qg + int64_t(b) * ldq + int64_t(h) * 2 * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         qs[i] = qb[i];
@@ -657,6 +669,17 @@ float* part_of(float* workspace, int64_t s0, int64_t hq, int64_t splits, int64_t
 
 unsigned blocks_for(int64_t n, int per) { return unsigned((n + per - 1) / per); }
 
+// Sequences s0 .. s0+ns-1 of a launch: their addresses, or their places in the table.
+SeqPtrs seq_ptrs(float* const* ptrs, const SeqTable& table, int64_t s0, int ns) {
+    SeqPtrs p{};
+    p.table = table.table;
+    for (int i = 0; i < ns; ++i) {
+        if (table.table) p.at[i] = table.at[s0 + i];
+        else p.p[i] = ptrs[s0 + i];
+    }
+    return p;
+}
+
 // launch(s0, ns) for each group of at most kMaxSeqs sequences (first s0, ns of them): a kernel
 // takes its sequences' addresses by value.
 template <class F> void by_groups(int64_t n_seq, F&& launch) {
@@ -686,16 +709,15 @@ void residual_rms_norm(float* x, int64_t rows, int64_t n, const float* a, int64_
     FT_CUDA_CHECK(cudaGetLastError());
 }
 
-void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t n_seq, const float* w,
-                     int64_t channels, int64_t kc, int64_t n_tok, float* y, float* keep,
-                     uintptr_t stream) {
+void conv_silu_steps(const float* x, int64_t ldx, float* const* states, const SeqTable& table,
+                     int64_t n_seq, const float* w, int64_t channels, int64_t kc, int64_t n_tok,
+                     float* y, float* keep, uintptr_t stream) {
     require(kc >= 1 && kc <= 16, "conv_silu_steps: kernel width must be 1..16");
     require(n_tok >= 0 && n_tok < (int64_t(1) << 20), "conv_silu_steps: bad token count");
     if (n_seq <= 0 || n_tok <= 0 || channels <= 0) return;
     const int64_t keep_t = n_seq * channels * (kc - 1);
     by_groups(n_seq, [&](int64_t s0, int ns) {
-        SeqPtrs p{};
-        for (int i = 0; i < ns; ++i) p.p[i] = states[s0 + i];
+        const SeqPtrs p = seq_ptrs(states, table, s0, ns);
         conv_silu_kernel<<<blocks_for(int64_t(ns) * channels, 256), 256, 0, to_stream(stream)>>>(
             x + s0 * n_tok * ldx, ldx, p, ns, w, int(channels), int(kc), int(n_tok),
             y + s0 * n_tok * channels, keep ? keep + s0 * channels * (kc - 1) : nullptr, keep_t);
@@ -705,9 +727,9 @@ void conv_silu_steps(const float* x, int64_t ldx, float* const* states, int64_t 
 
 void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, const float* beta_raw,
                       const float* alpha_raw, int64_t ldg, const float* ssm_a, const float* dt_bias,
-                      float* const* S, int64_t n_seq, const float* norm_w, int64_t n_tok, int64_t hk,
-                      int64_t hv, int64_t dk, int64_t dv, float eps, float* out, float* keep,
-                      uintptr_t stream) {
+                      float* const* S, const SeqTable& table, int64_t n_seq, const float* norm_w,
+                      int64_t n_tok, int64_t hk, int64_t hv, int64_t dk, int64_t dv, float eps,
+                      float* out, float* keep, uintptr_t stream) {
     require(hk > 0 && hv % hk == 0, "delta_rule_steps: value heads must be a multiple of key heads");
     require(dv >= 32 && dv <= 512 && dv % 32 == 0 && dk >= 1,
             "delta_rule_steps: head dims must be dv = 32..512 (multiple of 32), dk >= 1");
@@ -725,8 +747,7 @@ void delta_rule_steps(const float* y, int64_t ldy, const float* z, int64_t ldz, 
     require(smem <= 48 * 1024, "delta_rule_steps: head dims too large for shared memory");
     const int64_t state = hv * dk * dv, keep_t = n_seq * state;
     by_groups(n_seq, [&](int64_t s0, int ns) {
-        SeqPtrs p{};
-        for (int i = 0; i < ns; ++i) p.p[i] = S[s0 + i];
+        const SeqPtrs p = seq_ptrs(S, table, s0, ns);
         const int64_t r0 = s0 * n_tok;  // first row of this group
         auto go = [&](auto cap, auto exact) {
             delta_step_kernel<decltype(cap)::value, decltype(exact)::value>
@@ -764,8 +785,9 @@ int64_t attention_splits(int64_t n_attn) { return n_attn < 1 ? 1 : (n_attn + kAt
 void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                      const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
                      int64_t n_rot, float base, void* const* k_caches, void* const* v_caches,
-                     int cache_dtype, int64_t n_attn, int64_t n_seq, int64_t hq, int64_t hkv, int64_t d,
-                     float* workspace, float* out, bool write_first, uintptr_t stream) {
+                     const SeqTable& k_table, const SeqTable& v_table, int cache_dtype, int64_t n_attn,
+                     int64_t n_seq, int64_t hq, int64_t hkv, int64_t d, float* workspace, float* out,
+                     bool write_first, uintptr_t stream) {
     require(hkv > 0 && hq % hkv == 0, "attention_steps: query heads must be a multiple of kv heads");
     require(d == 64 || d == 128 || d == 256 || d == 512, "attention_steps: head dim must be 64, 128, 256 or 512");
     require(n_rot % 2 == 0 && n_rot <= d, "attention_steps: n_rot must be even and <= head dim");
@@ -777,9 +799,15 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
     const cudaStream_t st = to_stream(stream);
     auto seqs = [&](int64_t s0, int ns) {
         SeqKV kv{};
+        kv.table = k_table.table;
         for (int i = 0; i < ns; ++i) {
-            kv.k[i] = k_caches[s0 + i];
-            kv.v[i] = v_caches[s0 + i];
+            if (k_table.table) {
+                kv.at_k[i] = k_table.at[s0 + i];
+                kv.at_v[i] = v_table.at[s0 + i];
+            } else {
+                kv.k[i] = k_caches[s0 + i];
+                kv.v[i] = v_caches[s0 + i];
+            }
             kv.pos[i] = pos[s0 + i];
         }
         return kv;
