@@ -52,6 +52,15 @@ class Backend:
         hidden states [1, T, H] (the MTP head's input)."""
         raise NotImplementedError
 
+    def prepare_batches(self, states: list[State]) -> None:
+        """Make the batched steps of 1..len(states) sequences ready before the first request
+        (the offload runtime captures their graphs now); the states are emptied after."""
+
+    def prompt_piece(self, remaining: int, chunk: int) -> int:
+        """How many of a prompt's `remaining` tokens to prefill between two batched decode
+        steps (the others wait that long), at most `chunk`."""
+        return min(remaining, chunk)
+
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """One token: tokens [1] on the device -> logits [1, V]."""
         raise NotImplementedError

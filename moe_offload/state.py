@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from native import ops
+
 from .config import DEFAULT_N_CTX
 from .errors import OffloadError
 
@@ -30,6 +32,43 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         n *= d
     raw = np.zeros(n * torch.finfo(dtype).bits // 8, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def table_columns(config) -> dict[tuple[str, int], int]:
+    """Where each buffer's address sits in a State's row: K and V of every attention layer, conv
+    and ssm of every delta-net layer (the position comes after them)."""
+    names = [(n, i) for i in range(config.n_layer)
+             for n in (("conv", "ssm") if config.recurrent[i] else ("k", "v"))]
+    return {key: col for col, key in enumerate(names)}
+
+
+class StateTable:
+    """The rows of B single-sequence States (`State.row`) stacked into one device table [B, W]:
+    what a batched step reaches the States' buffers and positions through when its captured graph
+    must be bound to the table, not to the States (ops.SeqTable). The graph keeps its own copy of
+    the table, rewritten before each replay, so one graph runs any B States."""
+
+    def __init__(self, rows: torch.Tensor, like: "State"):
+        self.rows, self.like = rows, like   # like: one of the States (shapes, dtypes, columns)
+
+    @staticmethod
+    def stack(states) -> torch.Tensor:
+        """The States' rows as one table [B, W] (one launch, no host sync)."""
+        return torch.stack([st.row for st in states])
+
+    @property
+    def batch(self) -> int:
+        return self.rows.shape[0]
+
+    def buffers(self, name: str, layer: int) -> ops.SeqTable:
+        """Every State's `name` ("k", "v", "conv", "ssm") of `layer`, through the table."""
+        W, col = self.rows.shape[1], self.like.columns[name, layer]
+        return ops.SeqTable(self.rows, tuple(b * W + col for b in range(self.batch)),
+                            getattr(self.like, name)[layer])
+
+    def positions(self) -> list[torch.Tensor]:
+        """Each State's position: [1] views of the table's last column."""
+        return [self.rows[b, -1:] for b in range(self.batch)]
 
 
 @dataclass
@@ -51,6 +90,7 @@ class State:
     ssm[layer]   [B, Hv, dk, dv] f32      delta-net state S (key dim i, value dim c)
     n_past       host int: tokens already in the cache (no device sync to read it)
     pos          [] int64 on the device, equal to n_past (advanced in place inside a step)
+    row          [W] int64 on the device: the buffers' addresses, then pos (StateTable)
     """
 
     def __init__(self, config, batch: int = 1, n_ctx: int | None = None,
@@ -106,7 +146,12 @@ class State:
         self.ssm = {i: torch.zeros(B, c.ssm_n_v_heads, c.ssm_d_state, c.ssm_head_v_dim, **f32)
                     for i in c.recurrent_layers}
         self.n_past = 0
-        self.pos = torch.zeros((), dtype=torch.int64, device=self.device)
+        # this state's row of a StateTable: its buffers' addresses, then its position (`pos` is
+        # a view of that last entry, so the row always holds the current position)
+        self.columns = table_columns(c)
+        addrs = [getattr(self, name)[i].data_ptr() for (name, i) in self.columns]
+        self.row = torch.tensor(addrs + [0], dtype=torch.int64).to(self.device)
+        self.pos = self.row[-1]
         self.snapshots_on_host = False   # snapshot() into host RAM (set by the offload runtime)
         # speculative decoding (models/mtp.py, generate.SpeculativeDecoder): the MTP layer's KV,
         # its rows written, the trunk's hidden states [m, H] it has not yet seen (positions

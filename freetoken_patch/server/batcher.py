@@ -1,13 +1,14 @@
 """The batched mode's step, owned by the engine: every sequence that is decoding advances by one
 token in one `model.decode_many` call (a layer's experts read, or fetched, once for the batch),
-and a newcomer's prompt goes in by chunks of `prefill_chunk` tokens, one chunk between two
-decode steps, so a long prompt does not stall the running streams. Each sequence samples from
-its own row with its own TokenStream (moe_offload's, generate()'s own): seed, penalties and
-stops as alone.
+and a newcomer's prompt goes in by pieces, one between two decode steps, so a prompt does not
+stall the running streams: `prefill_chunk` tokens, or, for a prompt the backend runs as
+decode-sized steps, one such step (`Backend.prompt_piece`). Each sequence samples from its own
+row with its own TokenStream (moe_offload's, generate()'s own): seed, penalties and stops as
+alone.
 
-A step's States go in one fixed order (one captured graph per set of States), and with
-run_ahead (on a GPU) the next step is queued on the drawn ids before the host reads them, as
-generate() does for one sequence. The batcher reports back through its engine: `fail`,
+A step's States go in one fixed order (the order they were first seen in), and with run_ahead
+(on a GPU) the next step is queued on the drawn ids before the host reads them, as generate()
+does for one sequence. The batcher reports back through its engine: `fail`,
 `finished`, `retire`, and the engine's counters."""
 from __future__ import annotations
 
@@ -50,9 +51,8 @@ class Batcher:
         """One prompt chunk of the first sequence still prefilling, then one decode step of
         every sequence with a token to feed; finished and cancelled ones leave.
 
-        The step's sequences go in one fixed order (their States': a batch's graph is keyed by
-        its States in order, so the same batch is the same graph however its requests arrived).
-        With run_ahead, the step after this one is queued on the ids drawn here before the host
+        The step's sequences go in one fixed order (their States', so a batch's rows do not
+        move as requests come and go). With run_ahead, the step after this one is queued on the ids drawn here before the host
         reads them whenever only an end-of-generation id could end a sequence there; its logits
         wait in `ahead`, and a sequence that did end leaves with that id in its State
         (cached_tokens counts it)."""
@@ -137,13 +137,15 @@ class Batcher:
                     self.ahead[s] = ahead[i:i + 1]
 
     def _prefill_chunk(self, seq: Active, alone: bool = False) -> None:
-        """Feed the next chunk of a newcomer's prompt (ending at its first-turn cut if that
-        comes first); at the prompt's end, sample its first token. `alone`: no other sequence
+        """Feed the next piece of a newcomer's prompt (Backend.prompt_piece; ending at its
+        first-turn cut if that comes first); at the prompt's end, sample its first token.
+        `alone`: no other sequence
         is waiting for a decode step, so the rest of the prompt goes in at once, in the
         model's own prefill chunks (under a cap each chunk streams the cold experts once)."""
         eng = self.engine
         start = seq.fed
-        end = len(seq.feed) if alone else min(start + eng.prefill_chunk, len(seq.feed))
+        end = len(seq.feed) if alone else \
+            start + self.model.prompt_piece(len(seq.feed) - start, eng.prefill_chunk)
         end = min([end] + [c for c in seq.cuts if start < c < end])
         t0 = time.perf_counter()
         try:

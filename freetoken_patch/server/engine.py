@@ -93,6 +93,13 @@ class Engine:
             self.parallel + self.cache.size, caps.max_sequences)
         self._free = [first]
         self._n_states = 1
+        if self.batched and self.parallel > 1 and caps.offload:
+            # every batch size's step captured now, so that requests joining and leaving a
+            # batch later wait for no capture (the plain model captures nothing)
+            more = [be.new_state(1, n_ctx) for _ in range(self.parallel - 1)]
+            be.prepare_batches([first] + more)
+            self._free += more
+            self._n_states += len(more)
         self._pending: deque[Job] = deque()
         self._cv = threading.Condition()
         self._stopping = False

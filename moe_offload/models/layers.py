@@ -142,6 +142,15 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     n_attn cache rows are attended. Returns attention * sigmoid(gate), [B, T, Hq*d].
     """
     B, T, _ = qg.shape
+    if isinstance(k_cache, ops.SeqTable):
+        # one sequence's caches through a state table (CUDA; B = 1): decode's kernel as below
+        d = k_cache.like.shape[-1]
+        hq = qg.shape[-1] // (2 * d)
+        rep = lambda c: ops.SeqTable(c.table, c.at * T, c.like)   # noqa: E731  (a place a token)
+        o = ops.cuda_attention_many(qg.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), q_norm,
+                                    k_norm, eps, [pos[t] for t in range(T)], n_rot, base,
+                                    rep(k_cache), rep(v_cache), hq, n_attn, write_first=T > 1)
+        return o.view(B, T, hq * d)
     hkv, d = k_cache.shape[2:]
     hq = qg.shape[-1] // (2 * d)
     if T <= ops.DECODE_MAX_TOKENS and _attention_kernel_for(qg, k_cache):
@@ -188,9 +197,10 @@ def gated_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_n
     arithmetic of each one's own decode step (a sequence attending fewer rows than the longest
     leaves its last splits empty)."""
     B = qg.shape[0]
-    d = k_caches[0].shape[-1]
+    tabled = isinstance(k_caches, ops.SeqTable)   # the caches through a state table (CUDA)
+    d = (k_caches.like if tabled else k_caches[0]).shape[-1]
     hq = qg.shape[-1] // (2 * d)
-    if _attention_kernel_for(qg, k_caches[0]):
+    if tabled or _attention_kernel_for(qg, k_caches[0]):
         o = ops.cuda_attention_many(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
                                     base, k_caches, v_caches, hq, max(n_attn))
         return o.view(B, 1, hq * d)
@@ -230,8 +240,11 @@ def gated_delta_net(mix: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
     (a speculative verify step rewinds to one of them).
     """
     B, T, _ = mix.shape
-    hv, dk, dv = ssm_state.shape[1:]
     hk = n_k_heads
+    if isinstance(ssm_state, ops.SeqTable):   # one sequence's states through a state table (CUDA)
+        return _delta_net_steps(mix, z, beta_raw, alpha_raw, conv_state, ssm_state, conv_w, ssm_a,
+                                dt_bias, norm_w, hk, eps)
+    hv, dk, dv = ssm_state.shape[1:]
     if _kernel_for(mix) and (T <= ops.DECODE_MAX_TOKENS or steps is not None):
         # decode, a verify or a short prompt step on CUDA: decode's step kernels, one launch each
         # for all T tokens (the chunked form pads them to a whole chunk and runs a triangular

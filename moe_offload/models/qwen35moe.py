@@ -25,7 +25,7 @@ from native.ops import QTensor
 
 from ..config import PREFILL
 from ..errors import OffloadError
-from ..state import State
+from ..state import State, StateTable
 from . import cpu_plan
 from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
                      embed_rows, residual_rms_norm, rms_norm, route_topk, swiglu)
@@ -97,36 +97,50 @@ class Qwen35Moe:
 
     @_pool_held
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False,
-                hidden: bool = False):
+                hidden: bool = False, table: StateTable | None = None):
         """tokens [B, T] int64 on the model's device -> logits [B, T or 1, V]; advances state.
         hidden: -> (logits, the final-normed hidden states [B, T, H]: the MTP head's input).
         With state.keep_steps(D) and 1 < T <= D+1, the delta-net states after each token are
-        kept (state.rewind)."""
+        kept (state.rewind). table (CUDA, B = 1, 1 <= T <= ops.DECODE_MAX_TOKENS, no kept
+        steps): the state's buffers and position are reached through it (decode_many's)."""
         c = self.config
         B, T = tokens.shape
         if B != state.batch:
             raise OffloadError(f"a batch of {B} sequences was given to a state of {state.batch}")
         state.check_room(T)
         keep = bool(state.steps) and 1 < T <= next(iter(state.steps.values()))[0].shape[0] + 1
+        if table is not None and (keep or B != 1 or T > ops.DECODE_MAX_TOKENS):
+            raise OffloadError("a step through a state table takes 1..8 tokens of one sequence "
+                               "that keeps no per-token states")
         plan = cpu_plan.plan_for(self, state) if 1 <= T <= cpu_plan.max_tokens() else None
         if plan is not None:   # the whole forward in one native call, the same bits
             logits, h = plan(tokens, state, keep, last_only, hidden)
             state.advance(T)
             state.steps_taken = T if keep else 0
             return (logits, h) if hidden else logits
-        pos = state.pos + torch.arange(T, device=self.device)               # [T]
+        at = state.pos if table is None else table.positions()[0][0]
+        pos = at + torch.arange(T, device=self.device)                      # [T]
         n_attn = state.attn_len(T)
 
         def mixer(i: int):
             if c.recurrent[i]:
+                if table is not None:
+                    return lambda L, a: self._delta_net(L, a, table.buffers("conv", i),
+                                                        table.buffers("ssm", i))
                 return lambda L, a: self._delta_net(L, a, state.conv[i], state.ssm[i],
                                                     state.steps[i] if keep else None)
+            if table is not None:
+                return lambda L, a: self._attention(L, a, table.buffers("k", i),
+                                                    table.buffers("v", i), pos, n_attn)
             return lambda L, a: self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
 
         x = embed_rows(self.embd, tokens)                                    # [B*T, H]
         h = self.blocks(x, [(L, mixer(i), self.experts[i]) for i, L in enumerate(self.blk)],
                         self.out_norm, B, T).view(B, T, c.n_embd)
-        state.advance(T)
+        if table is None:
+            state.advance(T)
+        else:   # the device position is the caller's (the table may be a captured step's copy)
+            state.n_past += T
         state.steps_taken = T if keep else 0
         logits = _mm(h[:, -1:] if last_only else h, self.head)
         return (logits, h) if hidden else logits
@@ -154,11 +168,15 @@ class Qwen35Moe:
         return self.forward(tokens[:, None], state)[:, 0]
 
     @_pool_held
-    def decode_many(self, tokens: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
+    def decode_many(self, tokens: torch.Tensor, states: Sequence[State],
+                    table: StateTable | None = None) -> torch.Tensor:
         """One token for each of B single-sequence states, each at its own position: tokens [B]
         -> logits [B, V]; advances every state by one. Norms, projections, router and experts
         run on the [B, H] batch (a layer's experts read once for all B, grouped by expert);
-        only the mixer's core runs per sequence, on that sequence's KV or conv/ssm state."""
+        only the mixer's core runs per sequence, on that sequence's KV or conv/ssm state.
+        table (CUDA): the states' buffers and positions are reached through it, so a graph
+        captured on it runs any B states; the device positions are then the caller's to
+        advance (the table may be the graph's copy)."""
         c = self.config
         B = tokens.shape[0]
         if len(states) != B or any(st.batch != 1 for st in states):
@@ -166,18 +184,24 @@ class Qwen35Moe:
                                f"{B} tokens and {len(states)} states")
         for st in states:
             st.check_room(1)
-        plan = cpu_plan.plan_many_for(self, states)
+        plan = cpu_plan.plan_many_for(self, states) if table is None else None
         if plan is not None:   # on the CPU the whole step in one native call, the same bits
             logits = plan(tokens, states)
         else:
             one = torch.arange(1, device=self.device)
-            pos = [st.pos + one for st in states]                               # B x [1]
+            pos = table.positions() if table is not None else [st.pos + one for st in states]
             n_attn = [st.attn_len(1) for st in states]
 
             def mixer(i: int):
                 if c.recurrent[i]:
+                    if table is not None:
+                        return lambda L, a: self._delta_net_many(
+                            L, a, table.buffers("conv", i), table.buffers("ssm", i))
                     return lambda L, a: self._delta_net_many(
                         L, a, [st.conv[i] for st in states], [st.ssm[i] for st in states])
+                if table is not None:
+                    return lambda L, a: self._attention_many(
+                        L, a, table.buffers("k", i), table.buffers("v", i), pos, n_attn)
                 return lambda L, a: self._attention_many(
                     L, a, [st.k[i] for st in states], [st.v[i] for st in states], pos, n_attn)
 
@@ -186,7 +210,10 @@ class Qwen35Moe:
                             self.out_norm, B, 1)                                # [B, H]
             logits = _mm(h, self.head)
         for st in states:
-            st.advance(1)
+            if table is None:
+                st.advance(1)
+            else:
+                st.n_past += 1
             st.steps_taken = 0   # no per-token states kept: nothing to rewind into
         return logits
 

@@ -3,7 +3,9 @@ it. A decode step is some thousand kernels; launched from Python they would cost
 times their GPU time, replayed as a graph one launch.
 
 A graph is bound to the buffers it was captured on (the States', the inputs' copies), so it is
-keyed by what it is bound to (`GraphKey`). Capturing costs many steps: it is counted and timed
+keyed by what it is bound to (`GraphKey`). A runtime of several sequences hands a step its States
+through a table that is one of the inputs (state.StateTable): its graphs are keyed by the batch
+size and the longest attended bucket only, and run whichever States the table names. Capturing costs many steps: it is counted and timed
 (`captures`, `capture_s`; speculative decoding's cost estimates skip steps that captured), and
 the memory it took is measured so decode keeps that much free beside the expert cache."""
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 class GraphKey:
     """What a captured step is bound to and shaped by."""
     kind: str                    # "decode" (one token a State), "verify", "draft", "mtp_rows"
-    states: tuple[int, ...]      # id() of its States, in order
+    states: tuple[int, ...]      # id() of its States, in order; () when a table passes them
     tokens: int                  # tokens a State
-    attended: tuple[int, ...]    # KV rows attended, a State each (the MTP layer's for the head)
-    detail: tuple = ()           # verify: (keeps delta-net steps, their depth); draft: (k, guesses)
+    attended: tuple[int, ...]    # KV rows attended, a State each (the MTP layer's for the head);
+                                 # through a table, the most any of them attends
+    detail: tuple = ()           # verify: (keeps delta-net steps, their depth); draft: (k, guesses);
+                                 # through a table, the number of States first
 
 
 class GraphCache:

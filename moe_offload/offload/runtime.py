@@ -27,7 +27,7 @@ from loaders import LoadedModel
 from ..backend import Backend, Capabilities
 from ..config import OffloadPolicy
 from ..errors import OffloadError
-from ..state import State
+from ..state import State, StateTable
 from .budget import allocator_peaks
 from .build import RuntimeOptions, assemble
 from . import mtp_steps
@@ -138,6 +138,28 @@ class OffloadRuntime(Backend):
         with self._prompt("prefill", n, state, chunk, all_logits):
             return self.model.prefill(tokens, state, chunk, all_logits, hidden)
 
+    def prepare_batches(self, states: list[State]) -> None:
+        """Capture the decode steps of 1..len(states) sequences and a short prompt's verify
+        step now: through the table, any States run them later, so requests joining and
+        leaving a batch capture nothing while every sequence attends within the first
+        bucket (policy.graph_bucket positions; each later bucket captures once a size)."""
+        if not self.opts.use_graphs or self.opts.max_sequences < 2 or not states:
+            return
+        ids = torch.zeros(self.engine.max_tok, dtype=torch.long, device=self.device)
+        for b in range(1, len(states) + 1):
+            self.decode_many(ids[:b], states[:b])
+        self.verify(ids[None], states[0])
+        for st in states:
+            self.pool.empty(st)
+
+    def prompt_piece(self, remaining: int, chunk: int) -> int:
+        """A prompt short enough to run as decode-sized steps (policy.short_prompt) goes in one
+        such step (engine.max_tok tokens) between two batched decode steps, so the streams
+        decoding beside it wait one step's time, not the whole prompt's."""
+        if remaining <= self.policy.short_prompt:
+            return min(remaining, self.engine.max_tok)
+        return min(remaining, chunk)
+
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
         n = tokens.shape[1]
         with self._prompt("forward", n, state, n, not last_only):
@@ -197,7 +219,9 @@ class OffloadRuntime(Backend):
         if B != state.batch or B > self.engine.max_tok:
             raise OffloadError(f"a decode step of {B} sequences on a state of {state.batch}: the "
                                "offload runtime decodes one sequence at a time for now")
-        return self._step(tokens, [state], 1, lambda t: self.model.decode(t, state))
+        return self._step(tokens, [state], 1, lambda t, table: (
+            self.model.decode(t, state) if table is None
+            else self.model.decode_many(t, [state], table)))
 
     def decode_many(self, tokens: torch.Tensor, states: list[State]) -> torch.Tensor:
         """One token for each of B sequences at their own positions, in one decode step: tokens
@@ -214,7 +238,8 @@ class OffloadRuntime(Backend):
             raise OffloadError("decode_many got the same state twice; one token a sequence")
         for st in states:
             self.pool.key_of(st)
-        return self._step(tokens, states, 1, lambda t: self.model.decode_many(t, states))
+        return self._step(tokens, states, 1,
+                          lambda t, table: self.model.decode_many(t, states, table))
 
     def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, T] on the device, 1 <= T <= engine.max_tok -> (logits [1, T, V], the
@@ -227,53 +252,79 @@ class OffloadRuntime(Backend):
                                f"sequence, got {list(tokens.shape)}")
         depth = next(iter(state.steps.values()))[0].shape[0] if state.steps else 0
         keep = 1 < T <= depth + 1
-        return self._step(tokens, [state], T, lambda t: self.model.forward(t, state, hidden=True),
-                          kind="verify", detail=(keep, depth), keeps=T if keep else 0)
+        tabled = not keep   # (a step keeping per-token states is bound to its State's buffers)
+        return self._step(tokens, [state], T,
+                          lambda t, table: self.model.forward(t, state, hidden=True, table=table),
+                          kind="verify", detail=(keep, depth), keeps=T if keep else 0,
+                          tabled=tabled)
 
     def _step(self, tokens: torch.Tensor, states: list[State], T: int, run, *,
-              kind: str = "decode", detail: tuple = (), keeps: int = 0):
-        """The bracket of every decode step: T tokens of each of `states` by run(tokens), eager
-        or as the graph captured for its key; fresh output tensors."""
+              kind: str = "decode", detail: tuple = (), keeps: int = 0, tabled: bool = True):
+        """The bracket of every decode step: T tokens of each of `states` by run(tokens, table),
+        eager or as the graph captured for its key; fresh output tensors.
+
+        A runtime of several sequences passes the States to the step through a StateTable
+        (`tabled`): its graphs are keyed by the batch size and the longest attended bucket, not
+        by which States they run, so requests joining and leaving a batch capture nothing. A
+        runtime of one sequence binds its graphs to its one State (table None)."""
         for st in states:
             st.check_room(T)
         for st in states:   # attention reads up to the bucket's end
             self.vram.room_for_kv(st, st.attn_len(T))
         self.vram.regrow()   # the last prompt (or KV) borrowed from the cache: take it back
-        self.engine.position = states[0].pos if len(states) == 1 else None   # (trace rows by step)
+        tabled = tabled and self.opts.max_sequences > 1
+        # (a replayed trace's rows by position: steps bound to one State)
+        self.engine.position = states[0].pos if len(states) == 1 and not tabled else None
         n_tok = T * len(states)
+        inputs = [tokens, StateTable.stack(states)] if tabled else [tokens]
+        call = (lambda t, rows: run(t, StateTable(rows, states[0]))) if tabled else \
+            (lambda t: run(t, None))
         if not self.opts.use_graphs:
-            out = self._eager(tokens, n_tok, run)
+            out = self._eager(inputs, n_tok, call)
+            if tabled:
+                self._advance(states, T)
             self.guessing.observe()
             return out
         self.guessing.follow(self.graphs.drop)
-        key = GraphKey(kind, tuple(id(st) for st in states), T,
-                       tuple(st.attn_len(T) for st in states), detail)
+        if tabled:
+            key = GraphKey(kind, (), T, (max(st.attn_len(T) for st in states),),
+                           (len(states), *detail))
+        else:
+            key = GraphKey(kind, tuple(id(st) for st in states), T,
+                           tuple(st.attn_len(T) for st in states), detail)
         out = self.graphs.replay(
-            key, [tokens], run, step_size=n_tok, bounded=len(states) > 1,
-            warm_up=lambda copies: self._warm_up(copies[0], states, n_tok, run),
+            key, inputs, call, step_size=n_tok, bounded=len(states) > 1,
+            warm_up=lambda copies: self._warm_up(copies, states, n_tok, call),
             around=lambda: self._capturing(states),
             before_replay=lambda: self.engine.arm(n_tok))
         for st in states:       # the captured step advanced the device positions only
             st.n_past += T
             st.steps_taken = keeps
+        if tabled:              # ... and through a table, not even those
+            self._advance(states, T)
         self.guessing.observe()
         return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
-    def _eager(self, tokens: torch.Tensor, n_tok: int, run):
-        """One decode step of n_tok tokens run eagerly (run(tokens) inside the engine's step)."""
+    @staticmethod
+    def _advance(states: list[State], T: int) -> None:
+        """The device positions of States a step reached through a table (one launch)."""
+        torch._foreach_add_([st.pos for st in states], T)
+
+    def _eager(self, inputs: list, n_tok: int, run):
+        """One decode step of n_tok tokens run eagerly (run(*inputs) inside the engine's step)."""
         self.guessing.follow(self.graphs.drop)
         eng = self.engine
         eng.arm(n_tok)
         with eng.decode_step():
-            out = run(tokens)
+            out = run(*inputs)
         eng.settle()
         return out
 
-    def _warm_up(self, tokens: torch.Tensor, states: list[State], n_tok: int, run) -> None:
+    def _warm_up(self, inputs: list, states: list[State], n_tok: int, run) -> None:
         """A step run once eagerly before its first capture (lazy inits, the allocator): a real
         step, so the states and the cache's statistics are rewound after it."""
         snaps, stats = [st.snapshot() for st in states], self.cache.stats.clone()
-        self._eager(tokens, n_tok, run)
+        self._eager(inputs, n_tok, run)
         for st, snap in zip(states, snaps):
             st.restore(snap)
         self.cache.stats.copy_(stats)
@@ -332,8 +383,8 @@ class OffloadRuntime(Backend):
         mod N: sequences stepped together by decode_many follow their own stretches of the trace)
         instead of the model's router; None: the model's routing again.
         by_position: a token at position p uses row p mod N instead (decode and verify steps
-        of one sequence; a verify step's T tokens their T rows), so speculative and plain
-        decoding route every position alike. Guesses are off while replaying (the router
+        of a runtime of one sequence; a verify step's T tokens their T rows), so speculative
+        and plain decoding route every position alike. Guesses are off while replaying (the router
         cannot guess replayed ids)."""
         self.engine.trace_by_position = by_position
         if trace is not None:

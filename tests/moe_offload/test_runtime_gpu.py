@@ -531,8 +531,8 @@ def test_decode_many_equals_each_sequence_alone(loaded, graphs):
     tie cannot move the rest. The same argmax everywhere; the logits differ by summation order
     (a batch splits a layer's experts into resident and fetched differently, and the pool kernel
     adds them in another order), which this random-weight model amplifies to a few 1e-3 of the
-    logit scale (measured 2.4e-3 and 4.3e-3 on the H200). Half-way the batch changes order:
-    a second graph of the same size, captured without the warm-up step."""
+    logit scale (measured 2.4e-3 and 4.3e-3 on the H200). Half-way the batch changes order
+    (the same graph, its States through the step's table)."""
     from moe_offload import OffloadError
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, loaded.config.n_vocab, (1, n), generator=g).cuda()
@@ -552,7 +552,7 @@ def test_decode_many_equals_each_sequence_alone(loaded, graphs):
         with pytest.raises(OffloadError, match="all 3 sequences"):
             rt.new_state(1)
         first = torch.cat([rt.prefill(p, st) for p, st in zip(prompts, states)])
-        # half-way the batch comes in another order: a new graph for a size already captured
+        # half-way the batch comes in another order
         steps = []
         for s in range(feed.shape[0]):
             order = [0, 1, 2] if s < feed.shape[0] // 2 else [2, 0, 1]
@@ -567,6 +567,71 @@ def test_decode_many_equals_each_sequence_alone(loaded, graphs):
         assert [st.n_past for st in states] == [p.shape[1] + feed.shape[0] for p in prompts]
         with pytest.raises(OffloadError, match="same state twice"):
             rt.decode_many(feed[0, :2], [states[0], states[0]])
+    finally:
+        rt.close()
+
+
+def test_batches_of_any_states_replay_graphs_captured_once(loaded):
+    """A runtime of several sequences reaches a step's States through a table, so its graphs are
+    keyed by batch size and attended bucket only: newcomers' short prompts (verify and decode
+    steps) and batches of other States, in other orders, capture nothing once their size has
+    been captured. Against the same calls run eagerly: the same argmax, logits within the
+    graph-vs-eager bound of test_graphs_equal_eager; every device position equal to its State's
+    count."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, loaded.config.n_vocab, (1, 20), generator=g).cuda()
+               for _ in range(3)]
+    feed = torch.randint(0, loaded.config.n_vocab, (6, 3), generator=g).cuda()
+    batches = [[0, 1], [1, 2], [2, 0], [0, 1, 2], [2, 1, 0], [1, 0]]
+    outs, counts = {}, {}
+    for graphs in (True, False):
+        rt = _runtime(loaded, fetch_fraction=1.0, max_sequences=3, use_graphs=graphs,
+                      short_prompt=64)
+        try:
+            states = [rt.new_state(1) for _ in prompts]
+            got = [rt.prefill(prompts[0], states[0])]
+            seen = [rt.captures]
+            got += [rt.prefill(p, st) for p, st in zip(prompts[1:], states[1:])]
+            seen.append(rt.captures)
+            for s, order in enumerate(batches):
+                out = rt.decode_many(feed[s, order], [states[i] for i in order])
+                got.append(out[order.index(0)] if 0 in order else out[0])
+                seen.append(rt.captures)
+            outs[graphs], counts[graphs] = torch.stack([x.reshape(-1) for x in got]), seen
+            for st in states:
+                assert int(st.pos) == st.n_past
+            assert [st.n_past for st in states] == [20 + sum(b in o for o in batches)
+                                                     for b in range(3)]
+        finally:
+            rt.close()
+    seen = counts[True]
+    assert seen[1] == seen[0], "a newcomer's short prompt captured anew"
+    new = [b - a for a, b in zip(seen[1:], seen[2:])]
+    assert new == [1, 0, 0, 1, 0, 0], f"captures a batch: {new}"
+    a, b = outs[True], outs[False]
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    diffs = (a - b).abs().amax(-1).tolist()
+    assert max(diffs) <= 1e-2 and sum(d > 1e-4 for d in diffs) <= 1, diffs
+
+
+def test_prepared_batches_capture_nothing_later(loaded):
+    """prepare_batches (the server's start) captures the decode steps of 1..N sequences and a
+    short prompt's verify step and empties the States: prompts and batches of any of them then
+    capture nothing while they stay in the first attention bucket."""
+    g = torch.Generator().manual_seed(5)
+    rt = _runtime(loaded, max_sequences=3, short_prompt=64)
+    try:
+        states = [rt.new_state(1) for _ in range(3)]
+        rt.prepare_batches(states)
+        assert [(st.n_past, int(st.pos)) for st in states] == [(0, 0)] * 3
+        caps = rt.captures
+        assert caps >= 4
+        for n, st in zip((20, 11, 3), states):
+            rt.prefill(torch.randint(0, loaded.config.n_vocab, (1, n), generator=g).cuda(), st)
+        for order in ([2, 0], [0, 1, 2], [1], [1, 2], [2, 1, 0]):
+            ids = torch.randint(0, loaded.config.n_vocab, (len(order),), generator=g).cuda()
+            rt.decode_many(ids, [states[i] for i in order])
+        assert rt.captures == caps
     finally:
         rt.close()
 

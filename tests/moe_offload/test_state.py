@@ -105,3 +105,27 @@ def test_recurrent_nbytes_is_one_snapshot(config):
     snap = st.snapshot()
     assert st.recurrent_nbytes == sum(t.numel() * 4 for d in (snap.conv, snap.ssm)
                                       for t in d.values())
+
+
+def test_a_states_row_holds_its_buffers_addresses_and_its_position(config):
+    """State.row (what a StateTable stacks): the address of every attention layer's K and V and
+    every delta-net layer's conv and ssm state, at the columns table_columns names, then the
+    position, which moves with pos (a view of the row), through advance, rewind and restore."""
+    from moe_offload.state import StateTable, table_columns
+    st = State(config, 1, 64)
+    cols = table_columns(config)
+    assert st.row.shape == (len(cols) + 1,) and sorted(cols.values()) == list(range(len(cols)))
+    for (name, layer), col in cols.items():
+        assert name in (("conv", "ssm") if config.recurrent[layer] else ("k", "v"))
+        assert int(st.row[col]) == getattr(st, name)[layer].data_ptr()
+    snap = st.snapshot()
+    st.advance(5)
+    assert int(st.row[-1]) == 5 == int(st.pos)
+    st.restore(snap)
+    assert int(st.row[-1]) == 0
+    other = State(config, 1, 64)
+    other.advance(3)
+    rows = StateTable.stack([st, other])
+    assert rows.shape == (2, len(cols) + 1) and rows[:, -1].tolist() == [0, 3]
+    assert int(rows[1, cols["k", config.attention_layers[0]]]) == \
+        other.k[config.attention_layers[0]].data_ptr()

@@ -215,18 +215,21 @@ class FewStates(OneState):
     def decode_many(self, tokens, states):
         return self.model.decode_many(tokens, states)
 
+    def prepare_batches(self, states):
+        self.prepared = len(states)
+
 
 def test_runtime_of_a_few_sequences_batches_within_them(tiny_parts, kit):
-    """--vram with --parallel 2: the engine asks the runtime for no more states than it holds
-    (the probe it uses to tell one from several goes back), batches them, and three clients at
-    once all finish with the text each would get alone."""
+    """--vram with --parallel 2: the engine asks the runtime for no more states than it holds,
+    takes them at start and has their batched steps made ready (captured, on a GPU), batches
+    them, and three clients at once all finish with the text each would get alone."""
     import concurrent.futures as cf
     model, tok, tmpl = tiny_parts
     rt = FewStates(model, 2)
     served = kit.make_served((rt, tok, tmpl), parallel=4, prefix_cache=4)
     eng = served.engine
     assert (eng.mode, eng.parallel, eng.single_state) == ("batched", 2, False)
-    assert len(rt.in_use) == 1      # the engine's first state
+    assert len(rt.in_use) == 2 and rt.prepared == 2   # the engine's states, steps made ready
     asks = [[{"role": "user", "content": f"Count to {n}."}] for n in (3, 4, 5)]
     with kit.live(served) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
