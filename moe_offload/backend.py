@@ -56,10 +56,18 @@ class Backend:
         """Make the batched steps of 1..len(states) sequences ready before the first request
         (the offload runtime captures their graphs now); the states are emptied after."""
 
-    def prompt_piece(self, remaining: int, chunk: int) -> int:
-        """How many of a prompt's `remaining` tokens to prefill between two batched decode
-        steps (the others wait that long), at most `chunk`."""
+    def prompt_piece(self, remaining: int, chunk: int, beside: int = 0) -> int:
+        """How many of a prompt's `remaining` tokens to feed in one batched step, beside
+        `beside` sequences decoding (decode_many_with_prompt; the others wait that long), at
+        most `chunk`."""
         return min(remaining, chunk)
+
+    def decode_many_with_prompt(self, tokens: torch.Tensor, states: list[State],
+                                prompt: torch.Tensor, state: State):
+        """decode_many of `states` and the next tokens of another state's prompt (prompt
+        [1, T]) -> (logits [B, V], the prompt's last logits [1, V]); here one after the
+        other (the offload runtime runs them as one step where it can)."""
+        return self.decode_many(tokens, states), self.prefill(prompt, state)
 
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
         """One token: tokens [1] on the device -> logits [1, V]."""

@@ -60,10 +60,12 @@ class StateTable:
     def batch(self) -> int:
         return self.rows.shape[0]
 
-    def buffers(self, name: str, layer: int) -> ops.SeqTable:
-        """Every State's `name` ("k", "v", "conv", "ssm") of `layer`, through the table."""
+    def buffers(self, name: str, layer: int, rows=None) -> ops.SeqTable:
+        """The `name` ("k", "v", "conv", "ssm") of `layer` of the States at `rows` (default
+        all; a row may repeat: a prompt's tokens, each an entry on its State's cache)."""
         W, col = self.rows.shape[1], self.like.columns[name, layer]
-        return ops.SeqTable(self.rows, tuple(b * W + col for b in range(self.batch)),
+        rows = range(self.batch) if rows is None else rows
+        return ops.SeqTable(self.rows, tuple(b * W + col for b in rows),
                             getattr(self.like, name)[layer])
 
     def positions(self) -> list[torch.Tensor]:

@@ -37,7 +37,8 @@ prompt goes in by chunks of --prefill-chunk tokens between those steps, so a lon
 not stall the others. Under --vram the runtime holds one sequence unless --parallel asks for
 more (up to 8; each takes its delta-net state, ~63 MB on a 35B-A3B, and its KV from the expert
 cache); they are stepped together the same way, each layer's experts fetched once for the
-batch. --no-batch makes the requests take turns instead, one request a step (interleaved), to
+batch, every batch size's step captured at start-up, and a newcomer's short prompt fed in the
+running streams' steps, a few tokens a step. --no-batch makes the requests take turns instead, one request a step (interleaved), to
 compare. More requests wait in a queue of --queue; past that the server answers 429 (529,
 overloaded, on /v1/messages). A follow-up whose prompt (or, for a chat, whose text) starts
 with a recent conversation prefills only the new tokens. With --draft a model with an MTP head
@@ -83,9 +84,10 @@ def add_parser(sub) -> None:
                    help="requests generated at once, stepped together (default 4; 1 under --vram, "
                         "where each more takes its state and KV from the expert cache: up to 8)")
     s.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="prompt tokens a new request feeds between two decode steps of the "
-                        "running ones (batched mode; default 256, 1024 under --vram, where "
-                        "every chunk streams the cold experts once); a prompt with no one "
+                   help="prompt tokens a new request feeds in one decode step of the running "
+                        "ones (batched mode; default 256, 1024 under --vram, where every chunk "
+                        "streams the cold experts once, and a prompt of up to 64 tokens goes "
+                        "in pieces that fill the step's 8 rows instead); a prompt with no one "
                         "waiting goes in the model's own chunks (under --vram as large as the "
                         "reserved workspace holds)")
     s.add_argument("--no-batch", action="store_true",

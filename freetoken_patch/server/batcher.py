@@ -1,10 +1,11 @@
 """The batched mode's step, owned by the engine: every sequence that is decoding advances by one
 token in one `model.decode_many` call (a layer's experts read, or fetched, once for the batch),
-and a newcomer's prompt goes in by pieces, one between two decode steps, so a prompt does not
-stall the running streams: `prefill_chunk` tokens, or, for a prompt the backend runs as
-decode-sized steps, one such step (`Backend.prompt_piece`). Each sequence samples from its own
-row with its own TokenStream (moe_offload's, generate()'s own): seed, penalties and stops as
-alone.
+and a newcomer's prompt goes in by pieces, one a step, so a prompt does not stall the running
+streams: `prefill_chunk` tokens, or, for a prompt the backend runs as decode-sized steps, as
+many as fill the step beside the decoding rows (`Backend.prompt_piece`,
+`Backend.decode_many_with_prompt`: under a cap one step for both). Each sequence samples from
+its own row with its own TokenStream (moe_offload's, generate()'s own): seed, penalties and
+stops as alone.
 
 A step's States go in one fixed order (the order they were first seen in), and with run_ahead
 (on a GPU) the next step is queued on the drawn ids before the host reads them, as generate()
@@ -48,55 +49,77 @@ class Batcher:
         self.ahead.clear()
 
     def step(self, ring: deque) -> None:
-        """One prompt chunk of the first sequence still prefilling, then one decode step of
-        every sequence with a token to feed; finished and cancelled ones leave.
+        """One decode step of every sequence with a token to feed, with the next piece of the
+        first newcomer still prefilling beside them (Backend.decode_many_with_prompt); with no
+        one decoding, that newcomer's whole prompt first. Finished and cancelled ones leave.
 
         The step's sequences go in one fixed order (their States', so a batch's rows do not
-        move as requests come and go). With run_ahead, the step after this one is queued on the ids drawn here before the host
-        reads them whenever only an end-of-generation id could end a sequence there; its logits
-        wait in `ahead`, and a sequence that did end leaves with that id in its State
-        (cached_tokens counts it)."""
+        move as requests come and go). With run_ahead, the step after this one is queued on
+        the ids drawn here before the host reads them whenever only an end-of-generation id
+        could end a sequence there and no newcomer is prefilling (its piece goes in the next
+        step); its logits wait in `ahead`, and a sequence that did end leaves with that id in
+        its State (cached_tokens counts it)."""
         pre = next((s for s in ring if not s.job.cancelled and s.fed < len(s.feed)), None)
-        if pre is not None:
-            alone = not any(s is not pre and not s.done and not s.job.cancelled
-                            and s.stream.pending is not None for s in ring)
-            self._prefill_chunk(pre, alone)
-        live = sorted((s for s in ring if not s.done and not s.job.cancelled
-                       and s.stream.pending is not None), key=lambda s: self._order(s.state))
+        if pre is not None and not self._live(ring):   # no one waits: the prompt at once
+            self._prefill_chunk(pre, alone=True)
+            pre = None
+        live = self._live(ring)
         if live:
             with self.engine.timed("decode"):
-                rows = self._logits(live)
+                rows = self._logits(live, pre)
                 if rows is not None:
-                    self._sample(live, rows)
+                    hold = any(not s.job.cancelled and s.fed < len(s.feed) for s in ring)
+                    self._sample(live, rows, hold)
         for s in [s for s in ring if s.done or s.job.cancelled]:
             self.ahead.pop(s, None)
             ring.remove(s)
             self.engine.retire(s)
 
+    def _live(self, ring: deque) -> list:
+        """The sequences with a token to feed, in their States' order."""
+        return sorted((s for s in ring if not s.done and not s.job.cancelled
+                       and s.stream.pending is not None), key=lambda s: self._order(s.state))
+
     def _order(self, state) -> int:
         """A State's place in every batch: the order it was first seen in."""
         return self._state_order.setdefault(id(state), len(self._state_order))
 
-    def _logits(self, live: list) -> list | None:
+    def _logits(self, live: list, rider: Active | None = None) -> list | None:
         """Each sequence's logits [1, V] for its pending id: from the step queued ahead where
-        there is one, else from one decode_many step of the others; None if that step failed."""
+        there is one, else from one decode_many step of the others, with the next piece of
+        `rider`'s prompt beside them (alone, when every row came from the step queued ahead);
+        None if that step failed."""
         rows = {s: self.ahead.pop(s) for s in live if s in self.ahead}
         feed = [s for s in live if s not in rows]
+        if rider is not None and not feed:
+            self._prefill_chunk(rider)
+            rider = None
         if feed:
             self.engine.batch_size = len(feed)
             try:
                 ids = torch.tensor([s.stream.pending for s in feed], device=self.model.device)
-                logits = self.model.decode_many(ids, [s.state for s in feed])    # [B, V]
+                states = [s.state for s in feed]
+                if rider is None:
+                    logits = self.model.decode_many(ids, states)                # [B, V]
+                else:
+                    end = self._piece_end(rider, beside=len(feed))
+                    piece = torch.tensor([rider.feed[rider.fed:end]], device=self.model.device)
+                    t0 = time.perf_counter()
+                    logits, first = self.model.decode_many_with_prompt(ids, states, piece,
+                                                                       rider.state)
             except Exception as e:   # noqa: BLE001 -- every state of the step may be half-written
-                for s in feed:
+                for s in feed + ([rider] if rider is not None else []):
                     self.engine.fail(s, e)
                 return None
+            if rider is not None:
+                self._fed(rider, end, first, time.perf_counter() - t0)
             rows.update((s, logits[i:i + 1]) for i, s in enumerate(feed))
         return [rows[s] for s in live]
 
-    def _sample(self, live: list, rows: list) -> None:
+    def _sample(self, live: list, rows: list, hold: bool = False) -> None:
         """Draw every sequence's next id on the device; queue the next step on them if all may
-        run ahead; then read the ids (one wait for all) and pass on what follows."""
+        run ahead and nothing holds it (`hold`: a newcomer's piece goes in that step); then
+        read the ids (one wait for all) and pass on what follows."""
         drawn = []
         for s, row in zip(live, rows):
             try:
@@ -110,7 +133,8 @@ class Batcher:
         n_free = [s.state.n_free for s, _ in keep]   # before a step queued ahead takes a row
         ids = torch.stack([t.reshape(1) for _, t in keep]).reshape(-1)
         ahead = None
-        if self.run_ahead and all(s.stream.may_run_ahead(n) for (s, _), n in zip(keep, n_free)):
+        if self.run_ahead and not hold and all(s.stream.may_run_ahead(n)
+                                               for (s, _), n in zip(keep, n_free)):
             def queue_next():
                 try:
                     self.engine.batch_size = len(keep)
@@ -137,19 +161,15 @@ class Batcher:
                     self.ahead[s] = ahead[i:i + 1]
 
     def _prefill_chunk(self, seq: Active, alone: bool = False) -> None:
-        """Feed the next piece of a newcomer's prompt (Backend.prompt_piece; ending at its
-        first-turn cut if that comes first); at the prompt's end, sample its first token.
-        `alone`: no other sequence
-        is waiting for a decode step, so the rest of the prompt goes in at once, in the
-        model's own prefill chunks (under a cap each chunk streams the cold experts once)."""
+        """Feed the next piece of a newcomer's prompt in a step of its own; at the prompt's end,
+        sample its first token. `alone`: no other sequence is waiting for a decode step, so
+        the rest of the prompt goes in at once, in the model's own prefill chunks (under a cap
+        each chunk streams the cold experts once)."""
         eng = self.engine
-        start = seq.fed
-        end = len(seq.feed) if alone else \
-            start + self.model.prompt_piece(len(seq.feed) - start, eng.prefill_chunk)
-        end = min([end] + [c for c in seq.cuts if start < c < end])
+        end = self._piece_end(seq, alone)
         t0 = time.perf_counter()
         try:
-            ids = torch.tensor([seq.feed[start:end]], device=self.model.device)
+            ids = torch.tensor([seq.feed[seq.fed:end]], device=self.model.device)
             kw = {} if alone else {"chunk": eng.prefill_chunk}
             logits = self.model.prefill(ids, seq.state, **kw)       # [1, V]
         except Exception as e:   # noqa: BLE001 -- reported to the request, the engine goes on
@@ -158,9 +178,22 @@ class Batcher:
         finally:
             took = time.perf_counter() - t0
             eng.busy_s["prefill"] += took
-        seq.stream.prefilled(end - start, took)
+        self._fed(seq, end, logits, took)
+
+    def _piece_end(self, seq: Active, alone: bool = False, beside: int = 0) -> int:
+        """Where the next piece of seq's prompt ends: Backend.prompt_piece's size beside
+        `beside` decoding sequences (the whole rest when alone), or its next rewind point."""
+        start = seq.fed
+        end = len(seq.feed) if alone else start + self.model.prompt_piece(
+            len(seq.feed) - start, self.engine.prefill_chunk, beside)
+        return min([end] + [c for c in seq.cuts if start < c < end])
+
+    def _fed(self, seq: Active, end: int, logits: torch.Tensor, took: float) -> None:
+        """seq's prompt is in up to `end` (logits [1, V]: its last position's, `took` seconds):
+        a snapshot at a rewind point, and at the prompt's end its first token sampled."""
+        seq.stream.prefilled(end - seq.fed, took)
+        self.engine.prefilled_tokens += end - seq.fed
         seq.fed = end
-        eng.prefilled_tokens += end - start
         if end in seq.cuts or end == len(seq.feed):   # a rewind point, or the prompt's end
             if not (seq.snaps and seq.snaps[-1].n_past == seq.state.n_past):
                 seq.snaps = with_snapshot(seq.snaps, seq.state)

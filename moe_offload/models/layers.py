@@ -190,19 +190,22 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
 def gated_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                          k_norm: torch.Tensor, eps: float, pos: list[torch.Tensor], n_rot: int,
                          base: float, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                         n_attn: list[int]) -> torch.Tensor:
+                         n_attn: list[int], write_first: bool = False) -> torch.Tensor:
     """gated_attention for one token of each of B sequences with caches and positions of their
     own (a batched decode step): qg, k, v [B, 1, ..]; caches [1, n_ctx, Hkv, d] each; pos [1]
     and n_attn per sequence -> [B, 1, Hq*d]. On CUDA one launch for the B sequences, with the
     arithmetic of each one's own decode step (a sequence attending fewer rows than the longest
-    leaves its last splits empty)."""
+    leaves its last splits empty). write_first (caches through an ops.SeqTable): every row's
+    K and V are written before any attends, so rows may share a cache (a prompt's tokens in a
+    batched step, each at its own position)."""
     B = qg.shape[0]
     tabled = isinstance(k_caches, ops.SeqTable)   # the caches through a state table (CUDA)
     d = (k_caches.like if tabled else k_caches[0]).shape[-1]
     hq = qg.shape[-1] // (2 * d)
     if tabled or _attention_kernel_for(qg, k_caches[0]):
         o = ops.cuda_attention_many(qg[:, 0], k[:, 0], v[:, 0], q_norm, k_norm, eps, pos, n_rot,
-                                    base, k_caches, v_caches, hq, max(n_attn))
+                                    base, k_caches, v_caches, hq, max(n_attn),
+                                    write_first=write_first)
         return o.view(B, 1, hq * d)
     return torch.cat([gated_attention(qg[b:b + 1], k[b:b + 1], v[b:b + 1], q_norm, k_norm, eps,
                                       pos[b], n_rot, base, k_caches[b], v_caches[b], n_attn[b])

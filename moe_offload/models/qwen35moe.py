@@ -169,51 +169,70 @@ class Qwen35Moe:
 
     @_pool_held
     def decode_many(self, tokens: torch.Tensor, states: Sequence[State],
-                    table: StateTable | None = None) -> torch.Tensor:
+                    table: StateTable | None = None, prompt_tokens: int = 0) -> torch.Tensor:
         """One token for each of B single-sequence states, each at its own position: tokens [B]
         -> logits [B, V]; advances every state by one. Norms, projections, router and experts
         run on the [B, H] batch (a layer's experts read once for all B, grouped by expert);
         only the mixer's core runs per sequence, on that sequence's KV or conv/ssm state.
         table (CUDA): the states' buffers and positions are reached through it, so a graph
         captured on it runs any B states; the device positions are then the caller's to
-        advance (the table may be the graph's copy)."""
+        advance (the table may be the graph's copy).
+        prompt_tokens P (with a table): the last state takes the last P ids of `tokens`, the
+        next piece of its prompt, in the same step (its rows beside the others' through every
+        layer, its mixer core over the P tokens in order) -> logits [B + 1, V], the last row
+        its piece's last."""
         c = self.config
-        B = tokens.shape[0]
-        if len(states) != B or any(st.batch != 1 for st in states):
-            raise OffloadError(f"decode_many takes one single-sequence state per token; got "
-                               f"{B} tokens and {len(states)} states")
-        for st in states:
+        P = int(prompt_tokens)
+        B = len(states) - (1 if P else 0)   # the states decoding one token
+        if tokens.shape[0] != B + P or any(st.batch != 1 for st in states) or B < 0 \
+                or (P and (table is None or B < 1)):
+            raise OffloadError(f"decode_many takes one single-sequence state per token (and, "
+                               f"through a state table, one more state's prompt piece); got "
+                               f"{tokens.shape[0]} tokens, {len(states)} states, {P} prompt tokens")
+        for st in states[:B]:
             st.check_room(1)
+        if P:
+            states[B].check_room(P)
         plan = cpu_plan.plan_many_for(self, states) if table is None else None
         if plan is not None:   # on the CPU the whole step in one native call, the same bits
             logits = plan(tokens, states)
         else:
             one = torch.arange(1, device=self.device)
-            pos = table.positions() if table is not None else [st.pos + one for st in states]
-            n_attn = [st.attn_len(1) for st in states]
+            pos = table.positions()[:B] if table is not None else [st.pos + one for st in states]
+            n_attn = [st.attn_len(1) for st in states[:B]]
+            entries = list(range(B))   # attention entries: a row of the table each
+            if P:   # the prompt's tokens at its next P positions, each an entry on its cache
+                at = table.rows[B, -1] + torch.arange(P, device=self.device)
+                pos += [at[t:t + 1] for t in range(P)]
+                n_attn.append(states[B].attn_len(P))
+                entries += [B] * P
 
             def mixer(i: int):
                 if c.recurrent[i]:
                     if table is not None:
+                        piece = ((table.buffers("conv", i, [B]), table.buffers("ssm", i, [B]))
+                                 if P else None)
                         return lambda L, a: self._delta_net_many(
-                            L, a, table.buffers("conv", i), table.buffers("ssm", i))
+                            L, a, table.buffers("conv", i, range(B)),
+                            table.buffers("ssm", i, range(B)), piece)
                     return lambda L, a: self._delta_net_many(
                         L, a, [st.conv[i] for st in states], [st.ssm[i] for st in states])
                 if table is not None:
                     return lambda L, a: self._attention_many(
-                        L, a, table.buffers("k", i), table.buffers("v", i), pos, n_attn)
+                        L, a, table.buffers("k", i, entries), table.buffers("v", i, entries), pos,
+                        n_attn, write_first=P > 0)
                 return lambda L, a: self._attention_many(
                     L, a, [st.k[i] for st in states], [st.v[i] for st in states], pos, n_attn)
 
-            x = embed_rows(self.embd, tokens)                                   # [B, H]
+            x = embed_rows(self.embd, tokens)                                   # [B+P, H]
             h = self.blocks(x, [(L, mixer(i), self.experts[i]) for i, L in enumerate(self.blk)],
-                            self.out_norm, B, 1)                                # [B, H]
-            logits = _mm(h, self.head)
-        for st in states:
+                            self.out_norm, B + P, 1)                            # [B+P, H]
+            logits = _mm(torch.cat([h[:B], h[-1:]]) if P else h, self.head)
+        for st, n in zip(states, [1] * B + ([P] if P else [])):
             if table is None:
-                st.advance(1)
+                st.advance(n)
             else:
-                st.n_past += 1
+                st.n_past += n
             st.steps_taken = 0   # no per-token states kept: nothing to rewind into
         return logits
 
@@ -227,12 +246,15 @@ class Qwen35Moe:
                             pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn)
         return _mm(o, L["attn_output.weight"])
 
-    def _attention_many(self, L, a, k_caches, v_caches, pos, n_attn) -> torch.Tensor:
-        """Gated full attention of one token of each of B sequences, each on its own cache."""
+    def _attention_many(self, L, a, k_caches, v_caches, pos, n_attn,
+                        write_first: bool = False) -> torch.Tensor:
+        """Gated full attention of one token of each of B sequences, each on its own cache
+        (write_first: entries may share a cache, layers.gated_attention_many)."""
         c = self.config
         qg, k, v = self._attention_in(L, a)                                     # [B, 1, ...]
         o = gated_attention_many(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"],
-                                 c.rms_eps, pos, c.n_rot, c.rope_base, k_caches, v_caches, n_attn)
+                                 c.rms_eps, pos, c.n_rot, c.rope_base, k_caches, v_caches, n_attn,
+                                 write_first)
         return _mm(o, L["attn_output.weight"])
 
     def _delta_net(self, L, a, conv_state, ssm_state, steps=None) -> torch.Tensor:
@@ -245,13 +267,23 @@ class Qwen35Moe:
                             steps)
         return _mm(o, L["ssm_out.weight"])
 
-    def _delta_net_many(self, L, a, conv_states, ssm_states) -> torch.Tensor:
-        """The delta-net of one token of each of B sequences, each on its own conv/ssm state."""
+    def _delta_net_many(self, L, a, conv_states, ssm_states, piece=None) -> torch.Tensor:
+        """The delta-net of one token of each of B sequences, each on its own conv/ssm state;
+        piece (conv, ssm of one more sequence): the rows after the B are that sequence's next
+        tokens, run in order as a verify step runs them."""
         c = self.config
-        mix, z, beta, alpha = self._proj(L, SSM_IN, a)                          # [B, 1, ...]
-        o = gated_delta_net_many(mix, z, beta, alpha, conv_states, ssm_states,
-                                 L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"],
-                                 L["ssm_norm.weight"], c.ssm_n_k_heads, c.rms_eps)
+        mix, z, beta, alpha = self._proj(L, SSM_IN, a)                          # [N, 1, ...]
+        w = (L["ssm_conv1d.weight"], L["ssm_a"], L["ssm_dt.bias"], L["ssm_norm.weight"],
+             c.ssm_n_k_heads, c.rms_eps)
+        if piece is None:
+            o = gated_delta_net_many(mix, z, beta, alpha, conv_states, ssm_states, *w)
+        else:
+            B = len(conv_states)
+            head = gated_delta_net_many(mix[:B], z[:B], beta[:B], alpha[:B], conv_states,
+                                        ssm_states, *w)
+            rest = (u[B:].transpose(0, 1) for u in (mix, z, beta, alpha))   # [1, P, ...]
+            tail = gated_delta_net(*rest, *piece, *w)                       # [1, P, Hv*dv]
+            o = torch.cat([head, tail.transpose(0, 1)])
         return _mm(o, L["ssm_out.weight"])
 
     def _attention_in(self, L, a) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ class GraphKey:
                                  # through a table, the most any of them attends
     detail: tuple = ()           # verify: (keeps delta-net steps, their depth); draft: (k, guesses);
                                  # through a table, the number of States first
+    guesses: bool = False        # the step guesses the next layer's experts (holds those kernels)
 
 
 class GraphCache:
@@ -36,12 +37,12 @@ class GraphCache:
     def __init__(self, device: torch.device, vram, engine, max_graphs: int):
         self.device, self.vram, self.engine, self.max_graphs = device, vram, engine, max_graphs
         self._graphs: dict[GraphKey, tuple] = {}
-        self._sizes: set[int] = set()   # decode-step sizes captured so far (kernels loaded)
+        self._sizes: set = set()        # decode-step sizes (and modes) captured so far
         self._pool = torch.cuda.graph_pool_handle()
         self.captures = 0               # graphs captured so far
         self.capture_s = 0.0            # host wall time those captures took
 
-    def replay(self, key: GraphKey, inputs: list, run: Callable, *, step_size: int | None = None,
+    def replay(self, key: GraphKey, inputs: list, run: Callable, *, step_size=None,
                warm_up: Callable[[list], None] | None = None,
                around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                before_replay: Callable[[], None] | None = None, bounded: bool = False):
@@ -50,8 +51,9 @@ class GraphCache:
         the graph's outputs (its own tensors: callers clone what they keep).
 
         Capturing: warm_up(copies) runs it eagerly first (lazy inits, the allocator), the capture
-        runs inside around(). A decode step (`step_size` tokens) is warmed up, and the memory
-        outside torch re-measured, only for a size not captured before: its kernels are loaded.
+        runs inside around(). A decode step (`step_size`: its tokens, and anything else that
+        changes which kernels it runs) is warmed up, and the memory outside torch re-measured,
+        only for a size not captured before: its kernels are loaded.
         bounded: all graphs are dropped first once max_graphs are kept (batches come and go,
         a key per combination of lengths)."""
         g = self._graphs.get(key)

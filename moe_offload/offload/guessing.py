@@ -7,8 +7,9 @@ prefetch_hysteresis, so that a rate measured near the line does not flip it back
 always when a number of guesses was asked for (the user's choice). Every policy.observe_every
 steps the CPU worker's timings are folded into the scheduler (the plan kernel reads the new
 split from device memory: no re-capture), and whether guessing pays is decided again; a change
-applies at the next step's start, where the captured steps (which hold the guesses' kernels,
-or lack them) are dropped."""
+applies at the next step's start. A captured step holds the guesses' kernels or lacks them, so
+steps are keyed by the mode (GraphKey.guesses) and both kept: a rate measured near the line
+costs a capture a step once, not at every change."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,15 +61,22 @@ class Guessing:
         if self.engine.trace is None and self.pays() != (self.engine.predict is not None):
             self._due = True
 
-    def follow(self, drop_graphs) -> None:
-        """Before a step: start or stop guessing as observe() found, dropping the captured steps
-        (drop_graphs(new_kernels=True): the guesses' kernels may not have run yet)."""
+    def follow(self) -> None:
+        """Before a step: start or stop guessing as observe() found."""
         if not self._due:
             return
         self._due = False
-        on = self.engine.predict is None
+        self.set(self.engine.predict is None)
+        self.changes += 1
+
+    @property
+    def may_change(self) -> bool:
+        """Whether guessing may start or stop at run time (as measured, not the user's k)."""
+        pol = self.policy
+        return pol.prefetch and self.bank.pinned and pol.prefetch_k is None \
+            and self.engine.trace is None
+
+    def set(self, on: bool) -> None:
+        """Guess from now on, or not (prepare_batches captures the steps of both modes)."""
         self.engine.set_predictor(self.model.router_logits if on else None,
                                   self.policy.guesses(self.config.n_expert_used))
-        self.changes += 1
-        torch.cuda.synchronize(self.device)   # no replay of a graph about to go is in flight
-        drop_graphs(new_kernels=True)

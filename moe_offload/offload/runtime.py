@@ -9,8 +9,8 @@
 Its parts are assembled by build.py; this file is the public face and the one bracket every
 decode step goes through (`_step`): room for the KV under the cap, the cache's memory taken
 back, guessing switched as measured, then the step eager or as a captured graph (graphs.py),
-then the host's counters. Prompts longer than policy.short_prompt take the model's prefill
-path (experts streamed through staging buffers), shorter ones run as decode steps.
+then the host's counters. Prompts: prompts.py (longer than policy.short_prompt by the model's
+prefill path, experts streamed through staging buffers; shorter ones as decode steps).
 """
 from __future__ import annotations
 
@@ -30,10 +30,9 @@ from ..errors import OffloadError
 from ..state import State, StateTable
 from .budget import allocator_peaks
 from .build import RuntimeOptions, assemble
-from . import mtp_steps
+from . import mtp_steps, prompts
 from .graphs import GraphCache, GraphKey
 from .guessing import Guessing
-from .placement import prefill_workspace_bytes, prompt_chunk
 from .report import RoutingRecorder, RuntimeStats
 from .sequences import StatePool
 
@@ -129,88 +128,39 @@ class OffloadRuntime(Backend):
                 all_logits: bool = False, hidden: bool = False):
         """tokens [B, T] on the device -> last logits [B, V] (or all [B, T, V]); hidden: and
         every position's final-normed hidden state [B, T, H] (the MTP head's input). chunk:
-        tokens a chunk (None: as large as the reserved workspace holds, placement.prompt_chunk)."""
-        n = tokens.shape[1]
-        chunk = chunk or prompt_chunk(self.config, n, state.n_past + n, self.opts.n_ctx,
-                                      self.policy, all_logits)
-        if n <= self.policy.short_prompt and not all_logits:
-            return self._prefill_in_steps(tokens, state, hidden)
-        with self._prompt("prefill", n, state, chunk, all_logits):
-            return self.model.prefill(tokens, state, chunk, all_logits, hidden)
-
-    def prepare_batches(self, states: list[State]) -> None:
-        """Capture the decode steps of 1..len(states) sequences and a short prompt's verify
-        step now: through the table, any States run them later, so requests joining and
-        leaving a batch capture nothing while every sequence attends within the first
-        bucket (policy.graph_bucket positions; each later bucket captures once a size)."""
-        if not self.opts.use_graphs or self.opts.max_sequences < 2 or not states:
-            return
-        ids = torch.zeros(self.engine.max_tok, dtype=torch.long, device=self.device)
-        for b in range(1, len(states) + 1):
-            self.decode_many(ids[:b], states[:b])
-        self.verify(ids[None], states[0])
-        for st in states:
-            self.pool.empty(st)
-
-    def prompt_piece(self, remaining: int, chunk: int) -> int:
-        """A prompt short enough to run as decode-sized steps (policy.short_prompt) goes in one
-        such step (engine.max_tok tokens) between two batched decode steps, so the streams
-        decoding beside it wait one step's time, not the whole prompt's."""
-        if remaining <= self.policy.short_prompt:
-            return min(remaining, self.engine.max_tok)
-        return min(remaining, chunk)
+        tokens a chunk (None: as large as the reserved workspace holds, placement.prompt_chunk).
+        prompts.prefill: long prompts by the model's prefill path, short ones as decode steps."""
+        return prompts.prefill(self, tokens, state, chunk, all_logits, hidden)
 
     def forward(self, tokens: torch.Tensor, state: State, last_only: bool = False) -> torch.Tensor:
-        n = tokens.shape[1]
-        with self._prompt("forward", n, state, n, not last_only):
-            return self.model.forward(tokens, state, last_only)
+        return prompts.forward(self, tokens, state, last_only)
 
-    def _prefill_in_steps(self, tokens: torch.Tensor, state: State, hidden: bool):
-        """A short prompt as decode steps: engine.max_tok tokens at a time as verify steps (a
-        graph per attended length, like decode's), the last few tokens as decode steps (decode's
-        own graphs; verify steps where the hidden states are wanted). Each layer's misses are
-        planned and fetched into the cache (or computed on the CPU) on the device, with no host
-        sync, and the cache lends nothing to a workspace. Only the last step's logits are kept:
-        decode's headroom under the cap holds one step's, not a prompt's."""
-        state.check_room(tokens.shape[1])
-        step, n = self.engine.max_tok, tokens.shape[1]
-        states = []
-        for s in range(0, n, step):
-            t = tokens[:, s:s + step]
-            last = None   # the previous step's logits go before this step allocates its own
-            if t.shape[1] == step or hidden:
-                lg, h = self.verify(t, state)
-                last = lg[:, -1].clone()   # not a view that keeps all T rows
-                states.append(h)
-                del lg
-            else:
-                for j in range(t.shape[1]):
-                    last = None
-                    last = self.decode(t[:, j], state)
-        return (last, torch.cat(states, dim=1)) if hidden else last
+    def prompt_piece(self, remaining: int, chunk: int, beside: int = 0) -> int:
+        return prompts.prompt_piece(self, remaining, chunk, beside)
 
-    @contextlib.contextmanager
-    def _prompt(self, what: str, n: int, state: State, chunk: int, all_logits: bool):
-        """Around n prompt tokens: the context must hold them (checked before anything is
-        mapped), the KV is mapped that far, torch gets the chunk's workspace; after, torch's
-        peak above what it held (`prefill_memory`, beside the estimate the cache made room
-        for), and an elastic cache takes the prefill staging back while decoding."""
-        dev, eng, past = self.device, self.engine, state.n_past
-        state.check_room(n)
-        self.vram.room_for_kv(state, past + n)
-        self.vram.room_for_prefill(self.config, n, past, chunk, all_logits,
-                                   eng.staging_bytes if eng.staging is None else 0)
-        eng.ensure_staging()
-        self.vram.reset_torch_peak()
-        before = torch.cuda.memory_allocated(dev)
-        yield
-        self.prefill_memory.append({
-            "what": what, "tokens": n, "past": past,
-            "estimate": prefill_workspace_bytes(self.config, min(n, chunk), past + n, all_logits),
-            "used": torch.cuda.max_memory_allocated(dev) - before})
-        del self.prefill_memory[:-64]
-        if self.cache.elastic and eng.release_staging():
-            self.vram.grow_pending = True
+    def prepare_batches(self, states: list[State]) -> None:
+        """Capture now the decode steps of 1..len(states) sequences, those of 1..len(states)-1
+        with a prompt's piece beside them (decode_many_with_prompt) and a short prompt's verify
+        step, guessing and not where guessing may change at run time: through the table, any
+        States run them later, so requests joining and leaving a batch capture nothing while
+        every sequence attends within the first bucket (policy.graph_bucket positions; each
+        later bucket captures once a size)."""
+        if not self.opts.use_graphs or self.opts.max_sequences < 2 or not states:
+            return
+        top = self.engine.max_tok
+        ids = torch.zeros(top, dtype=torch.long, device=self.device)
+        now = self.guessing.active
+        for guess in [now, not now] if self.guessing.may_change else [now]:
+            self.guessing.set(guess)   # (the steps of both modes: guessing changes as measured)
+            for b in range(1, len(states) + 1):
+                self.decode_many(ids[:b], states[:b])
+                if b < len(states) and b < top:
+                    self.decode_many_with_prompt(ids[:b], states[:b], ids[None, :top - b],
+                                                 states[b])
+            self.verify(ids[None], states[0])
+            for st in states:
+                self.pool.empty(st)
+        self.guessing.set(now)
 
     # -- decode steps ------------------------------------------------------------------------------
     def decode(self, tokens: torch.Tensor, state: State) -> torch.Tensor:
@@ -219,7 +169,7 @@ class OffloadRuntime(Backend):
         if B != state.batch or B > self.engine.max_tok:
             raise OffloadError(f"a decode step of {B} sequences on a state of {state.batch}: the "
                                "offload runtime decodes one sequence at a time for now")
-        return self._step(tokens, [state], 1, lambda t, table: (
+        return self._step(tokens, [state], [1], lambda t, table: (
             self.model.decode(t, state) if table is None
             else self.model.decode_many(t, [state], table)))
 
@@ -238,8 +188,29 @@ class OffloadRuntime(Backend):
             raise OffloadError("decode_many got the same state twice; one token a sequence")
         for st in states:
             self.pool.key_of(st)
-        return self._step(tokens, states, 1,
+        return self._step(tokens, states, [1] * B,
                           lambda t, table: self.model.decode_many(t, states, table))
+
+    def decode_many_with_prompt(self, tokens: torch.Tensor, states: list[State],
+                                prompt: torch.Tensor, state: State):
+        """decode_many of `states` and the next T tokens of `state`'s prompt (prompt [1, T])
+        in one step when B + T = engine.max_tok (the steps prepare_batches captures): the
+        union of all their experts planned and fetched once -> (logits [B, V], the prompt's
+        last logits [1, V]), fresh tensors. Otherwise, or on a runtime of one sequence, the
+        two run one after the other."""
+        B, T = tokens.shape[0], prompt.shape[1]
+        if self.opts.max_sequences < 2 or B < 1 or B + T != self.engine.max_tok \
+                or state.steps or len(states) != B:
+            return super().decode_many_with_prompt(tokens, states, prompt, state)
+        every = [*states, state]
+        if len({id(st) for st in every}) != B + 1:
+            raise OffloadError("decode_many_with_prompt got the same state twice")
+        for st in every:
+            self.pool.key_of(st)
+        out = self._step(torch.cat([tokens, prompt[0]]), every, [1] * B + [T],
+                         lambda t, table: self.model.decode_many(t, every, table, prompt_tokens=T),
+                         kind="decode+prompt")
+        return out[:B], out[B:]
 
     def verify(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [1, T] on the device, 1 <= T <= engine.max_tok -> (logits [1, T, V], the
@@ -253,66 +224,72 @@ class OffloadRuntime(Backend):
         depth = next(iter(state.steps.values()))[0].shape[0] if state.steps else 0
         keep = 1 < T <= depth + 1
         tabled = not keep   # (a step keeping per-token states is bound to its State's buffers)
-        return self._step(tokens, [state], T,
+        return self._step(tokens, [state], [T],
                           lambda t, table: self.model.forward(t, state, hidden=True, table=table),
                           kind="verify", detail=(keep, depth), keeps=T if keep else 0,
                           tabled=tabled)
 
-    def _step(self, tokens: torch.Tensor, states: list[State], T: int, run, *,
+    def _step(self, tokens: torch.Tensor, states: list[State], counts: list[int], run, *,
               kind: str = "decode", detail: tuple = (), keeps: int = 0, tabled: bool = True):
-        """The bracket of every decode step: T tokens of each of `states` by run(tokens, table),
-        eager or as the graph captured for its key; fresh output tensors.
+        """The bracket of every decode step: counts[i] tokens of states[i] (one each, T of one
+        for a verify step, or one each and a prompt's piece) by run(tokens, table), eager or as
+        the graph captured for its key; fresh output tensors.
 
         A runtime of several sequences passes the States to the step through a StateTable
         (`tabled`): its graphs are keyed by the batch size and the longest attended bucket, not
         by which States they run, so requests joining and leaving a batch capture nothing. A
         runtime of one sequence binds its graphs to its one State (table None)."""
-        for st in states:
-            st.check_room(T)
-        for st in states:   # attention reads up to the bucket's end
-            self.vram.room_for_kv(st, st.attn_len(T))
+        for st, n in zip(states, counts):
+            st.check_room(n)
+        for st, n in zip(states, counts):   # attention reads up to the bucket's end
+            self.vram.room_for_kv(st, st.attn_len(n))
         self.vram.regrow()   # the last prompt (or KV) borrowed from the cache: take it back
         tabled = tabled and self.opts.max_sequences > 1
         # (a replayed trace's rows by position: steps bound to one State)
         self.engine.position = states[0].pos if len(states) == 1 and not tabled else None
-        n_tok = T * len(states)
+        n_tok = sum(counts)
         inputs = [tokens, StateTable.stack(states)] if tabled else [tokens]
         call = (lambda t, rows: run(t, StateTable(rows, states[0]))) if tabled else \
             (lambda t: run(t, None))
         if not self.opts.use_graphs:
             out = self._eager(inputs, n_tok, call)
             if tabled:
-                self._advance(states, T)
+                self._advance(states, counts)
             self.guessing.observe()
             return out
-        self.guessing.follow(self.graphs.drop)
+        self.guessing.follow()
+        guesses = self.guessing.active
         if tabled:
-            key = GraphKey(kind, (), T, (max(st.attn_len(T) for st in states),),
-                           (len(states), *detail))
-        else:
-            key = GraphKey(kind, tuple(id(st) for st in states), T,
-                           tuple(st.attn_len(T) for st in states), detail)
+            key = GraphKey(kind, (), counts[-1],
+                           (max(st.attn_len(n) for st, n in zip(states, counts)),),
+                           (len(states), *detail), guesses)
+        else:   # (one token each, or T of one State)
+            key = GraphKey(kind, tuple(id(st) for st in states), counts[0],
+                           tuple(st.attn_len(n) for st, n in zip(states, counts)), detail,
+                           guesses)
         out = self.graphs.replay(
-            key, inputs, call, step_size=n_tok, bounded=len(states) > 1,
+            key, inputs, call, step_size=(n_tok, guesses), bounded=len(states) > 1,
             warm_up=lambda copies: self._warm_up(copies, states, n_tok, call),
             around=lambda: self._capturing(states),
             before_replay=lambda: self.engine.arm(n_tok))
-        for st in states:       # the captured step advanced the device positions only
-            st.n_past += T
+        for st, n in zip(states, counts):   # the captured step advanced the device positions
+            st.n_past += n                  # only
             st.steps_taken = keeps
         if tabled:              # ... and through a table, not even those
-            self._advance(states, T)
+            self._advance(states, counts)
         self.guessing.observe()
         return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
     @staticmethod
-    def _advance(states: list[State], T: int) -> None:
-        """The device positions of States a step reached through a table (one launch)."""
-        torch._foreach_add_([st.pos for st in states], T)
+    def _advance(states: list[State], counts: list[int]) -> None:
+        """The device positions of States a step reached through a table (a launch for each
+        distinct count)."""
+        for n in sorted(set(counts)):
+            torch._foreach_add_([st.pos for st, c in zip(states, counts) if c == n], n)
 
     def _eager(self, inputs: list, n_tok: int, run):
         """One decode step of n_tok tokens run eagerly (run(*inputs) inside the engine's step)."""
-        self.guessing.follow(self.graphs.drop)
+        self.guessing.follow()
         eng = self.engine
         eng.arm(n_tok)
         with eng.decode_step():

@@ -176,8 +176,9 @@ def test_prefetch_changes_placement_not_results(loaded, reference):
 
 def test_guessing_starts_and_stops_as_the_links_share_crosses_the_line(loaded, reference):
     """Guessing is decided again whenever the CPU's rate is re-measured: on at or above
-    prefetch_min_fetch_share, off only below it less prefetch_hysteresis; each change captures
-    the decode step anew (with or without the guesses' kernels), and the logits stay right."""
+    prefetch_min_fetch_share, off only below it less prefetch_hysteresis; the first change into
+    a mode captures the decode step in it (with or without the guesses' kernels), a change back
+    replays the step kept for that mode, and the logits stay right."""
     prompt, toks, ref = reference
     rt = _runtime(loaded)
     pol, sch = rt.policy, rt.scheduler
@@ -192,15 +193,18 @@ def test_guessing_starts_and_stops_as_the_links_share_crosses_the_line(loaded, r
         st = rt.new_state(1, 256)
         out = [rt.prefill(prompt, st), rt.decode(toks[0], st)]   # the step captured once
         started = rt.prefetching
+        modes = {started}   # the modes whose step has been captured
         plan = [(0.9, True), (band, True), (0.2, False), (band, False), (0.9, True)]
         for i, t in enumerate(toks[1:1 + 2 * len(plan)]):
-            caps, was = rt.captures, rt.prefetching
+            caps = rt.captures
             if i % 2 == 0:
                 share(plan[i // 2][0])
             out.append(rt.decode(t, st))
             if i % 2 == 0:
                 assert rt.prefetching == plan[i // 2][1], (i, plan[i // 2])
-            assert (rt.captures > caps) == (rt.prefetching != was), i   # captured anew iff changed
+            new = rt.prefetching not in modes   # captured iff this mode's step is new
+            assert (rt.captures > caps) == new, i
+            modes.add(rt.prefetching)
         assert rt.guessing_changes == (2 if started else 3)
         for i, (a, b) in enumerate(zip(out, ref)):
             _close(a, b, f"step {i}")
@@ -615,9 +619,10 @@ def test_batches_of_any_states_replay_graphs_captured_once(loaded):
 
 
 def test_prepared_batches_capture_nothing_later(loaded):
-    """prepare_batches (the server's start) captures the decode steps of 1..N sequences and a
-    short prompt's verify step and empties the States: prompts and batches of any of them then
-    capture nothing while they stay in the first attention bucket."""
+    """prepare_batches (the server's start) captures the decode steps of 1..N sequences, of
+    1..N-1 with a prompt's piece beside them, and a short prompt's verify step, and empties the
+    States: prompts, batches and pieces of any of them then capture nothing while they stay in
+    the first attention bucket."""
     g = torch.Generator().manual_seed(5)
     rt = _runtime(loaded, max_sequences=3, short_prompt=64)
     try:
@@ -625,15 +630,60 @@ def test_prepared_batches_capture_nothing_later(loaded):
         rt.prepare_batches(states)
         assert [(st.n_past, int(st.pos)) for st in states] == [(0, 0)] * 3
         caps = rt.captures
-        assert caps >= 4
+        assert caps >= 6   # decode of 1, 2, 3; beside a piece 1, 2; a verify step
         for n, st in zip((20, 11, 3), states):
             rt.prefill(torch.randint(0, loaded.config.n_vocab, (1, n), generator=g).cuda(), st)
         for order in ([2, 0], [0, 1, 2], [1], [1, 2], [2, 1, 0]):
             ids = torch.randint(0, loaded.config.n_vocab, (len(order),), generator=g).cuda()
             rt.decode_many(ids, [states[i] for i in order])
+        ids = torch.randint(0, loaded.config.n_vocab, (8,), generator=g).cuda()
+        top = rt.engine.max_tok
+        rt.decode_many_with_prompt(ids[:2], [states[2], states[0]], ids[None, :top - 2], states[1])
+        rt.decode_many_with_prompt(ids[:1], [states[1]], ids[None, :top - 1], states[2])
         assert rt.captures == caps
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_prompt_piece_beside_a_batch_equals_the_two_apart(loaded, graphs):
+    """decode_many_with_prompt: two sequences' decode tokens and a third's prompt piece in one
+    step (2 + T = max_tok) against decode_many and the piece's own verify step on a second
+    runtime, then three decode steps of all three (their States as the step left them): the
+    same argmax everywhere, logits within decode_many's bound against each alone (a step's
+    experts split into resident and fetched differently); every miss over PCIe."""
+    g = torch.Generator().manual_seed(9)
+    V = loaded.config.n_vocab
+    prompts = [torch.randint(0, V, (1, n), generator=g).cuda() for n in (9, 14, 5)]
+    feed = torch.randint(0, V, (4, 3), generator=g).cuda()
+    outs = []
+    for together in (True, False):
+        rt = _runtime(loaded, fetch_fraction=1.0, max_sequences=3, use_graphs=graphs,
+                      short_prompt=64)   # the piece apart: decode steps, as the server's are
+        try:
+            top = rt.engine.max_tok
+            piece = torch.randint(0, V, (1, top - 2),
+                                  generator=torch.Generator().manual_seed(1)).cuda()
+            states = [rt.new_state(1) for _ in prompts]
+            for p, st in zip(prompts[:2], states[:2]):
+                rt.prefill(p, st)
+            rt.prefill(prompts[2], states[2])
+            if together:
+                dec, first = rt.decode_many_with_prompt(feed[0, :2], states[:2], piece, states[2])
+            else:
+                dec = rt.decode_many(feed[0, :2], states[:2])
+                first = rt.prefill(piece, states[2])
+            got = [dec, first.reshape(1, -1)]
+            got += [rt.decode_many(feed[s], states) for s in range(1, 4)]
+            assert [st.n_past for st in states] == [13, 18, 5 + top - 2 + 3]
+            assert all(int(st.pos) == st.n_past for st in states)
+            outs.append(torch.cat(got))
+        finally:
+            rt.close()
+    a, b = outs
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    err = float((a - b).abs().max()) / float(b.abs().max())
+    assert err < 2e-2, f"relative max |diff| {err:.2e}"
 
 
 def test_generate_queues_each_step_before_reading_its_token(loaded):

@@ -285,34 +285,32 @@ def test_a_follow_up_continues_from_the_reply_ids_it_was_sent_as_text(tiny_parts
     assert list(done2.tokens) == list([*ref][-1].tokens)
 
 
-def test_a_short_newcomer_goes_in_one_step_sized_piece_between_decode_steps(tiny_parts,
-                                                                            monkeypatch):
+def test_a_short_newcomer_goes_in_pieces_that_fill_the_decode_steps(tiny_parts, monkeypatch):
     """A backend that runs short prompts as decode-sized steps (the offload runtime's
-    prompt_piece) has a newcomer's short prompt fed one such step between two batched decode
-    steps: the running stream waits one step at a time, and both texts equal alone."""
+    prompt_piece: 8 tokens a step in all) has a newcomer's short prompt fed beside the running
+    stream, 7 tokens a step, through decode_many_with_prompt (here one after the other), the
+    last piece what is left; both texts equal alone."""
     from types import SimpleNamespace as NS
 
     from moe_offload.backend import PlainBackend
     from moe_offload.config import OffloadPolicy
-    from moe_offload.offload.runtime import OffloadRuntime
+    from moe_offload.offload import prompts
     runtime_like = NS(policy=OffloadPolicy(), engine=NS(max_tok=8))
-    monkeypatch.setattr(PlainBackend, "prompt_piece",
-                        lambda self, n, chunk: OffloadRuntime.prompt_piece(runtime_like, n, chunk))
+    monkeypatch.setattr(PlainBackend, "prompt_piece", lambda self, n, chunk, beside=0:
+                        prompts.prompt_piece(runtime_like, n, chunk, beside))
     model, tok, tmpl = tiny_parts
     logged = Logged(model)
     eng = _engine((logged, tok, tmpl), parallel=2, prefill_chunk=1024)
     short = tok.encode("Once", add_special=True)
     newcomer = tok.encode("A long time ago in a valley of stones and lanterns, by the river, "
                           "the market opened", add_special=True)
-    assert 16 < len(newcomer) <= OffloadPolicy().short_prompt
+    assert 16 < len(newcomer) <= OffloadPolicy().short_prompt and len(newcomer) % 7
     run = SamplingParams(temperature=0, max_tokens=40, ignore_eog=True)
     late = SamplingParams(temperature=0, max_tokens=3, ignore_eog=True)
     texts, dones = _run_jobs(eng, [(short, run, 0), (newcomer, late, 3)])
-    pieces = [i for i, (kind, n) in enumerate(logged.log)
-              if kind == "prefill" and i > 0]
-    assert [logged.log[i][1] for i in pieces] == [8] * (len(newcomer) // 8) + \
-        ([len(newcomer) % 8] if len(newcomer) % 8 else [])
-    for a, b in zip(pieces, pieces[1:]):
-        assert ("decode", 1) in logged.log[a + 1:b]
+    pieces = [i for i, (kind, n) in enumerate(logged.log) if kind == "prefill" and i > 0]
+    assert [logged.log[i][1] for i in pieces] == [7] * (len(newcomer) // 7) + [len(newcomer) % 7]
+    for i in pieces:   # each piece in the step of the running stream's decode
+        assert logged.log[i - 1] == ("decode", 1)
     assert texts[1] == _alone(tiny_parts, newcomer, late)[0]
     assert dones[0].tokens == _alone(tiny_parts, short, run)[1].tokens

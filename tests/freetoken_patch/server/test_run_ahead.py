@@ -104,8 +104,8 @@ def test_a_reply_ended_by_eog_is_cached_as_its_state_holds_it(tiny_parts, run_ah
 
 
 def test_a_batch_of_the_same_states_keeps_one_order(tiny_parts):
-    """A decode graph is keyed by its States in order: the engine passes a batch's States in
-    one order (first seen first) whichever request arrived first."""
+    """The engine passes a batch's States in one order (first seen first) whichever request
+    arrived first: a batch's rows do not move as requests come and go."""
     model, tok, _ = tiny_parts
 
     class Orders(Logged):
@@ -121,7 +121,7 @@ def test_a_batch_of_the_same_states_keeps_one_order(tiny_parts):
     # c takes a's State once a is done, and joins the ring after b's
     _run_jobs(eng, [(a, short, 0), (b, long, 0), (c, short, 4)])
     pairs = [o for o in logged.log if o[0] != "prefill" and len(o) == 2]
-    assert len(pairs) >= 3 and len({frozenset(o) for o in pairs}) == 1
+    assert len(pairs) >= 2 and len({frozenset(o) for o in pairs}) == 1
     assert len(set(pairs)) == 1
 
 
