@@ -346,7 +346,11 @@ def describe(engine) -> str:
         d = engine.draft_summary()["setting"]
         return f"speculative: one sequence, {d} draft tokens a step from the MTP head"
     if engine.batched:
-        return f"batched: one decode step for all, prompts in chunks of {engine.prefill_chunk}"
+        m = engine.model
+        ready = (f", {m.captures} steps captured at start ({m.capture_s:.1f} s)"
+                 if m.caps.offload and m.captures else "")
+        return (f"batched: one decode step for all{ready}, prompts in chunks of "
+                f"{engine.prefill_chunk}")
     if engine.single_state:
         return "one sequence at a time: the runtime holds one sequence"
     return "interleaved: one decode step each in turn"

@@ -64,6 +64,9 @@ class Batcher:
             self._prefill_chunk(pre, alone=True)
             pre = None
         live = self._live(ring)
+        if pre is not None and live and all(s in self.ahead for s in live):
+            self._prefill_chunk(pre)   # every row comes from the step queued ahead: the piece
+            pre = None                 # in a step of its own
         if live:
             with self.engine.timed("decode"):
                 rows = self._logits(live, pre)
@@ -87,13 +90,9 @@ class Batcher:
     def _logits(self, live: list, rider: Active | None = None) -> list | None:
         """Each sequence's logits [1, V] for its pending id: from the step queued ahead where
         there is one, else from one decode_many step of the others, with the next piece of
-        `rider`'s prompt beside them (alone, when every row came from the step queued ahead);
-        None if that step failed."""
+        `rider`'s prompt beside them; None if that step failed."""
         rows = {s: self.ahead.pop(s) for s in live if s in self.ahead}
         feed = [s for s in live if s not in rows]
-        if rider is not None and not feed:
-            self._prefill_chunk(rider)
-            rider = None
         if feed:
             self.engine.batch_size = len(feed)
             try:

@@ -154,7 +154,8 @@ class Engine:
 
     def counters(self) -> dict:
         out = {"engine_busy_seconds_total": (dict(self.busy_s), "Engine thread wall time by "
-                                             "phase (decode includes graph captures).")}
+                                             "phase (decode includes graph captures and prompt "
+                                             "pieces fed beside the decoding requests).")}
         if self.model.caps.offload:   # the offload runtime's CUDA graphs
             out["graph_captures_total"] = (self.model.captures, "Decode graphs captured.")
             out["graph_capture_seconds_total"] = (self.model.capture_s,
