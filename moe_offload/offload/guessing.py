@@ -13,13 +13,12 @@ costs a capture a step once, not at every change."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 class Guessing:
-    def __init__(self, engine, scheduler, bank, model, config, policy, device: torch.device):
+    def __init__(self, engine, scheduler, bank, model, config, policy):
         self.engine, self.scheduler, self.bank = engine, scheduler, bank
-        self.model, self.config, self.policy, self.device = model, config, policy, device
+        self.model, self.config, self.policy = model, config, policy
         self.changes = 0          # times guessing started or stopped after start-up
         self._due = False         # observe() found that guessing should start or stop
         self._steps, self._busy, self._experts = 0, 0, 0

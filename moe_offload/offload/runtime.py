@@ -77,7 +77,7 @@ class OffloadRuntime(Backend):
         self.graphs = GraphCache(p.device, p.vram, p.engine, opts.policy.max_graphs)
         try:   # (a number of guesses the step cannot take is refused here)
             self.guessing = Guessing(p.engine, p.scheduler, p.bank, p.model, p.config,
-                                     opts.policy, p.device)
+                                     opts.policy)
         except BaseException:
             p.close()
             raise
