@@ -59,7 +59,7 @@ class Batcher:
         could end a sequence there and no newcomer is prefilling (its piece goes in the next
         step); its logits wait in `ahead`, and a sequence that did end leaves with that id in
         its State (cached_tokens counts it)."""
-        pre = next((s for s in ring if not s.job.cancelled and s.fed < len(s.feed)), None)
+        pre = next(self._prefilling(ring), None)
         if pre is not None and not self._live(ring):   # no one waits: the prompt at once
             self._prefill_chunk(pre, alone=True)
             pre = None
@@ -71,12 +71,17 @@ class Batcher:
             with self.engine.timed("decode"):
                 rows = self._logits(live, pre)
                 if rows is not None:
-                    hold = any(not s.job.cancelled and s.fed < len(s.feed) for s in ring)
+                    hold = next(self._prefilling(ring), None) is not None
                     self._sample(live, rows, hold)
         for s in [s for s in ring if s.done or s.job.cancelled]:
             self.ahead.pop(s, None)
             ring.remove(s)
             self.engine.retire(s)
+
+    @staticmethod
+    def _prefilling(ring: deque):
+        """The newcomers whose prompt is not all in yet, first come first."""
+        return (s for s in ring if not s.job.cancelled and s.fed < len(s.feed))
 
     def _live(self, ring: deque) -> list:
         """The sequences with a token to feed, in their States' order."""
