@@ -829,8 +829,8 @@ def cuda_conv_silu_steps(x: torch.Tensor, states: list[torch.Tensor] | SeqTable,
                          n_tok: int, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv + SiLU (api.h) over n_tok tokens of each of len(states) sequences in
     one launch: x [S*n_tok, C] (rows s*n_tok + t); states[s] that sequence's [.., C, Kc-1]
-    (separate tensors, shifted in place; or a SeqTable of them); keep [n_tok-1, S, C, Kc-1] or None: the state after
-    each token but the last -> [S*n_tok, C]."""
+    (separate tensors, shifted in place; or a SeqTable of them); keep [n_tok-1, S, C, Kc-1] or
+    None: the state after each token but the last -> [S*n_tok, C]."""
     rows, ch = x.shape
     kc = w.shape[1]
     ptrs, table, at = _sequences(states, ch * (kc - 1), "conv_silu_steps")
@@ -845,13 +845,15 @@ def cuda_conv_silu_steps(x: torch.Tensor, states: list[torch.Tensor] | SeqTable,
 
 def cuda_delta_rule_steps(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
                           alpha_raw: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor,
-                          states: list[torch.Tensor] | SeqTable, norm_w: torch.Tensor, n_k_heads: int,
-                          eps: float, n_tok: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+                          states: list[torch.Tensor] | SeqTable, norm_w: torch.Tensor,
+                          n_k_heads: int, eps: float, n_tok: int,
+                          keep: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule + gated norm (api.h) over n_tok tokens of each of len(states)
     sequences in one launch, with one token's arithmetic: y [S*n_tok, q|k|v] after the conv,
     z [.., Hv*dv], beta_raw / alpha_raw [.., Hv], rows s*n_tok + t; states[s] that
-    sequence's [.., Hv, dk, dv] (separate tensors, updated in place; or a SeqTable); keep [n_tok-1, S, Hv, dk,
-    dv] or None: the state after each token but the last -> [S*n_tok, Hv*dv]."""
+    sequence's [.., Hv, dk, dv] (separate tensors, updated in place; or a SeqTable); keep
+    [n_tok-1, S, Hv, dk, dv] or None: the state after each token but the last ->
+    [S*n_tok, Hv*dv]."""
     hv, dk, dv = (states.like if isinstance(states, SeqTable) else states[0]).shape[-3:]
     ptrs, table, at = _sequences(states, hv * dk * dv, "delta_rule_steps")
     rows = y.shape[0]

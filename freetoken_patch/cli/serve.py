@@ -38,8 +38,8 @@ not stall the others. Under --vram the runtime holds one sequence unless --paral
 more (up to 8; each takes its delta-net state, ~63 MB on a 35B-A3B, and its KV from the expert
 cache); they are stepped together the same way, each layer's experts fetched once for the
 batch, every batch size's step captured at start-up, and a newcomer's short prompt fed in the
-running streams' steps, a few tokens a step. --no-batch makes the requests take turns instead, one request a step (interleaved), to
-compare. More requests wait in a queue of --queue; past that the server answers 429 (529,
+running streams' steps, a few tokens a step. --no-batch makes the requests take turns
+instead, one request a step (interleaved), to compare. More requests wait in a queue of --queue; past that the server answers 429 (529,
 overloaded, on /v1/messages). A follow-up whose prompt (or, for a chat, whose text) starts
 with a recent conversation prefills only the new tokens. With --draft a model with an MTP head
 decodes speculatively, one request at a time (--parallel 1); /health and /metrics show how

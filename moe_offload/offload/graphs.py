@@ -3,11 +3,12 @@ it. A decode step is some thousand kernels; launched from Python they would cost
 times their GPU time, replayed as a graph one launch.
 
 A graph is bound to the buffers it was captured on (the States', the inputs' copies), so it is
-keyed by what it is bound to (`GraphKey`). A runtime of several sequences hands a step its States
-through a table that is one of the inputs (state.StateTable): its graphs are keyed by the batch
-size and the longest attended bucket only, and run whichever States the table names. Capturing costs many steps: it is counted and timed
-(`captures`, `capture_s`; speculative decoding's cost estimates skip steps that captured), and
-the memory it took is measured so decode keeps that much free beside the expert cache."""
+keyed by what it is bound to (`GraphKey`). A runtime of several sequences hands a step its
+States through a table that is one of the inputs (state.StateTable): its graphs are keyed by
+the batch size and the longest attended bucket only, and run whichever States the table names.
+Capturing costs many steps: it is counted and timed (`captures`, `capture_s`; speculative
+decoding's cost estimates skip steps that captured), and the memory it took is measured so
+decode keeps that much free beside the expert cache."""
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ class GraphKey:
     tokens: int                  # tokens a State
     attended: tuple[int, ...]    # KV rows attended, a State each (the MTP layer's for the head);
                                  # through a table, the most any of them attends
-    detail: tuple = ()           # verify: (keeps delta-net steps, their depth); draft: (k, guesses);
-                                 # through a table, the number of States first
+    detail: tuple = ()           # verify: (keeps delta-net steps, their depth); draft: (k,
+                                 # guesses); through a table, the number of States first
     guesses: bool = False        # the step guesses the next layer's experts (holds those kernels)
 
 
@@ -54,8 +55,8 @@ class GraphCache:
         runs inside around(). A decode step (`step_size`: its tokens, and anything else that
         changes which kernels it runs) is warmed up, and the memory outside torch re-measured,
         only for a size not captured before: its kernels are loaded.
-        bounded: all graphs are dropped first once max_graphs are kept (batches come and go,
-        a key per combination of lengths)."""
+        bounded: all graphs are dropped first once max_graphs are kept (batched steps: a key
+        per batch size, attended bucket and guessing mode)."""
         g = self._graphs.get(key)
         if g is None:
             if bounded and len(self._graphs) >= self.max_graphs:
