@@ -25,6 +25,7 @@ import torch
 from loaders.quants import QUANT_TYPES, QuantType, dequantize_reference, iq_tables, quant_type
 
 from .errors import NativeError
+from .kv_cache import kv_type_of
 
 
 # ---- weight handle -------------------------------------------------------------------------------
@@ -889,10 +890,11 @@ def cuda_attention_step(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
                         k_cache: torch.Tensor, v_cache: torch.Tensor, n_head: int,
                         n_attn: int) -> torch.Tensor:
     """One token of gated attention (api.h) for each of B rows at one position: qg [B, Hq*2d]
-    (q | gate per head), k, v [B, Hkv*d]; caches [B, n_ctx, Hkv, d] (contiguous F32 or F16; d 64,
-    128, 256 or 512) written at pos (int64 device scalar, < n_attn <= n_ctx) -> [B, Hq*d]."""
+    (q | gate per head), k, v [B, Hkv*d]; caches [B, n_ctx, Hkv, X] (contiguous f32, f16, q8_0 or
+    q4_0 rows of d values, native.kv_cache; d 64, 128, 256 or 512) written at pos (int64 device
+    scalar, < n_attn <= n_ctx) -> [B, Hq*d]."""
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
-        raise NativeError("attention_step: caches must be contiguous F32 or F16, pos int64")
+        raise NativeError("attention_step: caches must be contiguous f32, f16, q8_0 or q4_0, pos int64")
     if not 1 <= n_attn <= k_cache.shape[1]:
         raise NativeError(f"attention_step: n_attn must be in [1, n_ctx], got {n_attn}")
     return cuda_attention_many(qg, k, v, q_norm, k_norm, eps, [pos] * k_cache.shape[0], n_rot,
@@ -906,7 +908,8 @@ def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
                         write_first: bool = False) -> torch.Tensor:
     """One token of gated attention (api.h) for each of S entries with caches and positions of
     their own, in one launch: rows s of qg [S, Hq*2d], k, v [S, Hkv*d]; k_caches[s], v_caches[s]
-    [.., n_ctx, Hkv, d] (contiguous, one dtype; or SeqTables of one table); pos[s] int64 device
+    [.., n_ctx, Hkv, X] (contiguous, one KV type of native.kv_cache: f32, f16, q8_0 or q4_0
+    rows of d values; or SeqTables of one table); pos[s] int64 device
     scalars; n_attn the most rows any of them attends -> [S, Hq*d]. write_first: every entry's
     k, v rows are written before any entry attends, so entries may share a cache (tokens of one
     sequence)."""
@@ -915,13 +918,19 @@ def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
             tabled and k_caches.table.data_ptr() != v_caches.table.data_ptr()):
         raise NativeError("attention_steps: K and V caches both as lists or both in one table")
     ks, vs = ([k_caches.like], [v_caches.like]) if tabled else (k_caches, v_caches)
-    hkv, d = ks[0].shape[-2:]
-    dt = ks[0].dtype
-    if dt not in (torch.float32, torch.float16) or any(
-            c.dtype != dt or not c.is_contiguous() for c in (*ks, *vs)) \
-            or any(p.dtype != torch.int64 for p in pos):
-        raise NativeError("attention_steps: caches must be contiguous F32 or F16 of one dtype, "
-                          "positions int64")
+    hkv, width = ks[0].shape[-2:]
+    d = k.shape[-1] // hkv
+    try:
+        kvt = kv_type_of(ks[0], d)
+    except ValueError:
+        kvt = None
+    rb = kvt.row_bytes(d) if kvt is not None else 1
+    align = min(16, rb & -rb)     # the kernel's widest load of a row: a power of two dividing rb
+    if kvt is None or kvt.row_width(d) != width or any(
+            c.dtype != ks[0].dtype or c.shape[-2:] != (hkv, width) or not c.is_contiguous()
+            or c.data_ptr() % align for c in (*ks, *vs)) or any(p.dtype != torch.int64 for p in pos):
+        raise NativeError("attention_steps: caches must be contiguous, aligned f32, f16, q8_0 or "
+                          "q4_0 rows of one type and head size, positions int64")
     if not len(pos) == len(k_caches) == len(v_caches) == qg.shape[0]:
         raise NativeError("attention_steps: one row, position and pair of caches a sequence")
     ldkv = _ld(k, "attention_steps k")
@@ -935,7 +944,7 @@ def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
                           ldkv, q_norm.data_ptr(), k_norm.data_ptr(), eps,
                           [p.data_ptr() for p in pos], n_rot, base,
                           [] if tabled else [c.data_ptr() for c in k_caches],
-                          [] if tabled else [c.data_ptr() for c in v_caches], _GGML_DTYPE[dt],
+                          [] if tabled else [c.data_ptr() for c in v_caches], kvt.code,
                           n_attn, n_head, hkv, d, work.data_ptr(), out.data_ptr(), write_first,
                           k_caches.table.data_ptr() if tabled else 0,
                           list(k_caches.at) if tabled else [], list(v_caches.at) if tabled else [],

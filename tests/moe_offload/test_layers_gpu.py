@@ -383,3 +383,177 @@ def test_a_step_captured_on_a_table_runs_whichever_sequences_it_names():
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
     for got, was in zip(rows[:n], before[:n]):
         assert all(torch.equal(a, b) for a, b in zip(got, was))
+
+
+# ---- quantized KV caches (native/kv_cache.py: q8_0, q4_0) ------------------------------------------
+
+QUANT_KV = ["q8_0", "q4_0"]
+
+
+def _quantized(kind: str, values: torch.Tensor) -> torch.Tensor:
+    """values [..., d] f32 -> rows of the KV type `kind` on the device (quantized by the reference
+    on the CPU, whose divisions are correctly rounded)."""
+    from native.kv_cache import KV_TYPES
+    return KV_TYPES[kind].quantize(values.cpu()).to(DEV)
+
+
+def _dequantized(kind: str, rows: torch.Tensor, d: int) -> torch.Tensor:
+    from native.kv_cache import KV_TYPES
+    return KV_TYPES[kind].dequantize(rows.cpu(), d)
+
+
+def _step_inputs(g, batch, hq, hkv, d):
+    proj = _rand(batch, hq * 2 * d + 2 * hkv * d, g=g)               # qg | k | v, as fused
+    qg, k, v = proj.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    return qg, k, v, _rand(d, g=g) * 0.1 + 1, _rand(d, g=g) * 0.1 + 1
+
+
+@pytest.mark.parametrize("kind", QUANT_KV)
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_quantized_cache_row_is_the_reference_quantization(kind, d):
+    """The row a step writes into a q8_0 / q4_0 cache is kv_cache's quantization of the row the
+    same step writes into an f32 cache (k normed and roped, v), bit for bit, quants and scales;
+    every other row is left as it was."""
+    from native import ops
+    hq, hkv, n_ctx, batch, pos = 4, 2, 64, 2, 37
+    g = torch.Generator(DEV).manual_seed(d)
+    qg, k, v, q_norm, k_norm = _step_inputs(g, batch, hq, hkv, d)
+    init = [_rand(batch, n_ctx, hkv, d, g=g) for _ in range(2)]
+    fk, fv = (c.clone() for c in init)
+    qk, qv = (_quantized(kind, c) for c in init)
+    qk0, qv0 = qk.clone(), qv.clone()
+    p = torch.tensor(pos, device=DEV)
+    n_rot = min(d, 64)
+    ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, p, n_rot, 1e7, fk, fv, hq, n_ctx)
+    ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, p, n_rot, 1e7, qk, qv, hq, n_ctx)
+    other = torch.arange(n_ctx, device=DEV) != pos
+    for got, f32, before, what in ((qk, fk, qk0, "k"), (qv, fv, qv0, "v")):
+        want = _quantized(kind, f32[:, pos])
+        assert torch.equal(got[:, pos], want), f"{what} row at {pos}"
+        assert torch.equal(got[:, other], before[:, other]), f"{what}: other rows"
+
+
+def _attention_reference(qg, q_norm, pos, n_rot, k_rows, v_rows, hq):
+    """The torch math of a decode step's attention in float64 on the CPU, given the cache rows
+    0..pos as f32 [B, pos+1, Hkv, d]: q RMS-normed, then NEOX-roped with the kernel's float32
+    angles (pos * float32(base^(-2i/n_rot))), softmax over the rows, times sigmoid(gate)."""
+    B, L, hkv, d = k_rows.shape
+    qh = qg.cpu().double().view(B, hq, 2, d)
+    q, gate = qh[:, :, 0], qh[:, :, 1]
+    q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * q_norm.cpu().double()
+    half = n_rot // 2
+    inv = (1e7 ** (-2 * torch.arange(half, dtype=torch.float64) / n_rot)).float()
+    ang = (torch.tensor(float(pos), dtype=torch.float32) * inv).double()
+    c, s = ang.cos(), ang.sin()
+    x1, x2 = q[..., :half].clone(), q[..., half:n_rot].clone()
+    q[..., :half], q[..., half:n_rot] = x1 * c - x2 * s, x2 * c + x1 * s
+    kh = k_rows.double().repeat_interleave(hq // hkv, dim=2)          # [B, L, hq, d]
+    vh = v_rows.double().repeat_interleave(hq // hkv, dim=2)
+    w = torch.softmax(torch.einsum("bhd,blhd->bhl", q, kh) * d ** -0.5, dim=-1)
+    o = torch.einsum("bhl,blhd->bhd", w, vh)
+    return (o * torch.sigmoid(gate)).reshape(B, hq * d)
+
+
+@pytest.mark.parametrize("kind", QUANT_KV)
+@pytest.mark.parametrize("dims,batch,pos", [((4, 2, 64, 32), 1, 0), ((4, 2, 128, 64), 2, 37),
+                                            ((16, 2, 256, 64), 1, 3000), ((4, 1, 512, 64), 1, 300)])
+def test_attention_over_a_quantized_cache(kind, dims, batch, pos):
+    """A decode step over a q8_0 / q4_0 cache attends the rows as the cache holds them: the
+    output is the float64 torch math over the dequantized rows 0..pos (row pos the one the step
+    wrote, whose bits the test above checks), at one split of rows and across many."""
+    from native import ops
+    hq, hkv, d, n_rot = dims
+    n_ctx = 4096 if pos > 64 else 64
+    g = torch.Generator(DEV).manual_seed(pos + batch + d)
+    qg, k, v, q_norm, k_norm = _step_inputs(g, batch, hq, hkv, d)
+    kc, vc = (_quantized(kind, _rand(batch, n_ctx, hkv, d, g=g)) for _ in range(2))
+    p = torch.tensor(pos, device=DEV)
+    n_attn = min(n_ctx, (pos // 64 + 1) * 64)                        # a bucket past pos: masked
+    out = ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, p, n_rot, 1e7, kc, vc, hq, n_attn)
+    assert out.shape == (batch, hq * d)
+    ref = _attention_reference(qg, q_norm, pos, n_rot, _dequantized(kind, kc[:, :pos + 1], d),
+                               _dequantized(kind, vc[:, :pos + 1], d), hq)
+    _close(out.cpu().double(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("kind", QUANT_KV)
+@pytest.mark.parametrize("T,batch,start", [(2, 1, 0), (3, 1, 517), (8, 1, 250), (3, 2, 40)])
+def test_quantized_attention_of_several_tokens_equals_one_at_a_time(kind, T, batch, start):
+    """A verify step's attention over a quantized cache: T tokens' rows written first, then all
+    attending in one launch, equal T one-token steps in turn bit for bit (outputs and caches),
+    also across a split boundary (250..257) and for two sequences."""
+    from native import ops
+    (hq, hkv, d, n_rot), n_ctx = (16, 2, 256, 64), 1024
+    g = torch.Generator(DEV).manual_seed(T * 100 + start + batch)
+    proj = _rand(batch, T, hq * 2 * d + 2 * hkv * d, g=g)
+    qg, k, v = proj.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    norms = (_rand(d, g=g) * 0.1 + 1, _rand(d, g=g) * 0.1 + 1, 1e-6)
+    kc, vc = (_quantized(kind, _rand(batch, n_ctx, hkv, d, g=g)) for _ in range(2))
+    kc1, vc1 = kc.clone(), vc.clone()
+    pos = start + torch.arange(T, device=DEV)
+    n_attn = min(n_ctx, ((start + T) // 256 + 1) * 256)
+    out = ops.cuda_attention_many(qg.reshape(batch * T, -1), k.reshape(batch * T, -1),
+                                  v.reshape(batch * T, -1), *norms, [pos[t] for t in range(T)] * batch,
+                                  n_rot, 1e7, [c for c in kc for _ in range(T)],
+                                  [c for c in vc for _ in range(T)], hq, n_attn, write_first=True)
+    one = [ops.cuda_attention_step(qg[:, t], k[:, t], v[:, t], *norms, pos[t], n_rot, 1e7, kc1, vc1,
+                                   hq, n_attn) for t in range(T)]
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+    assert torch.equal(out.view(batch, T, -1), torch.stack(one, dim=1))
+
+
+@pytest.mark.parametrize("n", [3, 10])   # 10: two launches of at most 8 sequences
+def test_quantized_caches_through_a_table_equal_by_address(n):
+    """q8_0 caches reached through a device table of addresses: decode_many's attention and a
+    verify step's tokens of one sequence compute what they compute given the addresses, bit for
+    bit, outputs and caches."""
+    from native import ops
+    hq, hkv, d, n_ctx = 8, 2, 128, 2048
+    g = torch.Generator(DEV).manual_seed(200 + n)
+    qg, k, v, q_norm, k_norm = _step_inputs(g, n, hq, hkv, d)
+    norms = (q_norm, k_norm, 1e-6)
+    kc = [_quantized("q8_0", _rand(1, n_ctx, hkv, d, g=g)) for _ in range(n)]
+    vc = [_quantized("q8_0", _rand(1, n_ctx, hkv, d, g=g)) for _ in range(n)]
+    kc_t, vc_t = [c.clone() for c in kc], [c.clone() for c in vc]
+    positions = torch.randint(0, 1900, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    pos = [torch.tensor([p], device=DEV) for p in positions]
+    n_attn = max(min(n_ctx, (p // 256 + 1) * 256) for p in positions)
+    ref = ops.cuda_attention_many(qg, k, v, *norms, pos, 64, 1e7, kc, vc, hq, n_attn)
+    table = _table([[a, b] for a, b in zip(kc_t, vc_t)])
+    got = ops.cuda_attention_many(qg, k, v, *norms, pos, 64, 1e7, _through(table, 0, kc_t[0]),
+                                  _through(table, 1, vc_t[0]), hq, n_attn)
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(kc + vc, kc_t + vc_t))
+
+    for T in (1, 5):   # one sequence's tokens (a verify step), its caches through the table
+        qg, k, v, q_norm, k_norm = _step_inputs(g, T, hq, hkv, d)
+        (kc1,), (vc1,) = ([_quantized("q8_0", _rand(1, n_ctx, hkv, d, g=g))] for _ in range(2))
+        kc1_t, vc1_t = kc1.clone(), vc1.clone()
+        at = [torch.tensor(700 + t, device=DEV) for t in range(T)]
+        ref = ops.cuda_attention_many(qg, k, v, q_norm, k_norm, 1e-6, at, 64, 1e7, [kc1] * T,
+                                      [vc1] * T, hq, 768, write_first=T > 1)
+        table = _table([[kc1_t, vc1_t]])
+        got = ops.cuda_attention_many(qg, k, v, q_norm, k_norm, 1e-6, at, 64, 1e7,
+                                      ops.SeqTable(table, (0,) * T, kc1_t),
+                                      ops.SeqTable(table, (1,) * T, vc1_t), hq, 768,
+                                      write_first=T > 1)
+        assert torch.equal(got, ref), f"{T} tokens"
+        assert torch.equal(kc1, kc1_t) and torch.equal(vc1, vc1_t)
+
+
+def test_a_cache_of_no_kv_type_is_refused():
+    """uint8 rows of a width that is no KV type's for the head size, or caches of two types,
+    are refused in one line before any launch."""
+    from native import ops
+    from native.errors import NativeError
+    hq, hkv, d = 4, 2, 128
+    g = torch.Generator(DEV).manual_seed(5)
+    qg, k, v, q_norm, k_norm = _step_inputs(g, 1, hq, hkv, d)
+    p = torch.tensor(3, device=DEV)
+    bad = torch.zeros(1, 64, hkv, d + 1, dtype=torch.uint8, device=DEV)
+    with pytest.raises(NativeError, match="q8_0 or q4_0"):
+        ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, p, 64, 1e7, bad, bad.clone(), hq, 64)
+    q8 = torch.zeros(1, 64, hkv, d + d // 16, dtype=torch.uint8, device=DEV)
+    q4 = torch.zeros(1, 64, hkv, d // 2 + d // 16, dtype=torch.uint8, device=DEV)
+    with pytest.raises(NativeError, match="one type"):
+        ops.cuda_attention_many(qg, k, v, q_norm, k_norm, 1e-6, [p], 64, 1e7, [q8[0]], [q4[0]], hq, 64)

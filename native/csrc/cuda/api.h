@@ -139,12 +139,18 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 // qg + s*ldq), of k and v (+ s*ldkv): q of head h = qg[h*2d : h*2d+d], its gate =
 // qg[h*2d+d : (h+1)*2d]; k, v of kv head h / (hq/hkv). q and k are RMS-normed (q_norm, k_norm
 // [d], eps) and NEOX-roped on the first n_rot dims at position *pos[s] (device int64, < n_attn);
-// k, v are written to that sequence's caches k_caches[s], v_caches[s] [n_ctx, hkv, d]
-// (cache_dtype 0 F32, 1 F16; d 64, 128, 256 or 512) at *pos[s]; softmax attention over its
-// positions 0..*pos[s] (scale d^-0.5); out [n_seq, hq*d] = attention * sigmoid(gate).
+// k, v are written to that sequence's caches k_caches[s], v_caches[s] [n_ctx, hkv, X] at *pos[s];
+// softmax attention over its positions 0..*pos[s] (scale d^-0.5), each row as the cache holds it;
+// out [n_seq, hq*d] = attention * sigmoid(gate). d 64, 128, 256 or 512; cache_dtype (X): 0 f32
+// (d floats), 1 f16 (d halves), 2 q8_0 (d + d/16 bytes: d int8 quants, then d/32 f16 scales),
+// 3 q4_0 (d/2 + d/16 bytes: d/2 bytes of nibbles, value 2i low in byte i, then d/32 f16 scales),
+// blocks of 32 values; native/kv_cache.py is the reference, bit for bit. Caches aligned to 16
+// bytes, or to the largest power of two dividing a row's bytes where that is less.
 // (k_table, v_table: the caches through a SeqTable; one table for both.) workspace: >= n_seq *
 // hq * attention_splits(n_attn) * (d + 2) floats. Two launches per 8
-// sequences; a sequence attending fewer rows than n_attn leaves its last splits empty.
+// sequences; a sequence attending fewer rows than n_attn leaves its last splits empty. Splits
+// are 128 positions up to 8,192 (64 splits) and larger past that, at most 64 of them: past
+// 8,192 rows a sequence's sums follow the launch's n_attn, not only its own length.
 // write_first: every entry's k, v rows are written (one more launch per 8) before any entry
 // attends, so entries may share caches: T tokens of one sequence at T positions (a speculative
 // verify step) in three launches, each token's result the bits of its own one-token step.

@@ -6,6 +6,7 @@
 // the GPU tests compare with.
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -32,8 +33,8 @@ struct SeqPtrs {
     __device__ float* get(int i) const { return table ? reinterpret_cast<float*>(table[at[i]]) : p[i]; }
 };
 
-// Each sequence's KV cache ([n_ctx, Hkv, d], F32 or F16; by address or through `table` as above)
-// and position (int64 on the device).
+// Each sequence's KV cache ([n_ctx, Hkv] head rows of f32, f16, q8_0 or q4_0; by address or
+// through `table` as above) and position (int64 on the device).
 struct SeqKV {
     void* k[kMaxSeqs];
     void* v[kMaxSeqs];
@@ -421,17 +422,28 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t ld, int ro
 
 // ---- gated attention for one token (qwen35moe's full-attention layers) -----------------------------
 // Two kernels. attention_part: block (h, b, split) with 8 warps. Phase 1: q of head h and k, v of
-// its kv head: RMS-normed, NEOX RoPE, into shared memory (k, v rounded to the cache type, as the
-// reference reads them back); block (first q head of the group, split 0) writes k, v into the
-// caches at `pos`. Phase 2: the split's kAttnChunk positions (those <= pos), warp w taking runs of
-// kAttnRun positions whose rows it loads at once (latency, not bandwidth, bounds this loop), lane
-// l holding dims [l*PER, (l+1)*PER); an online softmax per warp, merged over the warps into the
-// split's (max, sum, acc[d]) in a workspace. Position pos comes from shared memory: another block
+// its kv head: RMS-normed, NEOX RoPE, into shared memory (k, v as the cache's format holds them:
+// rounded to f16, or quantized and dequantized, as the reference reads them back); block (first q
+// head of the group, split 0) writes k, v into the caches at `pos`. Phase 2: the split's
+// `chunk` positions (those <= pos), warp w taking runs of kAttnRun positions whose rows it
+// loads at once (latency, not bandwidth, bounds this loop), lane l holding dims [l*PER,
+// (l+1)*PER); an online softmax per warp, merged over the warps into the split's (max, sum,
+// acc[d]) in a workspace. Position pos comes from shared memory: another block
 // may still be writing it. attention_merge: block (h, b) merges the splits and applies the gate.
-// Splits keep the GPU busy at long contexts (16 heads alone would use 16 SMs).
+// Splits keep the GPU busy at long contexts (16 heads alone would use 16 SMs): kAttnChunk
+// positions each, or past kAttnMaxSplits of those, more (a multiple of kAttnChunk), so that a
+// long context's merge reads at most kAttnMaxSplits rows and each block has a loop's worth of
+// positions (at 131K, 1,024 splits of 128 made the merge's serial loop and the blocks' fixed
+// cost much of a step). Contexts up to kAttnChunk * kAttnMaxSplits split as before.
 constexpr int kAttnWarps = 8;
 constexpr int kAttnRun = 8;
-constexpr int kAttnChunk = 2 * kAttnWarps * kAttnRun;  // positions per split
+constexpr int kAttnChunk = 2 * kAttnWarps * kAttnRun;  // positions per split, at least
+constexpr int kAttnMaxSplits = 64;
+
+int64_t attention_chunk(int64_t n_attn) {
+    const int64_t per = (n_attn + kAttnMaxSplits - 1) / kAttnMaxSplits;
+    return std::max<int64_t>(kAttnChunk, (per + kAttnChunk - 1) / kAttnChunk * kAttnChunk);
+}
 
 template <class C> __device__ __forceinline__ C store_c(float v) { return C(v); }
 template <> __device__ __forceinline__ __half store_c(float v) { return __float2half_rn(v); }
@@ -470,6 +482,168 @@ template <int PER> __device__ __forceinline__ void load_row(const __half* p, flo
     }
 }
 
+// ---- KV cache formats (native/kv_cache.py: the layouts, and the torch reference of q8_0, q4_0) ----
+// A policy a format, for head rows of d = 32 * PER values:
+//   row_bytes(d)           bytes of a head row: position p, kv head kh at (p * hkv + kh) * row_bytes
+//   load<PER>(row, lane)   lane's values [lane*PER, (lane+1)*PER) of a head row; out times the
+//                          returned scale is what the cache holds (kScaled: the scale is not 1,
+//                          and the caller multiplies dot products by it, not each value); the
+//                          kScaled formats split it into fetch (the raw bytes, a few registers)
+//                          and unpack, so that V rows are fetched with K's
+//   put_rows<d>(k, v, ks, vs, write)   the block's k, v rows in shared memory -> the cache's form:
+//                          written at k, v when `write`, and put back in ks, vs as the cache holds
+//                          them (what this token and later ones read); a barrier must follow
+template <class T> struct CacheFloat {
+    static constexpr bool kScaled = false;
+    template <int PER> struct Raw {};  // (no early fetch: the row is the values)
+    __host__ __device__ static constexpr int row_bytes(int d) { return int(sizeof(T)) * d; }
+    template <int PER>
+    __device__ static __forceinline__ float load(const char* row, int lane, float (&out)[PER]) {
+        load_row<PER>(reinterpret_cast<const T*>(row) + lane * PER, out);
+        return 1.f;
+    }
+    template <int D>
+    __device__ static __forceinline__ void put_rows(char* k, char* v, float* ks, float* vs, bool write) {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) {
+            const T kc = store_c<T>(ks[i]), vc = store_c<T>(vs[i]);
+            if (write) {
+                reinterpret_cast<T*>(k)[i] = kc;
+                reinterpret_cast<T*>(v)[i] = vc;
+            }
+            ks[i] = to_f(kc);
+            vs[i] = to_f(vc);
+        }
+    }
+};
+using CacheF32 = CacheFloat<float>;
+using CacheF16 = CacheFloat<__half>;
+
+// Byte i of w as a float, minus `bias`: 2^23 + byte built under the exponent bits (a PRMT), then
+// one exact FADD. Cheaper than I2F, a quarter-rate conversion, of which a position's K and V
+// rows would take 2d a head.
+__device__ __forceinline__ float byte_minus(uint32_t w, int i, float bias) {
+    return __int_as_float(int(__byte_perm(w, 0x4B000000u, 0x7440u | unsigned(i)))) - bias;
+}
+
+// n bytes (1, 2, 4, 8 or 16; p aligned to n) as 32-bit words, the last one zero-padded.
+template <int N> __device__ __forceinline__ void load_bytes(const char* p, uint32_t (&w)[(N + 3) / 4]) {
+    if constexpr (N == 16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if constexpr (N == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x; w[1] = v.y;
+    } else if constexpr (N == 4) {
+        w[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else if constexpr (N == 2) {
+        w[0] = *reinterpret_cast<const uint16_t*>(p);
+    } else {
+        static_assert(N == 1, "load_bytes: 1, 2, 4, 8 or 16 bytes");
+        w[0] = *reinterpret_cast<const uint8_t*>(p);
+    }
+}
+
+// q8_0 and q4_0: a row is its quants then its d/32 f16 scales. A lane's PER values lie in one
+// 32-block (PER <= 16 divides 32), so one scale a lane and row. Its quants are PER (q8_0) or PER/2
+// (q4_0) bytes at a multiple of that size, and the rows' sizes (17d/16, 9d/16 bytes) are multiples
+// of it too: one aligned load of that width whatever d.
+template <bool kQ4> struct CacheQuant {
+    static constexpr bool kScaled = true;
+    __host__ __device__ static constexpr int quant_bytes(int d) { return kQ4 ? d / 2 : d; }
+    __host__ __device__ static constexpr int row_bytes(int d) { return quant_bytes(d) + d / 16; }
+
+    // A lane's part of a head row as loaded: its quant bytes, its block's scale.
+    template <int PER> struct Raw {
+        uint32_t w[((kQ4 ? PER / 2 : PER) + 3) / 4];
+        __half scale;
+    };
+    template <int PER> __device__ static __forceinline__ Raw<PER> fetch(const char* row, int lane) {
+        constexpr int n = kQ4 ? PER / 2 : PER;  // bytes a lane
+        Raw<PER> r;
+        load_bytes<n>(row + lane * n, r.w);
+        r.scale = reinterpret_cast<const __half*>(row + quant_bytes(32 * PER))[lane * PER / 32];
+        return r;
+    }
+    template <int PER>
+    __device__ static __forceinline__ float unpack(const Raw<PER>& r, float (&out)[PER]) {
+        if constexpr (kQ4) {  // nibbles q, value q - 8: value 2i low in byte i, 2i+1 high
+#pragma unroll
+            for (int j = 0; j < PER; j += 2) {
+                const uint32_t x = r.w[j / 8], sh = (j / 2) % 4;
+                out[j] = byte_minus(x & 0x0F0F0F0Fu, sh, 8388616.f);
+                out[j + 1] = byte_minus((x >> 4) & 0x0F0F0F0Fu, sh, 8388616.f);
+            }
+        } else {  // int8 q: q + 128 = the byte with its top bit flipped
+#pragma unroll
+            for (int j = 0; j < PER; ++j) out[j] = byte_minus(r.w[j / 4] ^ 0x80808080u, j % 4, 8388736.f);
+        }
+        return __half2float(r.scale);
+    }
+    template <int PER>
+    __device__ static __forceinline__ float load(const char* row, int lane, float (&out)[PER]) {
+        return unpack<PER>(fetch<PER>(row, lane), out);
+    }
+
+    // Half-warp job j < 2 * d/32: block j of k (then of v), lane i of the half its values 2i and
+    // 2i+1 (one round of jobs for d <= 512). Each step is one IEEE operation, as in kv_cache.py,
+    // so the quants and scales are its bits.
+    template <int D>
+    __device__ static __forceinline__ void put_rows(char* k, char* v, float* ks, float* vs, bool write) {
+        constexpr int nb = D / 32;
+        const int i = threadIdx.x & 15;
+        for (int job = threadIdx.x >> 4; job < 2 * nb; job += blockDim.x >> 4) {
+            const int blk = job < nb ? job : job - nb;
+            float2* const xs = reinterpret_cast<float2*>((job < nb ? ks : vs) + blk * 32) + i;
+            char* const row = job < nb ? k : v;
+            const float2 x = *xs;
+            float s;
+            if constexpr (kQ4) {  // m: the value of largest magnitude, the first on ties
+                float a = fabsf(x.x);
+                int at = 2 * i;
+                if (fabsf(x.y) > a) {
+                    a = fabsf(x.y);
+                    at = 2 * i + 1;
+                }
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) {
+                    const float oa = __shfl_xor_sync(0xffffffffu, a, o);
+                    const int oat = __shfl_xor_sync(0xffffffffu, at, o);
+                    if (oa > a || (oa == a && oat < at)) {
+                        a = oa;
+                        at = oat;
+                    }
+                }
+                s = __fdiv_rn(__shfl_sync(0xffffffffu, at & 1 ? x.y : x.x, at >> 1, 16), -8.f);
+            } else {
+                float a = fmaxf(fabsf(x.x), fabsf(x.y));
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+                s = __fdiv_rn(a, 127.f);
+            }
+            const float inv = s != 0.f ? __fdiv_rn(1.f, s) : 0.f;
+            const __half sh = __float2half_rn(s);
+            int q0, q1;
+            if constexpr (kQ4) {
+                q0 = min(15, int(floorf(__fadd_rn(__fmul_rn(x.x, inv), 8.5f))));
+                q1 = min(15, int(floorf(__fadd_rn(__fmul_rn(x.y, inv), 8.5f))));
+                if (write) reinterpret_cast<uint8_t*>(row)[blk * 16 + i] = uint8_t(q0 | q1 << 4);
+                q0 -= 8;
+                q1 -= 8;
+            } else {
+                q0 = __float2int_rn(__fmul_rn(x.x, inv));  // round half to even, as torch.round
+                q1 = __float2int_rn(__fmul_rn(x.y, inv));
+                if (write)  // the two int8 bytes, little-endian
+                    reinterpret_cast<uint16_t*>(row + blk * 32)[i] = uint16_t((q0 & 0xFF) | (q1 & 0xFF) << 8);
+            }
+            if (write && i == 0) reinterpret_cast<__half*>(row + quant_bytes(D))[blk] = sh;
+            const float sf = __half2float(sh);
+            *xs = make_float2(float(q0) * sf, float(q1) * sf);
+        }
+    }
+};
+using CacheQ8 = CacheQuant<false>;
+using CacheQ4 = CacheQuant<true>;
+
 // rms_norm(x[0:d]) * w then NEOX RoPE on the first n_rot dims, in place (shared memory).
 __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos, int n_rot, float base,
                           float* red) {
@@ -497,11 +671,20 @@ __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos,
 // attends rows the others wrote): each token's arithmetic is the one-token kWriteAndAttend's.
 enum AttnMode : int { kWriteAndAttend = 0, kWriteRows = 1, kAttendOnly = 2 };
 
+// Blocks an SM must hold at once for the quantized formats: as many as the f32 and f16 kernels'
+// register counts give them (3, 2, 2, 1 for PER 2 .. 16). Left free, ptxas spends a few more
+// registers on the quantized ones, which cuts their occupancy in this latency-bound loop by a
+// third to a half (bound, PER 8 spills ~20 bytes: measured, much the cheaper). 0 (f32, f16): no
+// bound, the code ptxas has always made for them.
+template <class C, int PER> constexpr int attn_min_blocks() {
+    return !C::kScaled ? 0 : PER <= 2 ? 3 : PER <= 8 ? 2 : 1;
+}
+
 template <class C, int PER, int MODE>
-__global__ void __launch_bounds__(32 * kAttnWarps)
+__global__ void __launch_bounds__(32 * kAttnWarps, attn_min_blocks<C, PER>())
 attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
                       const float* q_norm, const float* k_norm, float eps, SeqKV kv, int n_rot,
-                      float base, int hq, int hkv, float* part) {
+                      float base, int hq, int hkv, int64_t chunk, float* part) {
     constexpr int d = 32 * PER;
     __shared__ float qs[d], ks[d], vs[d], accs[kAttnWarps][d];
     __shared__ float red[32], wm[kAttnWarps], wl[kAttnWarps];
@@ -509,8 +692,8 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (MODE == kWriteRows && h % group != 0) return;   // one block a kv head writes
     const int64_t pos = *kv.pos[b];
-    C* const k_cache = static_cast<C*>(kv.key(b));  // this sequence's [n_ctx, Hkv, d]
-    C* const v_cache = static_cast<C*>(kv.value(b));
+    char* const k_cache = static_cast<char*>(kv.key(b));  // this sequence's [n_ctx, Hkv] head rows
+    char* const v_cache = static_cast<char*>(kv.value(b));
     const float* qb = qg + int64_t(b) * ldq + int64_t(h) * 2 * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         qs[i] = qb[i];
@@ -520,18 +703,14 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     __syncthreads();
     if (MODE != kWriteRows) norm_rope(qs, q_norm, d, eps, float(pos), n_rot, base, red);
     norm_rope(ks, k_norm, d, eps, float(pos), n_rot, base, red);
-    const int64_t row_stride = int64_t(hkv) * d;
-    const C* kbase = k_cache + int64_t(kh) * d + lane * PER;
-    const C* vbase = v_cache + int64_t(kh) * d + lane * PER;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        const C kc = store_c<C>(ks[i]), vc = store_c<C>(vs[i]);
-        if (MODE != kAttendOnly && h % group == 0 && blockIdx.z == 0) {
-            k_cache[(pos * hkv + kh) * d + i] = kc;
-            v_cache[(pos * hkv + kh) * d + i] = vc;
-        }
-        ks[i] = to_f(kc);   // the row as the cache holds it: what later tokens read
-        vs[i] = to_f(vc);
-    }
+    constexpr int rb = C::row_bytes(d);
+    const int64_t row_stride = int64_t(hkv) * rb;  // bytes
+    const char* kbase = k_cache + int64_t(kh) * rb;
+    const char* vbase = v_cache + int64_t(kh) * rb;
+    // the row as the cache holds it, in every block: what this token and later ones read
+    const int64_t at = (pos * hkv + kh) * rb;
+    C::template put_rows<d>(k_cache + at, v_cache + at, ks, vs,
+                            MODE != kAttendOnly && h % group == 0 && blockIdx.z == 0);
     if (MODE == kWriteRows) return;
     __syncthreads();
 
@@ -543,16 +722,21 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     }
     const float scale = rsqrtf(float(d));
     float m = -INFINITY, l = 0.f;
-    const int64_t first = int64_t(blockIdx.z) * kAttnChunk;
-    const int64_t last = min(pos, first + kAttnChunk - 1);
+    const int64_t first = int64_t(blockIdx.z) * chunk;
+    const int64_t last = min(pos, first + chunk - 1);
     for (int64_t p0 = first + int64_t(warp) * kAttnRun; p0 <= last; p0 += kAttnWarps * kAttnRun) {
-        float rows[kAttnRun][PER], s[kAttnRun];
+        float rows[kAttnRun][PER], s[kAttnRun], sc[kAttnRun];  // a row: rows[u][] * sc[u]
+        // quantized: the run's V rows fetched with its K rows, one memory round trip a run, not
+        // two (their raw bytes are few registers; f16 or f32 rows would cost occupancy)
+        [[maybe_unused]] typename C::template Raw<PER> vraw[kAttnRun];
 #pragma unroll
         for (int u = 0; u < kAttnRun; ++u) {
             const int64_t p = p0 + u;
             if (p < pos) {
-                load_row<PER>(kbase + p * row_stride, rows[u]);
+                if constexpr (C::kScaled) vraw[u] = C::template fetch<PER>(vbase + p * row_stride, lane);
+                sc[u] = C::template load<PER>(kbase + p * row_stride, lane, rows[u]);
             } else {
+                sc[u] = 1.f;
 #pragma unroll
                 for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? ks[lane * PER + j] : 0.f;
             }
@@ -562,7 +746,7 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
             float dot = 0.f;
 #pragma unroll
             for (int j = 0; j < PER; ++j) dot += q[j] * rows[u][j];
-            s[u] = dot;
+            s[u] = C::kScaled ? __fmul_rn(dot, sc[u]) : dot;  // not fused into the sums below
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
@@ -585,11 +769,19 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
         for (int u = 0; u < kAttnRun; ++u) {
             const int64_t p = p0 + u;
             if (p < pos) {
-                load_row<PER>(vbase + p * row_stride, rows[u]);
+                if constexpr (C::kScaled)
+                    sc[u] = C::template unpack<PER>(vraw[u], rows[u]);
+                else
+                    sc[u] = C::template load<PER>(vbase + p * row_stride, lane, rows[u]);
             } else {
+                sc[u] = 1.f;
 #pragma unroll
                 for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? vs[lane * PER + j] : 0.f;
             }
+        }
+        if constexpr (C::kScaled) {
+#pragma unroll
+            for (int u = 0; u < kAttnRun; ++u) s[u] *= sc[u];
         }
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
@@ -625,35 +817,47 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     }
 }
 
+// Block (h, b): the splits' maxima and sums read once, in parallel, into shared memory, their
+// weights exp(m_s - M) computed once; then each output dim sums its splits in order (the same
+// operations, in the same order, as a thread reading every split itself).
 __global__ void attention_merge_kernel(const float* part, int splits, int d, const float* qg,
                                        int64_t ldq, int hq, float* out) {
+    __shared__ float ms[kAttnMaxSplits], ls[kAttnMaxSplits], ws[kAttnMaxSplits], total;
     const int h = blockIdx.x, b = blockIdx.y;
     const float* pr = part + (int64_t(b) * hq + h) * splits * (d + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, pr[s * (d + 2) + d]);
-    float L = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const float ms = pr[s * (d + 2) + d];
-        if (ms != -INFINITY) L += pr[s * (d + 2) + d + 1] * expf(ms - M);
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        ms[s] = pr[s * (d + 2) + d];
+        ls[s] = pr[s * (d + 2) + d + 1];
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float M = -INFINITY;
+        for (int s = 0; s < splits; ++s) M = fmaxf(M, ms[s]);
+        float L = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            ws[s] = ms[s] != -INFINITY ? expf(ms[s] - M) : 0.f;
+            if (ms[s] != -INFINITY) L += ls[s] * ws[s];
+        }
+        total = L;
+    }
+    __syncthreads();
     const float* gate = qg + int64_t(b) * ldq + int64_t(h) * 2 * d + d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float o = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const float ms = pr[s * (d + 2) + d];
-            if (ms != -INFINITY) o += pr[s * (d + 2) + i] * expf(ms - M);
-        }
-        out[(int64_t(b) * hq + h) * d + i] = o / L * sigmoid(gate[i]);
+        for (int s = 0; s < splits; ++s)
+            if (ms[s] != -INFINITY) o += pr[s * (d + 2) + i] * ws[s];
+        out[(int64_t(b) * hq + h) * d + i] = o / total * sigmoid(gate[i]);
     }
 }
 
 template <class C, int MODE>
 void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, int64_t ldq,
                       const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
-                      float eps, const SeqKV& kv, int n_rot, float base, int hq, int hkv, float* part) {
+                      float eps, const SeqKV& kv, int n_rot, float base, int hq, int hkv,
+                      int64_t chunk, float* part) {
     auto go = [&](auto per) {
         attention_part_kernel<C, decltype(per)::value, MODE><<<grid, 32 * kAttnWarps, 0, st>>>(
-            qg, ldq, k, v, ldkv, qn, kn, eps, kv, n_rot, base, hq, hkv, part);
+            qg, ldq, k, v, ldkv, qn, kn, eps, kv, n_rot, base, hq, hkv, chunk, part);
     };
     switch (d) {
         case 64: go(std::integral_constant<int, 2>{}); break;
@@ -780,7 +984,11 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
     FT_CUDA_CHECK(cudaGetLastError());
 }
 
-int64_t attention_splits(int64_t n_attn) { return n_attn < 1 ? 1 : (n_attn + kAttnChunk - 1) / kAttnChunk; }
+int64_t attention_splits(int64_t n_attn) {
+    if (n_attn < 1) return 1;
+    const int64_t chunk = attention_chunk(n_attn);
+    return (n_attn + chunk - 1) / chunk;
+}
 
 void attention_steps(const float* qg, int64_t ldq, const float* k, const float* v, int64_t ldkv,
                      const float* q_norm, const float* k_norm, float eps, const int64_t* const* pos,
@@ -791,11 +999,12 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
     require(hkv > 0 && hq % hkv == 0, "attention_steps: query heads must be a multiple of kv heads");
     require(d == 64 || d == 128 || d == 256 || d == 512, "attention_steps: head dim must be 64, 128, 256 or 512");
     require(n_rot % 2 == 0 && n_rot <= d, "attention_steps: n_rot must be even and <= head dim");
-    require(cache_dtype == 0 || cache_dtype == 1, "attention_steps: cache must be F32 (0) or F16 (1)");
+    require(cache_dtype >= 0 && cache_dtype <= 3,
+            "attention_steps: cache must be f32 (0), f16 (1), q8_0 (2) or q4_0 (3)");
     require(n_attn >= 1, "attention_steps: n_attn must be >= 1");
     if (n_seq <= 0) return;
     // a sequence attending fewer rows than n_attn leaves its last splits empty: the merge skips them
-    const int64_t splits = attention_splits(n_attn);
+    const int64_t splits = attention_splits(n_attn), chunk = attention_chunk(n_attn);
     const cudaStream_t st = to_stream(stream);
     auto seqs = [&](int64_t s0, int ns) {
         SeqKV kv{};
@@ -817,14 +1026,17 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
         const dim3 grid{unsigned(hq), unsigned(ns), n_splits};
         float* part = part_of(workspace, s0, hq, splits, d);
         const SeqKV kv = seqs(s0, ns);
-        if (cache_dtype == 0)
-            launch_attention<float, M>(grid, st, d, qg + s0 * ldq, ldq, k + s0 * ldkv, v + s0 * ldkv,
-                                       ldkv, q_norm, k_norm, eps, kv, int(n_rot), base, int(hq),
-                                       int(hkv), part);
-        else
-            launch_attention<__half, M>(grid, st, d, qg + s0 * ldq, ldq, k + s0 * ldkv, v + s0 * ldkv,
-                                        ldkv, q_norm, k_norm, eps, kv, int(n_rot), base, int(hq),
-                                        int(hkv), part);
+        auto go = [&](auto cache) {
+            launch_attention<decltype(cache), M>(grid, st, d, qg + s0 * ldq, ldq, k + s0 * ldkv,
+                                                 v + s0 * ldkv, ldkv, q_norm, k_norm, eps, kv,
+                                                 int(n_rot), base, int(hq), int(hkv), chunk, part);
+        };
+        switch (cache_dtype) {
+            case 0: go(CacheF32{}); break;
+            case 1: go(CacheF16{}); break;
+            case 2: go(CacheQ8{}); break;
+            default: go(CacheQ4{}); break;
+        }
         FT_CUDA_CHECK(cudaGetLastError());
     };
     // write_first: the sequences' rows go into the caches before any attends, so entries that
