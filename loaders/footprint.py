@@ -50,9 +50,10 @@ def recurrent_state_bytes(c, bytes_per_value: int = 4) -> int:
     return len(c.recurrent_layers) * (conv + rec) * bytes_per_value
 
 
-def kv_bytes_per_position(c, bytes_per_value: int) -> int:
-    """K and V of one position over every attention layer."""
-    return len(c.attention_layers) * 2 * c.n_head_kv * c.head_dim * bytes_per_value
+def kv_bytes_per_position(c, bytes_per_value: float) -> int:
+    """K and V of one position over every attention layer (bytes_per_value: 1.0625 for q8_0
+    blocks, 0.5625 for q4_0)."""
+    return int(len(c.attention_layers) * 2 * c.n_head_kv * c.head_dim * bytes_per_value)
 
 
 def with_value(c, name: str, value: int):

@@ -26,12 +26,14 @@ Policy and defaults (config.py): OffloadPolicy, DRAFT, SERVING, PREFILL, CONTEXT
 Memory before it is taken (memory.py): estimate_memory, check_host_memory, check_vram_memory,
   host_room (what this process may still take, and the limit that says so)
 Planning (offload/placement.py): plan_sketch, expert_bytes_per_layer, is_expert_tensor,
-  kv_bytes_per_token, recurrent_state_bytes, CUDA_CONTEXT_MEASURED, auto_context_under_cap
-  (memory.py: auto_context_host)
+  kv_bytes_per_token, recurrent_state_bytes, CUDA_CONTEXT_MEASURED, auto_context_under_cap,
+  auto_kv_type (memory.py: auto_context_host); KV_TYPES (native.kv_cache: --kv-type's names)
 Routing traces (instrument/trace.py): TraceParams, make_trace, routing_stats, trace_stats;
   save_profile (a routing profile for a warm start)
 The model on one device: build_model, MODELS, Qwen35Moe, ResidentExperts, State, Snapshot
 """
+from native.kv_cache import KV_TYPES
+
 from .backend import Backend, Capabilities, PlainBackend, as_backend, open_backend
 from .config import CONTEXT, DEFAULT_N_CTX, DRAFT, PREFILL, SERVING, OffloadPolicy, settings_dict
 from .errors import NonFiniteLogits, OffloadError
@@ -47,7 +49,7 @@ from .memory import estimate as estimate_memory, host_room
 from .models import MODELS, Qwen35Moe, ResidentExperts, build_model
 from .offload.expert_cache import save_profile
 from .memory import auto_context_host
-from .offload.placement import (CUDA_CONTEXT_MEASURED, auto_context_under_cap,
+from .offload.placement import (CUDA_CONTEXT_MEASURED, auto_context_under_cap, auto_kv_type,
                                 expert_bytes_per_layer, is_expert_tensor, kv_bytes_per_token,
                                 plan_sketch, recurrent_state_bytes)
 from .offload.report import LoadReport, RoutingRecorder, RuntimeStats
@@ -65,7 +67,8 @@ __all__ = ["Backend", "Capabilities", "PlainBackend", "as_backend", "open_backen
            "apply_mask", "check_grammar", "grammar_tokenizer", "prompt_logprobs", "TraceParams", "make_trace", "routing_stats", "trace_stats",
            "MODELS", "Qwen35Moe", "ResidentExperts", "build_model", "save_profile",
            "expert_bytes_per_layer", "is_expert_tensor", "plan_sketch", "CUDA_CONTEXT_MEASURED",
-           "kv_bytes_per_token", "recurrent_state_bytes", "auto_context_under_cap",
+           "kv_bytes_per_token", "recurrent_state_bytes", "auto_context_under_cap", "auto_kv_type",
+           "KV_TYPES",
            "auto_context_host", "LoadReport",
            "RoutingRecorder", "RuntimeStats", "OffloadRuntime", "RuntimeOptions", "open_runtime",
            "DraftPolicy", "SpecStats", "SpeculativeDecoder", "Snapshot", "State", "estimate_memory",

@@ -126,15 +126,15 @@ class PlainBackend(Backend):
     """A model on one device (every weight there): Qwen35Moe, or anything with its forward,
     prefill, decode, decode_many and new_state."""
 
-    def __init__(self, model, mtp=None, n_ctx: int | None = None):
-        self.model, self.mtp, self.n_ctx = model, mtp, n_ctx
+    def __init__(self, model, mtp=None, n_ctx: int | None = None, kv_type: str = "f32"):
+        self.model, self.mtp, self.n_ctx, self.kv_type = model, mtp, n_ctx, kv_type
         self.config = getattr(model, "config", None)
         self.device = torch.device(model.device)
         self.caps = Capabilities(max_sequences=1 << 30, batched=True, speculative=mtp is not None,
                                  shared_state=False, offload=False)
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None) -> State:
-        return self.model.new_state(batch, n_ctx or self.n_ctx)
+        return self.model.new_state(batch, n_ctx or self.n_ctx, self.kv_type)
 
     def prefill(self, tokens, state, chunk=None, all_logits=False, hidden=False):
         flags = {k: True for k, on in (("all_logits", all_logits), ("hidden", hidden)) if on}
@@ -166,18 +166,21 @@ def as_backend(model, mtp=None) -> Backend:
 
 def open_backend(loaded, *, device: torch.device | str = "cpu", vram: int | str | None = None,
                  n_ctx: int = 4096, mtp: bool = False, cpu_repack: str = "auto",
-                 cpu_threads: int | None = None,
+                 cpu_threads: int | None = None, kv_type: str | None = None,
                  progress: Callable[[str, int, int], None] | None = None, **runtime_options) -> Backend:
     """A validated LoadedModel, ready to run: on one device (vram None), or under the offload
     runtime with a VRAM cap (`runtime_options`: RuntimeOptions' other fields: max_sequences,
     host_head, host_embedding, link_gbps, policy, ...). mtp: load the MTP head (speculative
     decoding). cpu_threads: the CPU kernels' pool (default: every core, under a cap all but the
-    policy's spare cores)."""
+    policy's spare cores). kv_type: the KV cache's (native.kv_cache; default f32 on one device,
+    under a cap RuntimeOptions' f16)."""
     device = torch.device(device)
     if vram is not None:
         if device.type != "cuda":
             raise OffloadError(f"a VRAM cap needs a CUDA device, not {device}")
         from .offload.runtime import open_runtime
+        if kv_type is not None:
+            runtime_options["kv_type"] = kv_type
         return open_runtime(loaded, vram, ctx=n_ctx, device=str(device), mtp=mtp,
                             cpu_repack=cpu_repack, cpu_threads=cpu_threads, progress=progress,
                             **runtime_options)
@@ -203,4 +206,4 @@ def open_backend(loaded, *, device: torch.device | str = "cpu", vram: int | str 
         if head is None:
             raise OffloadError("this model has no MTP block (nextn_predict_layers = 0): "
                                "speculative decoding needs one; run without drafting")
-    return PlainBackend(model, head, n_ctx)
+    return PlainBackend(model, head, n_ctx, kv_type or "f32")

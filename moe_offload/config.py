@@ -63,9 +63,9 @@ class OffloadPolicy:
     graph_bucket: int = 256              # attention-length bucket per captured decode graph
     max_graphs: int = 64                 # captured steps kept before all are dropped (batches of
                                          # several sequences make a key per lengths' combination)
-    prefill_chunk: int = 2048            # tokens per prefill chunk attending over the whole context:
-                                         # the workspace the plan reserves (a prompt that attends
-                                         # over less goes in fewer, larger chunks that fit it)
+    prefill_chunk: int = 2048            # tokens per prefill chunk: the workspace the plan
+                                         # reserves (a chunk reads the cache a tile at a time, so
+                                         # the workspace does not grow with the context)
     short_prompt: int = 64               # prompts of at most this many tokens run as decode steps of
                                          # 8 tokens each (experts fetched into the cache by the
                                          # plan kernel, no host sync) instead of the prefill path, whose
@@ -189,6 +189,9 @@ class PrefillSettings:
     delta_chunk: int = 128      # tokens a chunk of the delta rule: its loop over chunks is
                                 # sequential, so fewer, larger chunks launch less
     default_chunk: int = 512    # tokens a prompt chunk of the plain model
+    attention_tile_bytes: int = 128 << 20  # a chunk's attention reads the cache in tiles whose
+                                # f32 scores take about this much (layers.attention_tiled):
+                                # the workspace follows the chunk, not the context
 
     def as_dict(self) -> dict:
         return asdict(self)

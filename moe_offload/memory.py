@@ -180,7 +180,7 @@ class Estimate:
 
 
 def estimate(config, n_ctx: int, *, sequences: int = 1, kv_sequences: int = 1,
-             kv_bytes: int = 4, prompt_chunk: int = PREFILL.default_chunk,
+             kv_bytes: float = 4, prompt_chunk: int = PREFILL.default_chunk,
              logits_rows: int = 0, where: str = "host RAM", chunked: bool | None = None
              ) -> Estimate:
     """What `sequences` states (each with the delta-net state; `kv_sequences` of them with a KV
@@ -243,10 +243,10 @@ def check_state(config, batch: int, n_ctx: int, kv_row: int) -> None:
 
 
 def runtime_estimate(config, n_ctx: int, policy: OffloadPolicy = OffloadPolicy(),
-                     sequences: int = 1) -> Estimate:
-    """What the offload runtime puts under its cap for the context (F16 KV, one chunk of the
-    policy's prefill), before its weights and expert cache."""
-    return estimate(config, n_ctx, sequences=sequences, kv_bytes=2,
+                     sequences: int = 1, kv_bytes: float = 2) -> Estimate:
+    """What the offload runtime puts under its cap for the context (its KV of kv_bytes a value,
+    one chunk of the policy's prefill), before its weights and expert cache."""
+    return estimate(config, n_ctx, sequences=sequences, kv_bytes=kv_bytes,
                     prompt_chunk=policy.prefill_chunk, where="VRAM")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from native import ops
+from native import kv_cache, ops
 
 from .config import DEFAULT_N_CTX
 from .errors import OffloadError
@@ -30,7 +30,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     n = 1
     for d in shape:
         n *= d
-    raw = np.zeros(n * torch.finfo(dtype).bits // 8, dtype=np.uint8)
+    raw = np.zeros(n * dtype.itemsize, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
@@ -87,7 +87,9 @@ class Snapshot:
 class State:
     """Caches of B sequences on one device.
 
-    k, v[layer]  [B, n_ctx, Hkv, d]       attention layers; rows >= n_past are garbage
+    k, v[layer]  [B, n_ctx, Hkv, X]       attention layers, head rows of `kv_type`
+                                          (native.kv_cache: X = d values, or d's blocks);
+                                          rows >= n_past are garbage
     conv[layer]  [B, C, Kc-1] f32         delta-net raw projections of the last Kc-1 tokens
     ssm[layer]   [B, Hv, dk, dv] f32      delta-net state S (key dim i, value dim c)
     n_past       host int: tokens already in the cache (no device sync to read it)
@@ -96,12 +98,18 @@ class State:
     """
 
     def __init__(self, config, batch: int = 1, n_ctx: int | None = None,
-                 device: torch.device | str = "cpu", kv_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", kv_type="f32",
                  attn_bucket: int = 1, kv_alloc=None):
-        """kv_alloc(capacity bytes) -> a buffer like offload_native.ElasticBuffer (`view`, `chunk`,
-        `capacity`, `mapped`, `resize(nbytes)`, `close()`): one per K and V tensor, B must be 1."""
-        if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise OffloadError(f"KV cache dtype {kv_dtype} is not supported; use float32 or float16")
+        """kv_type: a native.kv_cache type, its name ("f32", "f16", "q8_0", "q4_0") or a float
+        dtype. kv_alloc(capacity bytes) -> a buffer like offload_native.ElasticBuffer (`view`,
+        `chunk`, `capacity`, `mapped`, `resize(nbytes)`, `close()`): one per K and V tensor, B
+        must be 1."""
+        try:
+            self.kv_type = kv_cache.kv_type(kv_type)
+            width = self.kv_type.row_width(config.head_dim)
+        except ValueError as e:
+            raise OffloadError(str(e)) from None
+        kv_dtype = self.kv_type.storage
         c = config
         self.config = c
         self.batch = int(batch)
@@ -109,12 +117,11 @@ class State:
         if self.batch < 1 or self.n_ctx < 1:
             raise OffloadError(f"state needs batch >= 1 and n_ctx >= 1, got {batch} and {n_ctx}")
         self.device = torch.device(device)
-        self.kv_dtype = kv_dtype
         self.attn_bucket = max(1, int(attn_bucket))  # round attended length up (graph capture)
         B, f32 = self.batch, dict(dtype=torch.float32, device=self.device)
-        kv_shape = (B, self.n_ctx, c.n_head_kv, c.head_dim)
+        kv_shape = (B, self.n_ctx, c.n_head_kv, width)
         self._kv_bufs: list = []
-        self._kv_row = c.n_head_kv * c.head_dim * torch.finfo(kv_dtype).bits // 8  # bytes a position
+        self._kv_row = c.n_head_kv * self.kv_type.row_bytes(c.head_dim)   # bytes a position
         if self.device.type == "cpu":   # before anything is taken: a refusal names the key
             from .memory import check_state
             check_state(c, B, self.n_ctx, self._kv_row)
@@ -206,12 +213,13 @@ class State:
     # -- speculative decoding ------------------------------------------------------------------
 
     def add_mtp_kv(self) -> None:
-        """The MTP layer's KV [B, n_ctx, Hkv, d] (one full-attention layer; allocated whole)."""
+        """The MTP layer's KV [B, n_ctx, Hkv, X] (one full-attention layer of the trunk's KV
+        type; allocated whole)."""
         if self.mtp_k is None:
             c, B = self.config, self.batch
-            shape = (B, self.n_ctx, c.n_head_kv, c.head_dim)
-            self.mtp_k = _zeros(shape, self.kv_dtype, self.device)
-            self.mtp_v = _zeros(shape, self.kv_dtype, self.device)
+            shape = (B, self.n_ctx, c.n_head_kv, self.kv_type.row_width(c.head_dim))
+            self.mtp_k = _zeros(shape, self.kv_type.storage, self.device)
+            self.mtp_v = _zeros(shape, self.kv_type.storage, self.device)
 
     def keep_steps(self, depth: int) -> None:
         """From now on, a forward of 2..depth+1 tokens keeps the delta-net state after each of

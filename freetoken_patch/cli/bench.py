@@ -23,7 +23,8 @@ import torch
 from ..errors import CLIError
 from .bench_spec import parse_drafts
 from .inputs import check, check_fraction, check_positive
-from .model_args import add_placement_args, placement_options, size_arg
+from .model_args import (add_kv_type_arg, add_placement_args, kv_type_for, placement_options,
+                         size_arg)
 
 from moe_offload import OffloadPolicy, settings_dict
 
@@ -111,6 +112,7 @@ def add_parser(sub) -> None:
                    help="fetch a layer's missing experts before computing any of its experts (by "
                         "default the resident ones compute while the misses cross PCIe)")
     add_placement_args(s)
+    add_kv_type_arg(s)
     s.add_argument("--profile", help="warm-start the cache from a routing profile (JSON)")
     s.add_argument("--save-profile", help="write the routing profile seen during the run")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -188,6 +190,41 @@ def run(args: argparse.Namespace) -> int:
     return bench_compare.run_cli(args, sizes, console, _run_one)
 
 
+def _kv_report(rt, c, kv: str, n_ctx: int, asked: str) -> dict:
+    """The KV type, its bytes, and the expert cache it left (what a long context costs)."""
+    from moe_offload import kv_bytes_per_token
+    per = kv_bytes_per_token(c, kv)
+    return {"type": kv, "asked": asked, "bytes_per_token": per, "bytes_at_ctx": per * n_ctx,
+            "expert_cache_bytes": rt.cache.nbytes, "expert_cache_slots": rt.cache.slots[0]}
+
+
+def _kv_line(kv: dict) -> str:
+    how = " (auto)" if kv["asked"] == "auto" else ""
+    return (f"KV {kv['type']}{how}: {kv['bytes_per_token']:,} bytes a token, "
+            f"{kv['bytes_at_ctx'] / 2**30:.2f} GiB at --ctx; expert cache "
+            f"{kv['expert_cache_bytes'] / 2**30:.2f} GiB")
+
+
+def _decode_after(rt, logits, st, gen: int, room: int) -> dict | None:
+    """Decode speed with the prompt just measured in the cache: warm-up steps (the attended
+    length's graph is captured, and the expert cache, which the prompt's streaming left as it
+    was, refills with what decoding routes to), then `gen` timed; None when the context has no
+    room for them."""
+    warm = 32
+    if room - warm < 1:
+        return None
+    n = min(gen, room - warm)
+    nxt = logits.argmax(-1)
+    for _ in range(warm):
+        nxt = rt.decode(nxt, st).argmax(-1)
+    _sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        nxt = rt.decode(nxt, st).argmax(-1)
+    _sync()
+    return {"tokens": n, "tok_s": round(n / (time.perf_counter() - t), 2)}
+
+
 def draft_guess_stats(rt) -> dict:
     """What the guesses made while drafting did since the last reset_stats: experts copied into
     layer 0 and how many of them its plans used (layer 0 only: deeper layers' counts mix in the
@@ -223,11 +260,14 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                           prefetch_k=args.prefetch_k, prefill_chunk=args.chunk,
                           draft_guess_layers=args.draft_guess_layers,
                           elastic=not args.no_elastic, overlap_misses=not args.no_overlap)
+    asked = getattr(args, "kv_type", "auto")
+    kv = kv_type_for(args, loaded, args.ctx, vram=vram)   # this cap's (--vram may list several)
+    args.kv_type = asked      # the next cap resolves auto for itself
     with console.status("loading (experts to pinned host RAM, dense weights to the GPU)..."):
         args.draft = [d for d in args.draft if d != 0]   # 0 is the plain run beside anyway
         rt = open_runtime(loaded, vram, policy=policy, ctx=args.ctx, profile=args.profile,
                           use_graphs=not args.no_graphs, mtp_experts=args.mtp_experts,
-                          **placement_options(args))
+                          kv_type=kv, **placement_options(args))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     dev = rt.device
@@ -245,7 +285,9 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
                             "decode": rt.report.decode_slots_per_layer[0]},
         "pinned": rt.report.pinned, "host_weights": rt.report.host_weights,
         "cpu_repacked_bytes": rt.report.cpu_repacked_bytes,
+        "kv": _kv_report(rt, c, kv, args.ctx, asked),
     }
+    console.print(_kv_line(result["kv"]))
     trace_params = None
     if args.trace:
         tp = TraceParams(**{k: v for k, v in (("repeat", args.trace_repeat),
@@ -268,15 +310,22 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
             toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, n))).to(dev)
             _sync()
             t = time.perf_counter()
-            rt.prefill(toks, st)
+            logits = rt.prefill(toks, st)
             _sync()
             if r:  # the first run warms up
                 times.append(n / (time.perf_counter() - t))
-            del st
+            if r < args.reps:
+                del st, logits
         result[f"pp{n}"] = _spread(times)
         result[f"pp{n}"]["streamed_experts_per_run"] = rt.stats().prefill_streamed // (args.reps + 1)
+        after = _decode_after(rt, logits, st, args.gen, args.ctx - n - 1)
+        if after is not None:
+            result[f"pp{n}"]["tg_after"] = after
+        del st, logits
         console.print(f"pp{n}: {statistics.median(times):.0f} tok/s (min {min(times):.0f}, "
-                      f"max {max(times):.0f}, {args.reps} reps)")
+                      f"max {max(times):.0f}, {args.reps} reps)"
+                      + (f"; then tg{after['tokens']} at {n:,}: {after['tok_s']:.1f} tok/s"
+                         if after else ""))
 
     # -- decode ---------------------------------------------------------------------------------
     tg, ttft = [], []

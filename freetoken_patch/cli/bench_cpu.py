@@ -42,7 +42,7 @@ def _repacked(model) -> list[str]:
 def run_one(args, sizes: list[int], console) -> dict:
     """Prefill at each size and decode, on the CPU, as one JSON object (bench.py's shape)."""
     from loaders import open_model
-    from moe_offload import open_backend, settings_dict
+    from moe_offload import kv_bytes_per_token, open_backend, settings_dict
     from native import ops
     if ops._cpu is None:
         raise CLIError("bench --device cpu needs the CPU extension (native._cpu), which is not built")
@@ -59,10 +59,12 @@ def run_one(args, sizes: list[int], console) -> dict:
     c = loaded.config
     if max(sizes + [16 + args.gen]) > args.ctx:
         raise CLIError(f"a {max(sizes)}-token prompt needs --ctx {max(sizes)} or more")
+    from .model_args import kv_type_for
+    kv = kv_type_for(args, loaded, args.ctx, vram=None)   # every weight in host RAM
     with console.status("loading (weights stay memory-mapped in host RAM)..."):
         backend = open_backend(loaded, device="cpu", n_ctx=args.ctx,
                                cpu_repack=getattr(args, "cpu_repack", "auto"),
-                               mtp=any(d != 0 for d in getattr(args, "draft", [])))
+                               mtp=any(d != 0 for d in getattr(args, "draft", [])), kv_type=kv)
         model = backend.model
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
@@ -75,6 +77,7 @@ def run_one(args, sizes: list[int], console) -> dict:
         "model": {"path": args.model, "name": loaded.metadata.get("general.name"),
                   "synthetic": "ftpatch.synth.preset" in loaded.metadata},
         "device": "cpu", "vram_cap": None, "ctx": args.ctx, "load_s": round(load_s, 2),
+        "kv": {"type": kv, "bytes_per_token": kv_bytes_per_token(c, kv)},
         "regime": "model routing (synthetic weights: near-uniform)"
         if "ftpatch.synth.preset" in loaded.metadata else "model routing",
         "settings": {k: v for k, v in settings_dict().items() if k != "offload"},
@@ -83,7 +86,7 @@ def run_one(args, sizes: list[int], console) -> dict:
         for n in sizes:
             times = []
             for r in range(args.reps + 1):
-                st = model.new_state(1, args.ctx)
+                st = backend.new_state(1, args.ctx)
                 toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, n)))
                 t = time.perf_counter()
                 model.prefill(toks, st, chunk=args.chunk)
@@ -95,7 +98,7 @@ def run_one(args, sizes: list[int], console) -> dict:
                           f"max {max(times):.1f}, {args.reps} reps)")
         tg, ttft = [], []
         for r in range(args.reps + 1):
-            st = model.new_state(1, args.ctx)
+            st = backend.new_state(1, args.ctx)
             toks = torch.from_numpy(rng.integers(0, c.n_vocab, (1, 16)))
             t = time.perf_counter()
             nxt = model.prefill(toks, st).argmax(-1)

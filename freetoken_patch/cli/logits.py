@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import CLIError
-from .model_args import (add_model_args, check_fits, check_memory, nonfinite_error,
+from .model_args import (add_model_args, check_fits, check_memory, kv_type_for, nonfinite_error,
                          open_model_named, parse_device)
 
 DESCRIPTION = """\
@@ -70,10 +70,11 @@ def run(args: argparse.Namespace) -> int:
         tok = Tokenizer.from_metadata(loaded.metadata, str(args.model))
         ids = tok.encode(args.prompt, add_special=True, parse_special=True)
     n_ctx = check_fits(ids, args, c.n_ctx_train)
-    check_memory(loaded, device, n_ctx, logits_rows=2 * len(ids))   # the logits, and their copy
+    kv = kv_type_for(args, loaded, n_ctx)
+    check_memory(loaded, device, n_ctx, logits_rows=2 * len(ids), kv_type=kv)  # logits + copy
     model = build_model(loaded, device)
     with torch.inference_mode():
-        logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx),
+        logits = model.prefill(torch.tensor([ids], device=device), model.new_state(1, n_ctx, kv),
                                all_logits=True)[0]
     out = logits.float().cpu().numpy()
     bad = np.flatnonzero(~np.isfinite(out).all(axis=1))

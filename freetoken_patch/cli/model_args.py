@@ -36,6 +36,39 @@ def add_model_args(s: argparse.ArgumentParser, *, model_optional: bool = False,
     s.add_argument("--allow-long-ctx", action="store_true",
                    help="let --ctx exceed the context the model was trained for (its output "
                         "past that length is usually poor)")
+    add_kv_type_arg(s)
+
+
+KV_TYPE_NAMES = ("f32", "f16", "q8_0", "q4_0")   # native.kv_cache.KV_TYPES (no torch at parse)
+
+
+def add_kv_type_arg(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--kv-type", choices=("auto",) + KV_TYPE_NAMES, default="auto",
+                   help="how the KV cache stores keys and values: f32, f16, or blocks of 32 "
+                        "with ggml's arithmetic, q8_0 (8 bits and a scale: about half of f16's "
+                        "bytes) or q4_0 (4 bits: about a quarter). auto (default): f32 without "
+                        "--vram; under --vram f16 while the whole context's KV leaves the "
+                        "expert cache its share of the cap (the rule --ctx auto uses), else "
+                        "q8_0, else q4_0")
+
+
+def kv_type_for(args, loaded, n_ctx: int, n_states: int = 1, vram=...) -> str:
+    """--kv-type, with auto resolved for the context and the cap (args.vram unless `vram` is
+    given: bytes, or None for none); sets args.kv_type."""
+    kv = getattr(args, "kv_type", None) or "auto"
+    c = loaded.config
+    vram = getattr(args, "vram", None) if vram is ... else vram
+    if kv == "auto":
+        if vram is None:
+            kv = "f32"
+        else:
+            from moe_offload import auto_kv_type
+            kv = auto_kv_type(loaded, vram, n_ctx, n_seq=n_states)
+    elif kv in ("q8_0", "q4_0") and c.head_dim % 32:
+        raise CLIError(f"--kv-type {kv} stores blocks of 32 values and this model's heads have "
+                       f"{c.head_dim}; use --kv-type f16")
+    args.kv_type = kv
+    return kv
 
 
 def add_sampling_args(s: argparse.ArgumentParser, *, n_default: int | None,
@@ -322,8 +355,10 @@ def open_for(args, loaded, dev, n_ctx: int):
     if placement.pop("mtp") and not mtp_weights(loaded):
         raise CLIError("--draft needs an MTP block (nextn_predict_layers = 1) and this model "
                        "has none; run without --draft")
+    kv_type = kv_type_for(args, loaded, n_ctx, (getattr(args, "parallel", None) or 1)
+                          if vram is not None else states_held(args))
     if vram is None:
-        check_memory(loaded, dev, n_ctx, sequences=states_held(args))
+        check_memory(loaded, dev, n_ctx, sequences=states_held(args), kv_type=kv_type)
         if placement["host_head"] or not placement["host_embedding"]:
             raise CLIError("--host-head and --gpu-embedding place weights for the offload "
                            "runtime; add --vram SIZE")
@@ -331,11 +366,12 @@ def open_for(args, loaded, dev, n_ctx: int):
             raise CLIError("--link-gbps emulates the link the offload runtime copies experts "
                            "over; add --vram SIZE")
         return open_backend(loaded, device=dev, n_ctx=n_ctx, mtp=bool(getattr(args, "draft", 0)),
-                            cpu_repack=placement["cpu_repack"], cpu_threads=placement["cpu_threads"])
+                            cpu_repack=placement["cpu_repack"],
+                            cpu_threads=placement["cpu_threads"], kv_type=kv_type)
     if dev.type != "cuda":
         raise CLIError(f"--vram caps GPU memory, so it needs a CUDA device, not --device {dev}")
     return open_backend(loaded, device=dev, vram=vram, n_ctx=n_ctx,
-                        mtp=bool(getattr(args, "draft", 0)), **placement)
+                        mtp=bool(getattr(args, "draft", 0)), kv_type=kv_type, **placement)
 
 
 def states_held(args) -> int:
@@ -344,22 +380,25 @@ def states_held(args) -> int:
     return (getattr(args, "parallel", None) or 1) + (getattr(args, "prefix_cache", None) or 0)
 
 
-def check_memory(loaded, dev, n_ctx: int, *, sequences: int = 1, logits_rows: int = 0) -> None:
+def check_memory(loaded, dev, n_ctx: int, *, sequences: int = 1, logits_rows: int = 0,
+                 kv_type: str = "f32") -> None:
     """Before the plain model is built: what it needs beside its weights (moe_offload.memory's
     estimate: delta-net states, a KV cache that may fill n_ctx, a prompt chunk's workspace) must
     fit what this process may still take, on the CPU from host RAM, on a GPU from what the
     device has free once the weights are there; else one line naming the key responsible."""
-    from moe_offload import check_host_memory, check_vram_memory, estimate_memory
+    from moe_offload import KV_TYPES, check_host_memory, check_vram_memory, estimate_memory
     what = str(loaded.file.path)
+    d = loaded.config.head_dim
+    kv_bytes = KV_TYPES[kv_type].row_bytes(d) / d
     if dev.type == "cpu":
         check_host_memory(estimate_memory(loaded.config, n_ctx, sequences=sequences,
-                                          logits_rows=logits_rows), what)
+                                          logits_rows=logits_rows, kv_bytes=kv_bytes), what)
         return
     import torch
     free = torch.cuda.mem_get_info(dev)[0]
     weights = sum(w.nbytes for w in loaded.weights.values())
     est = estimate_memory(loaded.config, n_ctx, sequences=sequences, kv_sequences=sequences,
-                   logits_rows=logits_rows, where="VRAM")
+                          logits_rows=logits_rows, where="VRAM", kv_bytes=kv_bytes)
     check_vram_memory(est, max(0, free - weights), f"{dev} (free memory less the weights)", what)
 
 

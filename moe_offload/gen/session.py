@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-import torch
-
 from ..errors import OffloadError
 from ..state import State
 from .generate import generate
@@ -33,7 +31,7 @@ class Session:
 
     @classmethod
     def load(cls, path, device: str = "cpu", n_ctx: int | None = None,
-             kv_dtype: torch.dtype = torch.float32, experts_device: str | None = None) -> "Session":
+             kv_type="f32", experts_device: str | None = None) -> "Session":
         """Open a GGUF, put it on `device`; tokenizer and template when the file has them."""
         from loaders import open_model
         from loaders.chat_template import ChatTemplate
@@ -44,7 +42,7 @@ class Session:
         md = loaded.metadata
         tok = Tokenizer.from_metadata(md, str(path)) if "tokenizer.ggml.tokens" in md else None
         tmpl = ChatTemplate.from_metadata(md, str(path)) if tok is not None else None
-        return cls(model, model.new_state(1, n_ctx, kv_dtype), tok, tmpl)
+        return cls(model, model.new_state(1, n_ctx, kv_type), tok, tmpl)
 
     def reset(self) -> None:
         self.state.reset()

@@ -74,8 +74,8 @@ class Qwen35Moe:
         self._cpu_plans = weakref.WeakKeyDictionary()   # State -> its CPU plan (cpu_plan.py)
 
     def new_state(self, batch: int = 1, n_ctx: int | None = None,
-                  kv_dtype: torch.dtype = torch.float32, attn_bucket: int = 1) -> State:
-        return State(self.config, batch, n_ctx, self.device, kv_dtype, attn_bucket)
+                  kv_type="f32", attn_bucket: int = 1) -> State:
+        return State(self.config, batch, n_ctx, self.device, kv_type, attn_bucket)
 
     # -- the block stack ----------------------------------------------------------------------------
 
@@ -132,7 +132,9 @@ class Qwen35Moe:
             if table is not None:
                 return lambda L, a: self._attention(L, a, table.buffers("k", i),
                                                     table.buffers("v", i), pos, n_attn)
-            return lambda L, a: self._attention(L, a, state.k[i], state.v[i], pos, n_attn)
+            # a prompt's chunk (never captured) tells its attention where it starts
+            first = state.n_past if T > ops.DECODE_MAX_TOKENS else None
+            return lambda L, a: self._attention(L, a, state.k[i], state.v[i], pos, n_attn, first)
 
         x = embed_rows(self.embd, tokens)                                    # [B*T, H]
         h = self.blocks(x, [(L, mixer(i), self.experts[i]) for i, L in enumerate(self.blk)],
@@ -238,12 +240,13 @@ class Qwen35Moe:
 
     # -- mixers -------------------------------------------------------------------------------------
 
-    def _attention(self, L, a, k_cache, v_cache, pos, n_attn) -> torch.Tensor:
-        """Gated full attention. a [B, T, H]; caches [B, n_ctx, Hkv, d]."""
+    def _attention(self, L, a, k_cache, v_cache, pos, n_attn, first=None) -> torch.Tensor:
+        """Gated full attention. a [B, T, H]; caches [B, n_ctx, Hkv, X]; first: the first
+        position as a host int where the caller knows it (pos = first..first+T-1)."""
         c = self.config
         qg, k, v = self._attention_in(L, a)
         o = gated_attention(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"], c.rms_eps,
-                            pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn)
+                            pos, c.n_rot, c.rope_base, k_cache, v_cache, n_attn, first)
         return _mm(o, L["attn_output.weight"])
 
     def _attention_many(self, L, a, k_caches, v_caches, pos, n_attn,

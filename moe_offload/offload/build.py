@@ -14,7 +14,7 @@ import torch
 
 from loaders import LoadedModel
 from native import offload_native as on
-from native import ops
+from native import kv_cache, ops
 from native.ops import QTensor
 
 from ..config import DRAFT, OffloadPolicy
@@ -41,7 +41,7 @@ class RuntimeOptions:
     vram: int                              # bytes: the hard cap
     n_ctx: int = 4096                      # context the KV cache is sized for
     policy: OffloadPolicy = field(default_factory=OffloadPolicy)
-    kv_dtype: torch.dtype = torch.float16
+    kv_type: str = "f16"                    # native.kv_cache: f16, q8_0, q4_0
     profile: str | None = None             # routing profile (JSON) for a warm start
     use_graphs: bool = True                # decode steps as captured CUDA graphs
     cpu_threads: int | None = None         # the CPU pool's size; None: the policy's cpu_threads
@@ -136,7 +136,12 @@ def _assemble(p: Parts, loaded: LoadedModel, model_cls, progress) -> None:
     t0 = time.perf_counter()
     # what the metadata implies for the context, before anything is allocated: a file whose
     # keys ask for more than the whole cap is refused here, naming the key
-    need = runtime_estimate(c, opts.n_ctx, pol)
+    try:
+        kv = kv_cache.kv_type(opts.kv_type)
+        kv.row_bytes(c.head_dim)
+    except ValueError as e:
+        raise OffloadError(str(e)) from None
+    need = runtime_estimate(c, opts.n_ctx, pol, kv_bytes=kv.row_bytes(c.head_dim) / c.head_dim)
     check_vram(need, opts.vram, f"--vram {opts.vram / 2**30:.2f} GiB", str(loaded.file.path))
     plan = VramLedger(opts.vram)   # the start-up plan; refuses a cap too small, with numbers
     torch.cuda.reset_peak_memory_stats(dev)
@@ -186,13 +191,13 @@ def _assemble(p: Parts, loaded: LoadedModel, model_cls, progress) -> None:
     # cache is sized around it. Elastic: the KV maps memory as the context grows (the cache
     # gives it slots then, and takes them back for the next conversation)
     elastic = pol.elastic and on.elastic_supported()
-    probe = State(c, 1, opts.n_ctx, "meta", opts.kv_dtype)
+    probe = State(c, 1, opts.n_ctx, "meta", opts.kv_type)
     plan.reserve("KV + delta-net state", probe.nbytes, need.fix("lower --ctx"))
     most = min(ops.DECODE_MAX_TOKENS, on.MAX_SELECTIONS // c.n_expert_used)   # a step's tokens
     if not 1 <= opts.max_sequences <= most:
         raise OffloadError(f"max_sequences {opts.max_sequences}: a decode step takes 1 to "
                            f"{most} tokens, one a sequence; hold 1 to {most} (--parallel)")
-    first = p.states[0] = State(c, 1, opts.n_ctx, dev, opts.kv_dtype, pol.graph_bucket,
+    first = p.states[0] = State(c, 1, opts.n_ctx, dev, opts.kv_type, pol.graph_bucket,
                                 kv_alloc=on.ElasticBuffer if elastic else None)
     first.snapshots_on_host = True
 

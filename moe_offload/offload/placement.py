@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from loaders import LoadedModel
 from loaders import footprint
-from native import ops
+from native import kv_cache, ops
 
 from ..config import PREFILL
 from ..config import OffloadPolicy
@@ -25,10 +25,14 @@ def is_expert_tensor(name: str) -> bool:
 KV_CHUNK_ESTIMATE = 2 << 20   # the driver's mapping granularity on the GPUs we measured
 
 
-def kv_bytes_per_token(model, bytes_per_value: int = 2) -> int:
-    """KV cache per token over every attention layer (K and V, F16 by default); `model` a
-    LoadedModel or its config."""
-    return footprint.kv_bytes_per_position(getattr(model, "config", model), bytes_per_value)
+def kv_bytes_per_token(model, kv_type="f16") -> int:
+    """KV cache per token over every attention layer (K and V of `kv_type`, a native.kv_cache
+    type or its name; a number: bytes a value); `model` a LoadedModel or its config."""
+    c = getattr(model, "config", model)
+    if isinstance(kv_type, (int, float)):
+        return footprint.kv_bytes_per_position(c, kv_type)
+    row = kv_cache.kv_type(kv_type).row_bytes(c.head_dim)
+    return len(c.attention_layers) * 2 * c.n_head_kv * row
 
 
 def recurrent_state_bytes(model: LoadedModel) -> int:
@@ -78,6 +82,12 @@ class PlanSketch:
 CUDA_CONTEXT_MEASURED = 680 << 20
 
 
+def attention_tile(n_tokens: int, n_head: int) -> int:
+    """Cache rows a chunk of n_tokens attends at a time (layers.attention_tiled): its f32
+    scores about PREFILL.attention_tile_bytes, a multiple of 256 rows."""
+    return max(256, PREFILL.attention_tile_bytes // (4 * max(1, n_tokens) * n_head) // 256 * 256)
+
+
 def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = False) -> int:
     """Torch memory one prefill chunk of `n_tokens` needs beyond the weights and state, attending
     over `kv_len` positions. The phases of a layer do not overlap, so it is what lives through the
@@ -86,13 +96,19 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     35B (peak allocated above the start): 194 MiB at 16 tokens, 790 MiB at 2,048, and as one
     chunk at the start of a sequence 1,152 MiB at 3,000 tokens, 3,800 MiB at 10,000, where the
     delta net's chunked rule is the largest phase (the runtime records the estimate and the use
-    for every prefill: `prefill_memory`)."""
+    for every prefill: `prefill_memory`). Nothing in it grows with the context past one tile of
+    attention: a prompt whose KV fits runs in chunks of the planned size."""
     T, H = n_tokens, c.n_embd
     fused_ssm_in = c.ssm_conv_dim + c.ssm_d_inner + 2 * c.ssm_n_v_heads  # qwen35moe.SSM_IN as one
     widest = max(2 * c.n_head * c.head_dim, fused_ssm_in, c.n_embd * 2, c.ssm_d_inner * 2)
     live = T * H * 4 * 4                                       # residual stream, norms, mixer out
     proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
-    attn = (T * 6 + kv_len * 4) * c.n_head * c.head_dim * 4 + T * kv_len * 4   # fused kernel
+    # attention reads the cache in tiles (layers.attention_tiled): its queries, sums and
+    # output, and one tile's scores (twice: the mask beside them) and dequantized rows
+    L = min(kv_len, attention_tile(T, c.n_head))
+    G = c.n_head // max(1, c.n_head_kv)
+    attn = T * c.n_head * c.head_dim * 4 * 6 + \
+        L * (T * c.n_head * 4 * 2 + T * G + c.n_head_kv * c.head_dim * 4 * 6)
     # the chunked delta rule: about 16 [T, delta_chunk] f32 blocks per value head live at its
     # peak (queries, keys, their decayed copies, the in-chunk products), and the mixer's input
     delta = c.ssm_n_v_heads * T * PREFILL.delta_chunk * 4 * 16 + T * fused_ssm_in * 4 * 2
@@ -117,8 +133,8 @@ def prompt_chunk(c, n_tokens: int, kv_end: int, n_ctx: int, policy: OffloadPolic
     """Tokens a chunk of an n_tokens prompt whose last token lands at kv_end: the fewest chunks,
     of even size, whose workspace is no larger than the one the plan reserves (policy's chunk
     attending over all n_ctx). Under a cap every chunk streams the cold experts it routes to,
-    so a follow-up of 2,300 tokens at 29K costs one stream instead of two, and a first prompt
-    attending over less than the whole context goes in fewer, larger chunks."""
+    so an uneven tail chunk would cost a stream for a few tokens. (Attention reads the cache
+    in tiles, so past one tile of context the workspace no longer depends on kv_end.)"""
     base = max(1, min(policy.prefill_chunk, n_ctx))
     if n_tokens <= base:
         return base
@@ -154,9 +170,9 @@ def host_weight_names(model: LoadedModel, host_embedding: bool = True,
 
 
 def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192,
-                policy: OffloadPolicy = OffloadPolicy()) -> PlanSketch:
-    """How a VRAM cap splits (the runtime's defaults): dense part, KV + state for `n_ctx`,
-    workspace, expert cache during prefill and while decoding."""
+                policy: OffloadPolicy = OffloadPolicy(), kv_type="f16") -> PlanSketch:
+    """How a VRAM cap splits (the runtime's defaults): dense part, KV (of `kv_type`) + state for
+    `n_ctx`, workspace, expert cache during prefill and while decoding."""
     on_host = set(host_weight_names(model))
     dense = host = 0
     for w in model.weights.values():
@@ -165,7 +181,7 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192,
                 host += w.nbytes
             else:
                 dense += w.nbytes
-    kv = kv_bytes_per_token(model) * n_ctx
+    kv = kv_bytes_per_token(model, kv_type) * n_ctx
     state = recurrent_state_bytes(model)
     per_layer = expert_bytes_per_layer(model)
     ws = gpu_workspace_bytes(model.config, n_ctx, policy)
@@ -185,40 +201,65 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192,
                       total_experts, int(fit), int(decode_fit), left >= 0)
 
 
+def _cache_rooms(model: LoadedModel, vram_bytes: int, n: int, n_seq: int, kv_type,
+                 policy: OffloadPolicy) -> tuple[int, int]:
+    """The expert cache's room under the cap with n_seq sequences' KV of kv_type mapped for n
+    positions: (decoding, while a prompt chunk attending over them runs)."""
+    s = plan_sketch(model, vram_bytes, n, policy)
+    prompt = (vram_bytes - s.dense_bytes - s.workspace_bytes - n_seq * s.state_bytes
+              - kv_bytes_per_token(model, kv_type) * n_seq * n)
+    ws = gpu_workspace_bytes(model.config, n, policy)
+    return prompt + ws - policy.decode_headroom, prompt
+
+
+def _fits_share(model, vram_bytes: int, n: int, n_seq: int, kv_type, policy, need: float) -> bool:
+    decode, prompt = _cache_rooms(model, vram_bytes, n, n_seq, kv_type, policy)
+    return decode >= need and prompt >= 0
+
+
+def _share_needed(model, vram_bytes: int, n_seq: int, policy, expert_share, base) -> tuple:
+    from ..config import CONTEXT, DEFAULT_N_CTX
+    share = CONTEXT.expert_share if expert_share is None else expert_share
+    base = min(model.config.n_ctx_train, base or DEFAULT_N_CTX)
+    return share * _cache_rooms(model, vram_bytes, base, n_seq, "f16", policy)[0], base
+
+
+def auto_kv_type(model: LoadedModel, vram_bytes: int, n_ctx: int, *, n_seq: int = 1,
+                 policy: OffloadPolicy = OffloadPolicy(), expert_share: float | None = None) -> str:
+    """--kv-type auto under a VRAM cap: the widest of f16, q8_0 and q4_0 whose KV, the context
+    full, leaves the expert cache CONTEXT.expert_share of its room at the default context (the
+    rule --ctx auto sizes the context by): a short context keeps f16, a long one gives up KV
+    precision before decode speed. q4_0 when none does."""
+    need, _ = _share_needed(model, vram_bytes, n_seq, policy, expert_share, None)
+    for name in ("f16", "q8_0", "q4_0"):
+        if model.config.head_dim % 32 and name != "f16":
+            break
+        if _fits_share(model, vram_bytes, n_ctx, n_seq, name, policy, need):
+            return name
+    return "f16" if model.config.head_dim % 32 else "q4_0"
+
+
 def auto_context_under_cap(model: LoadedModel, vram_bytes: int, *, n_seq: int = 1,
-                           kv_bytes_per_value: int = 2, policy: OffloadPolicy = OffloadPolicy(),
+                           kv_type="f16", policy: OffloadPolicy = OffloadPolicy(),
                            expert_share: float | None = None, base: int | None = None,
                            step: int | None = None) -> int:
     """--ctx auto under a VRAM cap: the largest context, up to the model's trained length, at
-    which (1) decoding with the context full -- `n_seq` sequences' KV of `kv_bytes_per_value`
-    bytes a value (the runtime's KV type) mapped -- leaves the expert cache `expert_share`
-    (CONTEXT.expert_share) of its room at the `base` context (min(trained, DEFAULT_N_CTX)), and
-    (2) a prompt chunk attending over the whole context still fits its workspace beside the
-    dense weights and the KV (the cache lends it the room while the prompt runs), as
-    plan_sketch counts them. A multiple of `step` or the trained length; `base` when even that
-    does not fit (the runtime then says what does not)."""
-    from ..config import CONTEXT, DEFAULT_N_CTX
-    c = model.config
-    share = CONTEXT.expert_share if expert_share is None else expert_share
+    which (1) decoding with the context full -- `n_seq` sequences' KV of `kv_type` (the
+    runtime's) mapped -- leaves the expert cache `expert_share` (CONTEXT.expert_share) of its
+    room at the `base` context (min(trained, DEFAULT_N_CTX)), and (2) a prompt chunk attending
+    over the whole context still fits its workspace beside the dense weights and the KV (the
+    cache lends it the room while the prompt runs), as plan_sketch counts them. A multiple of
+    `step` or the trained length; `base` when even that does not fit (the runtime then says
+    what does not)."""
+    from ..config import CONTEXT
     step = step or CONTEXT.step
-    train = c.n_ctx_train
-    base = min(train, base or DEFAULT_N_CTX)
-    per_token = kv_bytes_per_token(model, kv_bytes_per_value) * n_seq
-
-    def rooms(n: int) -> tuple[int, int]:    # the cache's room (decoding, during a prompt)
-        s = plan_sketch(model, vram_bytes, n, policy)
-        prompt = (vram_bytes - s.dense_bytes - s.workspace_bytes - n_seq * s.state_bytes
-                  - per_token * n)
-        ws = gpu_workspace_bytes(c, n, policy)
-        return prompt + ws - policy.decode_headroom, prompt
-
-    need = share * rooms(base)[0]
+    train = model.config.n_ctx_train
+    need, base = _share_needed(model, vram_bytes, n_seq, policy, expert_share, base)
     if need <= 0:
         return base
 
     def fits(n: int) -> bool:
-        decode, prompt = rooms(n)
-        return decode >= need and prompt >= 0
+        return _fits_share(model, vram_bytes, n, n_seq, kv_type, policy, need)
 
     if fits(train):
         return train

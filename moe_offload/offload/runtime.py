@@ -54,7 +54,7 @@ def open_runtime(model: LoadedModel | str | Path, vram: int | str, *,
                  progress: Callable[[str, int, int], None] | None = None,
                  **options) -> "OffloadRuntime":
     """A model (a LoadedModel, or a GGUF path) under a VRAM cap; `options`: RuntimeOptions'
-    other fields (profile, host_head, host_embedding, use_graphs, cpu_threads, kv_dtype, ...)."""
+    other fields (profile, host_head, host_embedding, use_graphs, cpu_threads, kv_type, ...)."""
     if not isinstance(model, LoadedModel):
         from loaders import open_model
         model = open_model(model)
@@ -113,7 +113,7 @@ class OffloadRuntime(Backend):
     def max_sequences(self) -> int:
         return self.opts.max_sequences
 
-    def new_state(self, batch: int = 1, n_ctx: int | None = None, kv_dtype=None) -> State:
+    def new_state(self, batch: int = 1, n_ctx: int | None = None, kv_type=None) -> State:
         return self.pool.new_state(batch, n_ctx)
 
     def release(self, state: State) -> None:
@@ -326,8 +326,8 @@ class OffloadRuntime(Backend):
         if depth > 0 and (not state.steps or next(iter(state.steps.values()))[0].shape[0] < depth):
             need += depth * state.recurrent_nbytes
         if state.mtp_k is None and self.mtp is not None:
-            need += 2 * state.batch * state.n_ctx * c.n_head_kv * c.head_dim * \
-                torch.finfo(state.kv_dtype).bits // 8
+            need += 2 * state.batch * state.n_ctx * c.n_head_kv * \
+                state.kv_type.row_bytes(c.head_dim)
         if need:
             self.vram.keep_free("speculative decoding", need + self.vram.decode_headroom)
             self.graphs.drop()   # a new depth is a new verify graph

@@ -61,7 +61,7 @@ class StatePool:
         recurrent = first.recurrent_nbytes
         kv = first.kv_bytes(1) if first.elastic_kv else first.nbytes - recurrent
         self.vram.keep_free("another sequence", recurrent + kv + self.vram.decode_headroom)
-        st = State(self.config, 1, opts.n_ctx, self.device, opts.kv_dtype, opts.policy.graph_bucket,
+        st = State(self.config, 1, opts.n_ctx, self.device, opts.kv_type, opts.policy.graph_bucket,
                    kv_alloc=on.ElasticBuffer if first.elastic_kv else None)
         st.snapshots_on_host = True
         self.states[len(self.states)] = st

@@ -159,7 +159,7 @@ def test_the_per_op_path_runs_where_the_loop_does_not_mirror_it(models, loop_cal
     st = model.new_state(1, 64)
     model.forward(torch.tensor([list(range(cpu_plan.max_tokens() + 1))]), st)   # a longer prompt
     model.forward(torch.tensor([[3], [4]]), model.new_state(2, 64))   # a batch
-    model.forward(tok, model.new_state(1, 64, kv_dtype=torch.float16))
+    model.forward(tok, model.new_state(1, 64, kv_type="f16"))
     monkeypatch.setattr(switches, "STEP_KERNELS", False)
     model.forward(tok, model.new_state(1, 64))
     monkeypatch.setattr(switches, "STEP_KERNELS", True)
@@ -214,7 +214,7 @@ def test_decode_many_without_shared_expert_and_tied_head(synth_model, many_calls
 def test_decode_many_takes_the_per_op_path_unless_every_state_takes_the_loop(models, many_calls):
     model = models["Q4_K"]
     tok = torch.tensor([3, 4])
-    model.decode_many(tok, [model.new_state(1, 64, kv_dtype=torch.float16), model.new_state(1, 64)])
+    model.decode_many(tok, [model.new_state(1, 64, kv_type="f16"), model.new_state(1, 64)])
     _per_op(model.decode_many, tok, [model.new_state(1, 64), model.new_state(1, 64)])
     assert many_calls == []
     model.decode_many(tok, [model.new_state(1, 64), model.new_state(1, 64)])

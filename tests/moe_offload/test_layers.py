@@ -1,22 +1,82 @@
-"""Math helpers of the model that have two forms (CPU)."""
+"""Math helpers of the model that have two forms (CPU): a prompt chunk's tiled attention
+against the whole-score reference, on every KV type."""
+import pytest
 import torch
 
-from moe_offload.models.layers import attention, attention_fused
+from moe_offload.models import layers
+from moe_offload.models.layers import attention, attention_tiled
+from moe_offload.offload.placement import attention_tile
+from native.kv_cache import KV_TYPES
 
 
-def test_fused_attention_equals_the_reference_with_a_partly_written_cache():
-    """GPU prefill uses torch's fused attention; it must see exactly the keys the reference does:
-    a chunk at positions 5..11 over a 16-row cache of which 12 rows are written (GQA 4:1)."""
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("tile", [1, 5, 12, 256])
+def test_tiled_attention_equals_the_reference_with_a_partly_written_cache(tile):
+    """A chunk at positions 5..11 over a 16-row cache of which 12 rows are attended (GQA 4:1),
+    read in tiles of any size (one that ends mid-chunk, one past the rows): the reference's
+    result, and rows past n_attn are never read."""
+    g = torch.Generator().manual_seed(tile)
     B, T, Hq, Hkv, d, L = 2, 7, 8, 2, 32, 16
     q = torch.randn(B, T, Hq, d, generator=g)
     k = torch.randn(B, L, Hkv, d, generator=g)
     v = torch.randn(B, L, Hkv, d, generator=g)
     q_pos = torch.arange(5, 5 + T)
-    k_pos = torch.arange(L)
-    ref = attention(q, k, v, q_pos, k_pos)
-    got = attention_fused(q, k, v, q_pos, k_pos)
+    ref = attention(q, k[:, :12], v[:, :12], q_pos, torch.arange(12))
+    got = attention_tiled(q, k, v, q_pos, 12, tile=tile)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4), float((got - ref).abs().max())
-    k2 = k.clone()
-    k2[:, 12:] = 1e4   # rows past the last query position are never read
-    assert torch.allclose(attention_fused(q, k2, v, q_pos, k_pos), got, atol=1e-5)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 12:], v2[:, 12:] = float("nan"), float("nan")
+    assert torch.allclose(attention_tiled(q, k2, v2, q_pos, 12, tile=tile), got, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["f16", "q8_0", "q4_0"])
+def test_tiled_attention_reads_each_kv_type_as_its_rows_dequantized(name):
+    """On a quantized cache the tiles are dequantized as read: the result is the reference's
+    over the dequantized cache (nothing else of the type leaks into the math)."""
+    kt = KV_TYPES[name]
+    g = torch.Generator().manual_seed(3)
+    B, T, Hq, Hkv, d, L = 1, 9, 4, 2, 64, 40
+    q = torch.randn(B, T, Hq, d, generator=g)
+    kc = kt.quantize(torch.randn(B, L, Hkv, d, generator=g))
+    vc = kt.quantize(torch.randn(B, L, Hkv, d, generator=g))
+    q_pos = torch.arange(31, 31 + T)
+    ref = attention(q, kt.dequantize(kc, d), kt.dequantize(vc, d), q_pos, torch.arange(L))
+    got = attention_tiled(q, kc, vc, q_pos, L, tile=16)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4), float((got - ref).abs().max())
+
+
+def test_a_chunk_reads_the_cache_in_tiles_bounded_by_the_chunk():
+    """The tile follows the chunk: a longer chunk reads fewer rows at a time, so one tile's
+    scores stay about the same size whatever the context."""
+    assert attention_tile(2048, 16) < attention_tile(256, 16)
+    for T in (64, 512, 2048, 8192):
+        assert attention_tile(T, 16) * T * 16 * 4 <= max(layers.PREFILL.attention_tile_bytes,
+                                                         256 * T * 16 * 4)
+
+
+@pytest.mark.parametrize("name", ["f16", "q8_0", "q4_0"])
+def test_gated_attention_writes_the_rows_of_its_kv_type(name):
+    """The mixer's torch path (a prompt chunk, the CPU with a non-f32 cache) writes each new
+    row as the type's quantize of the roped key and of the value, and attends what it wrote."""
+    kt = KV_TYPES[name]
+    g = torch.Generator().manual_seed(5)
+    B, T, Hq, Hkv, d, n_ctx = 1, 6, 4, 2, 64, 32
+    qg = torch.randn(B, T, Hq * 2 * d, generator=g)
+    k = torch.randn(B, T, Hkv * d, generator=g)
+    v = torch.randn(B, T, Hkv * d, generator=g)
+    qn, kn = torch.ones(d), torch.ones(d)
+    kc = torch.zeros(B, n_ctx, Hkv, kt.row_width(d), dtype=kt.storage)
+    vc = torch.zeros_like(kc)
+    pos = torch.arange(3, 3 + T)
+    out = layers.gated_attention(qg, k, v, qn, kn, 1e-6, pos, d, 1e7, kc, vc, 3 + T)
+    assert torch.equal(vc[:, 3:3 + T], kt.quantize(v.view(B, T, Hkv, d)))
+    assert torch.equal(kc[:, :3], torch.zeros_like(kc[:, :3]))
+    # the same through an f32 cache holding the dequantized rows
+    kf = kt.dequantize(kc, d)
+    vf = kt.dequantize(vc, d)
+    kf32, vf32 = kf.clone(), vf.clone()
+    ref = layers.gated_attention(qg, k, v, qn, kn, 1e-6, pos, d, 1e7, kf32, vf32, 3 + T)
+    if name == "f16":
+        assert torch.allclose(out, ref, atol=2e-3)
+    # the written rows, read back, are those of the f32 cache quantized
+    assert torch.equal(kc[:, 3:3 + T], kt.quantize(kf32[:, 3:3 + T]))
+    assert out.shape == (B, T, Hq * d)

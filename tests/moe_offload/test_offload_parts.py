@@ -331,27 +331,29 @@ def test_short_prompts_need_no_dequantized_expert_group(mixed, monkeypatch):
     assert prefill_workspace_bytes(c, 128, 128) >= group    # long prompts: the GEMM path
 
 
-def test_prompt_chunk_grows_within_the_reserved_workspace():
-    """Without a chunk asked for, a prompt goes in the fewest even chunks whose workspace (at the
-    prompt's last position) is within the one the plan reserves: the policy's chunk attending
-    over the whole context. The 35B's shapes, a 53K context (what --ctx auto picks at 8 GiB)."""
+def test_prompt_chunk_fits_the_reserved_workspace_at_any_context():
+    """Without a chunk asked for, a prompt goes in the fewest even chunks whose workspace is
+    within the one the plan reserves (the policy's chunk). A chunk reads the cache a tile at a
+    time, so that workspace does not grow with the context: at 4K, 53K or 262K the same chunks,
+    never more than the policy's size asks for. The 35B's shapes."""
     from loaders.synth import PRESETS, _config
     from moe_offload.config import OffloadPolicy
     from moe_offload.offload.placement import prefill_workspace_bytes as ws, prompt_chunk
-    c, pol, n_ctx = _config(PRESETS["35b-a3b"], 248320, 40), OffloadPolicy(), 53248
-    budget = ws(c, pol.prefill_chunk, n_ctx)
-    assert prompt_chunk(c, 100, 100, n_ctx, pol) == pol.prefill_chunk        # one chunk anyway
-    # a follow-up of 2,323 tokens at 29K: one chunk, not 2,048 + 275
-    assert prompt_chunk(c, 2323, 29123, n_ctx, pol) == 2323
-    # at the end of the context nothing grows: the reserve is exactly the policy's chunk there
-    assert prompt_chunk(c, 3 * pol.prefill_chunk, n_ctx, n_ctx, pol) == pol.prefill_chunk
-    for n, past in [(17657, 0), (30000, 0), (9000, 40000), (50000, 0), (4097, 1000)]:
-        chunk = prompt_chunk(c, n, past + n, n_ctx, pol)
-        pieces = -(-n // chunk)
-        assert chunk >= pol.prefill_chunk and ws(c, chunk, past + n) <= budget, (n, past)
-        assert pieces * chunk - n < pieces       # even: no short last chunk
-        if pieces > 1:                           # one chunk fewer would not fit
-            assert ws(c, -(-n // (pieces - 1)), past + n) > budget, (n, past)
+    c, pol = _config(PRESETS["35b-a3b"], 248320, 40), OffloadPolicy()
+    P = pol.prefill_chunk
+    for n_ctx in (4096 + P, 53248, 262144):
+        budget = ws(c, P, n_ctx)
+        assert prompt_chunk(c, 100, 100, n_ctx, pol) == P                  # one chunk anyway
+        for n, past in [(P + 275, 0), (3 * P, 0), (17657, 0), (4097, 1000)]:
+            if past + n > n_ctx:
+                continue
+            chunk = prompt_chunk(c, n, past + n, n_ctx, pol)
+            pieces = -(-n // chunk)
+            assert ws(c, chunk, past + n) <= budget, (n, past, n_ctx)
+            assert pieces == -(-n // P), (n, past, n_ctx)    # the fewest the reserve allows
+            assert pieces * chunk - n < pieces                # even: no short last chunk
+    # the workspace of a chunk is the same at 32K and at 262K (one tile of the cache)
+    assert ws(c, P, 32768) == ws(c, P, 262144)
 
 
 def test_prefill_workspace_covers_what_the_35b_used():

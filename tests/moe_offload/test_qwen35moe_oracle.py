@@ -192,7 +192,7 @@ def test_reset_snapshot_restore(synth_model):
 
 def test_f16_kv_cache_is_close(synth_model):
     model, ref, toks = _setup(synth_model(**QUANTS["IQ3_S"]))
-    state = model.new_state(kv_dtype=torch.float16)
+    state = model.new_state(kv_type="f16")
     assert state.k[3].dtype == torch.float16
     assert _max_diff(model.forward(toks, state), ref) < 1e-2
 
@@ -254,6 +254,8 @@ def test_experts_are_injectable(synth_model):
 def test_cuda_prefill_and_decode_match_hf(synth_model, monkeypatch, quant, experts_device):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # HF's conv1d: exact f32
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    from moe_offload.instrument import switches     # the model's math: prompts' attention in
+    monkeypatch.setattr(switches, "ATTENTION_TF32", False)   # f32 too (TF32: test_layers_gpu)
     path = synth_model(**QUANTS[quant])
     _, ref, toks = _setup(path, "cuda")
     model = build_model(open_model(path), "cuda", experts_device=experts_device)

@@ -45,7 +45,7 @@ def b35():
     return _standin_35b()
 
 
-def _rooms(m, vram, n, n_seq=1, bpv=2):
+def _rooms(m, vram, n, n_seq=1, bpv="f16"):
     from moe_offload import OffloadPolicy, kv_bytes_per_token
     pol = OffloadPolicy()
     s = plan_sketch(m, vram, n)
@@ -71,8 +71,8 @@ def test_cap_context_grows_with_the_cap_and_shrinks_with_sequences(b35):
     a, b = auto_context_under_cap(b35, 8 * GiB), auto_context_under_cap(b35, 16 * GiB)
     assert a < b
     assert auto_context_under_cap(b35, 8 * GiB, n_seq=4) < a
-    # a KV of 1 byte a value (a quantized KV) fits more positions
-    assert auto_context_under_cap(b35, 8 * GiB, kv_bytes_per_value=1) >= a
+    # a KV of about 1 byte a value (q8_0) fits more positions
+    assert auto_context_under_cap(b35, 8 * GiB, kv_type="q8_0") >= a
     # a cap the model does not fit: the default context (the runtime says what does not fit)
     assert auto_context_under_cap(b35, 1 * GiB) == 4096
 
@@ -104,3 +104,41 @@ def test_choose_context_reads_the_flags(tiny_model, monkeypatch):
     assert p.parse_args(["m"]).ctx == "auto" and p.parse_args(["m", "--ctx", "512"]).ctx == 512
     with pytest.raises(SystemExit):
         p.parse_args(["m", "--ctx", "big"])
+
+
+def test_auto_kv_type_narrows_the_kv_before_the_cache_loses_its_share(b35):
+    """--kv-type auto under 8 GiB: f16 at the default and at --ctx auto's context; a context
+    given past that goes to q8_0, then q4_0, each the widest whose full KV leaves the expert
+    cache its share (the rule --ctx auto uses); never wider for a longer context."""
+    from moe_offload import auto_kv_type
+    vram = 8 * GiB
+    base = _rooms(b35, vram, 4096)[0]
+    auto_n = auto_context_under_cap(b35, vram)
+    assert auto_kv_type(b35, vram, 4096) == auto_kv_type(b35, vram, auto_n) == "f16"
+    order = ["f16", "q8_0", "q4_0"]
+    last = 0
+    for n in (32768, 65536, 131072, 262144):
+        kv = auto_kv_type(b35, vram, n)
+        assert order.index(kv) >= last
+        last = order.index(kv)
+        if kv != "q4_0":
+            assert _rooms(b35, vram, n, bpv=kv)[0] >= CONTEXT.expert_share * base
+        if kv != "f16":    # the wider one would not have left it
+            assert _rooms(b35, vram, n, bpv=order[order.index(kv) - 1])[0] < \
+                CONTEXT.expert_share * base
+    assert auto_kv_type(b35, vram, 262144) == "q8_0"     # f16 would leave the cache 1 GiB
+    assert auto_kv_type(b35, 4 * GiB, 262144) == "q4_0"
+
+
+def test_choose_context_under_a_cap_names_the_kv_type_it_chose(b35, monkeypatch):
+    from freetoken_patch.cli import ctx_auto
+    args = argparse.Namespace(ctx=262144, vram=8 * GiB, allow_long_ctx=False, draft=0,
+                              kv_type="auto")
+    ch = ctx_auto.choose_context(args, b35, torch.device("cpu"), 1)
+    assert ch.kv_type == "q8_0" and args.kv_type == ch.kv_type
+    assert f"KV {ch.kv_type} (auto)" in ch.describe() and ch.as_meta()["kv_type_auto"]
+    args = argparse.Namespace(ctx=131072, vram=8 * GiB, allow_long_ctx=False, draft=0,
+                              kv_type="f16")
+    ch = ctx_auto.choose_context(args, b35, torch.device("cpu"), 1)
+    assert ch.kv_type == "f16" and "(auto)" not in ch.describe()
+    assert ch.kv_bytes == 131072 * 10 * 2 * 2 * 256 * 2
