@@ -26,6 +26,7 @@ examples:
   ftpatch inspect model.gguf                       # tables
   ftpatch inspect model.gguf --vram 8GiB           # and how it fits an 8 GiB GPU
   ftpatch inspect model.gguf --vram 8GiB --ctx 32768
+  ftpatch inspect model.gguf --vram 8GiB --ctx 131072 --kv-type q8_0
   ftpatch inspect model-00001-of-00003.gguf --json # any shard of a split set; one JSON object
 """
 
@@ -41,6 +42,9 @@ def add_parser(sub) -> None:
     s.add_argument("--ctx", type=int, metavar="N",
                    help="context length for the plan (default: as run and chat choose it, the "
                         "model's trained context up to 4096)")
+    s.add_argument("--kv-type", choices=("auto", "f16", "q8_0", "q4_0"), default="auto",
+                   help="the KV cache's type in the plan (default auto: what --vram runs pick "
+                        "for the context, f16 while its KV leaves the expert cache its share)")
 
 
 def tensor_class(name: str, aside: bool = False) -> str:
@@ -103,7 +107,8 @@ def cuda_engine() -> str:
     return "ready" if torch.cuda.is_available() else "built, no GPU"
 
 
-def describe(model: LoadedModel, vram: int | None = None, n_ctx: int | None = None) -> dict[str, Any]:
+def describe(model: LoadedModel, vram: int | None = None, n_ctx: int | None = None,
+             kv_type: str = "auto") -> dict[str, Any]:
     """Everything `inspect` shows, as one JSON-ready object. The plan's context: n_ctx, or the one
     `run` and `chat` choose (the trained context, up to their default)."""
     from .model_args import context_size
@@ -158,7 +163,10 @@ def describe(model: LoadedModel, vram: int | None = None, n_ctx: int | None = No
     }
     out["memory"] = memory_estimate(model, n_ctx)
     if vram is not None:
-        out["plan"] = plan_sketch(model, vram, n_ctx).as_dict()
+        if kv_type == "auto":
+            from moe_offload import auto_kv_type
+            kv_type = auto_kv_type(model, vram, n_ctx)
+        out["plan"] = plan_sketch(model, vram, n_ctx, kv_type=kv_type).as_dict()
         if n_ctx > c.n_ctx_train:
             out["notes"] = [f"--ctx {n_ctx} is past the {c.n_ctx_train:,} tokens the model was "
                             "trained for: run, chat and serve need --allow-long-ctx for it"]
@@ -242,7 +250,8 @@ def render(d: dict[str, Any], console) -> None:
         p = d["plan"]
         console.print(f"[bold]plan for {_gib(p['vram_bytes'])} of VRAM[/] (context {p['n_ctx']:,}):")
         console.print(f"  dense weights {_gib(p['dense_bytes'])} (+ {_gib(p['host_bytes'])} kept in "
-                      f"host RAM), KV {_gib(p['kv_bytes'])}, delta-net state {_gib(p['state_bytes'])}, "
+                      f"host RAM), KV {p['kv_type']} {_gib(p['kv_bytes'])}, "
+                      f"delta-net state {_gib(p['state_bytes'])}, "
                       f"workspaces + staging + CUDA context (est.) {_gib(p['workspace_bytes'])}")
         if not p["fits"]:
             console.print("  [red]the dense part does not fit: raise --vram, or keep the output head "
@@ -254,10 +263,11 @@ def render(d: dict[str, Any], console) -> None:
                       f"{p['decode_experts_fit']:,}")
 
 
-def show(path: str, as_json: bool, vram: int | None, n_ctx: int | None, console) -> int:
+def show(path: str, as_json: bool, vram: int | None, n_ctx: int | None, console,
+         kv_type: str = "auto") -> int:
     """Print `describe` as tables (or JSON); 1 when the model has problems."""
     model = open_model_named(path, strict=False)
-    d = describe(model, vram, n_ctx)
+    d = describe(model, vram, n_ctx, kv_type)
     if as_json:
         print(json.dumps(d))
     else:
@@ -268,7 +278,8 @@ def show(path: str, as_json: bool, vram: int | None, n_ctx: int | None, console)
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     check_positive("--ctx", args.ctx)
-    return show(args.model, args.json, args.vram, args.ctx, Console(highlight=False))
+    return show(args.model, args.json, args.vram, args.ctx, Console(highlight=False),
+                getattr(args, "kv_type", "auto"))
 
 
 COMMANDS = {"inspect": (add_parser, run)}

@@ -66,6 +66,7 @@ class PlanSketch:
     decode_experts_fit: int   # while decoding a short conversation: the elastic cache also holds
                               # the prefill workspace and the KV not yet used
     fits: bool
+    kv_type: str = "f16"      # the KV's type (native.kv_cache)
 
     @property
     def experts_fit_fraction(self) -> float:
@@ -198,7 +199,8 @@ def plan_sketch(model: LoadedModel, vram_bytes: int, n_ctx: int = 8192,
     decode_left = left + ws + kv - kv_start - policy.decode_headroom
     decode_fit = min(total_experts, max(0, decode_left) // mean) if mean else 0
     return PlanSketch(vram_bytes, n_ctx, dense, host, kv, state, work, max(0, left), mean,
-                      total_experts, int(fit), int(decode_fit), left >= 0)
+                      total_experts, int(fit), int(decode_fit), left >= 0,
+                      kv_cache.kv_type(kv_type).name)
 
 
 def _cache_rooms(model: LoadedModel, vram_bytes: int, n: int, n_seq: int, kv_type,
@@ -229,8 +231,11 @@ def auto_kv_type(model: LoadedModel, vram_bytes: int, n_ctx: int, *, n_seq: int 
     """--kv-type auto under a VRAM cap: the widest of f16, q8_0 and q4_0 whose KV, the context
     full, leaves the expert cache CONTEXT.expert_share of its room at the default context (the
     rule --ctx auto sizes the context by): a short context keeps f16, a long one gives up KV
-    precision before decode speed. q4_0 when none does."""
+    precision before decode speed. q4_0 when none does; f16 when the cap has no room for
+    experts even at the default context (the runtime then says what does not fit)."""
     need, _ = _share_needed(model, vram_bytes, n_seq, policy, expert_share, None)
+    if need <= 0:
+        return "f16"
     for name in ("f16", "q8_0", "q4_0"):
         if model.config.head_dim % 32 and name != "f16":
             break

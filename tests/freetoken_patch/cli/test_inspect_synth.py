@@ -24,9 +24,13 @@ def test_synth_then_inspect_json(tmp_path, capsys):
     assert 0 <= plan["experts_fit"] <= plan["decode_experts_fit"] <= plan["experts_total"]
     embd = names["token_embd.weight"]["bytes"]
     assert plan["host_bytes"] == embd    # the runtime keeps the embedding in host RAM
+    assert plan["kv_type"] == "f16"      # auto, with no room for experts at all: f16
     assert main(["inspect", str(out), "--json", "--vram", "3GiB"]) == 0
     big = json.loads(capsys.readouterr().out)["plan"]
-    assert big["decode_experts_fit"] == big["experts_total"]
+    assert big["decode_experts_fit"] == big["experts_total"] and big["kv_type"] == "f16"
+    assert main(["inspect", str(out), "--json", "--vram", "3GiB", "--kv-type", "q4_0"]) == 0
+    q4 = json.loads(capsys.readouterr().out)["plan"]
+    assert q4["kv_type"] == "q4_0" and q4["kv_bytes"] == big["kv_bytes"] * 9 // 32
 
 
 def test_inspect_tables(tiny_model, capsys):
@@ -34,7 +38,7 @@ def test_inspect_tables(tiny_model, capsys):
     out = capsys.readouterr().out
     for needle in ("parameters:", "bytes by tensor class", "routed experts", "layers",
                    "delta-net", "attention", "kernels for the types", "plan for 2.00 GiB",
-                   "64 of 64 experts"):
+                   "64 of 64 experts", "KV f16"):
         assert needle in out, needle
 
 
