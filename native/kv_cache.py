@@ -47,6 +47,10 @@ class KVType:
                              f"{BLOCK}, not {d}; use --kv-type f16")
         return (d if self.name == "q8_0" else d // 2) + d // BLOCK * 2
 
+    def bytes_per_value(self, d: int) -> float:
+        """Bytes a value takes in head rows of d (what memory estimates multiply by)."""
+        return self.row_bytes(d) / d
+
     def row_width(self, d: int) -> int:
         """The cache's last dimension (X) for head size d."""
         return self.row_bytes(d) // self.storage.itemsize

@@ -388,8 +388,7 @@ def check_memory(loaded, dev, n_ctx: int, *, sequences: int = 1, logits_rows: in
     device has free once the weights are there; else one line naming the key responsible."""
     from moe_offload import KV_TYPES, check_host_memory, check_vram_memory, estimate_memory
     what = str(loaded.file.path)
-    d = loaded.config.head_dim
-    kv_bytes = KV_TYPES[kv_type].row_bytes(d) / d
+    kv_bytes = KV_TYPES[kv_type].bytes_per_value(loaded.config.head_dim)
     if dev.type == "cpu":
         check_host_memory(estimate_memory(loaded.config, n_ctx, sequences=sequences,
                                           logits_rows=logits_rows, kv_bytes=kv_bytes), what)

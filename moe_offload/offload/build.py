@@ -137,11 +137,10 @@ def _assemble(p: Parts, loaded: LoadedModel, model_cls, progress) -> None:
     # what the metadata implies for the context, before anything is allocated: a file whose
     # keys ask for more than the whole cap is refused here, naming the key
     try:
-        kv = kv_cache.kv_type(opts.kv_type)
-        kv.row_bytes(c.head_dim)
+        kv_bytes = kv_cache.kv_type(opts.kv_type).bytes_per_value(c.head_dim)
     except ValueError as e:
         raise OffloadError(str(e)) from None
-    need = runtime_estimate(c, opts.n_ctx, pol, kv_bytes=kv.row_bytes(c.head_dim) / c.head_dim)
+    need = runtime_estimate(c, opts.n_ctx, pol, kv_bytes=kv_bytes)
     check_vram(need, opts.vram, f"--vram {opts.vram / 2**30:.2f} GiB", str(loaded.file.path))
     plan = VramLedger(opts.vram)   # the start-up plan; refuses a cap too small, with numbers
     torch.cuda.reset_peak_memory_stats(dev)

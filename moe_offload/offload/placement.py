@@ -29,10 +29,9 @@ def kv_bytes_per_token(model, kv_type="f16") -> int:
     """KV cache per token over every attention layer (K and V of `kv_type`, a native.kv_cache
     type or its name; a number: bytes a value); `model` a LoadedModel or its config."""
     c = getattr(model, "config", model)
-    if isinstance(kv_type, (int, float)):
-        return footprint.kv_bytes_per_position(c, kv_type)
-    row = kv_cache.kv_type(kv_type).row_bytes(c.head_dim)
-    return len(c.attention_layers) * 2 * c.n_head_kv * row
+    per_value = kv_type if isinstance(kv_type, (int, float)) else \
+        kv_cache.kv_type(kv_type).bytes_per_value(c.head_dim)
+    return footprint.kv_bytes_per_position(c, per_value)
 
 
 def recurrent_state_bytes(model: LoadedModel) -> int:
