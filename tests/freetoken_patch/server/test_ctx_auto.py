@@ -142,3 +142,18 @@ def test_choose_context_under_a_cap_names_the_kv_type_it_chose(b35, monkeypatch)
     ch = ctx_auto.choose_context(args, b35, torch.device("cpu"), 1)
     assert ch.kv_type == "f16" and "(auto)" not in ch.describe()
     assert ch.kv_bytes == 131072 * 10 * 2 * 2 * 256 * 2
+
+
+def test_a_block_kv_type_on_heads_it_cannot_split_is_one_line():
+    """--kv-type q8_0 / q4_0 store blocks of 32: a model whose heads are not a multiple of 32 gets
+    one line naming the flag and the fix; auto and f16 keep working for it."""
+    from freetoken_patch.cli.model_args import kv_type_for
+    from freetoken_patch.errors import CLIError
+    odd = SimpleNamespace(config=SimpleNamespace(head_dim=48))
+    for kv in ("q8_0", "q4_0"):
+        args = argparse.Namespace(kv_type=kv, vram=None)
+        with pytest.raises(CLIError, match=rf"--kv-type {kv} stores blocks of 32 .* 48; use "
+                                           r"--kv-type f16"):
+            kv_type_for(args, odd, 4096)
+    assert kv_type_for(argparse.Namespace(kv_type="auto", vram=None), odd, 4096) == "f32"
+    assert kv_type_for(argparse.Namespace(kv_type="f16", vram=None), odd, 4096) == "f16"
