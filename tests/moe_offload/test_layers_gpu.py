@@ -456,14 +456,15 @@ def _attention_reference(qg, q_norm, pos, n_rot, k_rows, v_rows, hq):
 
 @pytest.mark.parametrize("kind", QUANT_KV)
 @pytest.mark.parametrize("dims,batch,pos", [((4, 2, 64, 32), 1, 0), ((4, 2, 128, 64), 2, 37),
-                                            ((16, 2, 256, 64), 1, 3000), ((4, 1, 512, 64), 1, 300)])
+                                            ((16, 2, 256, 64), 1, 3000), ((4, 1, 512, 64), 1, 300),
+                                            ((16, 2, 128, 64), 2, 9000), ((8, 2, 256, 64), 1, 40000)])
 def test_attention_over_a_quantized_cache(kind, dims, batch, pos):
     """A decode step over a q8_0 / q4_0 cache attends the rows as the cache holds them: the
     output is the float64 torch math over the dequantized rows 0..pos (row pos the one the step
     wrote, whose bits the test above checks), at one split of rows and across many."""
     from native import ops
     hq, hkv, d, n_rot = dims
-    n_ctx = 4096 if pos > 64 else 64
+    n_ctx = pos + 1000 if pos > 64 else 64
     g = torch.Generator(DEV).manual_seed(pos + batch + d)
     qg, k, v, q_norm, k_norm = _step_inputs(g, batch, hq, hkv, d)
     kc, vc = (_quantized(kind, _rand(batch, n_ctx, hkv, d, g=g)) for _ in range(2))
@@ -557,3 +558,47 @@ def test_a_cache_of_no_kv_type_is_refused():
     q4 = torch.zeros(1, 64, hkv, d // 2 + d // 16, dtype=torch.uint8, device=DEV)
     with pytest.raises(NativeError, match="one type"):
         ops.cuda_attention_many(qg, k, v, q_norm, k_norm, 1e-6, [p], 64, 1e7, [q8[0]], [q4[0]], hq, 64)
+
+
+def _kernel_form(form: str, fn):
+    """fn() with the attention kernel FTPATCH_ATTENTION_GROUPED names (read at each launch): 0 the
+    per-head kernel, 1 the group kernel a warp a group, 2 a warp a half group."""
+    import os
+    old = os.environ.get("FTPATCH_ATTENTION_GROUPED")
+    os.environ["FTPATCH_ATTENTION_GROUPED"] = form
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["FTPATCH_ATTENTION_GROUPED"]
+        else:
+            os.environ["FTPATCH_ATTENTION_GROUPED"] = old
+
+
+@pytest.mark.parametrize("form", ["1", "2"])
+@pytest.mark.parametrize("kind", ["f32", "f16", *QUANT_KV])
+@pytest.mark.parametrize("dims,pos", [((16, 2, 256, 64), 5), ((16, 2, 256, 64), 70000),
+                                      ((8, 2, 128, 64), 1500), ((16, 1, 128, 128), 300)])
+def test_group_kernel_equals_the_per_head_kernel(form, kind, dims, pos):
+    """The group kernel (one block a kv head, its 4 or 8 query heads at once, a warp for all of
+    them or for half) against the per-head kernel on the same inputs: the rows written into the
+    caches bit for bit (the same norm, RoPE and rounding), the outputs to float32 summation
+    order, at one split and at 256 splits of a long context; a group of 16 (no group kernel)
+    runs the per-head kernel either way."""
+    from native import ops
+    from native.kv_cache import KV_TYPES
+    hq, hkv, d, n_rot = dims
+    n_ctx = pos + 64
+    g = torch.Generator(DEV).manual_seed(pos + hq + d)
+    qg, k, v, q_norm, k_norm = _step_inputs(g, 2, hq, hkv, d)
+    caches = [KV_TYPES[kind].quantize(_rand(2, n_ctx, hkv, d, g=g)) for _ in range(2)]
+    p = torch.tensor(pos, device=DEV)
+    n_attn = min(n_ctx, (pos // 64 + 1) * 64)
+    kg, vg = (c.clone() for c in caches)
+    kp, vp = (c.clone() for c in caches)
+    step = lambda kc, vc: ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, p, n_rot, 1e7,  # noqa: E731
+                                                  kc, vc, hq, n_attn)
+    got = _kernel_form(form, lambda: step(kg, vg))
+    want = _kernel_form("0", lambda: step(kp, vp))
+    assert torch.equal(kg, kp) and torch.equal(vg, vp)
+    _close(got, want, 1e-5)

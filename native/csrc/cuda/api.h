@@ -149,8 +149,10 @@ void route_topk(const float* logits, int64_t rows, int64_t ld, int64_t n_experts
 // (k_table, v_table: the caches through a SeqTable; one table for both.) workspace: >= n_seq *
 // hq * attention_splits(n_attn) * (d + 2) floats. Two launches per 8
 // sequences; a sequence attending fewer rows than n_attn leaves its last splits empty. Splits
-// are 128 positions up to 8,192 (64 splits) and larger past that, at most 64 of them: past
-// 8,192 rows a sequence's sums follow the launch's n_attn, not only its own length.
+// are 128 positions up to 32,768 (256 splits) and larger past that, at most 256 of them: past
+// 32,768 rows a sequence's sums follow the launch's n_attn, not only its own length. Groups of
+// 4 or 8 query heads a kv head with d 128 or 256 run a block a kv head, which reads each cache
+// row once for the group (env FTPATCH_ATTENTION_GROUPED=0: a block a query head, to compare).
 // write_first: every entry's k, v rows are written (one more launch per 8) before any entry
 // attends, so entries may share caches: T tokens of one sequence at T positions (a speculative
 // verify step) in three launches, each token's result the bits of its own one-token step.

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -433,12 +434,12 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t ld, int ro
 // Splits keep the GPU busy at long contexts (16 heads alone would use 16 SMs): kAttnChunk
 // positions each, or past kAttnMaxSplits of those, more (a multiple of kAttnChunk), so that a
 // long context's merge reads at most kAttnMaxSplits rows and each block has a loop's worth of
-// positions (at 131K, 1,024 splits of 128 made the merge's serial loop and the blocks' fixed
-// cost much of a step). Contexts up to kAttnChunk * kAttnMaxSplits split as before.
+// positions. The group kernel below (one block a kv head: 2 heads' worth of blocks a split, not
+// 16) wants the many splits; the merge reads the splits' maxima and sums in parallel.
 constexpr int kAttnWarps = 8;
 constexpr int kAttnRun = 8;
 constexpr int kAttnChunk = 2 * kAttnWarps * kAttnRun;  // positions per split, at least
-constexpr int kAttnMaxSplits = 64;
+constexpr int kAttnMaxSplits = 256;
 
 int64_t attention_chunk(int64_t n_attn) {
     const int64_t per = (n_attn + kAttnMaxSplits - 1) / kAttnMaxSplits;
@@ -644,24 +645,41 @@ template <bool kQ4> struct CacheQuant {
 using CacheQ8 = CacheQuant<false>;
 using CacheQ4 = CacheQuant<true>;
 
-// rms_norm(x[0:d]) * w then NEOX RoPE on the first n_rot dims, in place (shared memory).
+// Pieces of rms_norm(x[0:d]) * w then NEOX RoPE on the first n_rot dims, written as explicit IEEE
+// operations (no contraction under --use_fast_math) so that both attention kernels, which
+// organise the work differently, write the same k rows into the caches bit for bit.
+__device__ __forceinline__ float norm_factor(float sum_sq, int d, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, float(d)), eps));
+}
+// the reference's float32 inverse frequency and angle, then an accurate cos/sin of it (fast-math
+// sinf loses digits at angles of thousands of radians)
+__device__ __forceinline__ void rope_cos_sin(int i, float pos, int n_rot, float base, float& c, float& s) {
+    const float inv = float(pow(double(base), -double(2 * i) / double(n_rot)));
+    const float ang = pos * inv;
+    c = float(cos(double(ang)));
+    s = float(sin(double(ang)));
+}
+__device__ __forceinline__ void rope_pair(float* x, int i, int half, float c, float s) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    x[i + half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
+// The whole of it for one row in shared memory, by the block (the sum of squares in block_sum's
+// order: thread i's value i, warps in order, for d <= blockDim; each square rounded on its own,
+// not fused into the first sum of the warp's, which the inlined form would otherwise do).
 __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos, int n_rot, float base,
                           float* red) {
     float sq = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) sq += x[i] * x[i];
-    const float r = rsqrtf(block_sum(sq, red) / float(d) + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) x[i] = x[i] * r * w[i];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) sq = __fadd_rn(sq, __fmul_rn(x[i], x[i]));
+    const float r = norm_factor(block_sum(sq, red), d, eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) x[i] = __fmul_rn(__fmul_rn(x[i], r), w[i]);
     __syncthreads();
     const int half = n_rot / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        // the reference's float32 inverse frequency and angle, then an accurate cos/sin of it
-        // (fast-math sinf loses digits at angles of thousands of radians)
-        const float inv = float(pow(double(base), -double(2 * i) / double(n_rot)));
-        const float ang = pos * inv;
-        const float c = float(cos(double(ang))), s = float(sin(double(ang)));
-        const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * c - x2 * s;
-        x[i + half] = x2 * c + x1 * s;
+        float c, s;
+        rope_cos_sin(i, pos, n_rot, base, c, s);
+        rope_pair(x, i, half, c, s);
     }
     __syncthreads();
 }
@@ -817,37 +835,275 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     }
 }
 
-// Block (h, b): the splits' maxima and sums read once, in parallel, into shared memory, their
-// weights exp(m_s - M) computed once; then each output dim sums its splits in order (the same
-// operations, in the same order, as a thread reading every split itself).
-__global__ void attention_merge_kernel(const float* part, int splits, int d, const float* qg,
-                                       int64_t ldq, int hq, float* out) {
-    __shared__ float ms[kAttnMaxSplits], ls[kAttnMaxSplits], ws[kAttnMaxSplits], total;
+// ---- attention of a query group: one block a kv head ---------------------------------------------
+// qwen35moe's 16 query heads share 2 kv heads, 8 a group. attention_part_kernel reads a kv row (and
+// unpacks a quantized one) once for each query head of its group; this kernel once for the group,
+// or for each half of it. Block (kh, b, split), kGroupWarps warps; warp w takes the group's heads
+// [HW * (w % S), HW * (w % S + 1)) (HW = G / S: the whole group, S = 1, or half, S = 2) over runs of
+// kGroupRun positions (warps w / S of the block share a run's rows, read once from memory). A
+// lane holds dims [lane*PER, (lane+1)*PER) of the run's K rows (then V rows) and of its HW heads'
+// outputs (registers; the queries in shared memory). The run's HW x kGroupRun partial dot
+// products are summed over the warp by a reduce-scatter (8 + 4 + 2 + 1 shuffles for 16 sums, one
+// more round for 32, where one sum at a time takes 5), after which lane i holds head (i % N) / run's
+// score of position i % run: each lane does one score's softmax step, and the heads' weights and
+// rescale factors go back to every lane by shuffles for the V products. Phase 1 is
+// attention_part_kernel's (the queries and k normed and roped, the row written as the cache holds
+// it, bit for bit) with one RoPE table for the G + 1 rows. The split's (acc[d], max, sum) rows are
+// the per-head kernel's, for the same merge.
+constexpr int kGroupWarps = 4;
+constexpr int kGroupRun = 4;
+
+// One round of a warp's reduce-scatter of N sums: lanes l and l ^ W swap halves of the 2W partial
+// sums each holds, each keeping the half its bit W names, so after rounds N/2, .., 2, 1 lane l holds
+// sum l % N over its N-lane part of the warp in ps[0]. Values are selected, not addresses (an
+// index by `upper` would put ps in local memory).
+template <int W, int N> __device__ __forceinline__ void reduce_scatter(float (&ps)[N], int lane) {
+    if constexpr (W >= 1) {
+        const bool upper = lane & W;
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+            const float lo = ps[i], hi = ps[i + W];
+            ps[i] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, W);
+        }
+        reduce_scatter<W / 2, N>(ps, lane);
+    }
+}
+
+template <class C, int PER, int G, int S, int MODE>
+__global__ void __launch_bounds__(32 * kGroupWarps)
+attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
+                       const float* q_norm, const float* k_norm, float eps, SeqKV kv, int n_rot,
+                       float base, int hq, int hkv, int64_t chunk, float* part) {
+    constexpr int d = 32 * PER, R = kGroupRun, W = kGroupWarps, HW = G / S, N = HW * R;
+    static_assert((N == 16 || N == 32) && PER % 4 == 0 && d <= 256 && W % S == 0,
+                  "attention_group_kernel: 16 or 32 sums a run, PER 4 or 8");
+    __shared__ __align__(16) float qs[G][d];
+    __shared__ __align__(16) float accs[W][HW][d];
+    __shared__ float ks[d], vs[d], rope_c[d / 2], rope_s[d / 2], wm[W][HW], wl[W][HW];
+    const int kh = blockIdx.x, b = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t pos = *kv.pos[b];
+    char* const k_cache = static_cast<char*>(kv.key(b));
+    char* const v_cache = static_cast<char*>(kv.value(b));
+    const float* qb = qg + int64_t(b) * ldq + int64_t(kh) * G * 2 * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        ks[i] = kin[int64_t(b) * ldkv + int64_t(kh) * d + i];
+        vs[i] = vin[int64_t(b) * ldkv + int64_t(kh) * d + i];
+        if (MODE != kWriteRows)
+#pragma unroll
+            for (int g = 0; g < G; ++g) qs[g][i] = qb[int64_t(g) * 2 * d + i];
+    }
+    const int half = n_rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(i, float(pos), n_rot, base, rope_c[i], rope_s[i]);
+    __syncthreads();
+    // row r < G: query head r; row G: k. A warp a row (only k when only writing), its sum of
+    // squares in norm_rope's order (that of a block of 256 threads: d <= 256 here).
+    for (int r = (MODE == kWriteRows ? G : 0) + warp; r <= G; r += W) {
+        float* x = r < G ? qs[r] : ks;
+        const float* w = r < G ? q_norm : k_norm;
+        float sq = 0.f;
+#pragma unroll
+        for (int c = 0; c < PER; ++c) sq += warp_sum(__fmul_rn(x[32 * c + lane], x[32 * c + lane]));
+        const float rr = norm_factor(sq, d, eps);
+        for (int i = lane; i < d; i += 32) x[i] = __fmul_rn(__fmul_rn(x[i], rr), w[i]);
+        __syncwarp();
+        for (int i = lane; i < half; i += 32) rope_pair(x, i, half, rope_c[i], rope_s[i]);
+    }
+    __syncthreads();
+    constexpr int rb = C::row_bytes(d);
+    const int64_t row_stride = int64_t(hkv) * rb;  // bytes
+    const char* kbase = k_cache + int64_t(kh) * rb;
+    const char* vbase = v_cache + int64_t(kh) * rb;
+    const int64_t at = (pos * hkv + kh) * rb;
+    C::template put_rows<d>(k_cache + at, v_cache + at, ks, vs, MODE != kAttendOnly && blockIdx.z == 0);
+    if (MODE == kWriteRows) return;
+    __syncthreads();
+
+    const int h0 = HW * (warp % S);  // this warp's first head of the group
+    float acc[HW][PER];
+#pragma unroll
+    for (int h = 0; h < HW; ++h)
+#pragma unroll
+        for (int j = 0; j < PER; ++j) acc[h][j] = 0.f;
+    const float scale = rsqrtf(float(d));
+    float m = -INFINITY, l = 0.f;  // head (lane % N) / R's running max and sum (its lanes agree)
+    const int64_t first = int64_t(blockIdx.z) * chunk;
+    const int64_t last = min(pos, first + chunk - 1);
+    for (int64_t p0 = first + int64_t(warp / S) * R; p0 <= last; p0 += (W / S) * R) {
+        float rows[R][PER], sc[R];  // a row: rows[u][] * sc[u]
+        [[maybe_unused]] typename C::template Raw<PER> vraw[R];
+#pragma unroll
+        for (int u = 0; u < R; ++u) {
+            const int64_t p = p0 + u;
+            if (p < pos) {
+                if constexpr (C::kScaled) vraw[u] = C::template fetch<PER>(vbase + p * row_stride, lane);
+                sc[u] = C::template load<PER>(kbase + p * row_stride, lane, rows[u]);
+            } else {
+                sc[u] = 1.f;
+#pragma unroll
+                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? ks[lane * PER + j] : 0.f;
+            }
+        }
+        float ps[N];  // ps[h * R + u]: this lane's part of head h0 + h's dot with row u
+#pragma unroll
+        for (int h = 0; h < HW; ++h) {
+            float q[PER];
+#pragma unroll
+            for (int j = 0; j < PER; j += 4) {
+                const float4 v4 = *reinterpret_cast<const float4*>(&qs[h0 + h][lane * PER + j]);
+                q[j] = v4.x; q[j + 1] = v4.y; q[j + 2] = v4.z; q[j + 3] = v4.w;
+            }
+#pragma unroll
+            for (int u = 0; u < R; ++u) {
+                float dot = 0.f;
+#pragma unroll
+                for (int j = 0; j < PER; ++j) dot += q[j] * rows[u][j];
+                ps[h * R + u] = C::kScaled ? __fmul_rn(dot, sc[u]) : dot;
+            }
+        }
+        reduce_scatter<N / 2, N>(ps, lane);
+        if constexpr (N < 32) ps[0] += __shfl_xor_sync(0xffffffffu, ps[0], 16);  // the two halves
+        const float s = p0 + lane % R <= last ? ps[0] * scale : -INFINITY;
+        float mx = s;
+#pragma unroll
+        for (int o = 1; o < R; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float mn = fmaxf(m, mx);
+        const float corr = expf(m - mn);
+        const float e = expf(s - mn);
+        float run = e;
+#pragma unroll
+        for (int o = 1; o < R; o <<= 1) run += __shfl_xor_sync(0xffffffffu, run, o);
+        l = l * corr + run;
+        m = mn;
+#pragma unroll
+        for (int u = 0; u < R; ++u) {
+            const int64_t p = p0 + u;
+            if (p < pos) {
+                if constexpr (C::kScaled)
+                    sc[u] = C::template unpack<PER>(vraw[u], rows[u]);
+                else
+                    sc[u] = C::template load<PER>(vbase + p * row_stride, lane, rows[u]);
+            } else {
+                sc[u] = 1.f;
+#pragma unroll
+                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? vs[lane * PER + j] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < HW; ++h) {
+            const float ch = __shfl_sync(0xffffffffu, corr, h * R);
+            float eh[R];
+#pragma unroll
+            for (int u = 0; u < R; ++u) {
+                eh[u] = __shfl_sync(0xffffffffu, e, h * R + u);
+                if constexpr (C::kScaled) eh[u] *= sc[u];
+            }
+#pragma unroll
+            for (int j = 0; j < PER; ++j) {
+                float a = acc[h][j] * ch;
+#pragma unroll
+                for (int u = 0; u < R; ++u) a += eh[u] * rows[u][j];
+                acc[h][j] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < HW; ++h)
+#pragma unroll
+        for (int j = 0; j < PER; ++j) accs[warp][h][lane * PER + j] = acc[h][j];
+    if (lane < N && lane % R == 0) {
+        wm[warp][lane / R] = m;
+        wl[warp][lane / R] = l;
+    }
+    __syncthreads();
+    // workspace row (b, head, split) of each head of the group: acc[d] relative to M, then M, L;
+    // head h's parts are in warps h / HW, h / HW + S, ...
+    for (int idx = threadIdx.x; idx < G * (d + 2); idx += blockDim.x) {
+        const int h = idx / (d + 2), i = idx % (d + 2), hw = h % HW, w0 = h / HW;
+        float M = -INFINITY;
+        for (int w = w0; w < W; w += S) M = fmaxf(M, wm[w][hw]);
+        float o = 0.f;
+        if (i < d) {
+            for (int w = w0; w < W; w += S)
+                if (wm[w][hw] != -INFINITY) o += accs[w][hw][i] * expf(wm[w][hw] - M);
+        } else if (i == d) {
+            o = M;
+        } else {
+            for (int w = w0; w < W; w += S)
+                o += wm[w][hw] == -INFINITY ? 0.f : wl[w][hw] * expf(wm[w][hw] - M);
+        }
+        part[((int64_t(b) * hq + kh * G + h) * gridDim.z + blockIdx.z) * (d + 2) + i] = o;
+    }
+}
+
+// Max over the block (as block_sum); every thread gets it.
+__device__ float block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int nw = blockDim.x >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = -INFINITY;
+    for (int w = 0; w < nw; ++w) t = fmaxf(t, red[w]);
+    return t;
+}
+
+// Block (h, b, dims [64 z, 64 z + 64)): the splits' maximum M and their weights exp(m_s - M) and
+// total sum, found in parallel (a split a thread, then block reductions); then 4 threads a dim
+// each sum every 4th split (loads unconditional and unrolled: an empty split's row is zeros
+// with weight 0) and their sums are added in order. Past a few dozen splits a dim's serial sum
+// was the merge's cost: 256 dependent loads per thread took tens of microseconds a layer.
+constexpr int kMergeDims = 64, kMergeParts = 4;
+
+__global__ void __launch_bounds__(kMergeDims * kMergeParts)
+attention_merge_kernel(const float* part, int splits, int d, const float* qg, int64_t ldq, int hq,
+                       float* out) {
+    __shared__ float ws[kAttnMaxSplits], red[32], sums[kMergeParts][kMergeDims];
     const int h = blockIdx.x, b = blockIdx.y;
     const float* pr = part + (int64_t(b) * hq + h) * splits * (d + 2);
+    float mine = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) mine = fmaxf(mine, pr[s * (d + 2) + d]);
+    const float M = block_max(mine, red);
+    float part_l = 0.f;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-        ms[s] = pr[s * (d + 2) + d];
-        ls[s] = pr[s * (d + 2) + d + 1];
+        const float ms = pr[s * (d + 2) + d];
+        ws[s] = ms != -INFINITY ? expf(ms - M) : 0.f;
+        if (ms != -INFINITY) part_l += pr[s * (d + 2) + d + 1] * ws[s];
     }
+    const float total = block_sum(part_l, red);  // its barriers also publish ws
+    const int c = threadIdx.x % kMergeDims, k = threadIdx.x / kMergeDims;
+    const int i = blockIdx.z * kMergeDims + c;
+    float o = 0.f;
+    if (i < d) {
+#pragma unroll 8
+        for (int s = k; s < splits; s += kMergeParts) o += pr[int64_t(s) * (d + 2) + i] * ws[s];
+    }
+    sums[k][c] = o;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float M = -INFINITY;
-        for (int s = 0; s < splits; ++s) M = fmaxf(M, ms[s]);
-        float L = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            ws[s] = ms[s] != -INFINITY ? expf(ms[s] - M) : 0.f;
-            if (ms[s] != -INFINITY) L += ls[s] * ws[s];
-        }
-        total = L;
+    if (k == 0 && i < d) {
+        float t = sums[0][c];
+#pragma unroll
+        for (int j = 1; j < kMergeParts; ++j) t += sums[j][c];
+        const float gate = qg[int64_t(b) * ldq + int64_t(h) * 2 * d + d + i];
+        out[(int64_t(b) * hq + h) * d + i] = t / total * sigmoid(gate);
     }
-    __syncthreads();
-    const float* gate = qg + int64_t(b) * ldq + int64_t(h) * 2 * d + d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float o = 0.f;
-        for (int s = 0; s < splits; ++s)
-            if (ms[s] != -INFINITY) o += pr[s * (d + 2) + i] * ws[s];
-        out[(int64_t(b) * hq + h) * d + i] = o / total * sigmoid(gate[i]);
+}
+
+// Which attention kernel a launch runs: 0 the per-head kernel, 1 the group kernel with a warp
+// for the whole group, 2 with a warp for half of it. The group kernel where a group is 4 or 8
+// query heads of 128 or 256 dims (registers: HW * PER outputs and 4 * PER row values a lane), a
+// warp for the whole group (half groups timed the same on an H100 and unpack each row twice);
+// FTPATCH_ATTENTION_GROUPED (0, 1 or 2) overrides, to compare.
+int attention_kernel_choice(int64_t hq, int64_t hkv, int64_t d) {
+    const int64_t g = hq / hkv;
+    if ((g != 4 && g != 8) || d < 128 || d > 256) return 0;
+    if (const char* env = std::getenv("FTPATCH_ATTENTION_GROUPED")) {
+        const std::string v(env);
+        require(v == "0" || v == "1" || v == "2", "FTPATCH_ATTENTION_GROUPED must be 0, 1 or 2");
+        return std::atoi(env);
     }
+    return 1;
 }
 
 template <class C, int MODE>
@@ -855,6 +1111,27 @@ void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, in
                       const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
                       float eps, const SeqKV& kv, int n_rot, float base, int hq, int hkv,
                       int64_t chunk, float* part) {
+    if (const int choice = attention_kernel_choice(hq, hkv, d)) {
+        const dim3 g_grid{unsigned(hkv), grid.y, grid.z};
+        auto go = [&](auto per, auto group, auto split) {
+            attention_group_kernel<C, decltype(per)::value, decltype(group)::value,
+                                   decltype(split)::value, MODE>
+                <<<g_grid, 32 * kGroupWarps, 0, st>>>(qg, ldq, k, v, ldkv, qn, kn, eps, kv, n_rot,
+                                                      base, hq, hkv, chunk, part);
+        };
+        using I1 = std::integral_constant<int, 1>;
+        using I2 = std::integral_constant<int, 2>;
+        using I4 = std::integral_constant<int, 4>;
+        using I8 = std::integral_constant<int, 8>;
+        auto by_group = [&](auto per) {
+            if (hq / hkv == 4) go(per, I4{}, I1{});
+            else if (choice == 1) go(per, I8{}, I1{});
+            else go(per, I8{}, I2{});
+        };
+        if (d == 128) by_group(I4{});
+        else by_group(I8{});
+        return;
+    }
     auto go = [&](auto per) {
         attention_part_kernel<C, decltype(per)::value, MODE><<<grid, 32 * kAttnWarps, 0, st>>>(
             qg, ldq, k, v, ldkv, qn, kn, eps, kv, n_rot, base, hq, hkv, chunk, part);
@@ -1050,7 +1327,8 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
             launch(std::integral_constant<int, kAttendOnly>{}, s0, ns, unsigned(splits));
         else
             launch(std::integral_constant<int, kWriteAndAttend>{}, s0, ns, unsigned(splits));
-        attention_merge_kernel<<<dim3{unsigned(hq), unsigned(ns)}, 256, 0, st>>>(
+        attention_merge_kernel<<<dim3{unsigned(hq), unsigned(ns), blocks_for(d, kMergeDims)},
+                                 kMergeDims * kMergeParts, 0, st>>>(
             part_of(workspace, s0, hq, splits, d), int(splits), int(d), qg + s0 * ldq, ldq, int(hq),
             out + s0 * hq * d);
         FT_CUDA_CHECK(cudaGetLastError());

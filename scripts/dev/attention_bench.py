@@ -1,0 +1,70 @@
+"""Time one decode step's attention kernel (ops.cuda_attention_step, qwen35moe's shape: 16 query
+heads over 2 kv heads of 256) at long contexts, for each KV type, with the group kernel and with
+the per-head one (FTPATCH_ATTENTION_GROUPED=0): microseconds a call (median of --reps, CUDA
+events) and the KV bytes it reads a second. One layer's call; a 35B-A3B token makes 10.
+
+    python scripts/dev/attention_bench.py --ctx 4096,65536,131072 --kv f16,q8_0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from native import ops
+from native.kv_cache import KV_TYPES
+
+
+def time_call(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ctx", default="4096,16384,65536,131072", help="positions attended")
+    ap.add_argument("--kv", default="f16,q8_0,q4_0", help="KV types")
+    ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head dim")
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    hq, hkv, d = (int(x) for x in a.heads.split(","))
+    g = torch.Generator("cuda").manual_seed(0)
+    qg = torch.randn(1, hq * 2 * d, generator=g, device="cuda")
+    k, v = (torch.randn(1, hkv * d, generator=g, device="cuda") for _ in range(2))
+    q_norm, k_norm = (torch.ones(d, device="cuda") for _ in range(2))
+    for kv in a.kv.split(","):
+        t = KV_TYPES[kv]
+        for n in (int(x) for x in a.ctx.split(",")):
+            kc, vc = (t.quantize(torch.randn(1, n, hkv, d, generator=g, device="cuda"))
+                      for _ in range(2))
+            pos = torch.tensor(n - 1, device="cuda")
+            row = {"kv": kv, "ctx": n}
+            outs = {}
+            for name, env in (("half_group", "2"), ("group", "1"), ("per_head", "0")):
+                os.environ["FTPATCH_ATTENTION_GROUPED"] = env
+                def call(kc=kc, vc=vc, pos=pos, n=n):
+                    return ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, pos, 64, 1e7,
+                                                   kc, vc, hq, n)
+                us = time_call(call, a.reps)
+                outs[name] = call()
+                row[f"{name}_us"] = round(us, 1)
+                row[f"{name}_GBps"] = round(2 * kc.numel() * kc.element_size() / us / 1e3, 1)
+            os.environ.pop("FTPATCH_ATTENTION_GROUPED")
+            row["max_diff"] = max(float((outs[n] - outs["per_head"]).abs().max()) for n in outs)
+            print(json.dumps(row), flush=True)
+            del kc, vc
+
+
+if __name__ == "__main__":
+    main()
