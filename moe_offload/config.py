@@ -190,8 +190,18 @@ class PrefillSettings:
                                 # sequential, so fewer, larger chunks launch less
     default_chunk: int = 512    # tokens a prompt chunk of the plain model
     attention_tile_bytes: int = 128 << 20  # a chunk's attention reads the cache in tiles whose
-                                # f32 scores take about this much (layers.attention_tiled):
-                                # the workspace follows the chunk, not the context
+                                # f32 scores, and whose rows as f32, take about this much
+                                # (layers.attention_tiled): the workspace follows the chunk, not
+                                # the context
+
+    def attention_tile(self, n_tokens: int, n_head: int, kv_row_values: int) -> int:
+        """Cache rows a chunk of n_tokens attends at a time: a multiple of 256 whose f32 scores
+        (n_tokens * n_head a row) and whose K and V rows dequantized (kv_row_values each: kv
+        heads * head dim) each take about attention_tile_bytes. The second bound is a decode
+        token's: one query's scores are small, but its float copy of a long cache is not."""
+        by_scores = self.attention_tile_bytes // (4 * max(1, n_tokens) * n_head)
+        by_rows = self.attention_tile_bytes // (4 * 2 * max(1, kv_row_values))
+        return max(256, min(by_scores, by_rows) // 256 * 256)
 
     def as_dict(self) -> dict:
         return asdict(self)

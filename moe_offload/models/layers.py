@@ -125,7 +125,7 @@ def attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     needs beside its own tensors is one tile's scores and rows, whatever the context (the whole
     [Hq, T, n_attn] scores, or a float copy of the whole cache, do not fit a long prompt under a
     cap). The first tile holds row 0, which every query sees, so the running maximum is finite
-    from it on. tile: default from PREFILL.attention_tile_bytes. first (a host int, when the
+    from it on. tile: default PREFILL.attention_tile. first (a host int, when the
     caller knows it): the queries sit at first..first+T-1, so rows past the last are not read
     and tiles every query sees whole are not masked. Returns [B, T, Hq, d] f32."""
     B, T, Hq, d = q.shape
@@ -133,7 +133,7 @@ def attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     G = Hq // Hkv
     kt = kv_type_of(k_cache, d)
     if tile is None:
-        tile = max(256, PREFILL.attention_tile_bytes // (4 * T * Hq) // 256 * 256)
+        tile = PREFILL.attention_tile(T, Hq, Hkv * d)
     # queries of a kv head's group as rows g*T + t, scaled once
     qh = (q.view(B, T, Hkv, G, d).permute(0, 2, 3, 1, 4) * d ** -0.5).reshape(B, Hkv, G * T, d)
     row_pos = q_pos.repeat(G)[:, None]                                     # [G*T, 1]
@@ -250,7 +250,7 @@ def gated_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_n
     """gated_attention for one token of each of B sequences with caches and positions of their
     own (a batched decode step): qg, k, v [B, 1, ..]; caches [1, n_ctx, Hkv, X] each; pos [1]
     and n_attn per sequence -> [B, 1, Hq*d]. On CUDA one launch for the B sequences, with the
-    arithmetic of each one's own decode step while the longest attends at most 8,192 rows (a
+    arithmetic of each one's own decode step while the longest attends at most 32,768 rows (a
     sequence attending fewer rows than the longest leaves its last splits empty; past that the
     splits grow with the longest, api.h). write_first (caches through an ops.SeqTable): every row's
     K and V are written before any attends, so rows may share a cache (a prompt's tokens in a

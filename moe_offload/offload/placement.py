@@ -82,11 +82,6 @@ class PlanSketch:
 CUDA_CONTEXT_MEASURED = 680 << 20
 
 
-def attention_tile(n_tokens: int, n_head: int) -> int:
-    """Cache rows a chunk of n_tokens attends at a time (layers.attention_tiled): its f32
-    scores about PREFILL.attention_tile_bytes, a multiple of 256 rows."""
-    return max(256, PREFILL.attention_tile_bytes // (4 * max(1, n_tokens) * n_head) // 256 * 256)
-
 
 def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = False) -> int:
     """Torch memory one prefill chunk of `n_tokens` needs beyond the weights and state, attending
@@ -105,7 +100,7 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
     # attention reads the cache in tiles (layers.attention_tiled): its queries, sums and
     # output, and one tile's scores (twice: the mask beside them) and dequantized rows
-    L = min(kv_len, attention_tile(T, c.n_head))
+    L = min(kv_len, PREFILL.attention_tile(T, c.n_head, c.n_head_kv * c.head_dim))
     G = c.n_head // max(1, c.n_head_kv)
     attn = T * c.n_head * c.head_dim * 4 * 6 + \
         L * (T * c.n_head * 4 * 2 + T * G + c.n_head_kv * c.head_dim * 4 * 6)

@@ -1,11 +1,12 @@
 """Math helpers of the model that have two forms (CPU): a prompt chunk's tiled attention
 against the whole-score reference, on every KV type."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from moe_offload.models import layers
 from moe_offload.models.layers import attention, attention_tiled
-from moe_offload.offload.placement import attention_tile
 from native.kv_cache import KV_TYPES
 
 
@@ -46,11 +47,36 @@ def test_tiled_attention_reads_each_kv_type_as_its_rows_dequantized(name):
 
 def test_a_chunk_reads_the_cache_in_tiles_bounded_by_the_chunk():
     """The tile follows the chunk: a longer chunk reads fewer rows at a time, so one tile's
-    scores stay about the same size whatever the context."""
-    assert attention_tile(2048, 16) < attention_tile(256, 16)
-    for T in (64, 512, 2048, 8192):
-        assert attention_tile(T, 16) * T * 16 * 4 <= max(layers.PREFILL.attention_tile_bytes,
-                                                         256 * T * 16 * 4)
+    scores stay about the same size whatever the context; and a decode token's tile is bounded
+    by its rows as floats (its scores are small, a float copy of a long cache is not)."""
+    tile, budget = layers.PREFILL.attention_tile, layers.PREFILL.attention_tile_bytes
+    assert tile(2048, 16, 512) < tile(256, 16, 512)
+    for T in (1, 64, 512, 2048, 8192):
+        rows = tile(T, 16, 512)
+        assert rows % 256 == 0
+        assert rows * T * 16 * 4 <= max(budget, 256 * T * 16 * 4)
+        assert rows * 2 * 512 * 4 <= budget
+    assert tile(1, 16, 512) == budget // (2 * 512 * 4)         # qwen35moe's decode: 32,768 rows
+
+
+def test_a_decode_token_reads_a_long_cache_in_tiles(monkeypatch):
+    """One query over more rows than a tile (the CPU's decode over a quantized cache) reads them a
+    tile at a time, with the whole-score reference's result."""
+    kt = KV_TYPES["q8_0"]
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, d, L = 1, 4, 2, 64, 700
+    monkeypatch.setattr(layers, "PREFILL", replace(layers.PREFILL, attention_tile_bytes=256 * 2 * Hkv * d * 4))
+    q = torch.randn(B, 1, Hq, d, generator=g)
+    kc, vc = (kt.quantize(torch.randn(B, L, Hkv, d, generator=g)) for _ in range(2))
+    assert layers.PREFILL.attention_tile(1, Hq, Hkv * d) == 256
+    seen = []
+    real = kt.dequantize
+    monkeypatch.setattr(type(kt), "dequantize", lambda self, rows, d: seen.append(rows.shape[1]) or real(rows, d))
+    q_pos = torch.tensor([L - 1])
+    got = attention_tiled(q, kc, vc, q_pos, L)
+    assert max(seen) == 256
+    ref = attention(q, real(kc, d), real(vc, d), q_pos, torch.arange(L))
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4), float((got - ref).abs().max())
 
 
 @pytest.mark.parametrize("name", ["f16", "q8_0", "q4_0"])
