@@ -80,7 +80,7 @@ def test_quantized_kv_through_the_model_on_cuda(loaded, kv, mean_bound):
         gap = top2[:, 0] - top2[:, 1]
         noise = 2 * (out - ref).abs().max(-1).values
         clear = gap > noise
-        assert clear.float().mean() >= 0.8
+        assert int(clear.sum()) >= 0.8 * clear.numel()    # (20 of 25: a float mean of it is below 0.8)
         assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
