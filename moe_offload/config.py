@@ -191,7 +191,7 @@ class PrefillSettings:
     default_chunk: int = 512    # tokens a prompt chunk of the plain model
     attention_tile_bytes: int = 128 << 20  # a chunk's attention reads the cache in tiles whose
                                 # f32 scores, and whose rows as f32, take about this much
-                                # (layers.attention_tiled): the workspace follows the chunk, not
+                                # (attention.attention_tiled): the workspace follows the chunk, not
                                 # the context
 
     def attention_tile(self, n_tokens: int, n_head: int, kv_row_values: int) -> int:

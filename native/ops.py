@@ -665,24 +665,45 @@ def cpu_attention_available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "attention")
 
 
+def cpu_attention_reads(cache: torch.Tensor, d: int) -> bool:
+    """Whether cpu_attention reads this host cache [n_ctx, Hkv, X] of head size d as stored: f32
+    always, f16 / q8_0 / q4_0 where the built extension unpacks them (ATTENTION_KV_TYPES)."""
+    if cache.device.type != "cpu" or _cpu is None or not hasattr(_cpu, "attention") or d > 512:
+        return False
+    try:
+        kvt = kv_type_of(cache, d)
+    except ValueError:
+        return False
+    return kvt.code == 0 or getattr(_cpu, "ATTENTION_KV_TYPES", 1) > kvt.code
+
+
 def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, n_attn: int, pos0: int) -> torch.Tensor:
     """Causal GQA attention of one sequence on host tensors (csrc/cpu/attention.cpp): q [T, Hq, d]
     and gate [T, Hq, d] (views: unit stride in d), query t at position pos0 + t; caches [n_ctx,
-    Hkv, d] float32 contiguous, the first n_attn rows attended, key l visible to query t iff
-    l <= pos0 + t -> softmax(q k^T / sqrt(d)) v * sigmoid(gate), [T, Hq*d]. d % 16 == 0."""
+    Hkv, X] contiguous rows of one KV type (native.kv_cache: f32, or f16 / q8_0 / q4_0 unpacked a
+    row at a time as read, value for value as KVType.dequantize), the first n_attn rows attended,
+    key l visible to query t iff l <= pos0 + t -> softmax(q k^T / sqrt(d)) v * sigmoid(gate),
+    [T, Hq*d]. d % 16 == 0, d <= 512."""
     t, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    hkv, width = k_cache.shape[1:]
     for name, u in (("q", q), ("gate", gate)):
         if u is not None and (u.dtype != torch.float32 or u.stride(2) != 1 or tuple(u.shape) != (t, hq, d)):
             raise NativeError(f"attention: {name} must be float32 [T, Hq, d] with unit stride in d")
-    if any(c.dtype != torch.float32 or not c.is_contiguous() or c.shape[1:] != (hkv, d)
-           for c in (k_cache, v_cache)):
-        raise NativeError("attention: caches must be contiguous float32 [n_ctx, Hkv, d]")
+    try:
+        kvt = kv_type_of(k_cache, d)
+    except ValueError:
+        kvt = None
+    if kvt is None or not cpu_attention_reads(k_cache, d) or kvt.row_width(d) != width or any(
+            c.dtype != k_cache.dtype or not c.is_contiguous() or c.shape[1:] != (hkv, width)
+            for c in (k_cache, v_cache)):
+        raise NativeError("attention: caches must be contiguous [n_ctx, Hkv, X] rows of one KV type "
+                          "(f32, f16, q8_0 or q4_0) of head size d, as this build of native._cpu reads")
     out = torch.empty(t, hq * d, dtype=torch.float32)
     g = (gate.data_ptr(), gate.stride(0), gate.stride(1)) if gate is not None else (0, 0, 0)
     _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), *g, k_cache.data_ptr(),
-                   v_cache.data_ptr(), n_attn, pos0, t, hq, hkv, d, out.data_ptr(), 0)
+                   v_cache.data_ptr(), n_attn, pos0, t, hq, hkv, d, out.data_ptr(), 0,
+                   **({"kv_type": kvt.code} if kvt.code else {}))
     return out
 
 

@@ -11,5 +11,5 @@ STEP_KERNELS = True
 # off (or FTPATCH_DECODE_LOOP=0): the per-op path, a kernel call at a time from Python
 CPU_PLAN = os.environ.get("FTPATCH_DECODE_LOOP", "1") != "0"
 # a prompt chunk's attention products on a GPU's tensor cores (TF32 operands, f32 sums:
-# layers.attention_tiled); off (or FTPATCH_ATTENTION_TF32=0): full float32
+# attention.attention_tiled); off (or FTPATCH_ATTENTION_TF32=0): full float32
 ATTENTION_TF32 = os.environ.get("FTPATCH_ATTENTION_TF32", "1") != "0"

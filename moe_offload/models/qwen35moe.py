@@ -27,8 +27,9 @@ from ..config import PREFILL
 from ..errors import OffloadError
 from ..state import State, StateTable
 from . import cpu_plan
-from .layers import (gated_attention, gated_attention_many, gated_delta_net, gated_delta_net_many,
-                     embed_rows, residual_rms_norm, rms_norm, route_topk, swiglu)
+from .attention import gated_attention, gated_attention_many
+from .layers import (gated_delta_net, gated_delta_net_many, embed_rows, residual_rms_norm, rms_norm,
+                     route_topk, swiglu)
 from .names import ATTN_IN, FUSED_PROJECTIONS, ROUTER, SHEXP_IN, SSM_IN
 from .weights import Experts
 
@@ -252,7 +253,7 @@ class Qwen35Moe:
     def _attention_many(self, L, a, k_caches, v_caches, pos, n_attn,
                         write_first: bool = False) -> torch.Tensor:
         """Gated full attention of one token of each of B sequences, each on its own cache
-        (write_first: entries may share a cache, layers.gated_attention_many)."""
+        (write_first: entries may share a cache, attention.gated_attention_many)."""
         c = self.config
         qg, k, v = self._attention_in(L, a)                                     # [B, 1, ...]
         o = gated_attention_many(qg, k, v, L["attn_q_norm.weight"], L["attn_k_norm.weight"],

@@ -98,7 +98,7 @@ def prefill_workspace_bytes(c, n_tokens: int, kv_len: int, all_logits: bool = Fa
     widest = max(2 * c.n_head * c.head_dim, fused_ssm_in, c.n_embd * 2, c.ssm_d_inner * 2)
     live = T * H * 4 * 4                                       # residual stream, norms, mixer out
     proj = T * widest * 4 * 3 + widest * H * 2                 # a projection: out, bf16 weight
-    # attention reads the cache in tiles (layers.attention_tiled): its queries, sums and
+    # attention reads the cache in tiles (attention.attention_tiled): its queries, sums and
     # output, and one tile's scores (twice: the mask beside them) and dequantized rows
     L = min(kv_len, PREFILL.attention_tile(T, c.n_head, c.n_head_kv * c.head_dim))
     G = c.n_head // max(1, c.n_head_kv)

@@ -50,10 +50,12 @@
 //                  n_tok, hk, hv, dk, dv, eps, out, stream)
 //       delta_rule_step over n_tok tokens of each sequence (rows b*n_tok + t), in order: a prompt.
 //   attention(q, q_t, q_h, gate, g_t, g_h, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out,
-//             stream)
+//             stream, kv_type=0)
 //       causal GQA attention of one sequence with a sigmoid gate (csrc/cpu/cpu.h): query t of
 //       head h at q + (t*q_t + h*q_h) floats, position pos0 + t; gate likewise (0: none);
-//       caches f32 [n_ctx, hkv, d] contiguous, rows < n_attn read; out f32 [n_tok, hq*d].
+//       caches [n_ctx, hkv, X] contiguous rows of kv_type (0 f32, 1 f16, 2 q8_0, 3 q4_0;
+//       native/kv_cache.py; ATTENTION_KV_TYPES = 4 says so), rows < n_attn read; out f32
+//       [n_tok, hq*d].
 //   gated_attention(qg, ld_qg, k, v, ld_kv, q_norm, k_norm, eps, pos0, n_tok, hq, hkv, d, n_rot,
 //                   inv_freq, k_cache, v_cache, n_attn, q_work, out, stream)
 //       the attention mixer between its projections (csrc/cpu/cpu.h): q/k RMS norm + NEOX RoPE,
@@ -171,15 +173,17 @@ PYBIND11_MODULE(_cpu, m) {
     m.def("attention",
           [](uintptr_t q, int64_t q_t, int64_t q_h, uintptr_t gate, int64_t g_t, int64_t g_h,
              uintptr_t k_cache, uintptr_t v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
-             int64_t hq, int64_t hkv, int64_t d, uintptr_t out, uintptr_t stream) {
+             int64_t hq, int64_t hkv, int64_t d, uintptr_t out, uintptr_t stream, int kv_type) {
               no_stream(stream);
               cpu::attention(ptr<const float>(q), q_t, q_h, ptr<const float>(gate), g_t, g_h,
-                             ptr<const float>(k_cache), ptr<const float>(v_cache), n_attn, pos0, n_tok,
-                             hq, hkv, d, ptr<float>(out));
+                             ptr<const void>(k_cache), ptr<const void>(v_cache), n_attn, pos0, n_tok,
+                             hq, hkv, d, ptr<float>(out), kv_type);
           },
           py::arg("q"), py::arg("q_t"), py::arg("q_h"), py::arg("gate"), py::arg("g_t"), py::arg("g_h"),
           py::arg("k_cache"), py::arg("v_cache"), py::arg("n_attn"), py::arg("pos0"), py::arg("n_tok"),
-          py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("out"), py::arg("stream") = 0, release);
+          py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("out"), py::arg("stream") = 0,
+          py::arg("kv_type") = 0, release);
+    m.attr("ATTENTION_KV_TYPES") = 4;  // attention reads f32, f16, q8_0 and q4_0 caches
     m.def("gated_attention",
           [](uintptr_t qg, int64_t ld_qg, uintptr_t k, uintptr_t v, int64_t ld_kv, uintptr_t q_norm,
              uintptr_t k_norm, float eps, int64_t pos0, int64_t n_tok, int64_t hq, int64_t hkv, int64_t d,

@@ -14,7 +14,7 @@ def test_tiled_attention_tf32_stays_near_float32(kv, monkeypatch):
     """A 2,048-token chunk at 6,000 over its prefix (the 35B's head shapes): the tiles' TF32
     products against the exact float32 ones (the reference path), relative error <= 2e-3."""
     from moe_offload.instrument import switches
-    from moe_offload.models.layers import attention_tiled
+    from moe_offload.models.attention import attention_tiled
     from native.kv_cache import KV_TYPES
     kt = KV_TYPES[kv]
     g = torch.Generator("cuda").manual_seed(1)
@@ -30,7 +30,7 @@ def test_tiled_attention_tf32_stays_near_float32(kv, monkeypatch):
     err = float((fast - exact).abs().max()) / float(exact.abs().max())
     assert 0 < err <= 2e-3, err
     # the same rows on the CPU, whole-score reference
-    from moe_offload.models.layers import attention
+    from moe_offload.models.attention import attention
     ref = attention(q[:, :64].cpu(), kt.dequantize(kc.cpu(), d), kt.dequantize(vc.cpu(), d),
                     pos[:64].cpu(), torch.arange(first + T))
     assert torch.allclose(exact[:, :64].cpu(), ref, atol=1e-5, rtol=1e-4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_offload.models import attention as attn
 from moe_offload.models import layers
 from moe_offload.instrument import switches
 
@@ -176,9 +177,9 @@ def test_attention_many_sequences_equal_each_alone(positions):
     kc1, vc1 = [c.clone() for c in kc], [c.clone() for c in vc]
     pos = [torch.tensor([p], device=DEV) for p in positions]
     n_attn = [min(n_ctx, (p // 256 + 1) * 256) for p in positions]
-    out = layers.gated_attention_many(qg, k, v, q_norm, k_norm, 1e-6, pos, n_rot, 1e7, kc, vc, n_attn)
+    out = attn.gated_attention_many(qg, k, v, q_norm, k_norm, 1e-6, pos, n_rot, 1e7, kc, vc, n_attn)
     for b in range(n):
-        alone = layers.gated_attention(qg[b:b + 1], k[b:b + 1], v[b:b + 1], q_norm, k_norm, 1e-6,
+        alone = attn.gated_attention(qg[b:b + 1], k[b:b + 1], v[b:b + 1], q_norm, k_norm, 1e-6,
                                        pos[b], n_rot, 1e7, kc1[b], vc1[b], n_attn[b])
         assert torch.equal(out[b:b + 1], alone), f"sequence {b} at {positions[b]}"
         assert torch.equal(kc[b], kc1[b]) and torch.equal(vc[b], vc1[b])
@@ -200,8 +201,8 @@ def test_attention_of_several_tokens_equals_one_at_a_time(cache_dtype, T, batch,
     pos = start + torch.arange(T, device=DEV)
     n_attn = min(n_ctx, ((start + T) // 256 + 1) * 256)
     args = (q_norm, k_norm, 1e-6)
-    out = layers.gated_attention(qg, k, v, *args, pos, n_rot, 1e7, kc, vc, n_attn)
-    one = [layers.gated_attention(qg[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], *args, pos[t:t + 1],
+    out = attn.gated_attention(qg, k, v, *args, pos, n_rot, 1e7, kc, vc, n_attn)
+    one = [attn.gated_attention(qg[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], *args, pos[t:t + 1],
                                   n_rot, 1e7, kc1, vc1, n_attn) for t in range(T)]
     assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
     assert torch.equal(out, torch.cat(one, 1))
@@ -261,8 +262,8 @@ def test_gated_attention_one_token(cache_dtype, dims, batch, pos):
     p = torch.tensor([pos], device=DEV)
     n_attn = min(n_ctx, (pos // 64 + 1) * 64)                        # a bucket past pos: masked
     args = (q_norm, k_norm, 1e-6, p, n_rot, 1e7)
-    ref = _reference(layers.gated_attention, qg, k, v, *args, kr, vr, n_attn)
-    out = layers.gated_attention(qg, k, v, *args, kk, vk, n_attn)
+    ref = _reference(attn.gated_attention, qg, k, v, *args, kr, vr, n_attn)
+    out = attn.gated_attention(qg, k, v, *args, kk, vk, n_attn)
     assert out.shape == ref.shape == (batch, 1, hq * d)
     _close(out, ref, 1e-4)
     # row pos: one f16 rounding step apart at most; in f32, RoPE angles of pos * inv_freq differ
@@ -316,8 +317,8 @@ def test_sequences_through_a_table_equal_by_address(n):
     pos = [torch.tensor([p], device=DEV) for p in positions]
     n_attn = [min(2048, (p // 256 + 1) * 256) for p in positions]
     table = _table([[a, b] for a, b in zip(kc_t, vc_t)])
-    ref = layers.gated_attention_many(qg, k, v, *norms, 1e-6, pos, 64, 1e7, kc, vc, n_attn)
-    got = layers.gated_attention_many(qg, k, v, *norms, 1e-6, pos, 64, 1e7,
+    ref = attn.gated_attention_many(qg, k, v, *norms, 1e-6, pos, 64, 1e7, kc, vc, n_attn)
+    got = attn.gated_attention_many(qg, k, v, *norms, 1e-6, pos, 64, 1e7,
                                       _through(table, 0, kc_t[0]), _through(table, 1, vc_t[0]),
                                       n_attn)
     assert torch.equal(got, ref)
@@ -327,9 +328,9 @@ def test_sequences_through_a_table_equal_by_address(n):
         (qg, k, v), norms, (kc1,), (vc1,) = _attention_inputs(g, 1, T)
         kc1_t, vc1_t = kc1.clone(), vc1.clone()
         at = torch.arange(T, device=DEV) + 700
-        ref = layers.gated_attention(qg, k, v, *norms, 1e-6, at, 64, 1e7, kc1, vc1, 768)
+        ref = attn.gated_attention(qg, k, v, *norms, 1e-6, at, 64, 1e7, kc1, vc1, 768)
         table = _table([[kc1_t, vc1_t]])
-        got = layers.gated_attention(qg, k, v, *norms, 1e-6, at, 64, 1e7,
+        got = attn.gated_attention(qg, k, v, *norms, 1e-6, at, 64, 1e7,
                                      _through(table, 0, kc1_t), _through(table, 1, vc1_t), 768)
         assert torch.equal(got, ref), f"{T} tokens"
         assert torch.equal(kc1, kc1_t) and torch.equal(vc1, vc1_t)
@@ -350,7 +351,7 @@ def test_a_step_captured_on_a_table_runs_whichever_sequences_it_names():
     before = [[t.clone() for t in r] for r in rows]
     pos_b = [torch.tensor([p], device=DEV) for p in positions[n:]]
     ref_rows = [[t.clone() for t in r] for r in rows[n:]]     # eager on B, by address
-    ref_a = layers.gated_attention_many(qg[:n], k[:n], v[:n], *norms, 1e-6, pos_b, 64, 1e7,
+    ref_a = attn.gated_attention_many(qg[:n], k[:n], v[:n], *norms, 1e-6, pos_b, 64, 1e7,
                                         [r[0] for r in ref_rows], [r[1] for r in ref_rows],
                                         [2048] * n)
     ref_d = layers.gated_delta_net_many(*(u[:n] for u in proj), [r[2] for r in ref_rows],
@@ -362,7 +363,7 @@ def test_a_step_captured_on_a_table_runs_whichever_sequences_it_names():
 
     def step(tab):
         p = [pos[b] for b in range(n)]
-        a = layers.gated_attention_many(qg[:n], k[:n], v[:n], *norms, 1e-6, p, 64, 1e7,
+        a = attn.gated_attention_many(qg[:n], k[:n], v[:n], *norms, 1e-6, p, 64, 1e7,
                                         _through(tab, 0, kc[0]), _through(tab, 1, vc[0]),
                                         [2048] * n)
         d = layers.gated_delta_net_many(*(u[:n] for u in proj), _through(tab, 2, convs[0]),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernel_oracle import SEED, rng_for
+from moe_offload.models import attention as attn
 from moe_offload.models import layers
 from moe_offload.instrument import switches
 from native import ops
@@ -129,14 +130,14 @@ def test_swiglu_matches_torch_on_views_of_one_buffer(rows):
 @pytest.mark.parametrize("hq,hkv,d", [(16, 2, 256), (4, 4, 32), (6, 2, 16)])
 def test_attention_matches_the_torch_reference(cpu_isa, hq, hkv, d, n_tok, pos0, n_attn):
     """Causal GQA attention with the sigmoid gate: the kernel (heads and query blocks over the
-    pool, 16 partial sums a dot) against layers.attention; cache rows past the queries' positions
+    pool, 16 partial sums a dot) against attn.attention; cache rows past the queries' positions
     hold garbage the mask must hide. Every ISA gives the same bits (the sums' order is fixed)."""
     rng = rng_for("attention", hq, hkv, d, n_tok, pos0, n_attn)
     qg = _t(rng, n_tok, hq, 2, d)
     q, gate = qg[:, :, 0], qg[:, :, 1]
     kc, vc = _t(rng, n_attn + 3, hkv, d), _t(rng, n_attn + 3, hkv, d)
     pos = torch.arange(pos0, pos0 + n_tok)
-    want = layers.attention(q[None], kc[None, :n_attn], vc[None, :n_attn], pos, torch.arange(n_attn))
+    want = attn.attention(q[None], kc[None, :n_attn], vc[None, :n_attn], pos, torch.arange(n_attn))
     want = want[0].reshape(n_tok, hq * d) * torch.sigmoid(gate.reshape(n_tok, hq * d))
     got = ops.cpu_attention(q, gate, kc, vc, n_attn, pos0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{cpu_isa}: {m} (seed {SEED})")
@@ -150,9 +151,72 @@ def test_attention_matches_the_torch_reference(cpu_isa, hq, hkv, d, n_tok, pos0,
     torch.testing.assert_close(plain * torch.sigmoid(gate.reshape(n_tok, -1)), got, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("n_tok,pos0,n_attn", [(1, 40, 41), (1, 700, 900), (20, 13, 40)])
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 256), (4, 4, 32)])
+def test_attention_reads_each_kv_type_as_stored(cpu_isa, kind, hq, hkv, d, n_tok, pos0, n_attn):
+    """The kernel over an f16 / q8_0 / q4_0 cache, each row unpacked as read, gives the bits it
+    gives over the same rows dequantized to f32 (KVType.dequantize: value for value the same
+    floats), whatever the ISA."""
+    from native.kv_cache import KV_TYPES
+    kt = KV_TYPES[kind]
+    rng = rng_for("attention_kv", kind, hq, hkv, d, n_tok, pos0, n_attn)
+    qg = _t(rng, n_tok, hq, 2, d)
+    q, gate = qg[:, :, 0], qg[:, :, 1]
+    kc, vc = (kt.quantize(_t(rng, n_attn + 3, hkv, d)) for _ in range(2))
+    assert ops.cpu_attention_reads(kc, d)
+    want = ops.cpu_attention(q, gate, kt.dequantize(kc, d), kt.dequantize(vc, d), n_attn, pos0)
+    got = ops.cpu_attention(q, gate, kc, vc, n_attn, pos0)
+    assert torch.equal(got, want), kind
+    before = ops._cpu.isa()
+    try:
+        ops._cpu.set_isa("generic")
+        assert torch.equal(ops.cpu_attention(q, gate, kc, vc, n_attn, pos0), got), cpu_isa
+    finally:
+        ops._cpu.set_isa(before)
+
+
+def test_attention_refuses_caches_of_two_types():
+    from native.kv_cache import KV_TYPES
+    from native.errors import NativeError
+    rng = rng_for("attention_mixed")
+    q = _t(rng, 1, 4, 64)
+    kc = KV_TYPES["q8_0"].quantize(_t(rng, 8, 2, 64))
+    vc = KV_TYPES["q4_0"].quantize(_t(rng, 8, 2, 64))
+    with pytest.raises(NativeError, match="one KV type"):
+        ops.cpu_attention(q, None, kc, vc, 8, 0)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+def test_gated_attention_over_a_packed_cache_on_the_cpu(kind):
+    """attn.gated_attention with an f16 / q8_0 / q4_0 cache on the CPU (a prompt, then a token):
+    the native attention over the rows as stored against the torch path (tiles dequantized),
+    outputs to float32 summation order, caches bit for bit (both write through KVType.quantize)."""
+    from native.kv_cache import KV_TYPES
+    kt = KV_TYPES[kind]
+    rng = rng_for("gated_attention_kv", kind)
+    hq, hkv, d, n_ctx = 4, 2, 64, 40
+    q_norm, k_norm = 1 + _t(rng, d, scale=0.1), 1 + _t(rng, d, scale=0.1)
+    steps = [(_t(rng, 1, 9, hq * 2 * d), _t(rng, 1, 9, hkv * d), _t(rng, 1, 9, hkv * d), 20 + torch.arange(9)),
+             (_t(rng, 1, 1, hq * 2 * d), _t(rng, 1, 1, hkv * d), _t(rng, 1, 1, hkv * d), torch.tensor([29]))]
+    outs = {}
+    for kernels in (True, False):
+        kc, vc = (kt.quantize(_t(rng_for("cache", kind, i), 1, n_ctx, hkv, d)) for i in range(2))
+        switches.STEP_KERNELS = kernels
+        try:
+            outs[kernels] = [attn.gated_attention(qg, k, v, q_norm, k_norm, 1e-6, pos, 16, 1e4, kc, vc,
+                                                  int(pos[-1]) + 1, first=int(pos[0]))
+                             for qg, k, v, pos in steps] + [kc, vc]
+        finally:
+            switches.STEP_KERNELS = True
+    for got, want in zip(outs[True][:2], outs[False][:2]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{m} (seed {SEED})")
+    assert all(torch.equal(a, b) for a, b in zip(outs[True][2:], outs[False][2:]))
+
+
 @pytest.mark.parametrize("start", [0, 3000])
 def test_gated_attention_on_the_cpu_uses_the_kernel_and_matches_torch(start):
-    """layers.gated_attention of a prompt then a token (norms, RoPE at positions from `start`,
+    """attn.gated_attention of a prompt then a token (norms, RoPE at positions from `start`,
     cache write, core): the native path against STEP_KERNELS = False, outputs and caches."""
     rng = rng_for("gated_attention", start)
     hq, hkv, d, n_ctx = 4, 2, 32, start + 24
@@ -164,7 +228,7 @@ def test_gated_attention_on_the_cpu_uses_the_kernel_and_matches_torch(start):
         kc, vc = _t(rng_for("cache"), 1, n_ctx, hkv, d), _t(rng_for("cache"), 1, n_ctx, hkv, d)
         switches.STEP_KERNELS = kernels
         try:
-            outs[kernels] = [layers.gated_attention(qg, k, v, q_norm, k_norm, 1e-6, pos, 16, 1e4, kc, vc,
+            outs[kernels] = [attn.gated_attention(qg, k, v, q_norm, k_norm, 1e-6, pos, 16, 1e4, kc, vc,
                                                     int(pos[-1]) + 1) for qg, k, v, pos in steps] + [kc, vc]
         finally:
             switches.STEP_KERNELS = True

@@ -1,8 +1,10 @@
 // Causal GQA softmax attention of one sequence on the CPU, with the gated mixer's sigmoid gate:
 // the core of qwen35moe's full-attention layers between the cache write and the output
 // projection, for a decode token or a prompt chunk. torch ran it on one thread (the kernels' pool
-// owns the cores) through [Hq, T, L] score tensors; here (query head, block of queries) tasks
-// split over the pool, a block's scores in rows of L floats, K and V read from the cache.
+// owns the cores) through [Hq, T, L] score tensors; here tasks of up to 8 queries that read one
+// kv head (a decode token's group of query heads, or a few tokens of fewer heads) split over the
+// pool, a task's scores in rows of L floats, each K and V row read (and unpacked, for a packed
+// KV type) once for the task. A query's arithmetic does not depend on its task's other queries.
 #include <cmath>
 
 #include "cpu.h"
@@ -10,26 +12,81 @@
 namespace ft::cpu {
 namespace {
 
-constexpr int64_t kQueryBlock = 8;  // queries a task: dozens of tasks for one decode token's heads
+constexpr int64_t kQueryBlock = 8;  // queries a task: a decode token's group of 8 query heads
+constexpr int64_t kMaxHeadDim = 512;
 
-// Queries [t0, t1) (at most kQueryBlock) of query head h, key-major: each key and value row is
-// read once for the whole block (from L2), the block's queries and sums stay in L1. The dot
-// products keep 16 partial sums (one vector lane each, so the compiler vectorizes them without
-// reordering a sum: every ISA gives the same bits): d % 16 == 0. s: [kQueryBlock, n_attn],
-// o: [kQueryBlock, d]. Inlined into one wrapper per ISA below, compiled for that ISA.
-[[gnu::always_inline]] inline void head_block(const float* q, int64_t q_t, const float* gate, int64_t g_t,
-                                              const float* kc, const float* vc, int64_t ld_kv, int64_t n_attn,
-                                              int64_t pos0, int64_t t0, int64_t t1, int64_t d, float scale,
-                                              float* out, int64_t o_t, float* __restrict s, float* __restrict o) {
-    const int64_t nq = t1 - t0;
-    int64_t n[kQueryBlock];  // keys query i sees: l <= its position
-    for (int64_t i = 0; i < nq; ++i) n[i] = std::min(n_attn, pos0 + t0 + i + 1);
-    const int64_t n_max = n[nq - 1];
+// quants.h's fp16_to_f32 as selects rather than branches, so that a row's loop vectorizes: the
+// same floats (subnormals exact: the CPU kernels may run with denormals flushed, so the
+// subnormal case is an exact product of normal numbers, not a bit trick).
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7FFFu;
+    const float normal = bits_to_f32(sign | ((em << 13) + 0x38000000u));
+    const float special = bits_to_f32(sign | 0x7F800000u | ((em & 0x3FFu) << 13));
+    const float sub = bits_to_f32(sign | f32_to_bits(float(em) * 5.9604644775390625e-08f));
+    return em >= 0x7C00u ? special : em >= 0x400u ? normal : sub;
+}
+
+// One kv head's rows of a cache as stored (native/kv_cache.py's layouts, `type` its code): row l
+// as floats, read in place (f32) or unpacked into buf (f16; q8_0, q4_0: each value its quant
+// times its block's f16 scale, the float32 product kv_cache.dequantize computes).
+struct KvRows {
+    const uint8_t* base;  // row 0 of this kv head
+    int64_t stride;       // bytes from one position's row to the next
+    int type;
+    int64_t d;
+    const float* row(int64_t l, float* buf) const {
+        const uint8_t* r = base + l * stride;
+        if (type == 0) return reinterpret_cast<const float*>(r);
+        if (type == 1) {
+            for (int64_t c = 0; c < d; ++c) buf[c] = half_to_float(ld_u16(r + 2 * c));
+            return buf;
+        }
+        const uint8_t* scales = r + (type == 2 ? d : d / 2);
+        for (int64_t b = 0; b < d / 32; ++b) {
+            const float s = fp16_to_f32(ld_u16(scales + 2 * b));
+            float* out = buf + 32 * b;
+            if (type == 2) {
+                const uint8_t* q = r + 32 * b;
+                for (int j = 0; j < 32; ++j) out[j] = float(int8_t(q[j])) * s;
+            } else {  // nibbles: value 2i low in byte i, 2i+1 high; value q - 8
+                const uint8_t* q = r + 16 * b;
+                for (int j = 0; j < 16; ++j) {
+                    out[2 * j] = (float(q[j] & 15) - 8.f) * s;
+                    out[2 * j + 1] = (float(q[j] >> 4) - 8.f) * s;
+                }
+            }
+        }
+        return buf;
+    }
+};
+
+// Up to kQueryBlock queries that read the same kv head: query i's d values, its gate (or null),
+// where its output goes, and how many cache rows it sees (keys < n[i]).
+struct QueryBlock {
+    int64_t count;
+    const float* q[kQueryBlock];
+    const float* gate[kQueryBlock];
+    float* out[kQueryBlock];
+    int64_t n[kQueryBlock];
+};
+
+// A block of queries, key-major: each key and value row is read once for the whole block, the
+// block's queries and sums stay in L1. The dot products keep 16 partial sums (one vector lane
+// each, so the compiler vectorizes them without reordering a sum: every ISA gives the same
+// bits): d % 16 == 0. s: [kQueryBlock, n_attn], o: [kQueryBlock, d]. Inlined into one wrapper
+// per ISA below, compiled for that ISA.
+[[gnu::always_inline]] inline void head_block(const QueryBlock& qb, const KvRows& kc, const KvRows& vc,
+                                              int64_t n_attn, int64_t d, float scale, float* __restrict s,
+                                              float* __restrict o) {
+    alignas(64) float row_buf[kMaxHeadDim];
+    const int64_t nq = qb.count;
+    int64_t n_max = 0;
+    for (int64_t i = 0; i < nq; ++i) n_max = std::max(n_max, qb.n[i]);
     for (int64_t l = 0; l < n_max; ++l) {
-        const float* kl = kc + l * ld_kv;
+        const float* kl = kc.row(l, row_buf);
         for (int64_t i = 0; i < nq; ++i) {
-            if (l >= n[i]) continue;
-            const float* qi = q + (t0 + i) * q_t;
+            if (l >= qb.n[i]) continue;
+            const float* qi = qb.q[i];
             float acc[16] = {};
             for (int64_t c = 0; c < d; c += 16)
                 for (int j = 0; j < 16; ++j) acc[j] += qi[c + j] * kl[c + j];
@@ -42,23 +99,23 @@ constexpr int64_t kQueryBlock = 8;  // queries a task: dozens of tasks for one d
     for (int64_t i = 0; i < nq; ++i) {
         float* si = s + i * n_attn;
         float mx = -INFINITY, sum = 0.f;
-        for (int64_t l = 0; l < n[i]; ++l) mx = std::max(mx, si[l]);
-        for (int64_t l = 0; l < n[i]; ++l) sum += (si[l] = std::exp(si[l] - mx));
-        inv[i] = n[i] > 0 ? 1.f / sum : 0.f;
+        for (int64_t l = 0; l < qb.n[i]; ++l) mx = std::max(mx, si[l]);
+        for (int64_t l = 0; l < qb.n[i]; ++l) sum += (si[l] = std::exp(si[l] - mx));
+        inv[i] = qb.n[i] > 0 ? 1.f / sum : 0.f;
         for (int64_t c = 0; c < d; ++c) o[i * d + c] = 0.f;
     }
     for (int64_t l = 0; l < n_max; ++l) {
-        const float* vl = vc + l * ld_kv;
+        const float* vl = vc.row(l, row_buf);
         for (int64_t i = 0; i < nq; ++i) {
-            if (l >= n[i]) continue;
+            if (l >= qb.n[i]) continue;
             const float p = s[i * n_attn + l];
             float* __restrict oi = o + i * d;
             for (int64_t c = 0; c < d; ++c) oi[c] += p * vl[c];
         }
     }
     for (int64_t i = 0; i < nq; ++i) {
-        float* ot = out + (t0 + i) * o_t;
-        const float* gt = gate ? gate + (t0 + i) * g_t : nullptr;
+        float* ot = qb.out[i];
+        const float* gt = qb.gate[i];
         for (int64_t c = 0; c < d; ++c) {
             const float v = o[i * d + c] * inv[i];
             ot[c] = gt ? v / (1.f + std::exp(-gt[c])) : v;
@@ -66,14 +123,11 @@ constexpr int64_t kQueryBlock = 8;  // queries a task: dozens of tasks for one d
     }
 }
 
-using HeadBlockFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, const float*,
-                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, int64_t,
-                             float*, float*);
-#define FT_HEAD_BLOCK_ARGS                                                                          \
-    const float *q, int64_t q_t, const float *gate, int64_t g_t, const float *kc, const float *vc, \
-        int64_t ld_kv, int64_t n_attn, int64_t pos0, int64_t t0, int64_t t1, int64_t d, float scale, \
-        float *out, int64_t o_t, float *s, float *o
-#define FT_HEAD_BLOCK_CALL head_block(q, q_t, gate, g_t, kc, vc, ld_kv, n_attn, pos0, t0, t1, d, scale, out, o_t, s, o)
+using HeadBlockFn = void (*)(const QueryBlock&, const KvRows&, const KvRows&, int64_t, int64_t, float, float*,
+                             float*);
+#define FT_HEAD_BLOCK_ARGS \
+    const QueryBlock &qb, const KvRows &kc, const KvRows &vc, int64_t n_attn, int64_t d, float scale, float *s, float *o
+#define FT_HEAD_BLOCK_CALL head_block(qb, kc, vc, n_attn, d, scale, s, o)
 void head_block_generic(FT_HEAD_BLOCK_ARGS) { FT_HEAD_BLOCK_CALL; }
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx2,fma"))) void head_block_avx2(FT_HEAD_BLOCK_ARGS) { FT_HEAD_BLOCK_CALL; }
@@ -94,29 +148,56 @@ HeadBlockFn head_block_for(const IsaKernels& isa) {
 
 }  // namespace
 
+int64_t kv_row_bytes(int kv_type, int64_t d) {
+    switch (kv_type) {
+        case 0: return 4 * d;
+        case 1: return 2 * d;
+        case 2: return d + d / 16;
+        case 3: return d / 2 + d / 16;
+        default: throw std::invalid_argument("attention: kv_type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 (q4_0)");
+    }
+}
+
 void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int64_t g_t, int64_t g_h,
-               const float* k_cache, const float* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
-               int64_t hq, int64_t hkv, int64_t d, float* out) {
+               const void* k_cache, const void* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
+               int64_t hq, int64_t hkv, int64_t d, float* out, int kv_type) {
     if (hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 16 || n_attn < 0 || pos0 < 0)
         throw std::invalid_argument("attention: needs hkv dividing hq, d a multiple of 16, n_attn and pos >= 0");
+    const int64_t rb = kv_row_bytes(kv_type, d);
+    if (d > kMaxHeadDim || (kv_type >= 2 && d % 32))
+        throw std::invalid_argument("attention: d at most 512, a multiple of 32 for q8_0 / q4_0");
     if (n_tok <= 0) return;
-    const int64_t nb = (n_tok + kQueryBlock - 1) / kQueryBlock, group = hq / hkv;
+    // a task: kv head g, heads [h0, h0 + hb) of its group, tokens [t0, t0 + tb): hb * tb <= 8
+    // queries reading one kv head's rows (a decode token: the whole group of 8 in one task)
+    const int64_t group = hq / hkv, hb = std::min(group, kQueryBlock), tb = std::max<int64_t>(1, kQueryBlock / hb);
+    const int64_t head_chunks = (group + hb - 1) / hb, tok_chunks = (n_tok + tb - 1) / tb;
     const float scale = 1.f / std::sqrt(float(d));
     const HeadBlockFn block = head_block_for(kernels());
     auto run = [&](int64_t i0, int64_t i1) {
         thread_local std::vector<float> buf;
         if (int64_t(buf.size()) < kQueryBlock * (n_attn + d)) buf.resize(kQueryBlock * (n_attn + d));
         for (int64_t i = i0; i < i1; ++i) {
-            const int64_t h = i / nb, b = i % nb, kvh = h / group;
-            const int64_t t0 = b * kQueryBlock, t1 = std::min(n_tok, t0 + kQueryBlock);
-            block(q + h * q_h, q_t, gate ? gate + h * g_h : nullptr, g_t, k_cache + kvh * d,
-                       v_cache + kvh * d, hkv * d, n_attn, pos0, t0, t1, d, scale, out + h * d, hq * d,
-                       buf.data(), buf.data() + kQueryBlock * n_attn);
+            const int64_t g = i / (head_chunks * tok_chunks), hc = i / tok_chunks % head_chunks, tc = i % tok_chunks;
+            const int64_t h0 = g * group + hc * hb, h1 = std::min((g + 1) * group, h0 + hb);
+            const int64_t t0 = tc * tb, t1 = std::min(n_tok, t0 + tb);
+            QueryBlock qb{};
+            for (int64_t t = t0; t < t1; ++t)
+                for (int64_t h = h0; h < h1; ++h) {
+                    const int64_t j = qb.count++;
+                    qb.q[j] = q + t * q_t + h * q_h;
+                    qb.gate[j] = gate ? gate + t * g_t + h * g_h : nullptr;
+                    qb.out[j] = out + t * hq * d + h * d;
+                    qb.n[j] = std::min(n_attn, pos0 + t + 1);
+                }
+            const KvRows kr{static_cast<const uint8_t*>(k_cache) + g * rb, hkv * rb, kv_type, d};
+            const KvRows vr{static_cast<const uint8_t*>(v_cache) + g * rb, hkv * rb, kv_type, d};
+            block(qb, kr, vr, n_attn, d, scale, buf.data(), buf.data() + kQueryBlock * n_attn);
         }
     };
+    const int64_t tasks = hkv * head_chunks * tok_chunks;
     // a decode token over a short context: less work than handing it to the pool
-    if (n_tok * std::min(n_attn, pos0 + n_tok) * hq * d < (1 << 17)) return run(0, hq * nb);
-    parallel_for(hq * nb, 1, run);
+    if (n_tok * std::min(n_attn, pos0 + n_tok) * hq * d < (1 << 17)) return run(0, tasks);
+    parallel_for(tasks, 1, run);
 }
 
 void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float* v, int64_t ld_kv,
@@ -153,7 +234,7 @@ void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float
     };
     if (n_tok < 8) prep(0, n_tok);  // a decode token: cheaper than the pool
     else parallel_for(n_tok, 4, prep);
-    attention(q_work, hq * d, d, qg + d, ld_qg, 2 * d, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out);
+    attention(q_work, hq * d, d, qg + d, ld_qg, 2 * d, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out, 0);
 }
 
 }  // namespace ft::cpu

@@ -246,12 +246,13 @@ void delta_rule_seq(const float* y, int64_t ldy, const float* z, int64_t ldz, co
 
 // Causal GQA attention of one sequence (attention.cpp): query t of head h at q + t*q_t + h*q_h
 // (d floats, normed and roped), position pos0 + t, sees cache rows l < n_attn with l <= pos0 + t;
-// k_cache, v_cache [n_ctx, hkv, d] f32 contiguous, query head h reads kv head h / (hq / hkv);
+// k_cache, v_cache [n_ctx, hkv, X] contiguous head rows of kv_type (native/kv_cache.py: 0 f32,
+// 1 f16, 2 q8_0, 3 q4_0; packed rows unpacked as read), query head h reads kv head h / (hq / hkv);
 // scale 1/sqrt(d). out [n_tok, hq*d] contiguous = softmax(q k^T) v, times sigmoid(gate) where
-// gate (same layout as q, strides g_t, g_h) is not null. d % 16 == 0.
+// gate (same layout as q, strides g_t, g_h) is not null. d % 16 == 0, d <= 512.
 void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int64_t g_t, int64_t g_h,
-               const float* k_cache, const float* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
-               int64_t hq, int64_t hkv, int64_t d, float* out);
+               const void* k_cache, const void* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
+               int64_t hq, int64_t hkv, int64_t d, float* out, int kv_type);
 
 // The full-attention mixer between its projections for n_tok tokens of one sequence (the
 // contract of csrc/cuda/api.h's attention_steps, any n_tok): qg [n_tok, hq*2d] rows at ld_qg (per

@@ -1,12 +1,12 @@
-"""Math helpers of the model that have two forms (CPU): a prompt chunk's tiled attention
+"""The attention mixer's torch forms (CPU): a prompt chunk's tiled attention
 against the whole-score reference, on every KV type."""
 from dataclasses import replace
 
 import pytest
 import torch
 
-from moe_offload.models import layers
-from moe_offload.models.layers import attention, attention_tiled
+from moe_offload.models import attention as attn
+from moe_offload.models.attention import attention, attention_tiled
 from native.kv_cache import KV_TYPES
 
 
@@ -49,7 +49,7 @@ def test_a_chunk_reads_the_cache_in_tiles_bounded_by_the_chunk():
     """The tile follows the chunk: a longer chunk reads fewer rows at a time, so one tile's
     scores stay about the same size whatever the context; and a decode token's tile is bounded
     by its rows as floats (its scores are small, a float copy of a long cache is not)."""
-    tile, budget = layers.PREFILL.attention_tile, layers.PREFILL.attention_tile_bytes
+    tile, budget = attn.PREFILL.attention_tile, attn.PREFILL.attention_tile_bytes
     assert tile(2048, 16, 512) < tile(256, 16, 512)
     for T in (1, 64, 512, 2048, 8192):
         rows = tile(T, 16, 512)
@@ -65,10 +65,10 @@ def test_a_decode_token_reads_a_long_cache_in_tiles(monkeypatch):
     kt = KV_TYPES["q8_0"]
     g = torch.Generator().manual_seed(11)
     B, Hq, Hkv, d, L = 1, 4, 2, 64, 700
-    monkeypatch.setattr(layers, "PREFILL", replace(layers.PREFILL, attention_tile_bytes=256 * 2 * Hkv * d * 4))
+    monkeypatch.setattr(attn, "PREFILL", replace(attn.PREFILL, attention_tile_bytes=256 * 2 * Hkv * d * 4))
     q = torch.randn(B, 1, Hq, d, generator=g)
     kc, vc = (kt.quantize(torch.randn(B, L, Hkv, d, generator=g)) for _ in range(2))
-    assert layers.PREFILL.attention_tile(1, Hq, Hkv * d) == 256
+    assert attn.PREFILL.attention_tile(1, Hq, Hkv * d) == 256
     seen = []
     real = kt.dequantize
     monkeypatch.setattr(type(kt), "dequantize", lambda self, rows, d: seen.append(rows.shape[1]) or real(rows, d))
@@ -93,14 +93,14 @@ def test_gated_attention_writes_the_rows_of_its_kv_type(name):
     kc = torch.zeros(B, n_ctx, Hkv, kt.row_width(d), dtype=kt.storage)
     vc = torch.zeros_like(kc)
     pos = torch.arange(3, 3 + T)
-    out = layers.gated_attention(qg, k, v, qn, kn, 1e-6, pos, d, 1e7, kc, vc, 3 + T)
+    out = attn.gated_attention(qg, k, v, qn, kn, 1e-6, pos, d, 1e7, kc, vc, 3 + T)
     assert torch.equal(vc[:, 3:3 + T], kt.quantize(v.view(B, T, Hkv, d)))
     assert torch.equal(kc[:, :3], torch.zeros_like(kc[:, :3]))
     # the same through an f32 cache holding the dequantized rows
     kf = kt.dequantize(kc, d)
     vf = kt.dequantize(vc, d)
     kf32, vf32 = kf.clone(), vf.clone()
-    ref = layers.gated_attention(qg, k, v, qn, kn, 1e-6, pos, d, 1e7, kf32, vf32, 3 + T)
+    ref = attn.gated_attention(qg, k, v, qn, kn, 1e-6, pos, d, 1e7, kf32, vf32, 3 + T)
     if name == "f16":
         assert torch.allclose(out, ref, atol=2e-3)
     # the written rows, read back, are those of the f32 cache quantized
