@@ -1,9 +1,14 @@
-"""Time one decode step's attention kernel (ops.cuda_attention_step, qwen35moe's shape: 16 query
-heads over 2 kv heads of 256) at long contexts, for each KV type, with the group kernel and with
+"""Time one decode step's attention (qwen35moe's shape: 16 query heads over 2 kv heads of 256) at
+long contexts, for each KV type. On a GPU the kernel (ops.cuda_attention_step) with the group kernel and with
 the per-head one (FTPATCH_ATTENTION_GROUPED=0): microseconds a call (median of --reps, CUDA
 events) and the KV bytes it reads a second. One layer's call; a 35B-A3B token makes 10.
 
     python scripts/dev/attention_bench.py --ctx 4096,65536,131072 --kv f16,q8_0
+
+--cpu: the CPU's attention core (ops.cpu_attention, one token) over the cache as stored and over
+an f32 copy of it, milliseconds a call (mean of --reps).
+
+    python scripts/dev/attention_bench.py --cpu --ctx 32768 --kv f32,f16,q8_0,q4_0 --reps 5
 """
 from __future__ import annotations
 
@@ -11,13 +16,9 @@ import argparse
 import json
 import os
 
-import torch
-
-from native import ops
-from native.kv_cache import KV_TYPES
-
 
 def time_call(fn, reps: int) -> float:
+    import torch
     for _ in range(3):
         fn()
     times = []
@@ -37,8 +38,15 @@ def main() -> None:
     ap.add_argument("--kv", default="f16,q8_0,q4_0", help="KV types")
     ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head dim")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cpu", action="store_true", help="the CPU's attention core, not the GPU kernel")
     a = ap.parse_args()
     hq, hkv, d = (int(x) for x in a.heads.split(","))
+    import torch
+
+    from native import ops
+    from native.kv_cache import KV_TYPES
+    if a.cpu:
+        return cpu_main(a, hq, hkv, d)
     g = torch.Generator("cuda").manual_seed(0)
     qg = torch.randn(1, hq * 2 * d, generator=g, device="cuda")
     k, v = (torch.randn(1, hkv * d, generator=g, device="cuda") for _ in range(2))
@@ -64,6 +72,30 @@ def main() -> None:
             row["max_diff"] = max(float((outs[n] - outs["per_head"]).abs().max()) for n in outs)
             print(json.dumps(row), flush=True)
             del kc, vc
+
+
+def cpu_main(a, hq: int, hkv: int, d: int) -> None:
+    import time
+
+    import torch
+
+    from native import ops
+    from native.kv_cache import KV_TYPES
+    g = torch.Generator().manual_seed(0)
+    q, gate = (torch.randn(1, hq, d, generator=g) for _ in range(2))
+    for kv in a.kv.split(","):
+        t = KV_TYPES[kv]
+        for n in (int(x) for x in a.ctx.split(",")):
+            kc, vc = (t.quantize(torch.randn(n, hkv, d, generator=g)) for _ in range(2))
+            row = {"kv": kv, "ctx": n, "threads": torch.get_num_threads()}
+            for name, caches in (("as_stored", (kc, vc)), ("f32_copy", (t.dequantize(kc, d), t.dequantize(vc, d)))):
+                call = lambda: ops.cpu_attention(q, gate, *caches, n, n - 1)  # noqa: E731
+                call()
+                t0 = time.perf_counter()
+                for _ in range(a.reps):
+                    call()
+                row[f"{name}_ms"] = round((time.perf_counter() - t0) / a.reps * 1e3, 2)
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
