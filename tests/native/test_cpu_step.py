@@ -125,6 +125,16 @@ def test_swiglu_matches_torch_on_views_of_one_buffer(rows):
                                msg=lambda m: f"{m} (seed {SEED})")
 
 
+def _on_generic(fn, *args):
+    """fn(*args) with the generic (scalar) CPU kernels active, then the ISA as it was."""
+    before = ops._cpu.isa()
+    try:
+        ops._cpu.set_isa("generic")
+        return fn(*args)
+    finally:
+        ops._cpu.set_isa(before)
+
+
 @pytest.mark.parametrize("n_tok,pos0,n_attn", [(1, 0, 1), (1, 40, 41), (1, 5, 64), (37, 0, 37),
                                                (20, 13, 40), (9, 100, 128)])
 @pytest.mark.parametrize("hq,hkv,d", [(16, 2, 256), (4, 4, 32), (6, 2, 16)])
@@ -141,12 +151,7 @@ def test_attention_matches_the_torch_reference(cpu_isa, hq, hkv, d, n_tok, pos0,
     want = want[0].reshape(n_tok, hq * d) * torch.sigmoid(gate.reshape(n_tok, hq * d))
     got = ops.cpu_attention(q, gate, kc, vc, n_attn, pos0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6, msg=lambda m: f"{cpu_isa}: {m} (seed {SEED})")
-    before = ops._cpu.isa()
-    try:
-        ops._cpu.set_isa("generic")
-        assert torch.equal(ops.cpu_attention(q, gate, kc, vc, n_attn, pos0), got), cpu_isa
-    finally:
-        ops._cpu.set_isa(before)
+    assert torch.equal(_on_generic(ops.cpu_attention, q, gate, kc, vc, n_attn, pos0), got), cpu_isa
     plain = ops.cpu_attention(q, None, kc, vc, n_attn, pos0)   # no gate
     torch.testing.assert_close(plain * torch.sigmoid(gate.reshape(n_tok, -1)), got, rtol=1e-6, atol=1e-7)
 
@@ -168,12 +173,7 @@ def test_attention_reads_each_kv_type_as_stored(cpu_isa, kind, hq, hkv, d, n_tok
     want = ops.cpu_attention(q, gate, kt.dequantize(kc, d), kt.dequantize(vc, d), n_attn, pos0)
     got = ops.cpu_attention(q, gate, kc, vc, n_attn, pos0)
     assert torch.equal(got, want), kind
-    before = ops._cpu.isa()
-    try:
-        ops._cpu.set_isa("generic")
-        assert torch.equal(ops.cpu_attention(q, gate, kc, vc, n_attn, pos0), got), cpu_isa
-    finally:
-        ops._cpu.set_isa(before)
+    assert torch.equal(_on_generic(ops.cpu_attention, q, gate, kc, vc, n_attn, pos0), got), cpu_isa
 
 
 def test_attention_refuses_caches_of_two_types():
