@@ -661,10 +661,6 @@ def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
     return out
 
 
-def cpu_attention_available(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and _cpu is not None and hasattr(_cpu, "attention")
-
-
 def cpu_attention_reads(cache: torch.Tensor, d: int) -> bool:
     """Whether cpu_attention reads this host cache [n_ctx, Hkv, X] of head size d as stored: f32
     always, f16 / q8_0 / q4_0 where the built extension unpacks them (ATTENTION_KV_TYPES)."""
@@ -726,13 +722,22 @@ def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     """The attention mixer between its projections for T tokens of one sequence on host tensors
     (csrc/cpu/attention.cpp; cuda_attention_step's contract, any T): qg [T, Hq*2d] (per head d
     query then d gate values), k, v [T, Hkv*d] (rows with unit stride); q, k RMS-normed and roped
-    at positions pos0 + t, k and v written to the caches [n_ctx, Hkv, d] (float32, contiguous),
+    at positions pos0 + t, k and v written to the caches [n_ctx, Hkv, X] (contiguous rows of one
+    KV type that cpu_attention_reads; packed rows bit for bit as KVType.quantize packs them),
     the first n_attn rows attended -> [T, Hq*d]."""
     t = qg.shape[0]
-    n_ctx, hkv, d = k_cache.shape
-    if any(c.dtype != torch.float32 or not c.is_contiguous() for c in (k_cache, v_cache)) \
+    n_ctx, hkv, width = k_cache.shape
+    d = k.shape[-1] // hkv
+    try:
+        kvt = kv_type_of(k_cache, d)
+    except ValueError:
+        kvt = None
+    if kvt is None or not cpu_attention_reads(k_cache, d) or kvt.row_width(d) != width \
+            or any(c.dtype != k_cache.dtype or c.shape != k_cache.shape or not c.is_contiguous()
+                   for c in (k_cache, v_cache)) \
             or pos0 + t > min(n_attn, n_ctx) or qg.shape[1] != n_head * 2 * d:
-        raise NativeError("gated_attention: contiguous float32 caches with room for the tokens")
+        raise NativeError("gated_attention: contiguous caches of one KV type this build of native._cpu "
+                          "reads, with room for the tokens")
     ld_kv = _ld(k, "gated_attention k")
     if _ld(v, "gated_attention v") != ld_kv:
         raise NativeError("gated_attention: k and v need the same row stride")
@@ -741,7 +746,7 @@ def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     _cpu.gated_attention(qg.data_ptr(), _ld(qg, "gated_attention qg"), k.data_ptr(), v.data_ptr(), ld_kv,
                          q_norm.data_ptr(), k_norm.data_ptr(), eps, pos0, t, n_head, hkv, d, n_rot,
                          rope_inv_freq(n_rot, base).data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_attn,
-                         work.data_ptr(), out.data_ptr(), 0)
+                         work.data_ptr(), out.data_ptr(), 0, **({"kv_type": kvt.code} if kvt.code else {}))
     return out
 
 

@@ -3,9 +3,9 @@ and a prompt chunk's form that reads the cache in tiles), the gated mixer betwee
 projections for T tokens or one token of each of B sequences.
 
 On CUDA tensors a few tokens run as one kernel (native.ops.cuda_attention_*: norms, RoPE, the
-cache write and the attention of every KV type); on CPU tensors native._cpu runs the mixer
-(f32 caches: norms, RoPE, the write and the attention in C++) or its attention over the cache
-as stored (f16, q8_0, q4_0: rows dequantized one at a time as read). The torch code is their
+cache write and the attention of every KV type); on CPU tensors native._cpu runs the mixer for
+any number of tokens (norms, RoPE, the write, the attention over the rows as stored: f16, q8_0,
+q4_0 unpacked one at a time as read). The torch code is their
 reference, as in layers.py (`instrument.switches.STEP_KERNELS = False` forces it).
 Legend: B batch, T new tokens, L attended positions, H heads, d head dim, X a cache row's width
 in its KV type (native.kv_cache).
@@ -149,10 +149,10 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
                                     [c for c in v_cache for _ in range(T)], hq, n_attn,
                                     write_first=True)
         return o.view(B, T, hq * d)
-    if B == 1 and d % 16 == 0 and k_cache.dtype == torch.float32 and k_cache.is_contiguous() \
-            and v_cache.is_contiguous() and _cpu_kernel_for(qg) and ops.cpu_attention_available(qg):
-        # the CPU's (csrc/cpu/attention.cpp): norms, RoPE, the cache write, then heads and query
-        # blocks over the kernels' pool
+    if B == 1 and d % 16 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() \
+            and _cpu_kernel_for(qg) and ops.cpu_attention_reads(k_cache[0], d):
+        # the CPU's (csrc/cpu/attention.cpp): norms, RoPE, the cache write (packed as the KV type
+        # packs), then the attention over the rows as stored, a kv head's queries a task
         o = ops.cpu_gated_attention(qg[0], k[0], v[0], q_norm, k_norm, eps, int(pos[0]), n_rot, base,
                                     k_cache[0], v_cache[0], hq, n_attn)
         return o.view(B, T, hq * d)
@@ -163,11 +163,6 @@ def gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     kt = kv_type_of(k_cache, d)
     k_cache.index_copy_(1, pos, kt.quantize(k))
     v_cache.index_copy_(1, pos, kt.quantize(v.view(B, T, hkv, d)))
-    if B == 1 and d % 16 == 0 and _cpu_kernel_for(qg) and ops.cpu_attention_reads(k_cache[0], d):
-        # the CPU's attention over the cache as stored (f16, q8_0, q4_0 rows unpacked as read);
-        # the rows just written sit at positions first..first+T-1
-        at = first if first is not None else int(pos[0])
-        return ops.cpu_attention(q[0], gate[0], k_cache[0], v_cache[0], n_attn, at).view(B, T, hq * d)
     o = attention_tiled(q, k_cache, v_cache, pos, n_attn, first=first)
     return o.reshape(B, T, hq * d) * torch.sigmoid(gate.reshape(B, T, hq * d))
 

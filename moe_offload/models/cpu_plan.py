@@ -33,6 +33,7 @@ import operator
 import torch
 
 from native import ops
+from native.kv_cache import kv_type_of
 from native.ops import QTensor
 
 from ..instrument import switches
@@ -196,6 +197,13 @@ def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:
         keep.append(t)
         return t.data_ptr()
 
+    def kv_caches(kc: torch.Tensor, vc: torch.Tensor, d: int) -> dict:   # host caches of a KV type
+        if not (isinstance(kc, torch.Tensor) and kc.is_contiguous() and vc.is_contiguous()
+                and kc.dtype == vc.dtype and kc.shape == vc.shape and ops.cpu_attention_reads(kc, d)):
+            raise _PerOp
+        keep.extend((kc, vc))
+        return dict(k_cache=kc.data_ptr(), v_cache=vc.data_ptr(), kv_type=kv_type_of(kc, d).code)
+
     if any("+" in k for L in blocks for k in L):   # fused projections (a GPU upload)
         raise _PerOp
     layer_args, step_shapes = [], {}
@@ -218,7 +226,7 @@ def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:
             a.update(mixer_in=[mat(L[n], H) for n in names],
                      mixer_out=mat(L["attn_output.weight"], c.n_head * d),
                      q_norm=f32(L["attn_q_norm.weight"], d), k_norm=f32(L["attn_k_norm.weight"], d),
-                     k_cache=f32(k_caches[i]), v_cache=f32(v_caches[i]))
+                     **kv_caches(k_caches[i], v_caches[i], d))
         ex = experts[i]
         banks = ops._cpu_banks(ex.gate, ex.up, ex.down) if type(ex) is ResidentExperts else None
         if banks is None or banks[2] != H:

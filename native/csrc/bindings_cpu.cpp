@@ -57,9 +57,10 @@
 //       native/kv_cache.py; ATTENTION_KV_TYPES = 4 says so), rows < n_attn read; out f32
 //       [n_tok, hq*d].
 //   gated_attention(qg, ld_qg, k, v, ld_kv, q_norm, k_norm, eps, pos0, n_tok, hq, hkv, d, n_rot,
-//                   inv_freq, k_cache, v_cache, n_attn, q_work, out, stream)
+//                   inv_freq, k_cache, v_cache, n_attn, q_work, out, stream, kv_type=0)
 //       the attention mixer between its projections (csrc/cpu/cpu.h): q/k RMS norm + NEOX RoPE,
-//       the cache write at rows pos0 + t, then `attention` with the gate; q_work f32 [T, hq*d].
+//       the cache write at rows pos0 + t (caches of kv_type, as attention takes them; packed rows
+//       as native/kv_cache.py packs them), then `attention` with the gate; q_work f32 [T, hq*d].
 //   repack(type_id, src, nblocks, dst, items=1, src_stride=0, dst_stride=0)
 //       the CPU's repacked form of a file type (quants.h FT_CPU_REPACKED_TYPES; raises for a type
 //       without one): `items` runs of nblocks blocks, run i at src + i*src_stride, written to
@@ -188,17 +189,18 @@ PYBIND11_MODULE(_cpu, m) {
           [](uintptr_t qg, int64_t ld_qg, uintptr_t k, uintptr_t v, int64_t ld_kv, uintptr_t q_norm,
              uintptr_t k_norm, float eps, int64_t pos0, int64_t n_tok, int64_t hq, int64_t hkv, int64_t d,
              int64_t n_rot, uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache, int64_t n_attn,
-             uintptr_t q_work, uintptr_t out, uintptr_t stream) {
+             uintptr_t q_work, uintptr_t out, uintptr_t stream, int kv_type) {
               no_stream(stream);
               cpu::gated_attention(ptr<const float>(qg), ld_qg, ptr<const float>(k), ptr<const float>(v),
                                    ld_kv, ptr<const float>(q_norm), ptr<const float>(k_norm), eps, pos0,
-                                   n_tok, hq, hkv, d, n_rot, ptr<const float>(inv_freq), ptr<float>(k_cache),
-                                   ptr<float>(v_cache), n_attn, ptr<float>(q_work), ptr<float>(out));
+                                   n_tok, hq, hkv, d, n_rot, ptr<const float>(inv_freq), ptr<void>(k_cache),
+                                   ptr<void>(v_cache), n_attn, ptr<float>(q_work), ptr<float>(out), kv_type);
           },
           py::arg("qg"), py::arg("ld_qg"), py::arg("k"), py::arg("v"), py::arg("ld_kv"), py::arg("q_norm"),
           py::arg("k_norm"), py::arg("eps"), py::arg("pos0"), py::arg("n_tok"), py::arg("hq"), py::arg("hkv"),
           py::arg("d"), py::arg("n_rot"), py::arg("inv_freq"), py::arg("k_cache"), py::arg("v_cache"),
-          py::arg("n_attn"), py::arg("q_work"), py::arg("out"), py::arg("stream") = 0, release);
+          py::arg("n_attn"), py::arg("q_work"), py::arg("out"), py::arg("stream") = 0, py::arg("kv_type") = 0,
+          release);
     m.def("moe_ffn",
           [](uintptr_t x, int64_t n_tok, int64_t hidden, int64_t ff, int64_t n_experts,
              uintptr_t ids, uintptr_t weights, int64_t top_k, int gate_type, uintptr_t gate,
@@ -419,7 +421,9 @@ PYBIND11_MODULE(_cpu, m) {
                      L.ssm_state = f32(d, "ssm_state"), L.ssm_a = f32(d, "ssm_a");
                      L.dt_bias = f32(d, "dt_bias"), L.ssm_norm = f32(d, "ssm_norm");
                      L.q_norm = f32(d, "q_norm"), L.k_norm = f32(d, "k_norm");
-                     L.k_cache = f32(d, "k_cache"), L.v_cache = f32(d, "v_cache");
+                     L.k_cache = ptr<void>(d.contains("k_cache") ? d["k_cache"].cast<uintptr_t>() : 0);
+                     L.v_cache = ptr<void>(d.contains("v_cache") ? d["v_cache"].cast<uintptr_t>() : 0);
+                     L.kv_type = d.contains("kv_type") ? int(i64(d, "kv_type")) : 0;
                      L.ffn_in = mats(d["ffn_in"]);
                      if (d.contains("shared_down")) L.shared_down = mat(d["shared_down"]);
                      auto bank = [&](const char* k) {

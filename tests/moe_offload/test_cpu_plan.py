@@ -80,10 +80,10 @@ def _assert_same_states(on, off):
             assert torch.equal(t, getattr(off, name)[i]), (name, i)
 
 
-def _lockstep(model, steps=16, prompt=PROMPT):
+def _lockstep(model, steps=16, prompt=PROMPT, kv_type="f32"):
     """Two states fed the same tokens, one through the loop and one through the per-op path:
     every step's logits equal, then the states."""
-    on, off = model.new_state(1, 64), model.new_state(1, 64)
+    on, off = model.new_state(1, 64, kv_type), model.new_state(1, 64, kv_type)
     model.prefill(torch.tensor([prompt]), off)
     tok = model.prefill(torch.tensor([prompt]), on).argmax(-1)
     for _ in range(steps):
@@ -124,6 +124,14 @@ def test_loop_is_the_per_op_path_bit_for_bit(models, types, isa_name, isa, loop_
     assert len(loop_calls) == 2 + 16   # the two prompts (T = 6) as well
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0"])
+def test_loop_with_a_packed_kv_is_the_per_op_path_bit_for_bit(models, kv_type, loop_calls):
+    """The loop takes an f16 / q8_0 / q4_0 KV cache (the C++ mixer packs the rows and attends
+    them as stored): the per-op path's logits and states, bit for bit."""
+    _lockstep(models[next(iter(TYPES))], kv_type=kv_type)
+    assert len(loop_calls) == 2 + 16
+
+
 def _variant(loaded, drop):
     """The CPU model of `loaded` without the tensors drop(name) picks."""
     tensors, experts = upload_weights(loaded, "cpu")
@@ -159,7 +167,6 @@ def test_the_per_op_path_runs_where_the_loop_does_not_mirror_it(models, loop_cal
     st = model.new_state(1, 64)
     model.forward(torch.tensor([list(range(cpu_plan.max_tokens() + 1))]), st)   # a longer prompt
     model.forward(torch.tensor([[3], [4]]), model.new_state(2, 64))   # a batch
-    model.forward(tok, model.new_state(1, 64, kv_type="f16"))
     monkeypatch.setattr(switches, "STEP_KERNELS", False)
     model.forward(tok, model.new_state(1, 64))
     monkeypatch.setattr(switches, "STEP_KERNELS", True)
@@ -177,7 +184,8 @@ def test_the_per_op_path_runs_where_the_loop_does_not_mirror_it(models, loop_cal
     kept.keep_steps(2)                                        # speculative decoding
     model.forward(tok, kept)
     model.forward(torch.tensor([[3, 4, 5]]), kept, hidden=True)
-    assert loop_calls == [1] * 5
+    model.forward(tok, model.new_state(1, 64, kv_type="q8_0"))  # a packed KV
+    assert loop_calls == [1] * 6
 
 
 def test_a_plan_follows_the_experts_it_was_built_for(models, loop_calls):
@@ -211,14 +219,19 @@ def test_decode_many_without_shared_expert_and_tied_head(synth_model, many_calls
     assert len(many_calls) == 8
 
 
-def test_decode_many_takes_the_per_op_path_unless_every_state_takes_the_loop(models, many_calls):
+def test_decode_many_takes_the_per_op_path_unless_every_state_takes_the_loop(models, many_calls,
+                                                                             monkeypatch):
     model = models["Q4_K"]
     tok = torch.tensor([3, 4])
-    model.decode_many(tok, [model.new_state(1, 64, kv_type="f16"), model.new_state(1, 64)])
+    from native import ops
+    with monkeypatch.context() as m:   # an extension that reads f32 caches only
+        m.setattr(ops._cpu, "ATTENTION_KV_TYPES", 1)
+        model.decode_many(tok, [model.new_state(1, 64, kv_type="f16"), model.new_state(1, 64)])
     _per_op(model.decode_many, tok, [model.new_state(1, 64), model.new_state(1, 64)])
     assert many_calls == []
     model.decode_many(tok, [model.new_state(1, 64), model.new_state(1, 64)])
-    assert many_calls == [1]
+    model.decode_many(tok, [model.new_state(1, 64, kv_type="q8_0"), model.new_state(1, 64)])
+    assert many_calls == [1, 1]
 
 
 def test_run_many_takes_one_models_plans(models):

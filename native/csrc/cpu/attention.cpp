@@ -6,6 +6,7 @@
 // pool, a task's scores in rows of L floats, each K and V row read (and unpacked, for a packed
 // KV type) once for the task. A query's arithmetic does not depend on its task's other queries.
 #include <cmath>
+#include <cstring>
 
 #include "cpu.h"
 
@@ -59,6 +60,60 @@ struct KvRows {
         return buf;
     }
 };
+
+inline void st_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+
+// f32 -> f16 rounded to nearest even (torch's .to(float16)): overflow to inf, subnormal halves
+// by an exact scaling and a rounding to an integer (the CPU kernels may flush denormals, so no
+// bit trick on f32 subnormals is relied on).
+inline uint16_t float_to_half(float f) {
+    const uint32_t x = f32_to_bits(f), sign = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return uint16_t(sign | 0x7C00u | (a > 0x7F800000u ? 0x200u : 0u));
+    if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // 65520 and up round to inf
+    if (a < 0x38800000u) return uint16_t(sign | uint32_t(std::nearbyint(bits_to_f32(a) * 16777216.f)));
+    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);  // round the 13 dropped bits, ties to even
+    return uint16_t(sign | ((r - 0x38000000u) >> 13));
+}
+
+// A head row of d floats into its KV type's bytes at dst, as native/kv_cache.py's quantize does
+// it step for step (each an IEEE float operation; ties of q8_0's rounding to even, as
+// torch.round): f16 the values rounded; q8_0 / q4_0 blocks of 32, quants then f16 scales.
+void pack_row(const float* x, int64_t d, int type, uint8_t* dst) {
+    if (type == 0) {
+        std::memcpy(dst, x, size_t(d) * sizeof(float));
+        return;
+    }
+    if (type == 1) {
+        for (int64_t c = 0; c < d; ++c) st_u16(dst + 2 * c, float_to_half(x[c]));
+        return;
+    }
+    uint8_t* scales = dst + (type == 2 ? d : d / 2);
+    for (int64_t b = 0; b < d / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float s;
+        if (type == 2) {
+            float amax = 0.f;
+            for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+            s = amax / 127.f;
+        } else {  // the value of largest magnitude, the first of equal ones, over -8
+            int at = 0;
+            for (int j = 1; j < 32; ++j)
+                if (std::fabs(xb[j]) > std::fabs(xb[at])) at = j;
+            s = xb[at] / -8.f;
+        }
+        const float inv = s != 0.f ? 1.f / s : 0.f;
+        if (type == 2) {
+            for (int j = 0; j < 32; ++j) dst[32 * b + j] = uint8_t(int8_t(std::nearbyint(xb[j] * inv)));
+        } else {
+            for (int j = 0; j < 16; ++j) {
+                const int lo = std::min(15, int(std::floor(xb[2 * j] * inv + 8.5f)));
+                const int hi = std::min(15, int(std::floor(xb[2 * j + 1] * inv + 8.5f)));
+                dst[16 * b + j] = uint8_t(lo | hi << 4);
+            }
+        }
+        st_u16(scales + 2 * b, float_to_half(s));
+    }
+}
 
 // Up to kQueryBlock queries that read the same kv head: query i's d values, its gate (or null),
 // where its output goes, and how many cache rows it sees (keys < n[i]).
@@ -203,9 +258,12 @@ void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int6
 void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float* v, int64_t ld_kv,
                      const float* q_norm, const float* k_norm, float eps, int64_t pos0, int64_t n_tok,
                      int64_t hq, int64_t hkv, int64_t d, int64_t n_rot, const float* inv_freq,
-                     float* k_cache, float* v_cache, int64_t n_attn, float* q_work, float* out) {
+                     void* k_cache, void* v_cache, int64_t n_attn, float* q_work, float* out, int kv_type) {
     if (n_rot < 0 || n_rot > d || n_rot % 2 || pos0 + n_tok > n_attn)
         throw std::invalid_argument("gated_attention: needs an even n_rot <= d and pos0 + n_tok <= n_attn");
+    const int64_t rb = kv_row_bytes(kv_type, d);
+    if (d > kMaxHeadDim || (kv_type >= 2 && d % 32))
+        throw std::invalid_argument("gated_attention: d at most 512, a multiple of 32 for q8_0 / q4_0");
     // RMS norm (times its weight), then NEOX RoPE on the first n_rot dims: pair (i, i + n_rot/2)
     // turns by angle pos * inv_freq[i] -- layers.rms_norm and layers.rope_neox, row by row
     auto norm_rope = [&](const float* x, const float* w, int64_t pos, float* y) {
@@ -221,20 +279,25 @@ void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float
             y[i + half] = x2 * cs + x1 * sn;
         }
     };
+    uint8_t* const kc = static_cast<uint8_t*>(k_cache);
+    uint8_t* const vc = static_cast<uint8_t*>(v_cache);
     auto prep = [&](int64_t t0, int64_t t1) {
+        alignas(64) float row[kMaxHeadDim];
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t pos = pos0 + t;
             for (int64_t h = 0; h < hq; ++h)  // qg row: per head d query values, then d gate values
                 norm_rope(qg + t * ld_qg + h * 2 * d, q_norm, pos, q_work + (t * hq + h) * d);
-            for (int64_t g = 0; g < hkv; ++g) {
-                norm_rope(k + t * ld_kv + g * d, k_norm, pos, k_cache + (pos * hkv + g) * d);
-                std::copy(v + t * ld_kv + g * d, v + t * ld_kv + (g + 1) * d, v_cache + (pos * hkv + g) * d);
+            for (int64_t g = 0; g < hkv; ++g) {  // the rows as floats, then in the cache's type
+                norm_rope(k + t * ld_kv + g * d, k_norm, pos, row);
+                pack_row(row, d, kv_type, kc + (pos * hkv + g) * rb);
+                pack_row(v + t * ld_kv + g * d, d, kv_type, vc + (pos * hkv + g) * rb);
             }
         }
     };
     if (n_tok < 8) prep(0, n_tok);  // a decode token: cheaper than the pool
     else parallel_for(n_tok, 4, prep);
-    attention(q_work, hq * d, d, qg + d, ld_qg, 2 * d, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out, 0);
+    attention(q_work, hq * d, d, qg + d, ld_qg, 2 * d, k_cache, v_cache, n_attn, pos0, n_tok, hq, hkv, d, out,
+              kv_type);
 }
 
 }  // namespace ft::cpu

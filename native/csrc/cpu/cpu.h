@@ -258,12 +258,13 @@ void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int6
 // contract of csrc/cuda/api.h's attention_steps, any n_tok): qg [n_tok, hq*2d] rows at ld_qg (per
 // head d query then d gate values), k, v [n_tok, hkv*d] rows at ld_kv; q and k RMS-normed (times
 // q_norm / k_norm [d]) and roped (NEOX, first n_rot dims, inv_freq [n_rot/2]) at positions
-// pos0 + t; k, v written to cache rows pos0 + t (f32 [n_ctx, hkv, d]); then `attention` with
-// the gate. q_work: [n_tok, hq*d] scratch; out [n_tok, hq*d].
+// pos0 + t; k, v written to cache rows pos0 + t ([n_ctx, hkv, X] rows of kv_type as
+// `attention` takes them: packed as native/kv_cache.py's quantize packs, bit for bit); then
+// `attention` with the gate. q_work: [n_tok, hq*d] scratch; out [n_tok, hq*d].
 void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float* v, int64_t ld_kv,
                      const float* q_norm, const float* k_norm, float eps, int64_t pos0, int64_t n_tok,
                      int64_t hq, int64_t hkv, int64_t d, int64_t n_rot, const float* inv_freq,
-                     float* k_cache, float* v_cache, int64_t n_attn, float* q_work, float* out);
+                     void* k_cache, void* v_cache, int64_t n_attn, float* q_work, float* out, int kv_type);
 
 // Row geometry check shared by the ops: n_cols weights of `k` per row.
 int64_t row_kblocks(const TypeKernels& k, int64_t n_cols, const char* what);

@@ -268,7 +268,7 @@ void DecodePlan::attention(size_t layer, const Rows& rows, Scratch& s) {
         const float *qg = s.proj + int64_t(b) * n * total, *k = qg + 2 * hqd, *v = k + kvd;  // qg | k | v
         gated_attention(qg, ld_of(n, 2 * hqd, total), k, v, ld_of(n, kvd, total), L.q_norm, L.k_norm, m.eps,
                         rows.pos[b], n, m.n_head, m.n_head_kv, m.head_dim, m.n_rot, m.inv_freq, state.k_cache,
-                        state.v_cache, rows.n_attn[b], s.q_work, s.mix_one);
+                        state.v_cache, rows.n_attn[b], s.q_work, s.mix_one, state.kv_type);
         std::memcpy(s.mix + int64_t(b) * n * hqd, s.mix_one, size_t(n * hqd) * sizeof(float));
     }
     matmul_multi(&L.mixer_out, 1, hqd, s.mix, B, s.mix_out, m.n_embd);

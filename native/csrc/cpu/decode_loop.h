@@ -34,11 +34,12 @@ struct DecodeLayer {
     const float* ssm_a = nullptr;
     const float* dt_bias = nullptr;
     const float* ssm_norm = nullptr;
-    // attention: q/k norms [d], caches [n_ctx, hkv, d] f32
+    // attention: q/k norms [d], caches [n_ctx, hkv, X] of kv_type (attention.cpp's codes)
     const float* q_norm = nullptr;
     const float* k_norm = nullptr;
-    float* k_cache = nullptr;
-    float* v_cache = nullptr;
+    void* k_cache = nullptr;
+    void* v_cache = nullptr;
+    int kv_type = 0;
     // feed-forward: the router, and with a shared expert its gate logit, gate and up (one
     // matmul_multi), its down projection (n_out 0: none); the routed experts' banks
     std::vector<MatW> ffn_in;
