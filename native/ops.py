@@ -661,16 +661,40 @@ def cpu_delta_rule(y: torch.Tensor, z: torch.Tensor, beta_raw: torch.Tensor,
     return out
 
 
-def cpu_attention_reads(cache: torch.Tensor, d: int) -> bool:
-    """Whether cpu_attention reads this host cache [n_ctx, Hkv, X] of head size d as stored: f32
-    always, f16 / q8_0 / q4_0 where the built extension unpacks them (ATTENTION_KV_TYPES)."""
-    if cache.device.type != "cpu" or _cpu is None or not hasattr(_cpu, "attention") or d > 512:
-        return False
+def _kv_type_or_none(cache: torch.Tensor, d: int):
+    """native.kv_cache's type of a cache of head size d, or None where its rows are no type's."""
     try:
-        kvt = kv_type_of(cache, d)
+        return kv_type_of(cache, d)
     except ValueError:
-        return False
-    return kvt.code == 0 or getattr(_cpu, "ATTENTION_KV_TYPES", 1) > kvt.code
+        return None
+
+
+def _cpu_kv_type(cache: torch.Tensor, d: int):
+    """The KV type of a host cache that cpu_attention reads as stored, or None: f32 always,
+    f16 / q8_0 / q4_0 where the built extension unpacks them (ATTENTION_KV_TYPES)."""
+    if cache.device.type != "cpu" or _cpu is None or not hasattr(_cpu, "attention") or d > 512:
+        return None
+    kvt = _kv_type_or_none(cache, d)
+    if kvt is None or (kvt.code and getattr(_cpu, "ATTENTION_KV_TYPES", 1) <= kvt.code):
+        return None
+    return kvt
+
+
+def cpu_attention_reads(cache: torch.Tensor, d: int) -> bool:
+    """Whether cpu_attention reads this host cache [n_ctx, Hkv, X] of head size d as stored."""
+    return _cpu_kv_type(cache, d) is not None
+
+
+def _cpu_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int, what: str):
+    """The KV type of a pair of host caches [n_ctx, Hkv, X] the CPU kernels take (contiguous,
+    one shape, rows of one type they read), or a NativeError naming `what`."""
+    kvt = _cpu_kv_type(k_cache, d)
+    if kvt is None or kvt.row_width(d) != k_cache.shape[-1] or any(
+            c.dtype != k_cache.dtype or c.shape != k_cache.shape or not c.is_contiguous()
+            for c in (k_cache, v_cache)):
+        raise NativeError(f"{what}: caches must be contiguous [n_ctx, Hkv, X] rows of one KV type "
+                          "(f32, f16, q8_0 or q4_0) of head size d, as this build of native._cpu reads")
+    return kvt
 
 
 def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Tensor,
@@ -682,19 +706,11 @@ def cpu_attention(q: torch.Tensor, gate: torch.Tensor | None, k_cache: torch.Ten
     key l visible to query t iff l <= pos0 + t -> softmax(q k^T / sqrt(d)) v * sigmoid(gate),
     [T, Hq*d]. d % 16 == 0, d <= 512."""
     t, hq, d = q.shape
-    hkv, width = k_cache.shape[1:]
+    hkv = k_cache.shape[1]
     for name, u in (("q", q), ("gate", gate)):
         if u is not None and (u.dtype != torch.float32 or u.stride(2) != 1 or tuple(u.shape) != (t, hq, d)):
             raise NativeError(f"attention: {name} must be float32 [T, Hq, d] with unit stride in d")
-    try:
-        kvt = kv_type_of(k_cache, d)
-    except ValueError:
-        kvt = None
-    if kvt is None or not cpu_attention_reads(k_cache, d) or kvt.row_width(d) != width or any(
-            c.dtype != k_cache.dtype or not c.is_contiguous() or c.shape[1:] != (hkv, width)
-            for c in (k_cache, v_cache)):
-        raise NativeError("attention: caches must be contiguous [n_ctx, Hkv, X] rows of one KV type "
-                          "(f32, f16, q8_0 or q4_0) of head size d, as this build of native._cpu reads")
+    kvt = _cpu_caches(k_cache, v_cache, d, "attention")
     out = torch.empty(t, hq * d, dtype=torch.float32)
     g = (gate.data_ptr(), gate.stride(0), gate.stride(1)) if gate is not None else (0, 0, 0)
     _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), *g, k_cache.data_ptr(),
@@ -726,18 +742,11 @@ def cpu_gated_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     KV type that cpu_attention_reads; packed rows bit for bit as KVType.quantize packs them),
     the first n_attn rows attended -> [T, Hq*d]."""
     t = qg.shape[0]
-    n_ctx, hkv, width = k_cache.shape
+    n_ctx, hkv, _ = k_cache.shape
     d = k.shape[-1] // hkv
-    try:
-        kvt = kv_type_of(k_cache, d)
-    except ValueError:
-        kvt = None
-    if kvt is None or not cpu_attention_reads(k_cache, d) or kvt.row_width(d) != width \
-            or any(c.dtype != k_cache.dtype or c.shape != k_cache.shape or not c.is_contiguous()
-                   for c in (k_cache, v_cache)) \
-            or pos0 + t > min(n_attn, n_ctx) or qg.shape[1] != n_head * 2 * d:
-        raise NativeError("gated_attention: contiguous caches of one KV type this build of native._cpu "
-                          "reads, with room for the tokens")
+    kvt = _cpu_caches(k_cache, v_cache, d, "gated_attention")
+    if pos0 + t > min(n_attn, n_ctx) or qg.shape[1] != n_head * 2 * d:
+        raise NativeError("gated_attention: caches with room for the tokens, qg of n_head * 2d a row")
     ld_kv = _ld(k, "gated_attention k")
     if _ld(v, "gated_attention v") != ld_kv:
         raise NativeError("gated_attention: k and v need the same row stride")
@@ -946,10 +955,7 @@ def cuda_attention_many(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_no
     ks, vs = ([k_caches.like], [v_caches.like]) if tabled else (k_caches, v_caches)
     hkv, width = ks[0].shape[-2:]
     d = k.shape[-1] // hkv
-    try:
-        kvt = kv_type_of(ks[0], d)
-    except ValueError:
-        kvt = None
+    kvt = _kv_type_or_none(ks[0], d)
     rb = kvt.row_bytes(d) if kvt is not None else 1
     align = min(16, rb & -rb)     # the kernel's widest load of a row: a power of two dividing rb
     if kvt is None or kvt.row_width(d) != width or any(

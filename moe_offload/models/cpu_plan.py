@@ -33,7 +33,7 @@ import operator
 import torch
 
 from native import ops
-from native.kv_cache import kv_type_of
+from native.errors import NativeError
 from native.ops import QTensor
 
 from ..instrument import switches
@@ -198,11 +198,12 @@ def _build(model, state, mtp=None) -> DecodeLoop | MtpLoop:
         return t.data_ptr()
 
     def kv_caches(kc: torch.Tensor, vc: torch.Tensor, d: int) -> dict:   # host caches of a KV type
-        if not (isinstance(kc, torch.Tensor) and kc.is_contiguous() and vc.is_contiguous()
-                and kc.dtype == vc.dtype and kc.shape == vc.shape and ops.cpu_attention_reads(kc, d)):
-            raise _PerOp
+        try:
+            kvt = ops._cpu_caches(kc, vc, d, "decode loop")   # what the C++ mixer takes
+        except NativeError:
+            raise _PerOp from None
         keep.extend((kc, vc))
-        return dict(k_cache=kc.data_ptr(), v_cache=vc.data_ptr(), kv_type=kv_type_of(kc, d).code)
+        return dict(k_cache=kc.data_ptr(), v_cache=vc.data_ptr(), kv_type=kvt.code)
 
     if any("+" in k for L in blocks for k in L):   # fused projections (a GPU upload)
         raise _PerOp

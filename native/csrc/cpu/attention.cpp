@@ -7,6 +7,7 @@
 // KV type) once for the task. A query's arithmetic does not depend on its task's other queries.
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "cpu.h"
 
@@ -201,26 +202,30 @@ HeadBlockFn head_block_for(const IsaKernels& isa) {
     return head_block_generic;
 }
 
-}  // namespace
-
-int64_t kv_row_bytes(int kv_type, int64_t d) {
+// Bytes of a head row of d values of kv_type (native/kv_cache.py's row_bytes), after checking
+// that the kernels take it: a known type, d <= kMaxHeadDim (the row buffers), blocks of 32 for
+// q8_0 / q4_0. `what` names the caller in the error.
+int64_t kv_row_bytes(int kv_type, int64_t d, const char* what) {
+    if (kv_type < 0 || kv_type > 3)
+        throw std::invalid_argument(std::string(what) + ": kv_type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 (q4_0)");
+    if (d > kMaxHeadDim || (kv_type >= 2 && d % 32))
+        throw std::invalid_argument(std::string(what) + ": d at most 512, a multiple of 32 for q8_0 / q4_0");
     switch (kv_type) {
         case 0: return 4 * d;
         case 1: return 2 * d;
         case 2: return d + d / 16;
-        case 3: return d / 2 + d / 16;
-        default: throw std::invalid_argument("attention: kv_type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 (q4_0)");
+        default: return d / 2 + d / 16;
     }
 }
+
+}  // namespace
 
 void attention(const float* q, int64_t q_t, int64_t q_h, const float* gate, int64_t g_t, int64_t g_h,
                const void* k_cache, const void* v_cache, int64_t n_attn, int64_t pos0, int64_t n_tok,
                int64_t hq, int64_t hkv, int64_t d, float* out, int kv_type) {
     if (hq <= 0 || hkv <= 0 || hq % hkv || d <= 0 || d % 16 || n_attn < 0 || pos0 < 0)
         throw std::invalid_argument("attention: needs hkv dividing hq, d a multiple of 16, n_attn and pos >= 0");
-    const int64_t rb = kv_row_bytes(kv_type, d);
-    if (d > kMaxHeadDim || (kv_type >= 2 && d % 32))
-        throw std::invalid_argument("attention: d at most 512, a multiple of 32 for q8_0 / q4_0");
+    const int64_t rb = kv_row_bytes(kv_type, d, "attention");
     if (n_tok <= 0) return;
     // a task: kv head g, heads [h0, h0 + hb) of its group, tokens [t0, t0 + tb): hb * tb <= 8
     // queries reading one kv head's rows (a decode token: the whole group of 8 in one task)
@@ -261,9 +266,7 @@ void gated_attention(const float* qg, int64_t ld_qg, const float* k, const float
                      void* k_cache, void* v_cache, int64_t n_attn, float* q_work, float* out, int kv_type) {
     if (n_rot < 0 || n_rot > d || n_rot % 2 || pos0 + n_tok > n_attn)
         throw std::invalid_argument("gated_attention: needs an even n_rot <= d and pos0 + n_tok <= n_attn");
-    const int64_t rb = kv_row_bytes(kv_type, d);
-    if (d > kMaxHeadDim || (kv_type >= 2 && d % 32))
-        throw std::invalid_argument("gated_attention: d at most 512, a multiple of 32 for q8_0 / q4_0");
+    const int64_t rb = kv_row_bytes(kv_type, d, "gated_attention");
     // RMS norm (times its weight), then NEOX RoPE on the first n_rot dims: pair (i, i + n_rot/2)
     // turns by angle pos * inv_freq[i] -- layers.rms_norm and layers.rope_neox, row by row
     auto norm_rope = [&](const float* x, const float* w, int64_t pos, float* y) {
