@@ -214,15 +214,18 @@ def _decode_after(rt, logits, st, gen: int, room: int) -> dict | None:
     if room - warm < 1:
         return None
     n = min(gen, room - warm)
-    nxt = logits.argmax(-1)
-    for _ in range(warm):
-        nxt = rt.decode(nxt, st).argmax(-1)
-    _sync()
+    nxt, _ = _decode_steps(rt, logits.argmax(-1), st, warm)
+    _, seconds = _decode_steps(rt, nxt, st, n)
+    return {"tokens": n, "tok_s": round(n / seconds, 2)}
+
+
+def _decode_steps(rt, nxt, st, n: int):
+    """n greedy decode steps from token nxt, timed to the device's end -> (last token, seconds)."""
     t = time.perf_counter()
     for _ in range(n):
         nxt = rt.decode(nxt, st).argmax(-1)
     _sync()
-    return {"tokens": n, "tok_s": round(n / (time.perf_counter() - t), 2)}
+    return nxt, time.perf_counter() - t
 
 
 def draft_guess_stats(rt) -> dict:
@@ -341,12 +344,9 @@ def _run_one(args: argparse.Namespace, sizes: list[int], console) -> dict:
         ttft.append(time.perf_counter() - t)
         if r == args.reps:
             rt.reset_stats()   # statistics of the last repetition: args.gen steps
-        t = time.perf_counter()
-        for _ in range(args.gen):
-            nxt = rt.decode(nxt, st).argmax(-1)
-        _sync()
+        nxt, seconds = _decode_steps(rt, nxt, st, args.gen)
         if r:
-            tg.append(args.gen / (time.perf_counter() - t))
+            tg.append(args.gen / seconds)
     result[f"tg{args.gen}"] = _spread(tg)
     result["ttft_s"] = _spread(ttft[1:])
     stats = rt.stats().as_dict()
