@@ -1,7 +1,9 @@
 """Time one decode step's attention (qwen35moe's shape: 16 query heads over 2 kv heads of 256) at
-long contexts, for each KV type. On a GPU the kernel (ops.cuda_attention_step) with the group kernel and with
-the per-head one (FTPATCH_ATTENTION_GROUPED=0): microseconds a call (median of --reps, CUDA
-events) and the KV bytes it reads a second. One layer's call; a 35B-A3B token makes 10.
+long contexts, for each KV type. On a GPU the kernel (ops.cuda_attention_step) in each form: the
+tensor-core group kernel (the default for f16, q8_0 and q4_0), the FFMA group kernel
+(FTPATCH_ATTENTION_GROUPED=1), its half-group form (=2) and the per-head kernel (=0):
+microseconds a call (median of --reps, CUDA events) and the KV bytes it reads a second. One
+layer's call; a 35B-A3B token makes 10.
 
     python scripts/dev/attention_bench.py --ctx 4096,65536,131072 --kv f16,q8_0
 
@@ -59,7 +61,7 @@ def main() -> None:
             pos = torch.tensor(n - 1, device="cuda")
             row = {"kv": kv, "ctx": n}
             outs = {}
-            for name, env in (("half_group", "2"), ("group", "1"), ("per_head", "0")):
+            for name, env in (("mma", "3"), ("half_group", "2"), ("group", "1"), ("per_head", "0")):
                 os.environ["FTPATCH_ATTENTION_GROUPED"] = env
                 def call(kc=kc, vc=vc, pos=pos, n=n):
                     return ops.cuda_attention_step(qg, k, v, q_norm, k_norm, 1e-6, pos, 64, 1e7,

@@ -563,7 +563,8 @@ def test_a_cache_of_no_kv_type_is_refused():
 
 def _kernel_form(form: str, fn):
     """fn() with the attention kernel FTPATCH_ATTENTION_GROUPED names (read at each launch): 0 the
-    per-head kernel, 1 the group kernel a warp a group, 2 a warp a half group."""
+    per-head kernel, 1 the group kernel a warp a group, 2 a warp a half group, 3 the tensor-core
+    group kernel."""
     import os
     old = os.environ.get("FTPATCH_ATTENTION_GROUPED")
     os.environ["FTPATCH_ATTENTION_GROUPED"] = form
@@ -576,16 +577,19 @@ def _kernel_form(form: str, fn):
             os.environ["FTPATCH_ATTENTION_GROUPED"] = old
 
 
-@pytest.mark.parametrize("form", ["1", "2"])
+@pytest.mark.parametrize("form", ["1", "2", "3"])
 @pytest.mark.parametrize("kind", ["f32", "f16", *QUANT_KV])
 @pytest.mark.parametrize("dims,pos", [((16, 2, 256, 64), 5), ((16, 2, 256, 64), 70000),
+                                      ((16, 2, 256, 64), 4111), ((16, 2, 128, 64), 2000),
                                       ((8, 2, 128, 64), 1500), ((16, 1, 128, 128), 300)])
 def test_group_kernel_equals_the_per_head_kernel(form, kind, dims, pos):
-    """The group kernel (one block a kv head, its 4 or 8 query heads at once, a warp for all of
-    them or for half) against the per-head kernel on the same inputs: the rows written into the
-    caches bit for bit (the same norm, RoPE and rounding), the outputs to float32 summation
-    order, at one split and at 256 splits of a long context; a group of 16 (no group kernel)
-    runs the per-head kernel either way."""
+    """The group kernels (one block a kv head, its 4 or 8 query heads at once: a warp for all of
+    them or for half, or 8 heads on the tensor cores) against the per-head kernel on the same
+    inputs: the rows written into the caches bit for bit (the same norm, RoPE and rounding), the
+    outputs to float32 summation order (the tensor-core products carry each f16 operand with its
+    remainder), at one split, at a partly filled last run of 16 rows and at 256 splits of a long
+    context; a group of 16 (no group kernel) runs the per-head kernel either way, and the
+    tensor-core form falls back to the warp form for f32 caches and groups of 4."""
     from native import ops
     from native.kv_cache import KV_TYPES
     hq, hkv, d, n_rot = dims

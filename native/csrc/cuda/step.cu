@@ -684,6 +684,51 @@ __device__ void norm_rope(float* x, const float* w, int d, float eps, float pos,
     __syncthreads();
 }
 
+// A run of R positions p0.. of a warp's FFMA attention loop, lane's values [lane*PER, (lane+1)*PER)
+// of each row into rows[u] (times sc[u]): rows before pos from the cache, the row at pos from
+// shared memory (`cur`: another block may still be writing it), rows past pos zeros. K rows:
+// the quantized formats fetch the run's V bytes with them (one memory round trip a run, not two;
+// their raw bytes are few registers, f16 or f32 rows would cost occupancy). V rows: from those
+// bytes, or from the cache.
+template <class C, int PER, int R>
+__device__ __forceinline__ void load_run_k(const char* kbase, const char* vbase, int64_t stride,
+                                           int64_t p0, int64_t pos, int lane, const float* cur,
+                                           float (&rows)[R][PER], float (&sc)[R],
+                                           typename C::template Raw<PER> (&vraw)[R]) {
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+        const int64_t p = p0 + u;
+        if (p < pos) {
+            if constexpr (C::kScaled) vraw[u] = C::template fetch<PER>(vbase + p * stride, lane);
+            sc[u] = C::template load<PER>(kbase + p * stride, lane, rows[u]);
+        } else {
+            sc[u] = 1.f;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? cur[lane * PER + j] : 0.f;
+        }
+    }
+}
+template <class C, int PER, int R>
+__device__ __forceinline__ void load_run_v(const char* vbase, int64_t stride, int64_t p0,
+                                           int64_t pos, int lane, const float* cur,
+                                           float (&rows)[R][PER], float (&sc)[R],
+                                           const typename C::template Raw<PER> (&vraw)[R]) {
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+        const int64_t p = p0 + u;
+        if (p < pos) {
+            if constexpr (C::kScaled)
+                sc[u] = C::template unpack<PER>(vraw[u], rows[u]);
+            else
+                sc[u] = C::template load<PER>(vbase + p * stride, lane, rows[u]);
+        } else {
+            sc[u] = 1.f;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? cur[lane * PER + j] : 0.f;
+        }
+    }
+}
+
 // What a launch of attention_part_kernel does with the caches. A step of several tokens of one
 // sequence runs kWriteRows (every token's k, v row into the cache) then kAttendOnly (each token
 // attends rows the others wrote): each token's arithmetic is the one-token kWriteAndAttend's.
@@ -744,21 +789,8 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
     const int64_t last = min(pos, first + chunk - 1);
     for (int64_t p0 = first + int64_t(warp) * kAttnRun; p0 <= last; p0 += kAttnWarps * kAttnRun) {
         float rows[kAttnRun][PER], s[kAttnRun], sc[kAttnRun];  // a row: rows[u][] * sc[u]
-        // quantized: the run's V rows fetched with its K rows, one memory round trip a run, not
-        // two (their raw bytes are few registers; f16 or f32 rows would cost occupancy)
-        [[maybe_unused]] typename C::template Raw<PER> vraw[kAttnRun];
-#pragma unroll
-        for (int u = 0; u < kAttnRun; ++u) {
-            const int64_t p = p0 + u;
-            if (p < pos) {
-                if constexpr (C::kScaled) vraw[u] = C::template fetch<PER>(vbase + p * row_stride, lane);
-                sc[u] = C::template load<PER>(kbase + p * row_stride, lane, rows[u]);
-            } else {
-                sc[u] = 1.f;
-#pragma unroll
-                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? ks[lane * PER + j] : 0.f;
-            }
-        }
+        typename C::template Raw<PER> vraw[kAttnRun];
+        load_run_k<C, PER>(kbase, vbase, row_stride, p0, pos, lane, ks, rows, sc, vraw);
 #pragma unroll
         for (int u = 0; u < kAttnRun; ++u) {
             float dot = 0.f;
@@ -783,20 +815,7 @@ attention_part_kernel(const float* qg, int64_t ldq, const float* kin, const floa
             s[u] = expf(s[u] - mn);
             l += s[u];
         }
-#pragma unroll
-        for (int u = 0; u < kAttnRun; ++u) {
-            const int64_t p = p0 + u;
-            if (p < pos) {
-                if constexpr (C::kScaled)
-                    sc[u] = C::template unpack<PER>(vraw[u], rows[u]);
-                else
-                    sc[u] = C::template load<PER>(vbase + p * row_stride, lane, rows[u]);
-            } else {
-                sc[u] = 1.f;
-#pragma unroll
-                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? vs[lane * PER + j] : 0.f;
-            }
-        }
+        load_run_v<C, PER>(vbase, row_stride, p0, pos, lane, vs, rows, sc, vraw);
         if constexpr (C::kScaled) {
 #pragma unroll
             for (int u = 0; u < kAttnRun; ++u) s[u] *= sc[u];
@@ -869,6 +888,50 @@ template <int W, int N> __device__ __forceinline__ void reduce_scatter(float (&p
     }
 }
 
+// Phase 1 of the group kernels, for kv head blockIdx.x of sequence blockIdx.y with W warps: the
+// group's G query rows (unless only writing) and the k row RMS-normed and NEOX-roped in shared
+// memory (attention_part_kernel's arithmetic, one RoPE table for the G + 1 rows), then the k, v
+// rows put into the caches' form at pos (written by split 0 unless MODE is kAttendOnly). Both
+// group kernels call it, so they write the same rows bit for bit; a barrier must follow.
+template <class C, int D, int G, int W, int MODE>
+__device__ __forceinline__ void group_rows(float (*qs)[D], float* ks, float* vs, float* rope_c,
+                                           float* rope_s, const float* qg, int64_t ldq,
+                                           const float* kin, const float* vin, int64_t ldkv,
+                                           const float* q_norm, const float* k_norm, float eps,
+                                           int n_rot, float base, int hkv, char* k_cache,
+                                           char* v_cache, int64_t pos) {
+    constexpr int PER = D / 32;
+    const int kh = blockIdx.x, b = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* qb = qg + int64_t(b) * ldq + int64_t(kh) * G * 2 * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        ks[i] = kin[int64_t(b) * ldkv + int64_t(kh) * D + i];
+        vs[i] = vin[int64_t(b) * ldkv + int64_t(kh) * D + i];
+        if (MODE != kWriteRows)
+#pragma unroll
+            for (int g = 0; g < G; ++g) qs[g][i] = qb[int64_t(g) * 2 * D + i];
+    }
+    const int half = n_rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(i, float(pos), n_rot, base, rope_c[i], rope_s[i]);
+    __syncthreads();
+    // row r < G: query head r; row G: k. A warp a row (only k when only writing), its sum of
+    // squares in norm_rope's order (that of a block of 256 threads: d <= 256 here).
+    for (int r = (MODE == kWriteRows ? G : 0) + warp; r <= G; r += W) {
+        float* x = r < G ? qs[r] : ks;
+        const float* w = r < G ? q_norm : k_norm;
+        float sq = 0.f;
+#pragma unroll
+        for (int c = 0; c < PER; ++c) sq += warp_sum(__fmul_rn(x[32 * c + lane], x[32 * c + lane]));
+        const float rr = norm_factor(sq, D, eps);
+        for (int i = lane; i < D; i += 32) x[i] = __fmul_rn(__fmul_rn(x[i], rr), w[i]);
+        __syncwarp();
+        for (int i = lane; i < half; i += 32) rope_pair(x, i, half, rope_c[i], rope_s[i]);
+    }
+    __syncthreads();
+    const int64_t at = (pos * hkv + kh) * C::row_bytes(D);
+    C::template put_rows<D>(k_cache + at, v_cache + at, ks, vs, MODE != kAttendOnly && blockIdx.z == 0);
+}
+
 template <class C, int PER, int G, int S, int MODE>
 __global__ void __launch_bounds__(32 * kGroupWarps)
 attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
@@ -885,39 +948,14 @@ attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const flo
     const int64_t pos = *kv.pos[b];
     char* const k_cache = static_cast<char*>(kv.key(b));
     char* const v_cache = static_cast<char*>(kv.value(b));
-    const float* qb = qg + int64_t(b) * ldq + int64_t(kh) * G * 2 * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        ks[i] = kin[int64_t(b) * ldkv + int64_t(kh) * d + i];
-        vs[i] = vin[int64_t(b) * ldkv + int64_t(kh) * d + i];
-        if (MODE != kWriteRows)
-#pragma unroll
-            for (int g = 0; g < G; ++g) qs[g][i] = qb[int64_t(g) * 2 * d + i];
-    }
-    const int half = n_rot / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(i, float(pos), n_rot, base, rope_c[i], rope_s[i]);
-    __syncthreads();
-    // row r < G: query head r; row G: k. A warp a row (only k when only writing), its sum of
-    // squares in norm_rope's order (that of a block of 256 threads: d <= 256 here).
-    for (int r = (MODE == kWriteRows ? G : 0) + warp; r <= G; r += W) {
-        float* x = r < G ? qs[r] : ks;
-        const float* w = r < G ? q_norm : k_norm;
-        float sq = 0.f;
-#pragma unroll
-        for (int c = 0; c < PER; ++c) sq += warp_sum(__fmul_rn(x[32 * c + lane], x[32 * c + lane]));
-        const float rr = norm_factor(sq, d, eps);
-        for (int i = lane; i < d; i += 32) x[i] = __fmul_rn(__fmul_rn(x[i], rr), w[i]);
-        __syncwarp();
-        for (int i = lane; i < half; i += 32) rope_pair(x, i, half, rope_c[i], rope_s[i]);
-    }
+    group_rows<C, d, G, W, MODE>(qs, ks, vs, rope_c, rope_s, qg, ldq, kin, vin, ldkv, q_norm, k_norm,
+                                 eps, n_rot, base, hkv, k_cache, v_cache, pos);
+    if (MODE == kWriteRows) return;
     __syncthreads();
     constexpr int rb = C::row_bytes(d);
     const int64_t row_stride = int64_t(hkv) * rb;  // bytes
     const char* kbase = k_cache + int64_t(kh) * rb;
     const char* vbase = v_cache + int64_t(kh) * rb;
-    const int64_t at = (pos * hkv + kh) * rb;
-    C::template put_rows<d>(k_cache + at, v_cache + at, ks, vs, MODE != kAttendOnly && blockIdx.z == 0);
-    if (MODE == kWriteRows) return;
-    __syncthreads();
 
     const int h0 = HW * (warp % S);  // this warp's first head of the group
     float acc[HW][PER];
@@ -931,19 +969,8 @@ attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const flo
     const int64_t last = min(pos, first + chunk - 1);
     for (int64_t p0 = first + int64_t(warp / S) * R; p0 <= last; p0 += (W / S) * R) {
         float rows[R][PER], sc[R];  // a row: rows[u][] * sc[u]
-        [[maybe_unused]] typename C::template Raw<PER> vraw[R];
-#pragma unroll
-        for (int u = 0; u < R; ++u) {
-            const int64_t p = p0 + u;
-            if (p < pos) {
-                if constexpr (C::kScaled) vraw[u] = C::template fetch<PER>(vbase + p * row_stride, lane);
-                sc[u] = C::template load<PER>(kbase + p * row_stride, lane, rows[u]);
-            } else {
-                sc[u] = 1.f;
-#pragma unroll
-                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? ks[lane * PER + j] : 0.f;
-            }
-        }
+        typename C::template Raw<PER> vraw[R];
+        load_run_k<C, PER>(kbase, vbase, row_stride, p0, pos, lane, ks, rows, sc, vraw);
         float ps[N];  // ps[h * R + u]: this lane's part of head h0 + h's dot with row u
 #pragma unroll
         for (int h = 0; h < HW; ++h) {
@@ -975,20 +1002,7 @@ attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const flo
         for (int o = 1; o < R; o <<= 1) run += __shfl_xor_sync(0xffffffffu, run, o);
         l = l * corr + run;
         m = mn;
-#pragma unroll
-        for (int u = 0; u < R; ++u) {
-            const int64_t p = p0 + u;
-            if (p < pos) {
-                if constexpr (C::kScaled)
-                    sc[u] = C::template unpack<PER>(vraw[u], rows[u]);
-                else
-                    sc[u] = C::template load<PER>(vbase + p * row_stride, lane, rows[u]);
-            } else {
-                sc[u] = 1.f;
-#pragma unroll
-                for (int j = 0; j < PER; ++j) rows[u][j] = p == pos ? vs[lane * PER + j] : 0.f;
-            }
-        }
+        load_run_v<C, PER>(vbase, row_stride, p0, pos, lane, vs, rows, sc, vraw);
 #pragma unroll
         for (int h = 0; h < HW; ++h) {
             const float ch = __shfl_sync(0xffffffffu, corr, h * R);
@@ -1033,6 +1047,350 @@ attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const flo
                 o += wm[w][hw] == -INFINITY ? 0.f : wl[w][hw] * expf(wm[w][hw] - M);
         }
         part[((int64_t(b) * hq + kh * G + h) * gridDim.z + blockIdx.z) * (d + 2) + i] = o;
+    }
+}
+
+// ---- attention of a query group on the tensor cores ----------------------------------------------
+// Groups of 8 query heads over f16, q8_0 or q4_0 caches, d 128 or 256 (qwen35moe's decode shape).
+// The group kernel above issues ~340 instructions a cache position (each product of 8 heads by
+// d values twice over, in FFMAs): that count, not memory, bounded it at long contexts. Here a
+// warp takes 16 positions at a time and both products are mma.m16n8k16 (f16 operands, exact
+// products, f32 sums):
+//  - scores S = Q K^T. A: rows 0-7 each head's query in f16, rows 8-15 the f16 of what that
+//    misses (q - f16(q): together ~22 bits of q; RMS-normed, |q| stays far inside f16); B: 8 positions' keys, exact in f16 (int8 and nibble quants, f16 values). A q8_0 or
+//    q4_0 row has a scale per 32 dims, so each 32-dim block is a pair of products whose sum is
+//    scaled in f32 and added to the score.
+//  - outputs O^T = V^T P^T. A: 16 dims by 16 positions of values (exact in f16); B: the 8
+//    heads' softmax weights times the rows' V scales (times kPScale, keeping the remainder of
+//    small ones), again an f16 part and its remainder, two products. A 16-dim tile lies in one
+//    32-dim block, so its scale goes with B.
+// A lane of the warp (g = lane / 4, c = lane % 4) ends the scores holding head g at positions
+// 2c, 2c+1 of each 8: the B fragment of P^T wants head g at positions 2c, 2c+1, 2c+8, 2c+9 of 16,
+// so the weights never leave the lane. Which dims of a 32-dim block a product's k index names is
+// free; each format takes the order its bytes unpack to most cheaply (MmaCache::qk_dim), and the
+// queries' fragments follow it. The V fragment of a tile is 2 dims of 4 positions: a lane loads
+// 4 dims of each of its 4 rows (one 4-, 2- or 8-byte load a row and block) and the block's two
+// tiles take 2 each. kPScale keeps weight x scale inside f16: V values up to 32,512 (q8_0) or
+// 32,768 (q4_0) in magnitude, about where an f16 cache overflows anyway.
+// The row at pos comes from shared memory (another block may still be writing it): the split
+// that holds it adds it to its partial sums at the end. The partial rows are the other kernels'.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaRun = 16;         // positions a warp takes at a time
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint4& a, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+// (x0, x1) as an f16 pair and the f16 pair of what it misses
+__device__ __forceinline__ void split_f16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    const float2 f = __half22float2(h);
+    hi = half2_bits(h);
+    lo = half2_bits(__floats2half2_rn(__fsub_rn(x0, f.x), __fsub_rn(x1, f.y)));
+}
+// f16 pair 0x64XX, 0x64YY (1024 + XX, 1024 + YY) minus `bias`: exact small integers
+__device__ __forceinline__ uint32_t minus_f16(uint32_t bits, float bias) {
+    const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&bits), __float2half2_rn(bias));
+    return half2_bits(h);
+}
+// The d/32 scales of a q8_0 / q4_0 row as f16 pairs; scale `blk` as a float.
+template <int NB> __device__ __forceinline__ void load_scales(const char* p, uint32_t (&w)[NB / 2]) {
+    if constexpr (NB == 8) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else {
+        static_assert(NB == 4, "load_scales: d 128 or 256");
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x; w[1] = v.y;
+    }
+}
+template <int NB> __device__ __forceinline__ float scale_of(const uint32_t (&w)[NB / 2], int blk) {
+    return __half2float(__ushort_as_half(uint16_t(w[blk >> 1] >> (16 * (blk & 1)))));
+}
+
+// A format's loads and fragments for attention_mma_kernel (lane g = lane / 4, c = lane % 4):
+//   load_k(row, blk, c)       the lane's 8 dims [8c, 8c+8) of 32-dim block blk of a K row
+//   k_frag(k, s, b0, b1)      B fragment of product s (0, 1) of the block: its k index 2c+e is
+//                             dim 8c + qk_dim(s, e) of the block, 2c+8+e dim 8c + qk_dim(s, 2+e)
+//   load_v(row, blk, g)       the lane's 4 dims [4g, 4g+4) of block blk of a V row
+//   v_frag(r, u, a)           A fragment of the block's tile u from the lane's 4 rows: row g is
+//                             dim 4g + 2u, row g + 8 dim 4g + 2u + 1
+template <class C> struct MmaCache;
+template <> struct MmaCache<CacheF16> {
+    static constexpr bool kScaled = false;
+    static constexpr float kPScale = 4096.f;  // weights <= 1
+    using K = uint4;
+    using V = uint2;
+    __device__ static constexpr int qk_dim(int s, int e) { return 4 * s + e; }
+    __device__ static K load_k(const char* row, int blk, int c) {
+        return __ldg(reinterpret_cast<const uint4*>(row) + blk * 4 + c);
+    }
+    __device__ static void k_frag(const K& k, int s, uint32_t& b0, uint32_t& b1) {
+        b0 = s ? k.z : k.x;
+        b1 = s ? k.w : k.y;
+    }
+    __device__ static V load_v(const char* row, int blk, int g) {
+        return __ldg(reinterpret_cast<const uint2*>(row) + blk * 8 + g);
+    }
+    __device__ static void v_frag(const V (&r)[4], int u, uint4& a) {
+        const uint32_t w0 = u ? r[0].y : r[0].x, w1 = u ? r[1].y : r[1].x;
+        const uint32_t w2 = u ? r[2].y : r[2].x, w3 = u ? r[3].y : r[3].x;
+        a.x = __byte_perm(w0, w1, 0x5410);  // low halves: dim 4g + 2u of rows 0, 1
+        a.y = __byte_perm(w0, w1, 0x7632);  // high halves: dim 4g + 2u + 1
+        a.z = __byte_perm(w2, w3, 0x5410);
+        a.w = __byte_perm(w2, w3, 0x7632);
+    }
+};
+// int8 q: the byte with its top bit flipped is q + 128, under 0x64 the f16 1024 + q + 128
+template <> struct MmaCache<CacheQ8> {
+    static constexpr bool kScaled = true;
+    static constexpr float kPScale = 256.f;
+    using K = uint2;
+    using V = uint32_t;
+    __device__ static constexpr int qk_dim(int s, int e) { return 4 * s + e; }
+    __device__ static K load_k(const char* row, int blk, int c) {
+        return __ldg(reinterpret_cast<const uint2*>(row) + blk * 4 + c);
+    }
+    __device__ static void k_frag(const K& k, int s, uint32_t& b0, uint32_t& b1) {
+        const uint32_t w = (s ? k.y : k.x) ^ 0x80808080u;
+        b0 = minus_f16(__byte_perm(w, 0x64646464u, 0x4140), 1152.f);  // bytes 0, 1
+        b1 = minus_f16(__byte_perm(w, 0x64646464u, 0x4342), 1152.f);  // bytes 2, 3
+    }
+    __device__ static V load_v(const char* row, int blk, int g) {
+        return __ldg(reinterpret_cast<const uint32_t*>(row) + blk * 8 + g);
+    }
+    __device__ static void v_frag(const V (&r)[4], int u, uint4& a) {
+        // bytes 2u, 2u + 1 of rows (0, 1) and of rows (2, 3), interleaved
+        const uint32_t t01 = __byte_perm(r[0], r[1], u ? 0x7362 : 0x5140) ^ 0x80808080u;
+        const uint32_t t23 = __byte_perm(r[2], r[3], u ? 0x7362 : 0x5140) ^ 0x80808080u;
+        a.x = minus_f16(__byte_perm(t01, 0x64646464u, 0x4140), 1152.f);
+        a.y = minus_f16(__byte_perm(t01, 0x64646464u, 0x4342), 1152.f);
+        a.z = minus_f16(__byte_perm(t23, 0x64646464u, 0x4140), 1152.f);
+        a.w = minus_f16(__byte_perm(t23, 0x64646464u, 0x4342), 1152.f);
+    }
+};
+// nibbles q (value q - 8), value 2i low in byte i and 2i+1 high: a mask of bits 0-3 and 16-19
+// under 0x6400 gives the f16 pair 1024 + q of bytes 0 and 2
+template <> struct MmaCache<CacheQ4> {
+    static constexpr bool kScaled = true;
+    static constexpr float kPScale = 16.f;
+    using K = uint32_t;
+    using V = uint32_t;  // 2 bytes
+    __device__ static constexpr int qk_dim(int s, int e) { return 2 * s + 4 * (e & 1) + (e >> 1); }
+    __device__ static uint32_t nibbles(uint32_t x) {
+        return minus_f16((x & 0x000F000Fu) | 0x64006400u, 1032.f);
+    }
+    __device__ static K load_k(const char* row, int blk, int c) {
+        return __ldg(reinterpret_cast<const uint32_t*>(row) + blk * 4 + c);
+    }
+    __device__ static void k_frag(const K& k, int s, uint32_t& b0, uint32_t& b1) {
+        const uint32_t x = s ? k >> 8 : k;
+        b0 = nibbles(x);       // dims 2s, 2s + 4
+        b1 = nibbles(x >> 4);  // dims 2s + 1, 2s + 5
+    }
+    __device__ static V load_v(const char* row, int blk, int g) {
+        return __ldg(reinterpret_cast<const uint16_t*>(row) + blk * 8 + g);
+    }
+    __device__ static void v_frag(const V (&r)[4], int u, uint4& a) {
+        const uint32_t x01 = (r[0] | r[1] << 16) >> (8 * u), x23 = (r[2] | r[3] << 16) >> (8 * u);
+        a.x = nibbles(x01);
+        a.y = nibbles(x01 >> 4);
+        a.z = nibbles(x23);
+        a.w = nibbles(x23 >> 4);
+    }
+};
+
+template <class C, int NB, int MODE>
+__global__ void __launch_bounds__(32 * kMmaWarps)
+attention_mma_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
+                     const float* q_norm, const float* k_norm, float eps, SeqKV kv, int n_rot,
+                     float base, int hq, int hkv, int64_t chunk, float* part) {
+    using F = MmaCache<C>;
+    constexpr int D = 32 * NB, G = 8, W = kMmaWarps, NT = 2 * NB;  // NT 16-dim tiles of V^T
+    static_assert(MODE != kWriteRows, "attention_mma_kernel: the group kernel writes rows alone");
+    __shared__ __align__(16) union {
+        struct {
+            float qs[G][D];
+            uint4 qf[NB][2][32];  // the queries' A fragments: block, product, lane
+        } in;
+        float accs[W][G][D];  // after the loop: each warp's outputs
+    } sh;
+    __shared__ float ks[D], vs[D], rope_c[D / 2], rope_s[D / 2], wm[W][G], wl[W][G], cur[G];
+    const int kh = blockIdx.x, b = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int64_t pos = *kv.pos[b];
+    char* const k_cache = static_cast<char*>(kv.key(b));
+    char* const v_cache = static_cast<char*>(kv.value(b));
+    group_rows<C, D, G, W, MODE>(sh.in.qs, ks, vs, rope_c, rope_s, qg, ldq, kin, vin, ldkv, q_norm,
+                                 k_norm, eps, n_rot, base, hkv, k_cache, v_cache, pos);
+    __syncthreads();
+    const float scale = rsqrtf(float(D));
+    const int64_t first = int64_t(blockIdx.z) * chunk;
+    const bool has_cur = first <= pos && pos < first + chunk;
+    if (has_cur)  // the row at pos: each head's score, a warp a head
+        for (int h = warp; h < G; h += W) {
+            float s = 0.f;
+            for (int i = lane; i < D; i += 32) s += sh.in.qs[h][i] * ks[i];
+            s = warp_sum(s);
+            if (lane == 0) cur[h] = s * scale;
+        }
+    for (int e = threadIdx.x; e < NB * 2 * 32; e += blockDim.x) {
+        const int blk = e / 64, s = (e / 32) % 2, l = e % 32;
+        const float* q = sh.in.qs[l >> 2] + blk * 32 + 8 * (l & 3);
+        uint32_t h01, l01, h23, l23;
+        split_f16(q[F::qk_dim(s, 0)], q[F::qk_dim(s, 1)], h01, l01);
+        split_f16(q[F::qk_dim(s, 2)], q[F::qk_dim(s, 3)], h23, l23);
+        sh.in.qf[blk][s][l] = make_uint4(h01, l01, h23, l23);  // rows g, g + 8, then k + 8
+    }
+    __syncthreads();
+
+    constexpr int rb = C::row_bytes(D);
+    const int64_t stride = int64_t(hkv) * rb;  // bytes
+    const char* kbase = k_cache + int64_t(kh) * rb;
+    const char* vbase = v_cache + int64_t(kh) * rb;
+    const int64_t end = min(first + chunk, pos);  // this split's rows before pos
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    float m = -INFINITY, l = 0.f;  // head g's running max (its 4 lanes agree), this lane's part of its sum
+    for (int64_t c0 = first + int64_t(kMmaRun) * warp; c0 < end; c0 += int64_t(kMmaRun) * W) {
+        // K rows c0 + g, c0 + 8 + g for the two score tiles; the lane's 4 positions for V and scales
+        const int off[4] = {2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c};
+        const char* krow[2] = {kbase + min(c0 + g, end - 1) * stride, kbase + min(c0 + 8 + g, end - 1) * stride};
+        typename F::K kr[2][NB];
+        typename F::V vr[NB][4];
+        [[maybe_unused]] uint32_t ksc[4][NB / 2], vsc[4][NB / 2];
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int blk = 0; blk < NB; ++blk) kr[t][blk] = F::load_k(krow[t], blk, c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int64_t r = min(c0 + off[i], end - 1) * stride;
+#pragma unroll
+            for (int blk = 0; blk < NB; ++blk) vr[blk][i] = F::load_v(vbase + r, blk, g);
+            if constexpr (F::kScaled) {
+                load_scales<NB>(kbase + r + C::quant_bytes(D), ksc[i]);
+                load_scales<NB>(vbase + r + C::quant_bytes(D), vsc[i]);
+            }
+        }
+        float s[4];  // head g at positions off[0..3]
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            float cs[4] = {0.f, 0.f, 0.f, 0.f}, s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int blk = 0; blk < NB; ++blk) {
+                if constexpr (F::kScaled) cs[0] = cs[1] = cs[2] = cs[3] = 0.f;
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    uint32_t b0, b1;
+                    F::k_frag(kr[t][blk], p, b0, b1);
+                    mma_16816(cs, sh.in.qf[blk][p][lane], b0, b1);
+                }
+                if constexpr (F::kScaled) {
+                    s0 += (cs[0] + cs[2]) * scale_of<NB>(ksc[2 * t], blk);
+                    s1 += (cs[1] + cs[3]) * scale_of<NB>(ksc[2 * t + 1], blk);
+                }
+            }
+            if constexpr (!F::kScaled) {
+                s0 = cs[0] + cs[2];
+                s1 = cs[1] + cs[3];
+            }
+            s[2 * t] = s0;
+            s[2 * t + 1] = s1;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            s[i] = c0 + off[i] < end ? s[i] * scale : -INFINITY;
+            mx = fmaxf(mx, s[i]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);  // finite: position c0 is a row
+        const float corr = expf(m - mn);
+        float pw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            pw[i] = expf(s[i] - mn);
+            l = i == 0 ? l * corr + pw[i] : l + pw[i];
+        }
+        m = mn;
+        // this lane's outputs are heads 2c, 2c+1: their factors from lanes 8c, 8c + 4
+        const float ca = __shfl_sync(0xffffffffu, corr, 8 * c), cb = __shfl_sync(0xffffffffu, corr, 8 * c + 4);
+        if (__any_sync(0xffffffffu, corr != 1.f)) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                acc[t][0] *= ca;
+                acc[t][1] *= cb;
+                acc[t][2] *= ca;
+                acc[t][3] *= cb;
+            }
+        }
+        uint32_t h01, l01, h23, l23;
+        if constexpr (!F::kScaled) {
+            split_f16(pw[0] * F::kPScale, pw[1] * F::kPScale, h01, l01);
+            split_f16(pw[2] * F::kPScale, pw[3] * F::kPScale, h23, l23);
+        }
+#pragma unroll
+        for (int blk = 0; blk < NB; ++blk) {
+            if constexpr (F::kScaled) {
+                split_f16(pw[0] * (scale_of<NB>(vsc[0], blk) * F::kPScale),
+                          pw[1] * (scale_of<NB>(vsc[1], blk) * F::kPScale), h01, l01);
+                split_f16(pw[2] * (scale_of<NB>(vsc[2], blk) * F::kPScale),
+                          pw[3] * (scale_of<NB>(vsc[3], blk) * F::kPScale), h23, l23);
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                uint4 a;
+                F::v_frag(vr[blk], u, a);
+                mma_16816(acc[2 * blk + u], a, h01, h23);
+                mma_16816(acc[2 * blk + u], a, l01, l23);
+            }
+        }
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (c == 0) {
+        wm[warp][g] = m;
+        wl[warp][g] = l;
+    }
+    __syncthreads();  // every warp is past its last read of the query fragments, which accs overlays
+    constexpr float inv = 1.f / F::kPScale;
+#pragma unroll
+    for (int blk = 0; blk < NB; ++blk)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int dim = blk * 32 + 4 * g + 2 * u;
+            const float* a = acc[2 * blk + u];
+            sh.accs[warp][2 * c][dim] = a[0] * inv;
+            sh.accs[warp][2 * c + 1][dim] = a[1] * inv;
+            sh.accs[warp][2 * c][dim + 1] = a[2] * inv;
+            sh.accs[warp][2 * c + 1][dim + 1] = a[3] * inv;
+        }
+    __syncthreads();
+    // workspace row (b, head, split) of each head: the warps' parts and the row at pos (if this
+    // split holds it) relative to their max M, then M and the sum
+    for (int idx = threadIdx.x; idx < G * (D + 2); idx += blockDim.x) {
+        const int h = idx / (D + 2), i = idx % (D + 2);
+        const float sc = has_cur ? cur[h] : -INFINITY;
+        float M = sc;
+        for (int w = 0; w < W; ++w) M = fmaxf(M, wm[w][h]);
+        float o = 0.f;
+        if (i < D) {
+            for (int w = 0; w < W; ++w)
+                if (wm[w][h] != -INFINITY) o += sh.accs[w][h][i] * expf(wm[w][h] - M);
+            if (has_cur) o += vs[i] * expf(sc - M);
+        } else if (i == D) {
+            o = M;
+        } else {
+            for (int w = 0; w < W; ++w) o += wm[w][h] == -INFINITY ? 0.f : wl[w][h] * expf(wm[w][h] - M);
+            if (has_cur) o += expf(sc - M);
+        }
+        part[((int64_t(b) * hq + kh * G + h) * gridDim.z + blockIdx.z) * (D + 2) + i] = o;
     }
 }
 
@@ -1091,19 +1449,24 @@ attention_merge_kernel(const float* part, int splits, int d, const float* qg, in
 }
 
 // Which attention kernel a launch runs: 0 the per-head kernel, 1 the group kernel with a warp
-// for the whole group, 2 with a warp for half of it. The group kernel where a group is 4 or 8
-// query heads of 128 or 256 dims (registers: HW * PER outputs and 4 * PER row values a lane), a
-// warp for the whole group (half groups timed the same on an H100 and unpack each row twice);
-// FTPATCH_ATTENTION_GROUPED (0, 1 or 2) overrides, to compare.
-int attention_kernel_choice(int64_t hq, int64_t hkv, int64_t d) {
+// for the whole group, 2 with a warp for half of it, 3 the tensor-core group kernel. The group
+// kernel where a group is 4 or 8 query heads of 128 or 256 dims (registers: HW * PER outputs and
+// 4 * PER row values a lane), a warp for the whole group (half groups timed the same on an H100
+// and unpack each row twice); the tensor-core kernel where, further, the group is 8 heads and the
+// cache f16, q8_0 or q4_0 (f32 values are not exact in f16). FTPATCH_ATTENTION_GROUPED (0 to 3)
+// overrides, to compare; a form the shape does not take falls back to the next one down (3 to 1).
+int attention_kernel_choice(int64_t hq, int64_t hkv, int64_t d, bool f16_exact) {
     const int64_t g = hq / hkv;
     if ((g != 4 && g != 8) || d < 128 || d > 256) return 0;
+    const bool mma = g == 8 && f16_exact;
     if (const char* env = std::getenv("FTPATCH_ATTENTION_GROUPED")) {
         const std::string v(env);
-        require(v == "0" || v == "1" || v == "2", "FTPATCH_ATTENTION_GROUPED must be 0, 1 or 2");
-        return std::atoi(env);
+        require(v == "0" || v == "1" || v == "2" || v == "3",
+                "FTPATCH_ATTENTION_GROUPED must be 0, 1, 2 or 3");
+        const int choice = std::atoi(env);
+        return choice == 3 && !mma ? 1 : choice;
     }
-    return 1;
+    return mma ? 3 : 1;
 }
 
 template <class C, int MODE>
@@ -1111,8 +1474,21 @@ void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, in
                       const float* k, const float* v, int64_t ldkv, const float* qn, const float* kn,
                       float eps, const SeqKV& kv, int n_rot, float base, int hq, int hkv,
                       int64_t chunk, float* part) {
-    if (const int choice = attention_kernel_choice(hq, hkv, d)) {
+    constexpr bool f16_exact = !std::is_same_v<C, CacheF32>;
+    if (const int choice = attention_kernel_choice(hq, hkv, d, f16_exact)) {
         const dim3 g_grid{unsigned(hkv), grid.y, grid.z};
+        if constexpr (f16_exact && MODE != kWriteRows) {
+            if (choice == 3) {  // rows alone are the group kernel's below: the same phase 1
+                auto go = [&](auto nb) {
+                    attention_mma_kernel<C, decltype(nb)::value, MODE>
+                        <<<g_grid, 32 * kMmaWarps, 0, st>>>(qg, ldq, k, v, ldkv, qn, kn, eps, kv,
+                                                            n_rot, base, hq, hkv, chunk, part);
+                };
+                if (d == 128) go(std::integral_constant<int, 4>{});
+                else go(std::integral_constant<int, 8>{});
+                return;
+            }
+        }
         auto go = [&](auto per, auto group, auto split) {
             attention_group_kernel<C, decltype(per)::value, decltype(group)::value,
                                    decltype(split)::value, MODE>
@@ -1125,8 +1501,8 @@ void launch_attention(dim3 grid, cudaStream_t st, int64_t d, const float* qg, in
         using I8 = std::integral_constant<int, 8>;
         auto by_group = [&](auto per) {
             if (hq / hkv == 4) go(per, I4{}, I1{});
-            else if (choice == 1) go(per, I8{}, I1{});
-            else go(per, I8{}, I2{});
+            else if (choice == 2) go(per, I8{}, I2{});
+            else go(per, I8{}, I1{});
         };
         if (d == 128) by_group(I4{});
         else by_group(I8{});
