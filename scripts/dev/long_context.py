@@ -2,7 +2,10 @@
 type; for each prompt size, prefill that many random tokens on a fresh state once (no warm-up
 run), then decode 32 warm-up steps (the expert cache refills with what decoding routes to) and
 128 timed. One JSON line a size: prefill tok/s, decode tok/s after it, hit rate, the cache and
-the KV it left, nvidia-smi's peak.
+the KV it left, nvidia-smi's peak, and what decides the misses' path (the scheduler's PCIe share
+of them and the link and CPU rates it measured: a machine whose CPU measures fast against its
+link computes more misses there, which the cache does not admit, which can move the hit rate
+from machine to machine).
 
     python scripts/dev/long_context.py 35b.gguf --ctx 133120 --kv-type q8_0 -p 65536,131072
 """
@@ -57,7 +60,10 @@ def main() -> None:
         print(json.dumps({"ctx": args.ctx, "kv": args.kv_type, "prompt": n, "pp_tok_s": round(pp, 1),
                           "tg128_after_tok_s": round(tg, 2), "hit_rate": round(s["hit_rate"], 4),
                           "cache_bytes": rt.cache.nbytes, "kv_mapped": rt.vram.kv_mapped(),
-                          "smi_peak": rt.vram_peaks()["nvidia_smi_peak"], "n_past": st.n_past}),
+                          "smi_peak": rt.vram_peaks()["nvidia_smi_peak"], "n_past": st.n_past,
+                          "fetched": s["fetched"], "cpu": s["cpu"], "prefetched": s["prefetched"],
+                          "fetch_fraction": round(s["fetch_fraction"], 3),
+                          "rates_GBps": {k: round(v, 2) for k, v in s["rates"].items()}}),
               flush=True)
         del st, logits
     rt.close()
