@@ -1057,9 +1057,10 @@ attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const flo
 // warp takes 16 positions at a time and both products are mma.m16n8k16 (f16 operands, exact
 // products, f32 sums):
 //  - scores S = Q K^T. A: rows 0-7 each head's query in f16, rows 8-15 the f16 of what that
-//    misses (q - f16(q): together ~22 bits of q; RMS-normed, |q| stays far inside f16); B: 8 positions' keys, exact in f16 (int8 and nibble quants, f16 values). A q8_0 or
-//    q4_0 row has a scale per 32 dims, so each 32-dim block is a pair of products whose sum is
-//    scaled in f32 and added to the score.
+//    misses (q - f16(q): together ~22 bits of q; RMS-normed, |q| stays far inside f16); B: 8
+//    positions' keys, exact in f16 (int8 and nibble quants, f16 values). A q8_0 or q4_0 row has
+//    a scale per 32 dims, so each 32-dim block is a pair of products whose sum is scaled in f32
+//    and added to the score.
 //  - outputs O^T = V^T P^T. A: 16 dims by 16 positions of values (exact in f16); B: the 8
 //    heads' softmax weights times the rows' V scales (times kPScale, keeping the remainder of
 //    small ones), again an f16 part and its remainder, two products. A 16-dim tile lies in one
