@@ -50,13 +50,6 @@ struct SeqKV {
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-// Sum of v over the warp, the same value (added in the same order) in every lane.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // Sum over the block (blockDim a multiple of 32, <= 1024); every thread gets the same value,
 // added in the same order. `red` holds 32 floats of shared memory.
 __device__ float block_sum(float v, float* red) {
@@ -932,6 +925,31 @@ __device__ __forceinline__ void group_rows(float (*qs)[D], float* ks, float* vs,
     C::template put_rows<D>(k_cache + at, v_cache + at, ks, vs, MODE != kAttendOnly && blockIdx.z == 0);
 }
 
+// The end of both group kernels: this split's workspace row (b, head, split) of each of the G
+// heads, its outputs relative to the max M of its parts, then M and the sum. Head h is slot
+// h % HW of warps h / HW, h / HW + S, ... below W, each a part (max wm, sum wl, outputs accs
+// relative to wm); with cur given, the row at pos is one more part (max cur[h], sum 1, outputs
+// vs). A barrier must come before.
+template <int G, int HW, int S, int W, int D>
+__device__ __forceinline__ void write_split_rows(float* part, int64_t row0, const float (*accs)[HW][D],
+                                                 const float (*wm)[HW], const float (*wl)[HW],
+                                                 const float* cur, const float* vs) {
+    for (int idx = threadIdx.x; idx < G * (D + 2); idx += blockDim.x) {
+        const int h = idx / (D + 2), i = idx % (D + 2), hw = h % HW, w0 = h / HW;
+        const float cm = cur ? cur[h] : -INFINITY;
+        float M = cm;
+        for (int w = w0; w < W; w += S) M = fmaxf(M, wm[w][hw]);
+        float o = M;
+        if (i != D) {
+            o = 0.f;
+            for (int w = w0; w < W; w += S)
+                if (wm[w][hw] != -INFINITY) o += (i < D ? accs[w][hw][i] : wl[w][hw]) * expf(wm[w][hw] - M);
+            if (cur) o += (i < D ? vs[i] : 1.f) * expf(cm - M);
+        }
+        part[(row0 + int64_t(h) * gridDim.z) * (D + 2) + i] = o;
+    }
+}
+
 template <class C, int PER, int G, int S, int MODE>
 __global__ void __launch_bounds__(32 * kGroupWarps)
 attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const float* vin, int64_t ldkv,
@@ -1030,24 +1048,8 @@ attention_group_kernel(const float* qg, int64_t ldq, const float* kin, const flo
         wl[warp][lane / R] = l;
     }
     __syncthreads();
-    // workspace row (b, head, split) of each head of the group: acc[d] relative to M, then M, L;
-    // head h's parts are in warps h / HW, h / HW + S, ...
-    for (int idx = threadIdx.x; idx < G * (d + 2); idx += blockDim.x) {
-        const int h = idx / (d + 2), i = idx % (d + 2), hw = h % HW, w0 = h / HW;
-        float M = -INFINITY;
-        for (int w = w0; w < W; w += S) M = fmaxf(M, wm[w][hw]);
-        float o = 0.f;
-        if (i < d) {
-            for (int w = w0; w < W; w += S)
-                if (wm[w][hw] != -INFINITY) o += accs[w][hw][i] * expf(wm[w][hw] - M);
-        } else if (i == d) {
-            o = M;
-        } else {
-            for (int w = w0; w < W; w += S)
-                o += wm[w][hw] == -INFINITY ? 0.f : wl[w][hw] * expf(wm[w][hw] - M);
-        }
-        part[((int64_t(b) * hq + kh * G + h) * gridDim.z + blockIdx.z) * (d + 2) + i] = o;
-    }
+    write_split_rows<G, HW, S, W, d>(part, (int64_t(b) * hq + kh * G) * gridDim.z + blockIdx.z, accs, wm,
+                                     wl, nullptr, nullptr);
 }
 
 // ---- attention of a query group on the tensor cores ----------------------------------------------
@@ -1373,32 +1375,13 @@ attention_mma_kernel(const float* qg, int64_t ldq, const float* kin, const float
             sh.accs[warp][2 * c + 1][dim + 1] = a[3] * inv;
         }
     __syncthreads();
-    // workspace row (b, head, split) of each head: the warps' parts and the row at pos (if this
-    // split holds it) relative to their max M, then M and the sum
-    for (int idx = threadIdx.x; idx < G * (D + 2); idx += blockDim.x) {
-        const int h = idx / (D + 2), i = idx % (D + 2);
-        const float sc = has_cur ? cur[h] : -INFINITY;
-        float M = sc;
-        for (int w = 0; w < W; ++w) M = fmaxf(M, wm[w][h]);
-        float o = 0.f;
-        if (i < D) {
-            for (int w = 0; w < W; ++w)
-                if (wm[w][h] != -INFINITY) o += sh.accs[w][h][i] * expf(wm[w][h] - M);
-            if (has_cur) o += vs[i] * expf(sc - M);
-        } else if (i == D) {
-            o = M;
-        } else {
-            for (int w = 0; w < W; ++w) o += wm[w][h] == -INFINITY ? 0.f : wl[w][h] * expf(wm[w][h] - M);
-            if (has_cur) o += expf(sc - M);
-        }
-        part[((int64_t(b) * hq + kh * G + h) * gridDim.z + blockIdx.z) * (D + 2) + i] = o;
-    }
+    write_split_rows<G, G, 1, W, D>(part, (int64_t(b) * hq + kh * G) * gridDim.z + blockIdx.z, sh.accs, wm,
+                                    wl, has_cur ? cur : nullptr, vs);
 }
 
 // Max over the block (as block_sum); every thread gets it.
 __device__ float block_max(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    v = warp_max(v);
     const int nw = blockDim.x >> 5;
     __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
