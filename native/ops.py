@@ -996,3 +996,28 @@ def step_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     ext.swiglu(gate.data_ptr(), up.data_ptr(), ld, n, f, out.data_ptr(), stream)
     return out
 
+
+
+def softmax_tile_available(t: torch.Tensor) -> bool:
+    return t.is_cuda and _cuda is not None and hasattr(_cuda, "softmax_tile")
+
+
+def softmax_tile_(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, j0: int = 0,
+                  pos: torch.Tensor | None = None) -> torch.Tensor:
+    """One tile of a prompt chunk's online softmax, on the GPU (csrc/cuda/softmax_tile.cu).
+    s [..., R, n] float32 scores, contiguous; m, l [..., R, 1] contiguous running max and sum.
+    In place: s becomes p = exp(s - m_new), m becomes m_new = max(m, row max), l becomes
+    l * corr + sum p. pos [T] int64 (rows are g * T + t): row r's columns past pos[r % T] - j0
+    are masked. Returns corr = exp(m_old - m_new), shaped as m."""
+    rows, n = s.numel() // max(1, s.shape[-1]), s.shape[-1]
+    if not (s.is_cuda and s.dtype == m.dtype == l.dtype == torch.float32 and s.is_contiguous()
+            and m.is_contiguous() and l.is_contiguous() and m.numel() == l.numel() == rows):
+        raise NativeError("softmax_tile: scores [.., R, n] and m, l [.., R, 1] must be contiguous "
+                          "float32 CUDA tensors")
+    if pos is not None and (pos.dtype != torch.int64 or not pos.is_contiguous() or rows % pos.numel()):
+        raise NativeError("softmax_tile: positions must be a contiguous int64 [T] dividing the rows")
+    corr = torch.empty_like(m)
+    _cuda.softmax_tile(s.data_ptr(), rows, n, n, m.data_ptr(), l.data_ptr(), corr.data_ptr(),
+                       0 if pos is None else pos.data_ptr(), 0 if pos is None else pos.numel(), j0,
+                       _stream(s.device))
+    return corr

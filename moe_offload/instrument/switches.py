@@ -13,3 +13,6 @@ CPU_PLAN = os.environ.get("FTPATCH_DECODE_LOOP", "1") != "0"
 # a prompt chunk's attention products on a GPU's tensor cores (TF32 operands, f32 sums:
 # attention.attention_tiled); off (or FTPATCH_ATTENTION_TF32=0): full float32
 ATTENTION_TF32 = os.environ.get("FTPATCH_ATTENTION_TF32", "1") != "0"
+# a prompt chunk's per-tile softmax update (mask, max, exp, sum) as one CUDA kernel
+# (native.ops.softmax_tile_); off (or FTPATCH_SOFTMAX_TILE=0): the torch ops, its reference
+SOFTMAX_TILE = os.environ.get("FTPATCH_SOFTMAX_TILE", "1") != "0"

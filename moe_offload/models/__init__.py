@@ -9,12 +9,15 @@ Public names:
   Qwen35Moe              the qwen35moe forward pass (forward / prefill / decode / new_state)
   ResidentExperts, upload_weights, split_gate_up   weights on a device; the experts interface
   repack_cpu_weights     host-RAM weights in the CPU's repacked forms (native.ops.cpu_form)
+  attention_tiled        a prompt chunk's causal attention over a cache of any KV type, read in
+                         tiles (what prefill runs a layer; scripts/dev/attention_bench.py times it)
 """
 from __future__ import annotations
 
 import torch
 
 from ..errors import OffloadError
+from .attention import attention_tiled
 from .qwen35moe import Qwen35Moe
 from .weights import Experts, ResidentExperts, repack_cpu_weights, split_gate_up, upload_weights
 
@@ -37,5 +40,5 @@ def build_model(loaded, device: torch.device | str = "cpu",
     return cls(loaded.config, *repack_cpu_weights(tensors, experts, cpu_repack))
 
 
-__all__ = ["MODELS", "build_model", "Qwen35Moe", "Experts", "ResidentExperts", "upload_weights",
-           "split_gate_up", "repack_cpu_weights"]
+__all__ = ["attention_tiled", "MODELS", "build_model", "Qwen35Moe", "Experts", "ResidentExperts",
+           "upload_weights", "split_gate_up", "repack_cpu_weights"]

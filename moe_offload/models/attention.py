@@ -51,7 +51,10 @@ def attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cap). The first tile holds row 0, which every query sees, so the running maximum is finite
     from it on. tile: default PREFILL.attention_tile. first (a host int, when the
     caller knows it): the queries sit at first..first+T-1, so rows past the last are not read
-    and tiles every query sees whole are not masked. Returns [B, T, Hq, d] f32."""
+    and tiles every query sees whole are not masked. On a GPU a tile's softmax update (mask,
+    max, exp, sum) is one kernel (native.ops.softmax_tile_: one read and one write of the
+    scores, against the torch ops' six passes, which are its reference). Returns [B, T, Hq, d]
+    f32."""
     B, T, Hq, d = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -65,20 +68,27 @@ def attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     l = torch.zeros_like(m)
     acc = torch.zeros(B, Hkv, G * T, d, device=q.device)
     end = n_attn if first is None else min(n_attn, first + T)
+    fused = switches.SOFTMAX_TILE and _kernel_for(q) and ops.softmax_tile_available(q)
+    pos64 = q_pos.to(torch.int64).contiguous() if fused else None
     with _fast_matmul(q):
         for j0 in range(0, end, tile):
             j1 = min(end, j0 + tile)
             k = kt.dequantize(k_cache[:, j0:j1], d).permute(0, 2, 3, 1)       # [B, Hkv, d, L]
             s = qh @ k
-            if first is None or j1 - 1 > first:
-                s.masked_fill_(torch.arange(j0, j1, device=q.device) > row_pos, float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            corr = torch.exp(m - m_new)
-            p = s.sub_(m_new).exp_()
-            l = l * corr + p.sum(-1, keepdim=True)
+            masked = first is None or j1 - 1 > first
+            if fused:   # the update below in one read and one write of the scores
+                corr = ops.softmax_tile_(s, m, l, j0, pos64 if masked else None)
+                p = s
+            else:
+                if masked:
+                    s.masked_fill_(torch.arange(j0, j1, device=q.device) > row_pos, float("-inf"))
+                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                corr = torch.exp(m - m_new)
+                p = s.sub_(m_new).exp_()
+                l = l * corr + p.sum(-1, keepdim=True)
+                m = m_new
             v = kt.dequantize(v_cache[:, j0:j1], d).permute(0, 2, 1, 3)       # [B, Hkv, L, d]
             acc = acc * corr + p @ v
-            m = m_new
     o = (acc / l).view(B, Hkv, G, T, d)
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, d)
 

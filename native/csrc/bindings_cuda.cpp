@@ -45,6 +45,8 @@
 //       kernels of csrc/cuda/step.cu (arguments as in csrc/cuda/api.h; optional pointers 0). The
 //       sequence kernels take their states' addresses as lists, or table (a device int64 address)
 //       with at / at_k, at_v (each sequence's index there) and empty lists: api.h's SeqTable.
+//   softmax_tile: one tile's online-softmax update of a prompt chunk's attention
+//       (csrc/cuda/softmax_tile.cu; pos 0: no causal limit).
 // Protocol constants (offload_bindings.h, export_protocol): MAX_SELECTIONS, STATS_COLUMNS,
 //   SCORE_ONE, SCORE_STEPS, OUTPUT_DTYPES -- module attributes, the same in both extensions.
 // Table and control functions (hold the GIL, cheap):
@@ -283,6 +285,15 @@ PYBIND11_MODULE(_cuda, m) {
           },
           py::arg("gate"), py::arg("up"), py::arg("ld"), py::arg("rows"), py::arg("n"),
           py::arg("out"), py::arg("stream") = 0, release);
+
+    m.def("softmax_tile",
+          [](uintptr_t s, int64_t rows, int64_t n, int64_t ld, uintptr_t m, uintptr_t l, uintptr_t corr,
+             uintptr_t pos, int64_t T, int64_t j0, uintptr_t stream) {
+              cuda::softmax_tile(ptr<float>(s), rows, n, ld, ptr<float>(m), ptr<float>(l), ptr<float>(corr),
+                                 ptr<const int64_t>(pos), T, j0, stream);
+          },
+          py::arg("s"), py::arg("rows"), py::arg("n"), py::arg("ld"), py::arg("m"), py::arg("l"),
+          py::arg("corr"), py::arg("pos"), py::arg("T"), py::arg("j0"), py::arg("stream") = 0, release);
 
     m.def("set_tables", [](const py::dict& tables) {
         std::map<std::string, std::vector<uint8_t>> copy;

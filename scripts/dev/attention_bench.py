@@ -7,6 +7,12 @@ layer's call; a 35B-A3B token makes 10.
 
     python scripts/dev/attention_bench.py --ctx 4096,65536,131072 --kv f16,q8_0
 
+--prefill T: a prompt chunk of T tokens ending at each context (attention_tiled over the cache
+in tiles, one layer), with each tile's softmax update as one kernel and as the torch ops
+(FTPATCH_SOFTMAX_TILE=0): milliseconds a call and the largest difference of the outputs.
+
+    python scripts/dev/attention_bench.py --prefill 2048 --ctx 65536,131072 --kv q8_0 --reps 5
+
 --cpu: the CPU's attention core (ops.cpu_attention, one token) over the cache as stored and over
 an f32 copy of it, milliseconds a call (mean of --reps).
 
@@ -41,6 +47,8 @@ def main() -> None:
     ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head dim")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="the CPU's attention core, not the GPU kernel")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T",
+                    help="time a T-token prompt chunk's tiled attention instead of a decode step")
     a = ap.parse_args()
     hq, hkv, d = (int(x) for x in a.heads.split(","))
     import torch
@@ -49,6 +57,8 @@ def main() -> None:
     from native.kv_cache import KV_TYPES
     if a.cpu:
         return cpu_main(a, hq, hkv, d)
+    if a.prefill:
+        return prefill_main(a, hq, hkv, d)
     g = torch.Generator("cuda").manual_seed(0)
     qg = torch.randn(1, hq * 2 * d, generator=g, device="cuda")
     k, v = (torch.randn(1, hkv * d, generator=g, device="cuda") for _ in range(2))
@@ -72,6 +82,35 @@ def main() -> None:
                 row[f"{name}_GBps"] = round(2 * kc.numel() * kc.element_size() / us / 1e3, 1)
             os.environ.pop("FTPATCH_ATTENTION_GROUPED")
             row["max_diff"] = max(float((outs[n] - outs["per_head"]).abs().max()) for n in outs)
+            print(json.dumps(row), flush=True)
+            del kc, vc
+
+
+def prefill_main(a, hq: int, hkv: int, d: int) -> None:
+    import torch
+
+    from moe_offload.instrument import switches
+    from moe_offload.models import attention_tiled
+    from native.kv_cache import KV_TYPES
+    g = torch.Generator("cuda").manual_seed(0)
+    T = a.prefill
+    q = torch.randn(1, T, hq, d, generator=g, device="cuda")
+    for kv in a.kv.split(","):
+        t = KV_TYPES[kv]
+        for n in (int(x) for x in a.ctx.split(",")):
+            kc, vc = (t.quantize(torch.randn(1, n, hkv, d, generator=g, device="cuda"))
+                      for _ in range(2))
+            pos = torch.arange(n - T, n, device="cuda")
+            row = {"kv": kv, "ctx": n, "chunk": T}
+            outs = {}
+            for name, on in (("fused", True), ("torch_ops", False)):
+                switches.SOFTMAX_TILE = on
+                def call(kc=kc, vc=vc, pos=pos, n=n):
+                    return attention_tiled(q, kc, vc, pos, n, first=n - T)
+                row[f"{name}_ms"] = round(time_call(call, a.reps) / 1e3, 2)
+                outs[name] = call()
+            switches.SOFTMAX_TILE = True
+            row["max_diff"] = float((outs["fused"] - outs["torch_ops"]).abs().max())
             print(json.dumps(row), flush=True)
             del kc, vc
 

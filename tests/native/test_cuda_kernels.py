@@ -330,3 +330,43 @@ def test_prefill_matmul_survives_activations_beyond_f16(ext):
     u = 2.0 ** -11
     tol = 6 * u * np.sqrt((x.astype(np.float64) ** 2) @ (w * w).T) + u * np.abs(ref) + 1e-5 * (np.abs(x) @ np.abs(w).T)
     assert (np.abs(y - ref) <= tol).all()
+
+
+@pytest.mark.parametrize("n,masked,first_tile", [(1024, False, True), (1024, True, False),
+                                                 (777, True, True), (256, False, False)])
+def test_softmax_tile_matches_the_torch_ops(ext, n, masked, first_tile):
+    """One tile's online-softmax update of a prompt chunk's attention (csrc/cuda/softmax_tile.cu)
+    against the torch ops it replaces (moe_offload/models/attention.py), in float64: the max
+    exact, p, corr and the sum within 1e-5 relative (fast-math exp, another order of the sum),
+    masked columns exactly 0. n 777: the one-column-a-lane form."""
+    g = torch.Generator().manual_seed(n + masked)
+    G, T = 4, 48
+    rows = 2 * G * T                                  # rows g * T + t of 2 kv heads
+    j0 = 0 if first_tile else 1000
+    s = torch.randn(rows, n, generator=g) * 4
+    if first_tile:
+        m, l = torch.full((rows, 1), float("-inf")), torch.zeros(rows, 1)
+        pos = torch.randint(0, n + 5, (T,), generator=g)          # column 0 seen by every row
+    else:
+        m, l = torch.randn(rows, 1, generator=g) * 4, torch.rand(rows, 1, generator=g) * 10 + 1
+        pos = j0 + torch.randint(-5, n + 5, (T,), generator=g)    # some rows see none of the tile
+    ref = s.double()
+    if masked:
+        ref.masked_fill_(torch.arange(j0, j0 + n) > pos.repeat(rows // T)[:, None], float("-inf"))
+    m_new = torch.maximum(m.double(), ref.amax(-1, keepdim=True))
+    corr_ref = torch.exp(m.double() - m_new)
+    p_ref = torch.exp(ref - m_new)
+    l_ref = l.double() * corr_ref + p_ref.sum(-1, keepdim=True)
+
+    s_d, m_d, l_d = (t.to(DEVICE).contiguous() for t in (s, m, l))
+    pos_d = pos.to(DEVICE).contiguous()
+    corr_d = torch.full_like(m_d, float("nan"))
+    ext.softmax_tile(s_d.data_ptr(), rows, n, n, m_d.data_ptr(), l_d.data_ptr(), corr_d.data_ptr(),
+                     pos_d.data_ptr() if masked else 0, T if masked else 0, j0, _stream())
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(m_d.cpu().double(), m_new)
+    assert torch.allclose(corr_d.cpu().double(), corr_ref, rtol=1e-5, atol=1e-30)
+    assert torch.allclose(s_d.cpu().double(), p_ref, rtol=1e-5, atol=1e-9)
+    assert torch.equal(s_d.cpu()[p_ref == 0], torch.zeros(int((p_ref == 0).sum())))
+    assert torch.allclose(l_d.cpu().double(), l_ref, rtol=1e-5)

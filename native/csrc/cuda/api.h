@@ -164,6 +164,13 @@ void attention_steps(const float* qg, int64_t ldq, const float* k, const float* 
                      bool write_first, uintptr_t stream);
 int64_t attention_splits(int64_t n_attn);
 
+// One tile of a prompt chunk's attention (softmax_tile.cu): scores s [rows, n] (row stride ld)
+// become p = exp(s - m_new) in place, m_new = max(m, the row's max) is written over m, l becomes
+// l * corr + sum p and corr = exp(m_old - m_new). With pos, row r's columns past its position
+// (j0 + c > pos[r % T]) count as -inf.
+void softmax_tile(float* s, int64_t rows, int64_t n, int64_t ld, float* m, float* l, float* corr,
+                  const int64_t* pos, int64_t T, int64_t j0, uintptr_t stream);
+
 // out [rows, n] = silu(gate) * up (gate, up: [rows, ld]).
 void swiglu(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t n, float* out,
             uintptr_t stream);

@@ -55,6 +55,18 @@ inline int floor_pow2(int v) { int p = 1; while (p * 2 <= v) p *= 2; return p; }
 inline int ceil_pow2(int v) { int p = 1; while (p < v) p *= 2; return p; }
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Sum (max) of v over the warp, the same value (added in the same order) in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // ---- bit helpers (device intrinsics, exact host fallbacks) -----------------------------------------
 
 // (hi:lo) >> (sh & 31), low 32 bits.
