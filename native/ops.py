@@ -1014,8 +1014,10 @@ def softmax_tile_(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, j0: int = 0
             and m.is_contiguous() and l.is_contiguous() and m.numel() == l.numel() == rows):
         raise NativeError("softmax_tile: scores [.., R, n] and m, l [.., R, 1] must be contiguous "
                           "float32 CUDA tensors")
-    if pos is not None and (pos.dtype != torch.int64 or not pos.is_contiguous() or rows % pos.numel()):
-        raise NativeError("softmax_tile: positions must be a contiguous int64 [T] dividing the rows")
+    if pos is not None and (pos.dtype != torch.int64 or not pos.is_contiguous() or pos.numel() == 0
+                            or rows % pos.numel() or pos.device != s.device):
+        raise NativeError("softmax_tile: positions must be a contiguous int64 [T] on the scores' "
+                          "device, T dividing the rows")
     corr = torch.empty_like(m)
     _cuda.softmax_tile(s.data_ptr(), rows, n, n, m.data_ptr(), l.data_ptr(), corr.data_ptr(),
                        0 if pos is None else pos.data_ptr(), 0 if pos is None else pos.numel(), j0,
