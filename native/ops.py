@@ -997,8 +997,8 @@ def step_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 def softmax_tile_available(t: torch.Tensor) -> bool:
+    """Whether the CUDA extension has the prompt tiles' softmax kernel for t's device."""
     return t.is_cuda and _cuda is not None and hasattr(_cuda, "softmax_tile")
 
 
@@ -1010,10 +1010,11 @@ def softmax_tile_(s: torch.Tensor, m: torch.Tensor, l: torch.Tensor, j0: int = 0
     l * corr + sum p. pos [T] int64 (rows are g * T + t): row r's columns past pos[r % T] - j0
     are masked. Returns corr = exp(m_old - m_new), shaped as m."""
     rows, n = s.numel() // max(1, s.shape[-1]), s.shape[-1]
-    if not (s.is_cuda and s.dtype == m.dtype == l.dtype == torch.float32 and s.is_contiguous()
+    if not (s.is_cuda and s.device == m.device == l.device
+            and s.dtype == m.dtype == l.dtype == torch.float32 and s.is_contiguous()
             and m.is_contiguous() and l.is_contiguous() and m.numel() == l.numel() == rows):
         raise NativeError("softmax_tile: scores [.., R, n] and m, l [.., R, 1] must be contiguous "
-                          "float32 CUDA tensors")
+                          "float32 tensors on one CUDA device")
     if pos is not None and (pos.dtype != torch.int64 or not pos.is_contiguous() or pos.numel() == 0
                             or rows % pos.numel() or pos.device != s.device):
         raise NativeError("softmax_tile: positions must be a contiguous int64 [T] on the scores' "

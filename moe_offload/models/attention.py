@@ -52,8 +52,8 @@ def attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     from it on. tile: default PREFILL.attention_tile. first (a host int, when the
     caller knows it): the queries sit at first..first+T-1, so rows past the last are not read
     and tiles every query sees whole are not masked. On a GPU a tile's softmax update (mask,
-    max, exp, sum) is one kernel (native.ops.softmax_tile_: one read and one write of the
-    scores, against the torch ops' six passes, which are its reference). Returns [B, T, Hq, d]
+    max, exp, sum) is one kernel (native.ops.softmax_tile_: three passes over the scores,
+    against the torch ops' six, which are its reference). Returns [B, T, Hq, d]
     f32."""
     B, T, Hq, d = q.shape
     Hkv = k_cache.shape[2]
@@ -76,7 +76,7 @@ def attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k = kt.dequantize(k_cache[:, j0:j1], d).permute(0, 2, 3, 1)       # [B, Hkv, d, L]
             s = qh @ k
             masked = first is None or j1 - 1 > first
-            if fused:   # the update below in one read and one write of the scores
+            if fused:   # the update below in one kernel: three passes over the scores, not six
                 corr = ops.softmax_tile_(s, m, l, j0, pos64 if masked else None)
                 p = s
             else:

@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="the CPU's attention core, not the GPU kernel")
     ap.add_argument("--prefill", type=int, default=0, metavar="T",
                     help="time a T-token prompt chunk's tiled attention instead of a decode step")
+    ap.add_argument("--tiles", default="", help="with --prefill: cache rows a tile, comma "
+                    "separated (default: the prefill settings' choice)")
     a = ap.parse_args()
     hq, hkv, d = (int(x) for x in a.heads.split(","))
     import torch
@@ -101,17 +103,18 @@ def prefill_main(a, hq: int, hkv: int, d: int) -> None:
             kc, vc = (t.quantize(torch.randn(1, n, hkv, d, generator=g, device="cuda"))
                       for _ in range(2))
             pos = torch.arange(n - T, n, device="cuda")
-            row = {"kv": kv, "ctx": n, "chunk": T}
-            outs = {}
-            for name, on in (("fused", True), ("torch_ops", False)):
-                switches.SOFTMAX_TILE = on
-                def call(kc=kc, vc=vc, pos=pos, n=n):
-                    return attention_tiled(q, kc, vc, pos, n, first=n - T)
-                row[f"{name}_ms"] = round(time_call(call, a.reps) / 1e3, 2)
-                outs[name] = call()
-            switches.SOFTMAX_TILE = True
-            row["max_diff"] = float((outs["fused"] - outs["torch_ops"]).abs().max())
-            print(json.dumps(row), flush=True)
+            for tile in [int(x) for x in a.tiles.split(",") if x] or [None]:
+                row = {"kv": kv, "ctx": n, "chunk": T, "tile": tile or "default"}
+                outs = {}
+                for name, on in (("fused", True), ("torch_ops", False)):
+                    switches.SOFTMAX_TILE = on
+                    def call(kc=kc, vc=vc, pos=pos, n=n, tile=tile):
+                        return attention_tiled(q, kc, vc, pos, n, tile=tile, first=n - T)
+                    row[f"{name}_ms"] = round(time_call(call, a.reps) / 1e3, 2)
+                    outs[name] = call()
+                switches.SOFTMAX_TILE = True
+                row["max_diff"] = float((outs["fused"] - outs["torch_ops"]).abs().max())
+                print(json.dumps(row), flush=True)
             del kc, vc
 
 

@@ -1,8 +1,9 @@
 // The online softmax's update for one tile of a prompt chunk's attention over its cached prefix
 // (moe_offload/models/attention.py, attention_tiled). A tile's scores are the biggest tensor of
 // that loop (a 2,048-token chunk of 16 heads over 1,024 rows: 128 MiB), so the passes over
-// them, not the two products, set its time at long contexts: the torch ops take six (mask, max,
-// subtract, exp, sum), this kernel one read for the max and one read and write for the rest.
+// them, not the two products, set its time at long contexts. The torch ops make six passes (max;
+// subtract and exp, a read and a write each; sum) and more where the causal mask cuts the tile;
+// this kernel makes three: one read for the max, one read and one write for the rest.
 #include <type_traits>
 
 #include "cuda/api.h"
