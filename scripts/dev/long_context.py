@@ -4,8 +4,9 @@ run), then decode 32 warm-up steps (the expert cache refills with what decoding 
 128 timed. One JSON line a size: prefill tok/s, decode tok/s after it, hit rate, the cache and
 the KV it left, nvidia-smi's peak, and what decides the misses' path (the scheduler's PCIe share
 of them and the link and CPU rates it measured: a machine whose CPU measures fast against its
-link computes more misses there, which the cache does not admit, which can move the hit rate
-from machine to machine).
+link computes more misses there, and below a share of one half decode stops guessing the next
+layer's experts, whose used copies count as hits: the hit rate and the decode rate move from
+machine to machine with it).
 
     python scripts/dev/long_context.py 35b.gguf --ctx 133120 --kv-type q8_0 -p 65536,131072
 """

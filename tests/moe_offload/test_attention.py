@@ -106,3 +106,13 @@ def test_gated_attention_writes_the_rows_of_its_kv_type(name):
     # the written rows, read back, are those of the f32 cache quantized
     assert torch.equal(kc[:, 3:3 + T], kt.quantize(kf32[:, 3:3 + T]))
     assert out.shape == (B, T, Hq * d)
+
+
+def test_softmax_tile_refuses_what_its_kernel_cannot_take():
+    """The fused softmax update of a tile (GPU only) names what it needs in one line; on the CPU
+    attention_tiled runs the torch ops instead (the tests above)."""
+    from native import NativeError, ops
+    s, m, l = torch.zeros(8, 16), torch.full((8, 1), float("-inf")), torch.zeros(8, 1)
+    with pytest.raises(NativeError, match="float32 tensors on one CUDA device"):
+        ops.softmax_tile_(s, m, l)
+    assert not ops.softmax_tile_available(s)
